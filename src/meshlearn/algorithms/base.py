@@ -1,0 +1,65 @@
+"""The algorithm interface and its registry: how a node exchanges and merges models."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from meshlearn.config import ExperimentConfig
+from meshlearn.errors import ConfigError
+from meshlearn.flat import FlatState
+from meshlearn.topology import Graph
+from meshlearn.transport import Transport
+
+
+@dataclass
+class AlgorithmContext:
+    """What an algorithm may use of its node: identity, state, link and settings."""
+
+    rank: int
+    flat: FlatState
+    transport: Transport
+    graph: Graph
+    config: ExperimentConfig
+
+
+class Algorithm(ABC):
+    """A way of combining models across nodes, called by the node's run loop.
+
+    ``after_local_steps`` runs once per iteration after the local SGD steps and returns
+    timings and counters for the run log. Algorithms that work alongside training (gossip)
+    start their helpers in ``start`` and stop them in ``stop``.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: AlgorithmContext):
+        self.ctx = ctx
+
+    def start(self) -> None:
+        """Called once the transport is connected, before the first iteration."""
+
+    @abstractmethod
+    def after_local_steps(self, iteration: int) -> dict[str, float]:
+        """Exchange and update the node's state for this iteration."""
+
+    def stop(self) -> None:
+        """Called once after the last iteration, before the transport closes."""
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator adding an algorithm to the registry under ``cls.name``."""
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
+def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:
+    """Build a registered algorithm by name."""
+    cls: Callable[[AlgorithmContext], Algorithm] | None = ALGORITHMS.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(ALGORITHMS))}")
+    return cls(ctx)

@@ -1,0 +1,58 @@
+"""D-PSGD: after the local steps, send the model to every neighbour and take the
+Metropolis-Hastings weighted average of what arrived."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from meshlearn.algorithms.averaging import weighted_average_
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.topology import mh_row
+from meshlearn.wire import Kind, Message
+
+log = logging.getLogger(__name__)
+
+
+@register_algorithm
+class DPSGD(Algorithm):
+    """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
+
+    A neighbour whose model misses the deadline is left out of this iteration's average and
+    its weight goes to the node's own model, so the weights still sum to one.
+    """
+
+    name = "dpsgd"
+
+    def __init__(self, ctx: AlgorithmContext):
+        super().__init__(ctx)
+        row = mh_row(ctx.graph, ctx.rank)
+        self.neighbours = ctx.graph.neighbours(ctx.rank)
+        self.weights = {j: w for j, w in row.items() if j != ctx.rank}
+
+    def after_local_steps(self, iteration: int) -> dict[str, float]:
+        ctx = self.ctx
+        t0 = time.perf_counter()
+        msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), ctx.flat.snapshot())
+        t1 = time.perf_counter()
+        ctx.transport.broadcast(self.neighbours, msg)
+        received = ctx.transport.gather(iteration, self.neighbours, ctx.config.wait_timeout)
+        t2 = time.perf_counter()
+        usable = []
+        for sender, reply in received.items():
+            problem = ctx.flat.check_compatible(reply.tensors)
+            if problem is None:
+                usable.append(sender)
+            else:
+                log.warning("node %d: ignored the model of %d: %s", ctx.rank, sender, problem)
+        own = 1.0 - sum(self.weights[j] for j in usable)
+        for name, target in ctx.flat.tensors().items():
+            weighted_average_(target, own, [(self.weights[j], received[j].tensors[name]) for j in usable])
+        t3 = time.perf_counter()
+        return {
+            "encode": t1 - t0,
+            "comm": t2 - t1,
+            "average": t3 - t2,
+            "received": len(usable),
+            "missing": len(self.neighbours) - len(usable),
+        }

@@ -1,0 +1,141 @@
+"""The `meshlearn` command: demo, simulate, node."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from meshlearn.config import ExperimentConfig, make_config, read_config_file
+from meshlearn.errors import MeshlearnError
+
+DEMO = {
+    "nodes": 8,
+    "topology": "regular:3",
+    "dataset": "digits",
+    "partition": "iid",
+    "model": "mlp",
+    "rounds": 2,
+    "batch_size": 16,
+    "lr": 0.05,
+    "iterations": 80,
+    "test_after": 10,
+    "output": "runs/demo",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (exit 2) instead of usage plus error."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _flag_type(annotation: Any):
+    """The argparse type for a config field's annotation (str | None -> str)."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str
+    return annotation if annotation in (int, float, str) else str
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per ExperimentConfig field; defaults stay in the config class."""
+    group = parser.add_argument_group("experiment settings (override the config file)")
+    for name, field in ExperimentConfig.model_fields.items():
+        group.add_argument(
+            f"--{name.replace('_', '-')}", dest=name, type=_flag_type(field.annotation), default=None,
+            metavar=name.upper(), help=f"{field.description or name} (default: {field.default})",
+        )
+
+
+def _resolve(args: argparse.Namespace) -> ExperimentConfig:
+    values: dict[str, Any] = read_config_file(args.config) if getattr(args, "config", None) else {}
+    for name in ExperimentConfig.model_fields:
+        value = getattr(args, name, None)
+        if value is not None:
+            values[name] = value
+    return make_config(values)
+
+
+def _run_simulation(config: ExperimentConfig, quiet: bool) -> dict:
+    from meshlearn.sim import format_summary, simulate, write_report
+
+    result = simulate(config, progress=not quiet)
+    summary = write_report(result.output)
+    print(format_summary(summary))
+    print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, logs/)")
+    return summary
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    _run_simulation(_resolve(args), args.quiet)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    values = dict(DEMO)
+    if args.output:
+        values["output"] = args.output
+    config = make_config(values)
+    print(f"meshlearn demo: {config.nodes} nodes, D-PSGD on a 3-regular graph, {config.model} on digits")
+    summary = _run_simulation(config, args.quiet)
+    print(f"final mean test accuracy: {summary['final']['accuracy'] * 100:.1f}%")
+    print(f"plots: {Path(config.output) / 'accuracy.png'} and {Path(config.output) / 'loss.png'}")
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    from meshlearn.sim.multimachine import run_node
+
+    summary = run_node(_resolve(args), args.addresses, args.rank)
+    metrics = summary.get("metrics")
+    if metrics:
+        print(f"node {args.rank}: test accuracy {metrics['accuracy']:.4f}, F1 {metrics['f1']:.4f}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about a minute)")
+    demo.add_argument("--output", help="results folder (default runs/demo)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.set_defaults(func=cmd_demo)
+
+    simulate = sub.add_parser("simulate", help="run N nodes on this machine, one process each")
+    simulate.add_argument("--config", help="YAML experiment file; flags override its settings")
+    simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_config_flags(simulate)
+    simulate.set_defaults(func=cmd_simulate)
+
+    node = sub.add_parser("node", help="run one node of a multi-machine experiment")
+    node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")
+    node.add_argument("--addresses", required=True, help="YAML file mapping rank -> host or host:port")
+    node.add_argument("--rank", required=True, type=int, help="this node's rank")
+    _add_config_flags(node)
+    node.set_defaults(func=cmd_node)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `meshlearn` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    try:
+        return args.func(args)
+    except MeshlearnError as exc:
+        print(f"meshlearn {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"meshlearn {args.command}: interrupted; every node was stopped", file=sys.stderr)
+        return 130
+

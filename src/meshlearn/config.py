@@ -1,0 +1,97 @@
+"""Typed, validated experiment configuration: every default lives here, and only here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from meshlearn.errors import ConfigError
+
+
+class ExperimentConfig(BaseModel):
+    """One decentralized training run: who trains what, on which graph, how they talk."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    nodes: int = Field(8, ge=2, le=4096, description="number of nodes")
+    topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | erdos:P | file:PATH")
+    dataset: str = Field("digits", description="digits | fashion-mnist:PATH | mnist:PATH | cifar10:PATH | imagefolder:PATH")
+    partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
+    model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
+    algorithm: Literal["dpsgd"] = "dpsgd"
+    transport: Literal["tcp"] = "tcp"
+    rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
+    batch_size: int = Field(32, ge=1)
+    lr: float = Field(0.05, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    iterations: int = Field(100, ge=1)
+    test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
+    eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
+    eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    seed: int = Field(90, ge=0)
+    wait_timeout: float = Field(60.0, gt=0, description="seconds to wait for neighbours' models each iteration")
+    handshake_timeout: float = Field(60.0, gt=0, description="seconds to wait for every neighbour to say HELLO")
+    max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
+    host: str = Field("127.0.0.1", description="address nodes listen on")
+    base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")
+    device: str = Field("cpu", description="torch device for training: cpu | cuda | cuda:N | mps")
+    threads: int = Field(1, ge=1, description="torch intra-op threads per node process")
+    output: str | None = Field(None, description="results folder (default runs/<timestamp>)")
+
+    @field_validator("topology", "dataset", "partition", "model", "host", "device")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must not be empty")
+        return value.strip()
+
+    @property
+    def max_message_bytes(self) -> int:
+        return int(self.max_message_mb * 1024 * 1024)
+
+    def node_evaluates(self, rank: int) -> bool:
+        """Whether node ``rank`` runs the periodic test evaluation."""
+        return self.eval_nodes == 0 or rank < self.eval_nodes
+
+    def to_yaml(self) -> str:
+        """The resolved configuration as YAML (written next to every run's results)."""
+        return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def _describe(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    got = err.get("input")
+    shown = "" if isinstance(got, dict) else f" (got {got!r})"
+    extra = "" if len(exc.errors()) == 1 else f" (and {len(exc.errors()) - 1} more problem(s))"
+    if err["type"] == "extra_forbidden":
+        return f"unknown setting {where!r}: remove it or check its spelling{extra}"
+    return f"setting {where!r}: {err['msg']}{shown}{extra}"
+
+
+def make_config(values: dict[str, Any]) -> ExperimentConfig:
+    """Validate plain values into an ExperimentConfig, or raise ConfigError with one clear line."""
+    try:
+        return ExperimentConfig(**values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Plain values from a YAML experiment file (validated later by make_config)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist: give the path of a YAML experiment file")
+    try:
+        values = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"config file {path} is not valid YAML{where}: fix its syntax") from None
+    if not isinstance(values, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings (key: value)")
+    return {str(k).replace("-", "_"): v for k, v in values.items()}

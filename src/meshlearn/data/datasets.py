@@ -1,0 +1,343 @@
+"""Datasets held in memory as tensors: digits (embedded), MNIST/Fashion-MNIST, CIFAR-10, ImageFolder."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import pickle
+import struct
+import tarfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshlearn.errors import DatasetError
+
+SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR"
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """Train and test samples as tensors (N, C, H, W), labels, and per-channel normalization."""
+
+    name: str
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    class_names: tuple[str, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    @property
+    def input_shape(self) -> tuple[int, int, int]:
+        """(C, H, W) of one sample."""
+        return tuple(self.train_x.shape[1:])
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """Raw samples (uint8 0..255 or float 0..1) to normalized float32."""
+        x = x.to(torch.float32)
+        if self.train_x.dtype == torch.uint8:
+            x = x / 255.0
+        mean = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
+        std = torch.tensor(self.std, dtype=torch.float32).view(1, -1, 1, 1)
+        return (x - mean) / std
+
+
+def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-channel mean and std in the 0..1 scale, from at most 10,000 samples."""
+    sample = x[:10_000].astype(np.float64)
+    if x.dtype == np.uint8:
+        sample /= 255.0
+    mean = sample.mean(axis=(0, 2, 3))
+    std = sample.std(axis=(0, 2, 3))
+    return tuple(float(m) for m in mean), tuple(float(max(s, 1e-6)) for s in std)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor viewing the array without a copy (memory maps and IDX buffers are read-only,
+    and samples are only ever read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _make(name, train_x, train_y, test_x, test_y, class_names) -> Dataset:
+    mean, std = _channel_stats(train_x)
+    return Dataset(
+        name=name,
+        train_x=_tensor(train_x),
+        train_y=torch.from_numpy(np.array(train_y, dtype=np.int64)),
+        test_x=_tensor(test_x),
+        test_y=torch.from_numpy(np.array(test_y, dtype=np.int64)),
+        num_classes=len(class_names),
+        class_names=tuple(class_names),
+        mean=mean,
+        std=std,
+    )
+
+
+def load_digits() -> Dataset:
+    """scikit-learn's embedded 8x8 digits (1,797 images), split 80/20 stratified, always the same way."""
+    from sklearn.datasets import load_digits as sk_digits
+
+    bunch = sk_digits()
+    x = (bunch.images.astype(np.float32) / 16.0)[:, None, :, :]
+    y = bunch.target.astype(np.int64)
+    rng = np.random.default_rng(0)
+    test = np.zeros(len(y), dtype=bool)
+    for label in np.unique(y):
+        members = np.flatnonzero(y == label)
+        test[rng.choice(members, size=round(len(members) * 0.2), replace=False)] = True
+    return _make("digits", x[~test], y[~test], x[test], y[test], [str(i) for i in range(10)])
+
+
+# --- MNIST / Fashion-MNIST -------------------------------------------------------------------
+
+def _read_idx(path: Path, expected_dims: int) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as handle:
+            data = handle.read()
+    except (OSError, EOFError) as exc:
+        raise DatasetError(f"cannot read IDX file {path}: {exc}") from None
+    if len(data) < 4:
+        raise DatasetError(f"IDX file {path} is truncated")
+    zero, dtype_code, dims = struct.unpack_from(">HBB", data, 0)
+    if zero != 0 or dtype_code != 0x08 or dims != expected_dims:
+        raise DatasetError(f"IDX file {path} has a bad header (magic {data[:4].hex()}); expected unsigned bytes "
+                           f"in {expected_dims} dimensions")
+    if len(data) < 4 + 4 * dims:
+        raise DatasetError(f"IDX file {path} is truncated")
+    shape = struct.unpack_from(f">{dims}I", data, 4)
+    offset = 4 + 4 * dims
+    if len(data) - offset != int(np.prod(shape)):
+        raise DatasetError(f"IDX file {path} holds {len(data) - offset} bytes of data, its header says "
+                           f"{int(np.prod(shape))}")
+    return np.frombuffer(data, dtype=np.uint8, offset=offset).reshape(shape)
+
+
+def _find_idx(root: Path, stem: str) -> Path:
+    for candidate in (root / f"{stem}.gz", root / stem):
+        if candidate.is_file():
+            return candidate
+    raise DatasetError(f"{root} has no {stem}.gz (or {stem}): give the folder holding the four IDX files")
+
+
+def load_idx(path: str | Path, name: str = "fashion-mnist") -> Dataset:
+    """MNIST or Fashion-MNIST from a folder of the standard (gzipped) IDX files."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetError(f"dataset path {root} does not exist: give the folder holding train-images-idx3-ubyte.gz "
+                           "and the other IDX files")
+    parts = {}
+    for split, prefix in (("train", "train"), ("test", "t10k")):
+        images = _read_idx(_find_idx(root, f"{prefix}-images-idx3-ubyte"), 3)
+        labels = _read_idx(_find_idx(root, f"{prefix}-labels-idx1-ubyte"), 1)
+        if len(images) != len(labels):
+            raise DatasetError(f"{root}: {split} has {len(images)} images but {len(labels)} labels")
+        parts[split] = (images[:, None, :, :], labels)
+    classes = [str(int(c)) for c in range(int(max(parts["train"][1].max(), parts["test"][1].max())) + 1)]
+    return _make(name, *parts["train"], *parts["test"], classes)
+
+
+# --- CIFAR-10 ---------------------------------------------------------------------------------
+
+def _unpickle_local(path: Path) -> dict:
+    """Read one official CIFAR-10 python batch. These files are pickles; this reads only local files
+    the user named on the command line, never anything received over a network."""
+    try:
+        with path.open("rb") as handle:
+            return pickle.load(handle, encoding="bytes")  # local user file only, see docstring
+    except Exception as exc:
+        raise DatasetError(f"cannot read CIFAR-10 batch {path}: {exc}") from None
+
+
+def _cifar_batches(root: Path) -> Dataset:
+    def batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
+        raw = _unpickle_local(path)
+        try:
+            data = np.asarray(raw[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
+            labels = np.asarray(raw[b"labels"], dtype=np.int64)
+        except (KeyError, ValueError, TypeError):
+            raise DatasetError(f"{path} is not a CIFAR-10 python batch (needs b'data' N x 3072 and b'labels')") from None
+        if len(data) != len(labels):
+            raise DatasetError(f"{path}: {len(data)} images but {len(labels)} labels")
+        return data, labels
+
+    train = [batch(root / f"data_batch_{i}") for i in range(1, 6)]
+    test_x, test_y = batch(root / "test_batch")
+    names = [str(i) for i in range(10)]
+    meta = root / "batches.meta"
+    if meta.is_file():
+        names = [n.decode() if isinstance(n, bytes) else str(n) for n in _unpickle_local(meta).get(b"label_names", names)]
+    return _make("cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]),
+                 test_x, test_y, names)
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("MESHLEARN_CACHE", Path.home() / ".cache" / "meshlearn"))
+
+
+def _extract_once(archive: Path) -> Path:
+    """Extract a .tar.gz into the cache (once per archive version), refusing unsafe members."""
+    stat = archive.stat()
+    key = hashlib.sha256(f"{archive.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = _cache_root() / f"extract-{key}"
+    if (target / ".complete").is_file():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:*") as tar:
+            members = tar.getmembers()
+            for member in members:
+                parts = Path(member.name).parts
+                if member.name.startswith("/") or ".." in parts or not (member.isfile() or member.isdir()):
+                    raise DatasetError(f"archive {archive} has an unsafe member {member.name!r}: refusing to extract it")
+            tar.extractall(target, members=members, filter="data")
+    except (tarfile.TarError, OSError) as exc:
+        raise DatasetError(f"cannot extract {archive}: {exc}") from None
+    (target / ".complete").touch()
+    return target
+
+
+def _find_tree(root: Path) -> Path:
+    """``root`` if it holds train/ and test/, or its single subfolder that does."""
+    if (root / "train").is_dir() and (root / "test").is_dir():
+        return root
+    inner = [p for p in root.iterdir() if p.is_dir() and (p / "train").is_dir() and (p / "test").is_dir()]
+    if len(inner) == 1:
+        return inner[0]
+    raise DatasetError(f"{root} holds neither train/ and test/ folders nor one folder that does")
+
+
+def load_cifar10(path: str | Path) -> Dataset:
+    """CIFAR-10 from the official python batches, an ImageFolder tree, or a .tar.gz of either."""
+    root = Path(path)
+    if not root.exists():
+        raise DatasetError(f"dataset path {root} does not exist: give the folder of the CIFAR-10 python batches, "
+                           "an ImageFolder tree (train/<class>/, test/<class>/) or its .tar.gz")
+    if root.is_file() and root.name.endswith((".tar.gz", ".tgz", ".tar")):
+        root = _extract_once(root)
+    if (root / "data_batch_1").is_file():
+        return _cifar_batches(root)
+    nested = root / "cifar-10-batches-py"
+    if (nested / "data_batch_1").is_file():
+        return _cifar_batches(nested)
+    dataset = load_imagefolder(root)
+    return Dataset(**{**dataset.__dict__, "name": "cifar10"})
+
+
+# --- ImageFolder ------------------------------------------------------------------------------
+
+def _image_files(split_dir: Path, classes: list[str]) -> list[tuple[Path, int]]:
+    files = []
+    for label, name in enumerate(classes):
+        folder = split_dir / name
+        if folder.is_dir():
+            files += [(p, label) for p in sorted(folder.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+    return files
+
+
+def _decode(files: list[tuple[Path, int]], size: tuple[int, int] | None, mode: str | None):
+    from PIL import Image
+
+    arrays, labels = [], []
+    for path, label in files:
+        try:
+            with Image.open(path) as image:
+                mode = mode or ("L" if image.mode in ("L", "1", "I;16") else "RGB")
+                image = image.convert(mode)
+                size = size or image.size
+                if image.size != size:
+                    image = image.resize(size)
+                arrays.append(np.asarray(image, dtype=np.uint8))
+        except OSError as exc:
+            raise DatasetError(f"cannot decode image {path}: {exc}") from None
+        labels.append(label)
+    x = np.stack(arrays)
+    x = x[:, None] if x.ndim == 3 else x.transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(x), np.asarray(labels, dtype=np.int64), size, mode
+
+
+def _tree_key(root: Path, classes: list[str]) -> str:
+    parts = [str(root.resolve())]
+    for split in ("train", "test"):
+        for name in classes:
+            folder = root / split / name
+            if folder.is_dir():
+                stat = folder.stat()
+                parts.append(f"{split}/{name}:{stat.st_mtime_ns}:{sum(1 for _ in folder.iterdir())}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def load_imagefolder(path: str | Path) -> Dataset:
+    """Any ImageFolder tree: ``train/<class>/*`` and ``test/<class>/*``, classes sorted by name.
+
+    Images are decoded once to uint8 arrays cached on disk (memory-mapped, so processes share
+    them). Images of a different size than the first are resized to it.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise DatasetError(f"dataset path {root} does not exist: give a folder with train/<class>/ and test/<class>/")
+    root = _find_tree(root)
+    classes = sorted(p.name for p in (root / "train").iterdir() if p.is_dir())
+    if not classes:
+        raise DatasetError(f"{root / 'train'} has no class folders")
+    unknown = sorted({p.name for p in (root / "test").iterdir() if p.is_dir()} - set(classes))
+    if unknown:
+        raise DatasetError(f"{root / 'test'} has classes missing from train/: {unknown}")
+    cache = _cache_root() / f"imagefolder-{_tree_key(root, classes)}"
+    names = ["train_x", "train_y", "test_x", "test_y"]
+    if all((cache / f"{n}.npy").is_file() for n in names):
+        arrays = [np.load(cache / f"{n}.npy", mmap_mode="r") for n in names]
+    else:
+        train = _image_files(root / "train", classes)
+        test = _image_files(root / "test", classes)
+        if not train or not test:
+            raise DatasetError(f"{root} has no images in train/ or test/ (looked for {sorted(IMAGE_SUFFIXES)})")
+        train_x, train_y, size, mode = _decode(train, None, None)
+        test_x, test_y, _, _ = _decode(test, size, mode)
+        arrays = [train_x, train_y, test_x, test_y]
+        cache.mkdir(parents=True, exist_ok=True)
+        for name, array in zip(names, arrays):
+            tmp = cache / f"{name}.tmp.npy"
+            np.save(tmp, array)
+            tmp.replace(cache / f"{name}.npy")
+    train_x, train_y, test_x, test_y = arrays
+    return _make(root.name, train_x, train_y, test_x, test_y, classes)
+
+
+# --- specs ------------------------------------------------------------------------------------
+
+_CACHE: dict[str, Dataset] = {}
+
+
+def load_dataset(spec: str) -> Dataset:
+    """The dataset a spec names (see SPECS), loaded once per process."""
+    name, _, path = spec.partition(":")
+    name = name.strip().lower()
+    key = f"{name}:{Path(path).expanduser().resolve()}" if path else name
+    if key in _CACHE:
+        return _CACHE[key]
+    path_obj = Path(path).expanduser()
+    if name == "digits" and not path:
+        dataset = load_digits()
+    elif name in ("fashion-mnist", "fmnist", "fashion_mnist") and path:
+        dataset = load_idx(path_obj, "fashion-mnist")
+    elif name == "mnist" and path:
+        dataset = load_idx(path_obj, "mnist")
+    elif name in ("cifar10", "cifar-10") and path:
+        dataset = load_cifar10(path_obj)
+    elif name == "imagefolder" and path:
+        dataset = load_imagefolder(path_obj)
+    else:
+        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}")
+    _CACHE[key] = dataset
+    return dataset

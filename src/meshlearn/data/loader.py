@@ -1,0 +1,35 @@
+"""Mini-batches from one node's shard, reshuffled (seeded) every epoch."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from meshlearn.data.datasets import Dataset
+
+
+class ShardLoader:
+    """Endless mini-batches of a node's samples; a batch never spans two epochs."""
+
+    def __init__(self, dataset: Dataset, indices: np.ndarray, batch_size: int, seed: int):
+        self.dataset = dataset
+        self.indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        if len(self.indices) == 0:
+            raise ValueError("a node's shard is empty")
+        self.batch_size = min(batch_size, len(self.indices))
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch = 0
+        self.samples_seen = 0
+        self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
+        self._pos = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (normalized inputs, labels) batch."""
+        if self._pos >= len(self._order):
+            self.epoch += 1
+            self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
+            self._pos = 0
+        batch = self._order[self._pos:self._pos + self.batch_size]
+        self._pos += len(batch)
+        self.samples_seen += len(batch)
+        return self.dataset.normalize(self.dataset.train_x[batch]), self.dataset.train_y[batch]

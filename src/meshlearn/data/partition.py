@@ -1,0 +1,65 @@
+"""Seeded partitioners: which training samples each node holds."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshlearn.errors import DatasetError
+
+SPECS = "iid, shards:K, dirichlet:ALPHA"
+
+
+def _iid(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.ndarray]:
+    return np.array_split(rng.permutation(len(labels)), n_parts)
+
+
+def _shards(labels: np.ndarray, n_parts: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """DecentralizePy's k-shard: label-sorted data cut into n*K shards, K random shards per node."""
+    if len(labels) < n_parts * k:
+        raise DatasetError(f"shards:{k}: {len(labels)} samples cannot make {n_parts * k} shards; lower K")
+    order = np.argsort(labels, kind="stable")
+    shards = np.array_split(order, n_parts * k)
+    assignment = rng.permutation(n_parts * k)
+    return [np.concatenate([shards[s] for s in assignment[i * k:(i + 1) * k]]) for i in range(n_parts)]
+
+
+def _dirichlet(labels: np.ndarray, n_parts: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
+    """Per class, node shares drawn from Dirichlet(alpha): small alpha, few classes per node."""
+    for _ in range(100):
+        parts: list[list[np.ndarray]] = [[] for _ in range(n_parts)]
+        for label in np.unique(labels):
+            members = rng.permutation(np.flatnonzero(labels == label))
+            cuts = (np.cumsum(rng.dirichlet([alpha] * n_parts))[:-1] * len(members)).astype(int)
+            for i, piece in enumerate(np.split(members, cuts)):
+                parts[i].append(piece)
+        result = [np.concatenate(p) for p in parts]
+        if all(len(p) > 0 for p in result):
+            return result
+    raise DatasetError(f"dirichlet:{alpha} left a node without samples in 100 draws; use a larger ALPHA")
+
+
+def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np.ndarray]:
+    """Disjoint index arrays (sorted) covering every sample, one per node; same seed, same split."""
+    labels = np.asarray(labels)
+    if n_parts < 1 or n_parts > len(labels):
+        raise DatasetError(f"cannot split {len(labels)} samples among {n_parts} nodes")
+    rng = np.random.default_rng(seed)
+    name, _, arg = spec.partition(":")
+    try:
+        if name == "iid" and not arg:
+            parts = _iid(labels, n_parts, rng)
+        elif name == "shards" and arg:
+            k = int(arg)
+            if k < 1:
+                raise ValueError
+            parts = _shards(labels, n_parts, k, rng)
+        elif name == "dirichlet" and arg:
+            alpha = float(arg)
+            if not alpha > 0:
+                raise ValueError
+            parts = _dirichlet(labels, n_parts, alpha, rng)
+        else:
+            raise DatasetError(f"unknown partition {spec!r}: use one of {SPECS}")
+    except ValueError:
+        raise DatasetError(f"partition {spec!r}: K must be a whole number >= 1 and ALPHA a number > 0") from None
+    return [np.sort(p).astype(np.int64) for p in parts]

@@ -1,0 +1,47 @@
+"""Build a ready-to-run Node from a configuration: data shard, model, transport, log."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from meshlearn.config import ExperimentConfig
+from meshlearn.data import load_dataset, partition
+from meshlearn.models import build_model
+from meshlearn.node.node import Node
+from meshlearn.runlog import JsonlLog
+from meshlearn.topology import Graph
+from meshlearn.transport import TcpTransport, Transport
+
+
+def make_transport(config: ExperimentConfig, rank: int, host: str | None = None, port: int | None = None) -> Transport:
+    """The transport the configuration names, for node ``rank`` (not yet bound)."""
+    if port is None:
+        port = config.base_port + rank if config.base_port else 0
+    return TcpTransport(
+        rank, host or config.host, port,
+        max_message_bytes=config.max_message_bytes,
+        handshake_timeout=config.handshake_timeout,
+        bye_timeout=config.wait_timeout,
+    )
+
+
+def build_node(
+    config: ExperimentConfig,
+    rank: int,
+    graph: Graph,
+    transport: Transport,
+    log_dir: str | Path | None = None,
+) -> Node:
+    """A Node for ``rank``: its shard of the dataset (seeded split), a model, an optimizer.
+
+    Every node starts from the same initial model (seeded by ``config.seed``), as D-PSGD's
+    analysis assumes; shard order is seeded per node.
+    """
+    dataset = load_dataset(config.dataset)
+    parts = partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
+    log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl") if log_dir is not None else None
+    return Node(rank, config, graph, dataset, parts[rank], model, transport, log)

@@ -1,0 +1,163 @@
+"""The node runtime: local training, the algorithm's exchange, evaluation and the run log."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+from torch import nn
+
+from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
+from meshlearn.config import ExperimentConfig
+from meshlearn.data import Dataset, ShardLoader
+from meshlearn.flat import FlatState
+from meshlearn.metrics import classification_report, confusion_matrix
+from meshlearn.runlog import JsonlLog
+from meshlearn.topology import Graph
+from meshlearn.transport import Transport
+
+EVAL_BATCH = 1024
+IterationHook = Callable[["Node", int, dict], None]
+
+
+@dataclass
+class Evaluation:
+    """Test-set loss, accuracy and (for final reports) the full classification metrics."""
+
+    loss: float
+    accuracy: float
+    precision: float
+    recall: float
+    f1: float
+    confusion: list[list[int]] = field(default_factory=list)
+
+
+class Node:
+    """One participant of a run: a model, a data shard, an optimizer, an algorithm, a transport.
+
+    It owns one endpoint and knows nothing about processes, so a launcher may host one node
+    per process or many per process. The constructor only builds; ``run()`` connects, trains
+    and closes the transport on every exit path.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        config: ExperimentConfig,
+        graph: Graph,
+        dataset: Dataset,
+        indices,
+        model: nn.Module,
+        transport: Transport,
+        log: JsonlLog | None = None,
+    ):
+        self.rank = rank
+        self.config = config
+        self.graph = graph
+        self.dataset = dataset
+        self.device = torch.device(config.device)
+        self.model = model.to(self.device)
+        self.flat = FlatState(self.model)
+        self.optimizer = torch.optim.SGD(
+            self.model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+        self.loader = ShardLoader(dataset, indices, config.batch_size, seed=config.seed * 1000 + rank)
+        self.transport = transport
+        self.algorithm: Algorithm = make_algorithm(
+            config.algorithm, AlgorithmContext(rank, self.flat, transport, graph, config)
+        )
+        self.log = log
+        self.hooks: list[IterationHook] = []
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def train_step(self) -> float:
+        """One mini-batch SGD step on the local shard; returns the loss."""
+        x, y = self.loader.next_batch()
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    @torch.no_grad()
+    def evaluate(self, full: bool = False) -> Evaluation:
+        """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
+        limit = self.config.eval_samples or len(self.dataset.test_y)
+        xs, ys = self.dataset.test_x[:limit], self.dataset.test_y[:limit]
+        self.model.eval()
+        total_loss = 0.0
+        preds = []
+        for start in range(0, len(ys), EVAL_BATCH):
+            x = self.dataset.normalize(xs[start:start + EVAL_BATCH]).to(self.device)
+            y = ys[start:start + EVAL_BATCH].to(self.device)
+            logits = self.model(x)
+            total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+            preds.append(logits.argmax(1).cpu())
+        confusion = confusion_matrix(ys, torch.cat(preds), self.dataset.num_classes)
+        report = classification_report(confusion)
+        return Evaluation(
+            loss=total_loss / max(1, len(ys)),
+            accuracy=report["accuracy"],
+            precision=report["precision"],
+            recall=report["recall"],
+            f1=report["f1"],
+            confusion=confusion.tolist() if full else [],
+        )
+
+    def _write(self, event: dict) -> None:
+        if self.log is not None:
+            self.log.write(event)
+
+    def run(self, peers: Mapping[int, str]) -> dict:
+        """Connect to the neighbours (id -> address), run every iteration, and return a summary."""
+        config = self.config
+        evaluates = config.node_evaluates(self.rank)
+        try:
+            self.transport.connect(peers)
+            self.algorithm.start()
+            self._write({
+                "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
+                "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
+                "state_bytes": self.flat.nbytes, "time": time.time(),
+            })
+            start = time.perf_counter()
+            last: Evaluation | None = None
+            for iteration in range(config.iterations):
+                t0 = time.perf_counter()
+                losses = [self.train_step() for _ in range(config.rounds)]
+                t1 = time.perf_counter()
+                record = self.algorithm.after_local_steps(iteration)
+                record.update(
+                    event="iteration", iteration=iteration, train=t1 - t0,
+                    train_loss=sum(losses) / len(losses) if losses else None,
+                )
+                done = iteration + 1
+                if evaluates and (done % config.test_after == 0 or done == config.iterations):
+                    t2 = time.perf_counter()
+                    last = self.evaluate()
+                    record["eval"] = time.perf_counter() - t2
+                    self._write({
+                        "event": "eval", "iteration": done, "t": time.perf_counter() - start,
+                        "test_loss": last.loss, "test_acc": last.accuracy,
+                    })
+                record["t"] = time.perf_counter() - start
+                self._write(record)
+                for hook in self.hooks:
+                    hook(self, iteration, record)
+            final = self.evaluate(full=True) if evaluates else None
+            self.algorithm.stop()
+            summary = {
+                "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
+                "stats": self.transport.stats.as_dict(),
+                "metrics": None if final is None else final.__dict__,
+            }
+            self._write(summary)
+            return summary
+        finally:
+            self.transport.close()
+            if self.log is not None:
+                self.log.close()

@@ -1,0 +1,42 @@
+"""Append-only JSONL event logs: what every node writes and every report reads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+
+class JsonlLog:
+    """Appends one JSON object per line to a file, flushed as it goes so a crash loses little."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._file = None
+
+    def write(self, event: dict[str, Any]) -> None:
+        """Append one event."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        """Close the file (writing again reopens it in append mode)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
+    """The events of a JSONL log; a torn last line (from a crash) is skipped."""
+    with Path(path).open(encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                yield json.loads(line)
+            except ValueError:
+                continue

@@ -1,0 +1,224 @@
+"""Run N nodes on one machine, one OS process each, on loopback with race-free port choice.
+
+Each node process binds its endpoint (any free port unless ``base_port`` is set), reports
+the address to the launcher, receives the full address book, and runs. The launcher shows
+progress and stops every process cleanly when one fails or the user presses Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from meshlearn.config import ExperimentConfig
+from meshlearn.data import load_dataset, partition
+from meshlearn.errors import MeshlearnError, TransportError
+from meshlearn.models import build_model
+from meshlearn.topology import Graph, build_topology, write_graph_file
+from meshlearn.transport.ports import ensure_port_free
+
+STARTUP_TIMEOUT = 300.0
+
+
+class NodeFailure(MeshlearnError):
+    """A node process failed or died; the message names it and says why."""
+
+
+@dataclass
+class SimulationResult:
+    """Where a finished simulation wrote its results, and the per-node final summaries."""
+
+    output: Path
+    summaries: dict[int, dict[str, Any]]
+
+
+def default_output() -> Path:
+    """A fresh results folder under ./runs named by the current time."""
+    return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def prepare_run(config: ExperimentConfig) -> tuple[Graph, Path]:
+    """Check everything a user can get wrong before any process starts; write config and graph.
+
+    Loading the dataset here also fills the on-disk decode cache the node processes share.
+    """
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    if config.base_port:
+        for rank in range(config.nodes):
+            ensure_port_free(config.host, config.base_port + rank)
+    dataset = load_dataset(config.dataset)
+    partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
+    build_model(config.model, dataset.input_shape, dataset.num_classes)
+    output = Path(config.output) if config.output else default_output()
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.yaml").write_text(config.model_copy(update={"output": str(output)}).to_yaml())
+    write_graph_file(graph, output / "graph.txt")
+    return graph, output
+
+
+def _node_process(rank: int, config_values: dict, edges: list, events, book_conn, log_dir: str) -> None:
+    """Entry point of one node process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone handles Ctrl-C
+    import torch
+
+    from meshlearn.node import build_node, make_transport
+
+    try:
+        config = ExperimentConfig(**config_values)
+        torch.set_num_threads(config.threads)
+        graph = Graph(config.nodes, [tuple(e) for e in edges])
+        transport = make_transport(config, rank)
+        node = build_node(config, rank, graph, transport, log_dir)
+        try:
+            events.put(("bound", rank, transport.bind()))
+            book = book_conn.recv()
+            if book is None:
+                return
+            node.hooks.append(lambda _node, iteration, _record: events.put(("progress", rank, iteration + 1)))
+            summary = node.run({j: book[j] for j in graph.neighbours(rank)})
+        finally:
+            transport.close()
+        events.put(("done", rank, summary))
+    except MeshlearnError as exc:
+        events.put(("error", rank, str(exc)))
+        sys.exit(1)
+    except Exception as exc:  # report any crash as one line; the traceback goes to a file
+        Path(log_dir, f"node_{rank}.error.txt").write_text(traceback.format_exc())
+        events.put(("error", rank, f"{type(exc).__name__}: {exc} (traceback in {log_dir}/node_{rank}.error.txt)"))
+        sys.exit(1)
+
+
+class _Launcher:
+    """Owns the node processes of one simulation and guarantees they are gone at the end."""
+
+    def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool):
+        self.config = config
+        self.graph = graph
+        self.log_dir = output / "logs"
+        self.progress = progress
+        self.ctx = mp.get_context("forkserver")
+        self.ctx.set_forkserver_preload(["torch", "meshlearn.node"])
+        self.events = self.ctx.Queue()
+        self.procs: dict[int, mp.Process] = {}
+        self.pipes: dict[int, Any] = {}
+        self._dead_since: dict[int, float] = {}
+
+    def run(self) -> dict[int, dict]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        values = self.config.model_dump()
+        edges = self.graph.edges()
+        try:
+            for rank in range(self.config.nodes):
+                parent_end, child_end = self.ctx.Pipe(duplex=False)
+                proc = self.ctx.Process(
+                    target=_node_process, name=f"meshlearn-node-{rank}",
+                    args=(rank, values, edges, self.events, parent_end, str(self.log_dir)),
+                )
+                proc.start()
+                self.procs[rank], self.pipes[rank] = proc, child_end
+            book = self._collect_addresses()
+            for pipe in self.pipes.values():
+                pipe.send(book)
+            return self._follow()
+        finally:
+            self._stop_all()
+
+    def _next_event(self, timeout: float):
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            self._check_alive()
+            return None
+
+    def _check_alive(self, finished: set[int] = frozenset()) -> None:
+        """Raise for a node process that exited without finishing.
+
+        A process's last event may still be in flight when its exit is seen, so it is only
+        declared dead after a grace period in which its error (if any) is read normally.
+        """
+        now = time.monotonic()
+        for rank, proc in self.procs.items():
+            if rank in finished or proc.exitcode is None:
+                continue
+            since = self._dead_since.setdefault(rank, now)
+            if now - since > 2.0:
+                raise NodeFailure(f"node {rank} died with exit code {proc.exitcode} without reporting why")
+
+    def _collect_addresses(self) -> dict[int, str]:
+        book: dict[int, str] = {}
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while len(book) < self.config.nodes:
+            if time.monotonic() > deadline:
+                raise TransportError(f"only {len(book)} of {self.config.nodes} nodes started within {STARTUP_TIMEOUT:g} s")
+            event = self._next_event(0.5)
+            if event is None:
+                continue
+            kind, rank, detail = event
+            if kind == "error":
+                raise NodeFailure(f"node {rank} failed: {detail}")
+            if kind == "bound":
+                book[rank] = detail
+        return book
+
+    def _follow(self) -> dict[int, dict]:
+        from tqdm import tqdm
+
+        iterations = self.config.iterations
+        at = {rank: 0 for rank in self.procs}
+        summaries: dict[int, dict] = {}
+        with tqdm(total=iterations, desc="iterations", unit="it", disable=not self.progress, file=sys.stderr) as bar:
+            while len(summaries) < len(self.procs):
+                try:
+                    kind, rank, detail = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    self._check_alive(set(summaries))
+                    continue
+                if kind == "error":
+                    raise NodeFailure(f"node {rank} failed: {detail}")
+                if kind == "progress":
+                    at[rank] = detail
+                    slowest = min(at.values())
+                    if slowest > bar.n:
+                        bar.update(slowest - bar.n)
+                elif kind == "done":
+                    summaries[rank] = detail
+                    at[rank] = iterations
+        return summaries
+
+    def _stop_all(self) -> None:
+        for pipe in self.pipes.values():
+            try:
+                pipe.send(None)  # releases nodes still waiting for the address book
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs.values():
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        for proc in self.procs.values():
+            proc.join(timeout=5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        self.events.close()
+        self.events.join_thread()
+
+
+def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResult:
+    """Run a whole experiment of ``config.nodes`` local node processes; write its results folder."""
+    from meshlearn.sim.report import write_report
+
+    graph, output = prepare_run(config)
+    summaries = _Launcher(config, graph, output, progress).run()
+    write_report(output)
+    return SimulationResult(output, summaries)

@@ -1,0 +1,63 @@
+"""One node of an experiment spread over several machines (`meshlearn node`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from meshlearn.config import ExperimentConfig
+from meshlearn.errors import ConfigError
+from meshlearn.sim.launcher import prepare_run
+from meshlearn.sim.report import write_report
+
+
+def read_address_file(path: str | Path, config: ExperimentConfig) -> dict[int, tuple[str, int]]:
+    """Rank -> (host, port) from a YAML mapping of rank to ``host`` or ``host:port``.
+
+    A bare host listens on ``base_port + rank``.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"address file {path} does not exist: give a YAML file mapping rank -> host:port")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError:
+        raise ConfigError(f"address file {path} is not valid YAML: fix its syntax") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"address file {path} must map each rank to host or host:port")
+    book: dict[int, tuple[str, int]] = {}
+    for key, value in raw.items():
+        try:
+            rank = int(key)
+            host, _, port_text = str(value).rpartition(":") if ":" in str(value) else (str(value), "", "")
+            port = int(port_text) if port_text else config.base_port + rank
+        except ValueError:
+            raise ConfigError(f"address file {path}: entry {key!r}: {value!r} is not host or host:port") from None
+        if not port_text and not config.base_port:
+            raise ConfigError(f"address file {path}: rank {rank} has no port; write host:port or set base_port")
+        if not 1 <= port <= 65535:
+            raise ConfigError(f"address file {path}: rank {rank} port {port} is outside 1..65535")
+        book[rank] = (host, port)
+    missing = sorted(set(range(config.nodes)) - book.keys())
+    if missing:
+        raise ConfigError(f"address file {path} has no address for rank(s) {missing}: list all {config.nodes} nodes")
+    return book
+
+
+def run_node(config: ExperimentConfig, address_file: str | Path, rank: int) -> dict:
+    """Run node ``rank`` until the experiment ends; write its log and report into the output folder."""
+    from meshlearn.node import build_node, make_transport
+
+    if not 0 <= rank < config.nodes:
+        raise ConfigError(f"rank {rank} is outside 0..{config.nodes - 1}")
+    book = read_address_file(address_file, config)
+    graph, output = prepare_run(config)
+    host, port = book[rank]
+    transport = make_transport(config, rank, host=host, port=port)
+    node = build_node(config, rank, graph, transport, output / "logs")
+    transport.bind()
+    peers = {j: f"tcp://{book[j][0]}:{book[j][1]}" for j in graph.neighbours(rank)}
+    summary = node.run(peers)
+    write_report(output)
+    return summary

@@ -1,0 +1,157 @@
+"""Turn a run folder's per-node JSONL logs into summary.csv, summary.json and PNG plots."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from meshlearn.runlog import read_jsonl
+
+PHASES = ("train", "encode", "comm", "average", "eval")
+
+
+def load_logs(output: Path) -> dict[int, list[dict[str, Any]]]:
+    """Events of every node log in a run folder, by rank."""
+    logs = {}
+    for path in sorted((output / "logs").glob("node_*.jsonl")):
+        rank = int(path.stem.split("_")[1])
+        logs[rank] = list(read_jsonl(path))
+    return logs
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+
+
+def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
+    """Per evaluation iteration: mean and std across nodes of time, test accuracy and loss."""
+    by_iteration: dict[int, list[dict]] = defaultdict(list)
+    for events in logs.values():
+        for event in events:
+            if event.get("event") == "eval":
+                by_iteration[event["iteration"]].append(event)
+    rows = []
+    for iteration in sorted(by_iteration):
+        group = by_iteration[iteration]
+        t_mean, t_std = _mean_std([e["t"] for e in group])
+        a_mean, a_std = _mean_std([e["test_acc"] for e in group])
+        l_mean, l_std = _mean_std([e["test_loss"] for e in group])
+        rows.append({
+            "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
+            "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
+        })
+    return rows
+
+
+def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
+    """Median, mean and std of each phase of an iteration and of the whole, over all nodes."""
+    phases: dict[str, list[float]] = defaultdict(list)
+    for events in logs.values():
+        for event in events:
+            if event.get("event") != "iteration":
+                continue
+            total = 0.0
+            for phase in PHASES:
+                value = event.get(phase, 0.0) or 0.0
+                phases[phase].append(value)
+                total += value
+            phases["total"].append(total)
+    return {
+        name: {"median": statistics.median(v), "mean": statistics.fmean(v), "std": statistics.pstdev(v)}
+        for name, v in phases.items() if v
+    }
+
+
+def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
+    """Final metrics (mean over evaluating nodes), traffic and timeouts, and per-node rows."""
+    nodes = {}
+    for rank, events in logs.items():
+        final = next((e for e in reversed(events) if e.get("event") == "final"), None)
+        start = next((e for e in events if e.get("event") == "start"), {})
+        if final is not None:
+            nodes[rank] = {"metrics": final["metrics"], "stats": final["stats"], "elapsed": final["elapsed"],
+                           "samples": start.get("samples")}
+    evaluated = [n["metrics"] for n in nodes.values() if n["metrics"]]
+    means = {}
+    for key in ("accuracy", "loss", "precision", "recall", "f1"):
+        means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
+    return {
+        "nodes_finished": len(nodes),
+        "nodes_evaluated": len(evaluated),
+        "final": means,
+        "bytes_sent": sum(n["stats"]["bytes_sent"] for n in nodes.values()),
+        "bytes_received": sum(n["stats"]["bytes_received"] for n in nodes.values()),
+        "timeouts": sum(n["stats"]["gather_timeouts"] for n in nodes.values()),
+        "stale_dropped": sum(n["stats"]["stale_dropped"] for n in nodes.values()),
+        "malformed_dropped": sum(n["stats"]["malformed_dropped"] for n in nodes.values()),
+        "elapsed_max": max((n["elapsed"] for n in nodes.values()), default=float("nan")),
+        "per_node": {str(rank): n for rank, n in sorted(nodes.items())},
+    }
+
+
+def _plot(rows: list[dict], key: str, label: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", "wall-clock time (s)")):
+        xs = [r[x_key] for r in rows]
+        mean = [r[f"{key}_mean"] for r in rows]
+        std = [r[f"{key}_std"] for r in rows]
+        ax.plot(xs, mean, marker="o", markersize=3, label="mean over nodes")
+        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25,
+                        label="± std")
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(output: Path) -> dict[str, Any]:
+    """Write summary.csv, summary.json, accuracy.png and loss.png into a run folder."""
+    output = Path(output)
+    logs = load_logs(output)
+    rows = evaluation_table(logs)
+    with (output / "summary.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["iteration"])
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = final_summary(logs)
+    summary["iteration_time"] = iteration_times(logs)
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    if rows:
+        _plot(rows, "test_acc", "test accuracy", output / "accuracy.png")
+        _plot(rows, "test_loss", "test loss", output / "loss.png")
+    return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A short human-readable table of a run's outcome."""
+    final = summary["final"]
+    times = summary.get("iteration_time", {})
+    lines = [
+        f"nodes finished      {summary['nodes_finished']} ({summary['nodes_evaluated']} evaluated)",
+        f"test accuracy       {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}",
+        f"test loss           {final['loss']:.4f}",
+        f"macro P / R / F1    {final['precision']:.4f} / {final['recall']:.4f} / {final['f1']:.4f}",
+    ]
+    if "total" in times:
+        split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times)
+        lines.append(f"iteration (median)  {times['total']['median'] * 1000:.1f} ms  [{split} ms]")
+    lines += [
+        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent, {summary['bytes_received'] / 1e6:.1f} MB received",
+        f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
+        f"wall-clock          {summary['elapsed_max']:.1f} s",
+    ]
+    return "\n".join(lines)

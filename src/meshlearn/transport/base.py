@@ -1,0 +1,112 @@
+"""The transport interface every way of moving messages between nodes implements."""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Iterable, Mapping
+
+from meshlearn.wire import Kind, Message
+
+
+@dataclass
+class TransportStats:
+    """Counters a transport keeps for its node; reported in the run log."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+    stale_dropped: int = 0
+    duplicates_dropped: int = 0
+    malformed_dropped: int = 0
+    unknown_sender_dropped: int = 0
+    send_dropped: int = 0
+    gather_timeouts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The counters as a plain dict (for JSON logs)."""
+        return asdict(self)
+
+
+class Transport(ABC):
+    """Moves messages between one node and its neighbours.
+
+    Life cycle: ``bind()`` (returns the address others reach this node at), ``connect(peers)``
+    (handshake with every neighbour, raising TransportError naming the ones that never answer),
+    then ``send``/``recv``/``gather``, and ``close()`` (says BYE; safe to call twice).
+    """
+
+    def __init__(self, node_id: int):
+        self.node_id = node_id
+        self.stats = TransportStats()
+        self.peers: dict[int, str] = {}
+        self.departed: set[int] = set()
+        self._pending: dict[int, dict[int, Message]] = defaultdict(dict)
+
+    @abstractmethod
+    def bind(self) -> str:
+        """Open this node's endpoint; return its address."""
+
+    @abstractmethod
+    def connect(self, peers: Mapping[int, str]) -> None:
+        """Connect to the neighbours (id -> address) and complete the HELLO handshake."""
+
+    @abstractmethod
+    def send(self, peer: int, msg: Message) -> None:
+        """Send one message to a neighbour without blocking on it; a failure is counted."""
+
+    def broadcast(self, peers: Iterable[int], msg: Message) -> None:
+        """Send one message to several neighbours (implementations encode it once)."""
+        for peer in peers:
+            self.send(peer, msg)
+
+    @abstractmethod
+    def recv(self, timeout: float) -> Message | None:
+        """The next valid message from a neighbour, or None after ``timeout`` seconds."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Say BYE to the neighbours and release the endpoint."""
+
+    def gather(self, iteration: int, peers: Iterable[int], timeout: float) -> dict[int, Message]:
+        """Collect the MODEL message of each peer for ``iteration``.
+
+        Returns as soon as every live peer's message is in, or after ``timeout`` seconds with
+        what arrived (a timeout is counted, not raised). Messages for later iterations are
+        kept for later calls; ones for earlier iterations are dropped and counted as stale.
+        """
+        wanted = set(peers)
+        got: dict[int, Message] = {}
+        for sender in list(self._pending.get(iteration, {})):
+            if sender in wanted:
+                got[sender] = self._pending[iteration].pop(sender)
+        self._pending.pop(iteration, None)
+        for old in [it for it in self._pending if it < iteration]:
+            self.stats.stale_dropped += len(self._pending.pop(old))
+        deadline = time.monotonic() + timeout
+        while wanted - got.keys() - self.departed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.stats.gather_timeouts += 1
+                break
+            msg = self.recv(remaining)
+            if msg is None or msg.kind != Kind.MODEL:
+                continue
+            if msg.iteration < iteration:
+                self.stats.stale_dropped += 1
+            elif msg.iteration > iteration:
+                self._keep(msg)
+            elif msg.sender in got:
+                self.stats.duplicates_dropped += 1
+            elif msg.sender in wanted:
+                got[msg.sender] = msg
+        return got
+
+    def _keep(self, msg: Message) -> None:
+        slot = self._pending[msg.iteration]
+        if msg.sender in slot:
+            self.stats.duplicates_dropped += 1
+        slot[msg.sender] = msg

@@ -1,0 +1,235 @@
+"""Versioned binary messages: a struct header with a tensor table, then one raw frame per tensor.
+
+Layout of frame 0 (little-endian)::
+
+    magic "MSHL" | version u8 | kind u8 | flags u16 | sender u32 | iteration u64 | degree u32
+    | tensor count u16 | meta length u32
+    then per tensor: name length u16 | name (UTF-8) | dtype code u8 | ndim u8 | dims u64 x ndim
+                     | byte length u64
+    then meta: a small JSON object of plain values (may be empty)
+
+Frames 1..n hold the raw bytes of each tensor, in table order. Nothing is pickled, evaluated or
+imported: the only parser for untrusted bytes is ``struct`` plus ``json`` for the capped metadata.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import struct
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from meshlearn.errors import WireError
+
+MAGIC = b"MSHL"
+VERSION = 1
+DEFAULT_MAX_BYTES = 512 * 1024 * 1024
+MAX_TENSORS = 4096
+MAX_NAME_BYTES = 256
+MAX_NDIM = 8
+MAX_META_BYTES = 64 * 1024
+
+_FIXED = struct.Struct("<4sBBHIQIHI")
+_NAME_LEN = struct.Struct("<H")
+_DTYPE_NDIM = struct.Struct("<BB")
+_U64 = struct.Struct("<Q")
+
+
+class Kind(enum.IntEnum):
+    """What a message is for."""
+
+    HELLO = 1
+    BYE = 2
+    MODEL = 3
+    REQUEST = 4
+    REPLY = 5
+
+
+# Codes are part of the wire format: never renumber, only append.
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float64,
+    3: torch.float16,
+    4: torch.bfloat16,
+    5: torch.int64,
+    6: torch.int32,
+    7: torch.int16,
+    8: torch.int8,
+    9: torch.uint8,
+    10: torch.bool,
+}
+DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in DTYPES.items()}
+
+
+@dataclass
+class Message:
+    """One message between nodes: who sent it, for which iteration, and named tensors."""
+
+    kind: Kind
+    sender: int
+    iteration: int = 0
+    degree: int = 0
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    if tensor.device.type != "cpu":
+        raise ValueError("wire: tensors must be on the CPU when encoded; copy them once with .cpu()")
+    if not tensor.is_contiguous():
+        raise ValueError("wire: tensors must be contiguous; call .contiguous() first")
+    flat = tensor.reshape(-1)
+    if tensor.dtype == torch.bfloat16:
+        flat = flat.view(torch.int16)
+    return memoryview(flat.numpy()).cast("B")
+
+
+def encode(msg: Message) -> list[bytes | memoryview]:
+    """Encode a message into frames; tensor frames are views of the tensors, not copies.
+
+    The tensors must not be modified until the frames have been sent.
+    """
+    if len(msg.tensors) > MAX_TENSORS:
+        raise ValueError(f"wire: at most {MAX_TENSORS} tensors per message")
+    meta = json.dumps(msg.meta, separators=(",", ":"), allow_nan=False).encode() if msg.meta else b""
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"wire: metadata is {len(meta)} bytes, the limit is {MAX_META_BYTES}")
+    table = bytearray()
+    frames: list[bytes | memoryview] = [b""]
+    for name, tensor in msg.tensors.items():
+        raw_name = name.encode()
+        if len(raw_name) > MAX_NAME_BYTES or tensor.dim() > MAX_NDIM:
+            raise ValueError(f"wire: tensor name or rank too large: {name!r}")
+        code = DTYPE_CODES.get(tensor.dtype)
+        if code is None:
+            raise ValueError(f"wire: dtype {tensor.dtype} is not supported")
+        data = _tensor_bytes(tensor)
+        table += _NAME_LEN.pack(len(raw_name)) + raw_name
+        table += _DTYPE_NDIM.pack(code, tensor.dim())
+        table += b"".join(_U64.pack(d) for d in tensor.shape)
+        table += _U64.pack(data.nbytes)
+        frames.append(data)
+    header = _FIXED.pack(
+        MAGIC, VERSION, int(msg.kind), 0, msg.sender, msg.iteration, msg.degree,
+        len(msg.tensors), len(meta),
+    )
+    frames[0] = header + bytes(table) + meta
+    return frames
+
+
+def _frame_view(frame: Any) -> memoryview:
+    """Bytes of one received frame (bytes, memoryview or a zmq.Frame) without copying."""
+    buffer = getattr(frame, "buffer", frame)
+    return memoryview(buffer).cast("B") if not isinstance(buffer, memoryview) else buffer.cast("B")
+
+
+class _Reader:
+    """Bounds-checked sequential reads from the header frame."""
+
+    def __init__(self, data: memoryview):
+        self.data = data
+        self.pos = 0
+
+    def take(self, st: struct.Struct, what: str) -> tuple:
+        end = self.pos + st.size
+        if end > len(self.data):
+            raise WireError(f"truncated header: {what} runs past the end of the header frame")
+        values = st.unpack_from(self.data, self.pos)
+        self.pos = end
+        return values
+
+    def take_bytes(self, n: int, what: str) -> bytes:
+        end = self.pos + n
+        if end > len(self.data):
+            raise WireError(f"truncated header: {what} runs past the end of the header frame")
+        out = bytes(self.data[self.pos:end])
+        self.pos = end
+        return out
+
+
+def _as_tensor(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over the received bytes, without copying them (the tensor is read-only in spirit)."""
+    if view.nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    with warnings.catch_warnings():
+        # Received frames are immutable; callers only read them (averaging writes elsewhere).
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.frombuffer(view, dtype=raw_dtype)
+    if dtype == torch.bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor.view(shape)
+
+
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
+    """Decode and validate frames into a Message; raises WireError on any malformed input."""
+    if not frames:
+        raise WireError("empty message: no header frame")
+    views = [_frame_view(f) for f in frames]
+    total = sum(v.nbytes for v in views)
+    if total > max_bytes:
+        raise WireError(f"message of {total} bytes exceeds the size cap of {max_bytes} bytes")
+    reader = _Reader(views[0])
+    magic, version, kind, flags, sender, iteration, degree, count, meta_len = reader.take(_FIXED, "fixed header")
+    if magic != MAGIC:
+        raise WireError(f"bad magic {magic!r}: not a meshlearn message")
+    if version != VERSION:
+        raise WireError(f"unsupported wire version {version} (this build speaks version {VERSION})")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind}") from None
+    if flags != 0:
+        raise WireError(f"unknown header flags {flags:#x}")
+    if count > MAX_TENSORS:
+        raise WireError(f"tensor count {count} exceeds the limit of {MAX_TENSORS}")
+    if meta_len > MAX_META_BYTES:
+        raise WireError(f"metadata length {meta_len} exceeds the limit of {MAX_META_BYTES}")
+    if len(views) != count + 1:
+        raise WireError(f"header announces {count} tensor frames but {len(views) - 1} arrived")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for index in range(count):
+        (name_len,) = reader.take(_NAME_LEN, f"tensor {index} name length")
+        if name_len > MAX_NAME_BYTES:
+            raise WireError(f"tensor {index}: name of {name_len} bytes exceeds {MAX_NAME_BYTES}")
+        try:
+            name = reader.take_bytes(name_len, f"tensor {index} name").decode()
+        except UnicodeDecodeError:
+            raise WireError(f"tensor {index}: name is not valid UTF-8") from None
+        if name in tensors:
+            raise WireError(f"tensor name {name!r} appears twice")
+        code, ndim = reader.take(_DTYPE_NDIM, f"tensor {name!r} dtype")
+        dtype = DTYPES.get(code)
+        if dtype is None:
+            raise WireError(f"tensor {name!r}: unknown dtype code {code}")
+        if ndim > MAX_NDIM:
+            raise WireError(f"tensor {name!r}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+        shape = tuple(reader.take(_U64, f"tensor {name!r} shape")[0] for _ in range(ndim))
+        (nbytes,) = reader.take(_U64, f"tensor {name!r} byte length")
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if nbytes != expected:
+            raise WireError(f"tensor {name!r}: byte length {nbytes} does not match {dtype} x {list(shape)} = {expected}")
+        frame = views[index + 1]
+        if frame.nbytes != nbytes:
+            raise WireError(f"tensor {name!r}: frame holds {frame.nbytes} bytes, header says {nbytes}")
+        tensors[name] = _as_tensor(frame, dtype, shape)
+
+    meta: dict[str, Any] = {}
+    if meta_len:
+        raw = reader.take_bytes(meta_len, "metadata")
+        try:
+            meta = json.loads(raw)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise WireError("metadata is not valid JSON") from None
+        if not isinstance(meta, dict):
+            raise WireError("metadata must be a JSON object")
+    if reader.pos != len(views[0]):
+        raise WireError(f"{len(views[0]) - reader.pos} unexpected bytes after the header")
+    return Message(kind=kind, sender=sender, iteration=iteration, degree=degree, tensors=tensors, meta=meta)

@@ -1,0 +1,134 @@
+"""TCP transport between real processes on loopback."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+from meshlearn.errors import PortInUseError, TransportError
+from meshlearn.transport import TcpTransport
+from meshlearn.transport.ports import ensure_port_free
+from meshlearn.wire import Kind, Message, encode
+
+PEER = Path(__file__).parent / "helpers" / "peer.py"
+
+
+@pytest.fixture
+def local():
+    transport = TcpTransport(0, handshake_timeout=20, bye_timeout=5, linger=1)
+    transport.bind()
+    yield transport
+    transport.close()
+
+
+@pytest.fixture
+def spawn():
+    procs = []
+
+    def start(mode: str, address: str) -> tuple[subprocess.Popen, str]:
+        proc = subprocess.Popen(
+            [sys.executable, str(PEER), "1", "0", address, mode],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        procs.append(proc)
+        return proc, proc.stdout.readline().strip()
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_delivery_and_ordering_by_iteration(local, spawn):
+    proc, address = spawn("out-of-order", local.address)
+    local.connect({1: address})
+    for iteration in range(3):  # sent as 2, 0, 1: the future one waits in the buffer
+        got = local.gather(iteration, [1], timeout=20)
+        assert torch.equal(got[1].tensors["p"], torch.full((1000,), float(iteration)))
+    local.close()
+    assert proc.wait(timeout=20) == 0
+    assert local.stats.messages_received >= 4  # HELLO + three models (+ BYE)
+    assert local.stats.bytes_received > 3 * 4000
+    assert local.stats.gather_timeouts == 0
+
+
+def test_round_trip_large_model_and_byte_counters(local, spawn):
+    proc, address = spawn("echo", local.address)
+    local.connect({1: address})
+    payload = torch.randn(3_000_000)  # 12 MB: goes out zero-copy
+    local.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": payload}))
+    got = local.gather(0, [1], timeout=20)
+    assert torch.equal(got[1].tensors["p"], payload * 2)
+    assert local.stats.bytes_sent > 12_000_000 and local.stats.bytes_received > 12_000_000
+    local.close()
+    assert proc.wait(timeout=20) == 0
+
+
+def test_stale_messages_dropped_and_counted(local, spawn):
+    proc, address = spawn("out-of-order", local.address)
+    local.connect({1: address})
+    got = local.gather(2, [1], timeout=20)  # iterations 0 and 1 arrive after 2: stale
+    assert float(got[1].tensors["p"][0]) == 2.0
+    time.sleep(0.5)
+    assert local.gather(3, [1], timeout=1.0) == {}  # the peer said BYE: no wait for it
+    assert local.stats.stale_dropped == 2
+    local.close()
+    assert proc.wait(timeout=20) == 0
+
+
+def test_dead_neighbour_handshake_names_it():
+    with zmq.Context() as ctx, ctx.socket(zmq.ROUTER) as silent:
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        transport = TcpTransport(0, handshake_timeout=1.0, bye_timeout=0.5)
+        transport.bind()
+        start = time.monotonic()
+        with pytest.raises(TransportError, match=rf"neighbour\(s\) 4 at tcp://127.0.0.1:{port} did not answer"):
+            transport.connect({4: f"tcp://127.0.0.1:{port}"})
+        assert time.monotonic() - start < 10
+        transport.close()
+
+
+def test_silent_neighbour_times_out_without_failing(local, spawn):
+    proc, address = spawn("hang", local.address)
+    local.connect({1: address})
+    start = time.monotonic()
+    assert local.gather(0, [1], timeout=0.5) == {}
+    assert 0.4 < time.monotonic() - start < 5
+    assert local.stats.gather_timeouts == 1
+    proc.kill()
+    local.bye_timeout = 0.5  # the peer is gone: do not wait for its BYE
+
+
+def test_malformed_and_spoofed_messages_are_dropped(local, spawn):
+    proc, address = spawn("echo", local.address)
+    local.connect({1: address})
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as rogue:
+        rogue.setsockopt(zmq.ROUTING_ID, b"\x09\x00\x00\x00")  # node 9 is not a neighbour
+        rogue.setsockopt(zmq.LINGER, 1000)
+        rogue.connect(local.address)
+        rogue.send_multipart([b"MSHL garbage", b"x"])
+        rogue.send_multipart([b"\x00" * 3])
+        rogue.send_multipart(encode(Message(Kind.MODEL, 9, 0, 1, {"p": torch.ones(3)})))  # unknown sender
+        rogue.send_multipart(encode(Message(Kind.MODEL, 1, 0, 1, {"p": torch.ones(3)})))  # claims to be node 1
+        time.sleep(0.3)
+        assert local.recv(0.5) is None
+    assert local.stats.malformed_dropped == 2
+    assert local.stats.unknown_sender_dropped == 2
+    local.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.ones(3)}))  # still works afterwards
+    assert torch.equal(local.gather(0, [1], timeout=20)[1].tensors["p"], torch.full((3,), 2.0))
+    local.close()
+    proc.wait(timeout=20)
+
+
+def test_port_in_use_is_a_clear_error(local):
+    port = int(local.address.rsplit(":", 1)[1])
+    with pytest.raises(PortInUseError, match=f"port {port} on 127.0.0.1 is in use"):
+        ensure_port_free("127.0.0.1", port)
+    other = TcpTransport(1, port=port)
+    with pytest.raises(PortInUseError):
+        other.bind()

@@ -1,0 +1,168 @@
+"""Wire format: round trips, every malformed-input case, and fuzzing."""
+
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshlearn.errors import WireError
+from meshlearn.wire import DTYPES, Kind, Message, decode, encode
+from meshlearn.wire.codec import MAX_META_BYTES, VERSION
+
+
+def _sample(dtype: torch.dtype, shape=(3, 5)) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape).to(dtype)
+    return torch.randint(-100 if dtype != torch.uint8 else 0, 100, shape, dtype=dtype)
+
+
+def _bytes(frames):
+    return [bytes(f) for f in frames]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_round_trip_every_dtype(dtype):
+    tensor = _sample(dtype)
+    msg = Message(Kind.MODEL, sender=7, iteration=123456789012, degree=3, tensors={"t": tensor}, meta={"k": [1, "x"]})
+    out = decode(_bytes(encode(msg)))
+    assert (out.kind, out.sender, out.iteration, out.degree, out.meta) == (Kind.MODEL, 7, 123456789012, 3, {"k": [1, "x"]})
+    assert out.tensors["t"].dtype == dtype
+    assert torch.equal(out.tensors["t"], tensor)
+
+
+def test_round_trip_many_tensors_and_empty_and_scalar():
+    tensors = {"a": torch.randn(2, 3, 4), "empty": torch.empty(0, 7), "scalar": torch.tensor(3.5), "ü-name": torch.arange(4)}
+    out = decode(_bytes(encode(Message(Kind.REPLY, 1, tensors=tensors))))
+    assert list(out.tensors) == list(tensors)
+    for name, tensor in tensors.items():
+        assert out.tensors[name].shape == tensor.shape
+        assert torch.equal(out.tensors[name], tensor)
+
+
+def test_encode_does_not_copy_tensor_data():
+    tensor = torch.randn(100_000)
+    frames = encode(Message(Kind.MODEL, 0, tensors={"p": tensor}))
+    view = frames[1]
+    assert isinstance(view, memoryview)
+    tensor[0] = 42.0  # the frame is a view of the tensor's memory
+    assert struct.unpack_from("<f", view, 0)[0] == 42.0
+
+
+def test_decode_does_not_copy_frame_data():
+    payload = bytearray(torch.arange(10, dtype=torch.float32).numpy().tobytes())
+    frames = encode(Message(Kind.MODEL, 0, tensors={"p": torch.zeros(10)}))
+    out = decode([frames[0], payload])
+    payload[0:4] = struct.pack("<f", 9.0)
+    assert out.tensors["p"][0] == 9.0
+
+
+def _valid() -> list[bytes]:
+    return _bytes(encode(Message(Kind.MODEL, 2, 5, 3, {"w": torch.randn(4, 4), "b": torch.randn(4)}, {"x": 1})))
+
+
+def _patch(header: bytes, offset: int, fmt: str, value) -> bytes:
+    data = bytearray(header)
+    struct.pack_into(fmt, data, offset, value)
+    return bytes(data)
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda f: [_patch(f[0], 0, "<4s", b"XXXX")] + f[1:], "bad magic"),
+        (lambda f: [_patch(f[0], 4, "<B", VERSION + 1)] + f[1:], "unsupported wire version"),
+        (lambda f: [_patch(f[0], 5, "<B", 99)] + f[1:], "unknown message kind"),
+        (lambda f: [_patch(f[0], 6, "<H", 1)] + f[1:], "flags"),
+        (lambda f: f[:-1], "2 tensor frames but 1 arrived"),
+        (lambda f: f + [b"extra"], "2 tensor frames but 3 arrived"),
+        (lambda f: [f[0][:10]] + f[1:], "truncated header"),
+        (lambda f: [f[0][:40]] + f[1:], "truncated header"),
+        (lambda f: [f[0] + b"junk"] + f[1:], "unexpected bytes"),
+        (lambda f: [f[0], f[1][:-4], f[2]], "frame holds 60 bytes"),
+        (lambda f: [], "empty message"),
+    ],
+    ids=["magic", "version", "kind", "flags", "missing-frame", "extra-frame", "short-fixed", "short-table",
+         "trailing", "short-frame", "empty"],
+)
+def test_malformed_rejected(mutate, match):
+    with pytest.raises(WireError, match=match):
+        decode(mutate(_valid()))
+
+
+def _table_offset() -> int:
+    return struct.calcsize("<4sBBHIQIHI")
+
+
+def test_unknown_dtype_and_length_mismatch_rejected():
+    frames = _valid()
+    name_len = struct.unpack_from("<H", frames[0], _table_offset())[0]
+    dtype_at = _table_offset() + 2 + name_len
+    with pytest.raises(WireError, match="unknown dtype code"):
+        decode([_patch(frames[0], dtype_at, "<B", 200)] + frames[1:])
+    # claim float64: byte length no longer equals dtype x shape
+    with pytest.raises(WireError, match="does not match"):
+        decode([_patch(frames[0], dtype_at, "<B", 2)] + frames[1:])
+    with pytest.raises(WireError, match="dimensions exceed"):
+        decode([_patch(frames[0], dtype_at + 1, "<B", 40)] + frames[1:])
+
+
+def test_size_cap():
+    frames = _valid()
+    total = sum(len(f) for f in frames)
+    assert decode(frames, max_bytes=total).sender == 2
+    with pytest.raises(WireError, match="exceeds the size cap"):
+        decode(frames, max_bytes=total - 1)
+
+
+def test_bad_metadata_rejected():
+    header = bytearray(_valid()[0])
+    header[-7:] = b"{not js"
+    with pytest.raises(WireError, match="metadata"):
+        decode([bytes(header)] + _valid()[1:])
+    assert MAX_META_BYTES >= 1024
+
+
+def test_encoder_refuses_what_it_cannot_send():
+    with pytest.raises(ValueError):
+        encode(Message(Kind.MODEL, 0, tensors={"c": torch.zeros(3, dtype=torch.complex64)}))
+    with pytest.raises(ValueError):
+        encode(Message(Kind.MODEL, 0, tensors={"t": torch.zeros(4, 4).t()}))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.binary(max_size=200), min_size=0, max_size=5))
+def test_fuzz_random_frames_only_raise_wire_error(frames):
+    try:
+        decode(frames, max_bytes=10_000)
+    except WireError:
+        pass
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_mutated_valid_messages_only_raise_wire_error(data):
+    frames = _valid()
+    index = data.draw(st.integers(0, len(frames) - 1))
+    frame = bytearray(frames[index])
+    for _ in range(data.draw(st.integers(1, 8))):
+        if not frame:
+            break
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = data.draw(st.integers(0, len(frame) - 1))
+        if op == "flip":
+            frame[pos] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del frame[pos:]
+        else:
+            frame[pos:pos] = data.draw(st.binary(min_size=1, max_size=9))
+    frames[index] = bytes(frame)
+    try:
+        out = decode(frames, max_bytes=100_000)
+    except WireError:
+        return
+    for tensor in out.tensors.values():  # whatever decoded must be fully readable
+        tensor.sum()
