@@ -27,7 +27,7 @@ def test_bad_flag(tmp_path):
 
 
 def test_bad_value(tmp_path):
-    _one_line_error(_run("simulate", "--nodes", "1", "--output", str(tmp_path)), 2, "'nodes'", ">= 2")
+    _one_line_error(_run("simulate", "--nodes", "1", "--output", str(tmp_path)), 2, "'nodes'", "greater than or equal to 2")
     _one_line_error(_run("simulate", "--lr", "-1", "--output", str(tmp_path)), 2, "'lr'")
 
 

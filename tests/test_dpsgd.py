@@ -60,7 +60,7 @@ def test_consensus_distance_falls_and_buffers_are_averaged():
 def test_six_nodes_on_digits_reach_90_percent_and_write_every_result_file(tmp_path):
     config = make_config({
         "nodes": 6, "topology": "regular:3", "dataset": "digits", "model": "mlp", "partition": "iid",
-        "rounds": 2, "batch_size": 16, "lr": 0.05, "iterations": 60, "test_after": 10, "seed": 11,
+        "rounds": 2, "batch_size": 16, "lr": 0.05, "iterations": 120, "test_after": 20, "seed": 11,
         "output": str(tmp_path / "run"),
     })
     result = simulate(config, progress=False)
@@ -69,7 +69,7 @@ def test_six_nodes_on_digits_reach_90_percent_and_write_every_result_file(tmp_pa
     lines = (out / "graph.txt").read_text().split("\n")
     assert lines[0] == "6" and len([line for line in lines[1:] if line.strip()]) == 9  # 6 * 3 / 2 edges
     rows = list(csv.DictReader((out / "summary.csv").open()))
-    assert [int(r["iteration"]) for r in rows] == [10, 20, 30, 40, 50, 60]
+    assert [int(r["iteration"]) for r in rows] == [20, 40, 60, 80, 100, 120]
     assert all(int(r["nodes"]) == 6 for r in rows)
     for name in ("accuracy.png", "loss.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -79,7 +79,7 @@ def test_six_nodes_on_digits_reach_90_percent_and_write_every_result_file(tmp_pa
     assert summary["timeouts"] == 0
     for rank in range(6):
         events = list(read_jsonl(out / "logs" / f"node_{rank}.jsonl"))
-        assert [e["iteration"] for e in events if e["event"] == "iteration"] == list(range(60))
+        assert [e["iteration"] for e in events if e["event"] == "iteration"] == list(range(120))
         final = events[-1]
         assert final["event"] == "final" and final["stats"]["bytes_sent"] > 0
         assert len(final["metrics"]["confusion"]) == 10

@@ -22,8 +22,8 @@ DEMO = {
     "rounds": 2,
     "batch_size": 16,
     "lr": 0.05,
-    "iterations": 80,
-    "test_after": 10,
+    "iterations": 200,
+    "test_after": 20,
     "output": "runs/demo",
 }
 

@@ -1,0 +1,191 @@
+"""Datasets and partitioners, on embedded data and small files written here in each real format."""
+
+import gzip
+import io
+import pickle
+import struct
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from meshlearn.data import ShardLoader, load_cifar10, load_dataset, load_digits, load_idx, load_imagefolder, partition
+from meshlearn.errors import DatasetError
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHLEARN_CACHE", str(tmp_path / "cache"))
+
+
+def test_digits_shapes_and_fixed_split():
+    first, second = load_digits(), load_digits()
+    assert first.input_shape == (1, 8, 8) and first.num_classes == 10
+    assert len(first.train_y) + len(first.test_y) == 1797
+    assert torch.equal(first.test_y, second.test_y) and torch.equal(first.train_x, second.train_x)
+    batch = first.normalize(first.test_x[:5])
+    assert batch.dtype == torch.float32 and batch.shape == (5, 1, 8, 8)
+
+
+def _idx_bytes(array: np.ndarray) -> bytes:
+    return struct.pack(">HBB", 0, 8, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
+
+
+def _write_idx(root: Path, n_train=20, n_test=10, gz=True):
+    rng = np.random.default_rng(0)
+    root.mkdir(parents=True, exist_ok=True)
+    for prefix, n in (("train", n_train), ("t10k", n_test)):
+        files = {f"{prefix}-images-idx3-ubyte": rng.integers(0, 256, (n, 28, 28), dtype=np.uint8),
+                 f"{prefix}-labels-idx1-ubyte": (np.arange(n) % 10).astype(np.uint8)}
+        for name, array in files.items():
+            data = _idx_bytes(array)
+            if gz:
+                (root / f"{name}.gz").write_bytes(gzip.compress(data))
+            else:
+                (root / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("gz", [True, False])
+def test_idx_loader(tmp_path, gz):
+    _write_idx(tmp_path / "fm", gz=gz)
+    data = load_idx(tmp_path / "fm")
+    assert data.input_shape == (1, 28, 28) and len(data.train_y) == 20 and len(data.test_y) == 10
+    assert data.train_x.dtype == torch.uint8 and data.num_classes == 10
+
+
+def test_idx_malformed(tmp_path):
+    _write_idx(tmp_path / "fm")
+    target = tmp_path / "fm" / "train-images-idx3-ubyte.gz"
+    good = gzip.decompress(target.read_bytes())
+    target.write_bytes(gzip.compress(b"\x00\x00\x09\x03" + good[4:]))
+    with pytest.raises(DatasetError, match="bad header"):
+        load_idx(tmp_path / "fm")
+    target.write_bytes(gzip.compress(good[:-5]))
+    with pytest.raises(DatasetError, match="header says"):
+        load_idx(tmp_path / "fm")
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_idx(tmp_path / "nowhere")
+
+
+@pytest.mark.skipif(not (SHARED / "fashion-mnist").is_dir(), reason="../shared/datasets not present")
+def test_real_fashion_mnist():
+    data = load_dataset(f"fashion-mnist:{SHARED / 'fashion-mnist'}")
+    assert len(data.train_y) == 60_000 and len(data.test_y) == 10_000 and data.input_shape == (1, 28, 28)
+    assert set(data.train_y.unique().tolist()) == set(range(10))
+
+
+def _write_cifar_batches(root: Path, per_batch=10):
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(1)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        batch = {b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 b"labels": [int(v) for v in rng.integers(0, 10, per_batch)]}
+        (root / name).write_bytes(pickle.dumps(batch))
+    names = [b"airplane", b"automobile", b"bird", b"cat", b"deer", b"dog", b"frog", b"horse", b"ship", b"truck"]
+    (root / "batches.meta").write_bytes(pickle.dumps({b"label_names": names}))
+
+
+def test_cifar_python_batches(tmp_path):
+    _write_cifar_batches(tmp_path / "cifar-10-batches-py")
+    for path in (tmp_path / "cifar-10-batches-py", tmp_path):
+        data = load_cifar10(path)
+        assert data.input_shape == (3, 32, 32) and len(data.train_y) == 50 and len(data.test_y) == 10
+        assert data.class_names[0] == "airplane"
+
+
+def _write_tree(root: Path, classes=("cat", "dog"), per_class=3, size=(6, 5)):
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    for split in ("train", "test"):
+        for name in classes:
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                pixels = rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+
+
+def test_imagefolder_and_its_cache(tmp_path):
+    _write_tree(tmp_path / "tree")
+    first = load_imagefolder(tmp_path / "tree")
+    assert first.input_shape == (3, 5, 6) and first.class_names == ("cat", "dog")
+    assert len(first.train_y) == 6 and first.train_y.tolist() == [0, 0, 0, 1, 1, 1]
+    again = load_imagefolder(tmp_path / "tree")  # from the decoded cache
+    assert torch.equal(first.train_x, again.train_x)
+    assert load_cifar10(tmp_path).num_classes == 2  # a parent holding one tree
+
+
+def test_tar_gz_and_path_traversal(tmp_path):
+    _write_tree(tmp_path / "src" / "set")
+    archive = tmp_path / "set.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(tmp_path / "src" / "set", arcname="set")
+    assert load_cifar10(archive).num_classes == 2
+    evil = tmp_path / "evil.tar.gz"
+    with tarfile.open(evil, "w:gz") as tar:
+        info = tarfile.TarInfo("../escape.txt")
+        info.size = 2
+        tar.addfile(info, io.BytesIO(b"hi"))
+    with pytest.raises(DatasetError, match="unsafe member"):
+        load_cifar10(evil)
+    assert not (tmp_path / "cache" / "escape.txt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED / "cifar10-jpeg.tar.gz").is_file(), reason="../shared/datasets not present")
+def test_real_cifar10_jpeg():
+    data = load_dataset(f"cifar10:{SHARED / 'cifar10-jpeg.tar.gz'}")
+    assert len(data.train_y) == 50_000 and len(data.test_y) == 10_000 and data.input_shape == (3, 32, 32)
+
+
+def test_unknown_dataset_spec():
+    with pytest.raises(DatasetError, match="unknown dataset"):
+        load_dataset("imagenet")
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_dataset("mnist:/nonexistent/path")
+
+
+LABELS = load_digits().train_y.numpy()
+
+
+@pytest.mark.parametrize("spec", ["iid", "shards:2", "shards:4", "dirichlet:0.5", "dirichlet:10"])
+def test_partitions_disjoint_covering_and_seeded(spec):
+    parts = partition(LABELS, 10, spec, seed=4)
+    joined = np.concatenate(parts)
+    assert len(joined) == len(LABELS) and len(np.unique(joined)) == len(LABELS)
+    assert all(len(p) > 0 for p in parts)
+    again = partition(LABELS, 10, spec, seed=4)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    other = partition(LABELS, 10, spec, seed=5)
+    assert not all(np.array_equal(a, b) for a, b in zip(parts, other))
+
+
+def test_shards_are_non_iid():
+    classes_per_node = lambda spec: [len(np.unique(LABELS[p])) for p in partition(LABELS, 10, spec, seed=1)]
+    assert max(classes_per_node("shards:2")) <= 4
+    assert min(classes_per_node("iid")) >= 9
+    assert np.mean(classes_per_node("dirichlet:0.1")) < np.mean(classes_per_node("dirichlet:100"))
+
+
+@pytest.mark.parametrize("spec", ["random", "shards:0", "shards:x", "dirichlet:-1", "shards:1000"])
+def test_bad_partitions(spec):
+    with pytest.raises(DatasetError):
+        partition(LABELS, 10, spec, seed=0)
+
+
+def test_shard_loader():
+    data = load_digits()
+    indices = np.arange(50)
+    loader = ShardLoader(data, indices, batch_size=16, seed=3)
+    sizes = [len(loader.next_batch()[1]) for _ in range(4)]
+    assert sizes == [16, 16, 16, 2] and loader.epoch == 0
+    x, y = loader.next_batch()
+    assert loader.epoch == 1 and x.shape == (16, 1, 8, 8) and x.dtype == torch.float32
+    same = ShardLoader(data, indices, batch_size=16, seed=3)
+    assert torch.equal(same.next_batch()[1], ShardLoader(data, indices, batch_size=16, seed=3).next_batch()[1])
+    assert ShardLoader(data, indices[:5], batch_size=16, seed=0).next_batch()[0].shape[0] == 5
