@@ -85,7 +85,8 @@ def sender(name: str, trials: int) -> tuple[list[float], list[float]]:
     mesh, raw = [], []
     for trial in range(trials):
         t0 = time.perf_counter()
-        transport.send(1, Message(Kind.MODEL, 0, trial, 1, flat.snapshot()))
+        snapshot = flat.snapshot()
+        flat.release(snapshot, transport.broadcast([1], Message(Kind.MODEL, 0, trial, 1, snapshot)))
         transport.gather(trial, [1], timeout=60)
         t1 = time.perf_counter()
         raw_sock.sendall(raw_payload)

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
+
+
+# Large buffers travel as segments of at most this many bytes: each becomes one ZeroMQ frame, and
+# frames this size are served from reusable heap memory instead of a fresh mmap per message.
+SEGMENT_BYTES = 8 * 1024 * 1024
+SNAPSHOT_POOL = 4
+
+
+class Receipt(Protocol):
+    """What a transport returns for a send: whether it is done reading the sent buffers."""
+
+    @property
+    def done(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,8 @@ class FlatState:
         dtype = params[0][1].dtype
         self.params, self.param_slots = _flatten(model, params, dtype, is_param=True)
         self.buffers, self.buffer_slots = _flatten(model, buffers, dtype, is_param=False)
+        self._segments = _segments(self.params, "params") | _segments(self.buffers, "buffers")
+        self._pool: list[tuple[dict[str, torch.Tensor], Receipt | None]] = []
 
     @property
     def nbytes(self) -> int:
@@ -45,12 +61,33 @@ class FlatState:
         return (self.params.numel() + self.buffers.numel()) * self.params.element_size()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The flat buffers by wire name (views, not copies)."""
-        return {"params": self.params, "buffers": self.buffers}
+        """The state as named segments of the flat buffers (views, not copies), as sent on the wire."""
+        return self._segments
 
     def snapshot(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the flat buffers, safe to send while training goes on (the one copy)."""
-        return {name: t.detach().to("cpu", copy=True) for name, t in self.tensors().items()}
+        """A CPU copy of the state, safe to send while training goes on: the one copy per send.
+
+        Copies go into pooled buffers; hand the transport's receipt to ``release`` so the buffer
+        is reused once the transport is done with it (no page faults from fresh allocations).
+        """
+        for index, (buffers, receipt) in enumerate(self._pool):
+            if receipt is not None and receipt.done:
+                self._pool[index] = (buffers, None)
+                break
+        else:
+            buffers = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in self._segments.items()}
+            if len(self._pool) < SNAPSHOT_POOL:
+                self._pool.append((buffers, None))
+        with torch.no_grad():
+            for name, target in buffers.items():
+                target.copy_(self._segments[name])
+        return buffers
+
+    def release(self, snapshot: dict[str, torch.Tensor], receipt: Receipt) -> None:
+        """Mark a snapshot reusable once ``receipt.done`` (snapshots not from the pool are ignored)."""
+        for index, (buffers, _) in enumerate(self._pool):
+            if buffers is snapshot:
+                self._pool[index] = (buffers, receipt)
 
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Overwrite the state with received flat buffers of the same layout."""
@@ -67,6 +104,12 @@ class FlatState:
             if theirs.dtype != mine.dtype or theirs.shape != mine.shape:
                 return f"tensor {name!r} is {theirs.dtype} {list(theirs.shape)}, expected {mine.dtype} {list(mine.shape)}"
         return None
+
+
+def _segments(flat: torch.Tensor, prefix: str) -> dict[str, torch.Tensor]:
+    """Name -> contiguous slice of ``flat``, each at most SEGMENT_BYTES."""
+    step = max(1, SEGMENT_BYTES // flat.element_size())
+    return {f"{prefix}.{i}": flat[start:start + step] for i, start in enumerate(range(0, flat.numel(), step))}
 
 
 def _flatten(model: nn.Module, named: list[tuple[str, torch.Tensor]], dtype: torch.dtype, is_param: bool):

@@ -33,9 +33,10 @@ class DPSGD(Algorithm):
     def after_local_steps(self, iteration: int) -> dict[str, float]:
         ctx = self.ctx
         t0 = time.perf_counter()
-        msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), ctx.flat.snapshot())
+        snapshot = ctx.flat.snapshot()
+        msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
         t1 = time.perf_counter()
-        ctx.transport.broadcast(self.neighbours, msg)
+        ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
         received = ctx.transport.gather(iteration, self.neighbours, ctx.config.wait_timeout)
         t2 = time.perf_counter()
         usable = []

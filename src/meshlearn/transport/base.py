@@ -11,6 +11,17 @@ from typing import Iterable, Mapping
 from meshlearn.wire import Kind, Message
 
 
+class Receipt:
+    """Tells whether a transport is done with the buffers of a message it was given."""
+
+    @property
+    def done(self) -> bool:
+        return True
+
+
+DONE = Receipt()
+
+
 @dataclass
 class TransportStats:
     """Counters a transport keeps for its node; reported in the run log."""
@@ -58,10 +69,15 @@ class Transport(ABC):
     def send(self, peer: int, msg: Message) -> None:
         """Send one message to a neighbour without blocking on it; a failure is counted."""
 
-    def broadcast(self, peers: Iterable[int], msg: Message) -> None:
-        """Send one message to several neighbours (implementations encode it once)."""
+    def broadcast(self, peers: Iterable[int], msg: Message) -> "Receipt":
+        """Send one message to several neighbours (implementations encode it once).
+
+        The receipt's ``done`` turns true once the transport no longer reads the message's
+        tensors, so their memory may be reused.
+        """
         for peer in peers:
             self.send(peer, msg)
+        return DONE
 
     @abstractmethod
     def recv(self, timeout: float) -> Message | None:

@@ -11,11 +11,23 @@ from typing import Iterable, Mapping
 import zmq
 
 from meshlearn.errors import PortInUseError, TransportError, WireError
-from meshlearn.transport.base import Transport
+from meshlearn.transport.allocator import tune_allocator
+from meshlearn.transport.base import Receipt, Transport
 from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
+
+
+class _Trackers(Receipt):
+    """Done when ZeroMQ has released every zero-copy frame of the sends it tracks."""
+
+    def __init__(self, trackers: list[zmq.MessageTracker]):
+        self.trackers = trackers
+
+    @property
+    def done(self) -> bool:
+        return all(tracker.done for tracker in self.trackers)
 
 
 class TcpTransport(Transport):
@@ -50,6 +62,7 @@ class TcpTransport(Transport):
         self._closed = False
 
     def bind(self) -> str:
+        tune_allocator()
         self._ctx = zmq.Context()
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
@@ -109,24 +122,34 @@ class TcpTransport(Transport):
     def send(self, peer: int, msg: Message) -> None:
         self._send_frames(peer, encode(msg))
 
-    def broadcast(self, peers: Iterable[int], msg: Message) -> None:
+    def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
         frames = encode(msg)
+        trackers: list[zmq.MessageTracker] = []
         for peer in peers:
-            self._send_frames(peer, frames)
+            trackers += self._send_frames(peer, frames)
+        return _Trackers(trackers)
 
-    def _send_frames(self, peer: int, frames: list) -> None:
+    def _send_frames(self, peer: int, frames: list) -> list[zmq.MessageTracker]:
+        """Send one multipart message; frames of 64 KiB and more go zero-copy and are tracked."""
         dealer = self._dealers.get(peer)
         if dealer is None:
             raise TransportError(f"node {self.node_id}: {peer} is not a neighbour")
+        trackers = []
+        last = len(frames) - 1
         try:
-            # copy=False: frames above zmq.COPY_THRESHOLD (64 KB) go out without a copy.
-            dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            for index, frame in enumerate(frames):
+                flags = (zmq.SNDMORE if index < last else 0) | (zmq.NOBLOCK if index == 0 else 0)
+                if memoryview(frame).nbytes >= zmq.COPY_THRESHOLD:
+                    trackers.append(dealer.send(frame, flags, copy=False, track=True))
+                else:
+                    dealer.send(frame, flags)
+        except zmq.Again:  # only the first part can be refused; a multipart message is atomic
             self.stats.send_dropped += 1
-            return
+            return []
         self.stats.messages_sent += 1
         self.stats.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+        return trackers
 
     def recv(self, timeout: float) -> Message | None:
         deadline = time.monotonic() + timeout
