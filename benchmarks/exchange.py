@@ -80,7 +80,7 @@ def sender(name: str, trials: int) -> tuple[list[float], list[float]]:
     transport.connect({1: peer_address})
     raw_sock = socket.create_connection(("127.0.0.1", raw_port))
     raw_sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    raw_payload = memoryview(torch.cat([flat.params, flat.buffers]).numpy()).cast("B")
+    raw_payload = memoryview(flat.state.numpy()).cast("B")
     ack = bytearray(1)
     mesh, raw = [], []
     for trial in range(trials):

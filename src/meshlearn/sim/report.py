@@ -50,18 +50,18 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
 
 
 def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
-    """Median, mean and std of each phase of an iteration and of the whole, over all nodes."""
+    """Median, mean and std of each phase of an iteration, of the whole, and of the overhead
+    (encode + send/wait + average, i.e. the iteration minus training and evaluation), over all nodes."""
     phases: dict[str, list[float]] = defaultdict(list)
     for events in logs.values():
         for event in events:
             if event.get("event") != "iteration":
                 continue
-            total = 0.0
-            for phase in PHASES:
-                value = event.get(phase, 0.0) or 0.0
+            values = {phase: event.get(phase, 0.0) or 0.0 for phase in PHASES}
+            for phase, value in values.items():
                 phases[phase].append(value)
-                total += value
-            phases["total"].append(total)
+            phases["total"].append(sum(values.values()))
+            phases["overhead"].append(values["encode"] + values["comm"] + values["average"])
     return {
         name: {"median": statistics.median(v), "mean": statistics.fmean(v), "std": statistics.pstdev(v)}
         for name, v in phases.items() if v
