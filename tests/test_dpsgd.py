@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from meshlearn.config import make_config
-from meshlearn.node import build_node, make_transport
+from meshlearn.node import build_node
 from meshlearn.runlog import read_jsonl
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
@@ -17,7 +17,7 @@ from meshlearn.topology import build_topology
 
 def _nodes(config):
     graph = build_topology(config.topology, config.nodes, config.seed)
-    return [build_node(config, rank, graph, make_transport(config, rank)) for rank in range(config.nodes)]
+    return [build_node(config, rank, graph) for rank in range(config.nodes)]
 
 
 def test_fully_connected_step_gives_every_node_the_plain_mean():

@@ -22,7 +22,13 @@ class ExperimentConfig(BaseModel):
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     algorithm: Literal["dpsgd"] = "dpsgd"
-    transport: Literal["tcp"] = "tcp"
+    transport: Literal["tcp", "udp"] = "tcp"
+    udp_mode: Literal["sync", "async"] = Field("sync", description="UDP: wait for all chunks (sync) or use what arrived (async)")
+    udp_timeout: float = Field(0.4, gt=0, description="UDP sync mode: seconds to wait for neighbours' chunks")
+    chunk_bytes: int = Field(0, ge=0, description="UDP payload bytes per datagram (0 = fit the path: 60000 on loopback, 1424 otherwise)")
+    missing_chunks: Literal["per-chunk", "fill-local"] = Field("per-chunk", description="UDP: how lost chunks are averaged")
+    udp_rate_gbps: float = Field(2.0, gt=0, description="UDP sender pacing in GB/s")
+    net: str = Field("", description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.05, gt=0)
@@ -48,6 +54,20 @@ class ExperimentConfig(BaseModel):
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
+
+    @field_validator("net")
+    @classmethod
+    def _valid_net(cls, value: str) -> str:
+        from meshlearn.netem import NetemSpec
+
+        return NetemSpec.parse(value).describe() if value.strip() else ""
+
+    @field_validator("chunk_bytes")
+    @classmethod
+    def _valid_chunk(cls, value: int) -> int:
+        if value and (value % 8 or value > 65_456):
+            raise ValueError("must be 0 (auto) or a multiple of 8 up to 65456")
+        return value
 
     @property
     def max_message_bytes(self) -> int:

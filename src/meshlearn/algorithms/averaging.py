@@ -1,8 +1,10 @@
-"""Averaging kernels on whole flat buffers."""
+"""Averaging kernels on whole flat buffers, including per-chunk weights for lossy transports."""
 
 from __future__ import annotations
 
 import torch
+
+from meshlearn.wire import Message
 
 
 def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tuple[float, torch.Tensor]]) -> None:
@@ -15,3 +17,35 @@ def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tupl
         target.mul_(own_weight)
         for weight, tensor in others:
             target.add_(tensor.to(target.device, non_blocking=True), alpha=weight)
+
+
+def _element_mask(msg: Message, numel: int, element_size: int) -> torch.Tensor:
+    """1.0 where the element's chunk arrived, else 0.0, over the whole state vector."""
+    per_chunk = msg.chunks.chunk_bytes // element_size
+    return msg.chunks.present.repeat_interleave(per_chunk)[:numel].to(torch.float32)
+
+
+def chunked_average_(state: torch.Tensor, received: list[Message], rule: str) -> None:
+    """In place: Metropolis-Hastings averaging where some chunks of some models are missing.
+
+    ``per-chunk``: for every chunk, weights ``1 / (1 + max(k, d_j))`` over the k neighbours whose
+    chunk arrived (d_j from the sender's header), the rest to the node itself: a lost chunk
+    biases toward neither side. ``fill-local`` (the UDP study's rule): k counts neighbours that
+    delivered any chunk, and a missing chunk counts as the node's own values.
+    With nothing lost both equal plain Metropolis-Hastings.
+    """
+    numel, size = state.numel(), state.element_size()
+    masks = [_element_mask(msg, numel, size).to(state.device) for msg in received]
+    with torch.no_grad():
+        if rule == "per-chunk":
+            arrived = torch.stack(masks).sum(0) if masks else torch.zeros(numel, device=state.device)
+            weights = [mask / (1 + torch.clamp(arrived, min=msg.degree)) for mask, msg in zip(masks, received)]
+        elif rule == "fill-local":
+            senders = len(received)
+            weights = [mask * (1.0 / (1 + max(senders, msg.degree))) for mask, msg in zip(masks, received)]
+        else:
+            raise ValueError(f"unknown missing-chunk rule {rule!r}")
+        own = 1.0 - (torch.stack(weights).sum(0) if weights else torch.zeros(numel, device=state.device))
+        state.mul_(own.to(state.dtype))
+        for weight, msg in zip(weights, received):
+            state.addcmul_(weight.to(state.dtype), msg.chunks.vector.to(state.device))

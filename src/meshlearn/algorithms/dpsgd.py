@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from meshlearn.algorithms.averaging import weighted_average_
+from meshlearn.algorithms.averaging import chunked_average_, weighted_average_
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.topology import mh_row
 from meshlearn.wire import Kind, Message
@@ -37,7 +37,8 @@ class DPSGD(Algorithm):
         msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
         t1 = time.perf_counter()
         ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
-        received = ctx.transport.gather(iteration, self.neighbours, ctx.config.wait_timeout)
+        timeout = ctx.config.udp_timeout if ctx.config.transport == "udp" else ctx.config.wait_timeout
+        received = ctx.transport.gather(iteration, self.neighbours, timeout)
         t2 = time.perf_counter()
         usable = []
         for sender, reply in received.items():
@@ -46,9 +47,14 @@ class DPSGD(Algorithm):
                 usable.append(sender)
             else:
                 log.warning("node %d: ignored the model of %d: %s", ctx.rank, sender, problem)
-        own = 1.0 - sum(self.weights[j] for j in usable)
-        for name, target in ctx.flat.tensors().items():
-            weighted_average_(target, own, [(self.weights[j], received[j].tensors[name]) for j in usable])
+        partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
+        if partial:
+            chunked_average_(ctx.flat.state, [received[j] for j in usable], ctx.config.missing_chunks)
+        else:
+            own = 1.0 - sum(self.weights[j] for j in usable)
+            for name, target in ctx.flat.tensors().items():
+                weighted_average_(target, own, [(self.weights[j], received[j].tensors[name]) for j in usable])
+        ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {
             "encode": t1 - t0,
@@ -56,4 +62,6 @@ class DPSGD(Algorithm):
             "average": t3 - t2,
             "received": len(usable),
             "missing": len(self.neighbours) - len(usable),
+            "partial": len(partial),
+            "chunks_missing": sum(m.chunks.missing for m in partial),
         }

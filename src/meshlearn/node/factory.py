@@ -8,22 +8,43 @@ import torch
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition
+from meshlearn.flat import FlatState
 from meshlearn.models import build_model
+from meshlearn.netem import NetemSpec
 from meshlearn.node.node import Node
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
 from meshlearn.transport import TcpTransport, Transport
+from meshlearn.transport.udp import StateLayout, UdpTransport
 
 
-def make_transport(config: ExperimentConfig, rank: int, host: str | None = None, port: int | None = None) -> Transport:
-    """The transport the configuration names, for node ``rank`` (not yet bound)."""
+def make_transport(
+    config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None
+) -> Transport:
+    """The transport the configuration names, for node ``rank`` and its state layout (not yet bound)."""
     if port is None:
         port = config.base_port + rank if config.base_port else 0
+    host = host or config.host
+    netem = NetemSpec.parse(config.net)
+    if config.transport == "udp":
+        return UdpTransport(
+            rank, host, port,
+            layout=StateLayout(flat.ranges, flat.state.dtype),
+            chunk_bytes=config.chunk_bytes,
+            mode=config.udp_mode,
+            max_message_bytes=config.max_message_bytes,
+            handshake_timeout=config.handshake_timeout,
+            rate_bytes_per_s=config.udp_rate_gbps * 1e9,
+            netem=netem,
+            seed=config.seed,
+        )
     return TcpTransport(
-        rank, host or config.host, port,
+        rank, host, port,
         max_message_bytes=config.max_message_bytes,
         handshake_timeout=config.handshake_timeout,
         bye_timeout=config.wait_timeout,
+        netem=netem,
+        seed=config.seed,
     )
 
 
@@ -31,8 +52,9 @@ def build_node(
     config: ExperimentConfig,
     rank: int,
     graph: Graph,
-    transport: Transport,
     log_dir: str | Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
 ) -> Node:
     """A Node for ``rank``: its shard of the dataset (seeded split), a model, an optimizer.
 
@@ -44,4 +66,5 @@ def build_node(
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
     log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl") if log_dir is not None else None
-    return Node(rank, config, graph, dataset, parts[rank], model, transport, log)
+    return Node(rank, config, graph, dataset, parts[rank], model,
+                lambda flat: make_transport(config, rank, flat, host, port), log)

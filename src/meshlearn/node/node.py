@@ -50,7 +50,7 @@ class Node:
         dataset: Dataset,
         indices,
         model: nn.Module,
-        transport: Transport,
+        make_transport: Callable[[FlatState], Transport],
         log: JsonlLog | None = None,
     ):
         self.rank = rank
@@ -64,7 +64,8 @@ class Node:
             self.model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=config.seed * 1000 + rank)
-        self.transport = transport
+        self.transport = make_transport(self.flat)
+        transport = self.transport
         self.algorithm: Algorithm = make_algorithm(
             config.algorithm, AlgorithmContext(rank, self.flat, transport, graph, config)
         )
@@ -152,7 +153,7 @@ class Node:
             self.algorithm.stop()
             summary = {
                 "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
-                "stats": self.transport.stats.as_dict(),
+                "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.__dict__,
             }
             self._write(summary)

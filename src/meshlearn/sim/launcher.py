@@ -69,14 +69,14 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone handles Ctrl-C
     import torch
 
-    from meshlearn.node import build_node, make_transport
+    from meshlearn.node import build_node
 
     try:
         config = ExperimentConfig(**config_values)
         torch.set_num_threads(config.threads)
         graph = Graph(config.nodes, [tuple(e) for e in edges])
-        transport = make_transport(config, rank)
-        node = build_node(config, rank, graph, transport, log_dir)
+        node = build_node(config, rank, graph, log_dir)
+        transport = node.transport
         try:
             events.put(("bound", rank, transport.bind()))
             book = book_conn.recv()

@@ -47,17 +47,16 @@ def read_address_file(path: str | Path, config: ExperimentConfig) -> dict[int, t
 
 def run_node(config: ExperimentConfig, address_file: str | Path, rank: int) -> dict:
     """Run node ``rank`` until the experiment ends; write its log and report into the output folder."""
-    from meshlearn.node import build_node, make_transport
+    from meshlearn.node import build_node
 
     if not 0 <= rank < config.nodes:
         raise ConfigError(f"rank {rank} is outside 0..{config.nodes - 1}")
     book = read_address_file(address_file, config)
     graph, output = prepare_run(config)
     host, port = book[rank]
-    transport = make_transport(config, rank, host=host, port=port)
-    node = build_node(config, rank, graph, transport, output / "logs")
-    transport.bind()
-    peers = {j: f"tcp://{book[j][0]}:{book[j][1]}" for j in graph.neighbours(rank)}
+    node = build_node(config, rank, graph, output / "logs", host=host, port=port)
+    node.transport.bind()
+    peers = {j: f"{config.transport}://{book[j][0]}:{book[j][1]}" for j in graph.neighbours(rank)}
     summary = node.run(peers)
     write_report(output)
     return summary

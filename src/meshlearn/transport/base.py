@@ -83,6 +83,13 @@ class Transport(ABC):
     def recv(self, timeout: float) -> Message | None:
         """The next valid message from a neighbour, or None after ``timeout`` seconds."""
 
+    def extra_stats(self) -> dict[str, int]:
+        """Transport-specific counters for the run log (UDP: datagrams, lost chunks, drops)."""
+        return {}
+
+    def recycle(self, messages: Iterable[Message]) -> None:
+        """Hand back gathered messages whose tensors the caller no longer reads (buffer reuse)."""
+
     @abstractmethod
     def close(self) -> None:
         """Say BYE to the neighbours and release the endpoint."""

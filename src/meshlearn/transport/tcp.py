@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import struct
 import time
@@ -11,6 +12,7 @@ from typing import Iterable, Mapping
 import zmq
 
 from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.netem import Emulator, NetemSpec
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
 from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
@@ -47,8 +49,17 @@ class TcpTransport(Transport):
         handshake_timeout: float = 30.0,
         bye_timeout: float = 10.0,
         linger: float = 5.0,
+        netem: NetemSpec | None = None,
+        seed: int = 0,
     ):
         super().__init__(node_id)
+        self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
+        if self.emulator.spec.loss:
+            log.warning("node %d: TCP loss cannot be emulated in user space (TCP would retransmit); only delay "
+                        "and jitter are emulated. Drop real packets in a network namespace for TCP loss.", node_id)
+        self._held: list[tuple[float, int, Message]] = []
+        self._held_seq = 0
+        self._last_due = 0.0
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
         self.handshake_timeout = handshake_timeout
@@ -154,15 +165,29 @@ class TcpTransport(Transport):
     def recv(self, timeout: float) -> Message | None:
         deadline = time.monotonic() + timeout
         while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self._poller.poll(remaining_ms):
-                return None
-            frames = self._router.recv_multipart(copy=False)
-            msg = self._accept(frames)
-            if msg is not None:
-                return msg
-            if time.monotonic() >= deadline:
-                return None
+            now = time.monotonic()
+            if self._held and self._held[0][0] <= now:
+                return self._deliver(heapq.heappop(self._held)[2])
+            until = min(deadline, self._held[0][0]) if self._held else deadline
+            if not self._poller.poll(max(0, int((until - now) * 1000))):
+                if time.monotonic() >= deadline and not (self._held and self._held[0][0] <= deadline):
+                    return None
+                continue
+            msg = self._accept(self._router.recv_multipart(copy=False))
+            if msg is None:
+                continue
+            delay = self.emulator.delay()
+            if delay <= 0 and not self._held:
+                return self._deliver(msg)
+            # Emulated delay per message; never reorder, as TCP would not.
+            self._last_due = max(self._last_due, time.monotonic() + delay)
+            self._held_seq += 1
+            heapq.heappush(self._held, (self._last_due, self._held_seq, msg))
+
+    def _deliver(self, msg: Message) -> Message:
+        if msg.kind == Kind.BYE:
+            self.departed.add(msg.sender)
+        return msg
 
     def _accept(self, frames: list) -> Message | None:
         """Decode one received multipart message; count and drop anything invalid."""
@@ -178,8 +203,6 @@ class TcpTransport(Transport):
             self.stats.unknown_sender_dropped += 1
             return None
         self.stats.messages_received += 1
-        if msg.kind == Kind.BYE:
-            self.departed.add(msg.sender)
         return msg
 
     def close(self) -> None:

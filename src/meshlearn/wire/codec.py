@@ -67,6 +67,22 @@ DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in DTYPES.ite
 
 
 @dataclass
+class Chunks:
+    """Which chunks of a message arrived, for transports that may lose some (UDP).
+
+    ``vector`` is the whole received payload as one tensor; bytes of missing chunks are undefined.
+    """
+
+    chunk_bytes: int
+    present: torch.Tensor  # bool, one entry per chunk
+    vector: torch.Tensor
+
+    @property
+    def missing(self) -> int:
+        return int((~self.present).sum())
+
+
+@dataclass
 class Message:
     """One message between nodes: who sent it, for which iteration, and named tensors."""
 
@@ -76,6 +92,7 @@ class Message:
     degree: int = 0
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
+    chunks: Chunks | None = None  # set by chunking transports; never sent as such
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:

@@ -1,0 +1,92 @@
+"""User-space network emulation: correlated loss, delay and jitter, applied inside a transport.
+
+Spec strings look like ``loss=20%,corr=25%,delay=200ms,jitter=50ms``. Loss follows a two-state
+Markov chain whose stationary loss rate is exactly ``loss`` and whose lag-1 correlation between
+successive drop decisions is ``corr`` (netem's "correlation" nudges a random number instead,
+which shifts the real loss rate; this keeps it). Delays are normal(delay, jitter), clipped at 0.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from meshlearn.errors import ConfigError
+
+_UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+_KEYS = ("loss", "corr", "delay", "jitter")
+
+
+@dataclass(frozen=True)
+class NetemSpec:
+    """Emulated network conditions: loss and corr in 0..1, delay and jitter in seconds."""
+
+    loss: float = 0.0
+    corr: float = 0.0
+    delay: float = 0.0
+    jitter: float = 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.loss or self.delay or self.jitter)
+
+    @classmethod
+    def parse(cls, text: str | None) -> "NetemSpec":
+        """Parse ``loss=20%,corr=25%,delay=200ms,jitter=50ms`` (any subset, any order)."""
+        if not text or not text.strip():
+            return cls()
+        values: dict[str, float] = {}
+        for item in text.split(","):
+            key, sep, raw = item.strip().partition("=")
+            if not sep or key not in _KEYS:
+                raise ConfigError(f"network emulation {text!r}: {item.strip()!r} is not one of "
+                                  "loss=P%, corr=P%, delay=Tms, jitter=Tms")
+            values[key] = _percent(raw, text) if key in ("loss", "corr") else _duration(raw, text)
+        return cls(**values)
+
+    def describe(self) -> str:
+        """The spec written back in its own syntax."""
+        return (f"loss={self.loss * 100:g}%,corr={self.corr * 100:g}%,"
+                f"delay={self.delay * 1000:g}ms,jitter={self.jitter * 1000:g}ms")
+
+
+def _percent(raw: str, text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(%?)\s*", raw)
+    value = float(match.group(1)) / (100 if match.group(2) else 1) if match else -1
+    if not 0 <= value <= 1:
+        raise ConfigError(f"network emulation {text!r}: {raw!r} must be a share like 20% (0..100%)")
+    return value
+
+
+def _duration(raw: str, text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", raw)
+    if not match:
+        raise ConfigError(f"network emulation {text!r}: {raw!r} must be a duration like 200ms")
+    return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
+
+
+class Emulator:
+    """Draws drop decisions and delays for one sender, seeded for reproducibility."""
+
+    def __init__(self, spec: NetemSpec, seed: int):
+        self.spec = spec
+        self.rng = random.Random(seed)
+        # Markov chain: P(drop | dropped last) = a, P(drop | passed last) = b.
+        self._b = spec.loss * (1 - spec.corr)
+        self._a = spec.corr + self._b
+        self._last_dropped = self.rng.random() < spec.loss
+
+    def drop(self) -> bool:
+        """Whether the next packet is lost."""
+        if not self.spec.loss:
+            return False
+        threshold = self._a if self._last_dropped else self._b
+        self._last_dropped = self.rng.random() < threshold
+        return self._last_dropped
+
+    def delay(self) -> float:
+        """Seconds to hold the next packet."""
+        if not (self.spec.delay or self.spec.jitter):
+            return 0.0
+        return max(0.0, self.rng.gauss(self.spec.delay, self.spec.jitter))

@@ -1,0 +1,100 @@
+"""UDP datagrams: a fixed binary header and one chunk of a message's raw bytes.
+
+Layout (little-endian, 48 bytes)::
+
+    magic "MSHU" | version u8 | kind u8 | flags u8 | reserved u8 | sender u32 | iteration u64
+    | chunk index u32 | chunk count u32 | chunk bytes u32 | degree u32 | total bytes u64
+    | checksum u32 (CRC-32 of the header up to the checksum, then the payload)
+
+A message of ``total`` bytes is cut into ``count`` chunks of ``chunk bytes`` (the last may be
+shorter); chunk ``i`` carries bytes ``[i * chunk_bytes, ...)``. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+from meshlearn.errors import WireError
+from meshlearn.wire.codec import Kind
+
+MAGIC = b"MSHU"
+VERSION = 1
+HEADER = struct.Struct("<4sBBBBIQIIIIQI")
+HEADER_SIZE = HEADER.size
+MAX_DATAGRAM = 65507  # the largest UDP payload over IPv4
+FLAG_HEARD = 1  # on HELLO: "I have heard you", which completes the handshake for the receiver
+FLAG_REPLY = 2  # on HELLO: an answer to a HELLO; never answered itself (no ping-pong)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    """The fixed header of one datagram."""
+
+    kind: Kind
+    sender: int
+    iteration: int
+    index: int
+    count: int
+    chunk_bytes: int
+    degree: int
+    total: int
+    flags: int = 0
+
+    def payload_size(self) -> int:
+        """Bytes of payload chunk ``index`` must carry."""
+        return max(0, min(self.chunk_bytes, self.total - self.index * self.chunk_bytes))
+
+
+def chunk_count(total: int, chunk_bytes: int) -> int:
+    """How many chunks a message of ``total`` bytes needs (1 for an empty message)."""
+    return max(1, -(-total // chunk_bytes))
+
+
+def pack_header(header: ChunkHeader, payload: list[memoryview] | tuple = ()) -> bytes:
+    """The header bytes for one datagram, with its checksum over the header and the payload pieces."""
+    head = HEADER.pack(
+        MAGIC, VERSION, int(header.kind), header.flags, 0, header.sender, header.iteration, header.index,
+        header.count, header.chunk_bytes, header.degree, header.total, 0,
+    )[:-4]
+    crc = zlib.crc32(head)
+    for piece in payload:
+        crc = zlib.crc32(piece, crc)
+    return head + struct.pack("<I", crc)
+
+
+def parse_datagram(data: memoryview, max_total: int) -> tuple[ChunkHeader, memoryview]:
+    """Validate one received datagram; return its header and a view of its payload.
+
+    Raises WireError on a short datagram, wrong magic or version, unknown kind, inconsistent
+    chunk numbers, a payload of the wrong size, a message over ``max_total`` bytes, or a bad checksum.
+    """
+    if len(data) < HEADER_SIZE:
+        raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    (magic, version, kind, flags, reserved, sender, iteration, index, count, chunk_bytes, degree, total,
+     checksum) = HEADER.unpack_from(data, 0)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not a meshlearn datagram")
+    if version != VERSION:
+        raise WireError(f"unsupported datagram version {version} (this build speaks version {VERSION})")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind}") from None
+    if reserved != 0 or flags & ~(FLAG_HEARD | FLAG_REPLY):
+        raise WireError("unknown header flags")
+    if total > max_total:
+        raise WireError(f"message of {total} bytes exceeds the size cap of {max_total} bytes")
+    if chunk_bytes == 0 or chunk_bytes > MAX_DATAGRAM:
+        raise WireError(f"chunk size {chunk_bytes} is outside 1..{MAX_DATAGRAM}")
+    if count != chunk_count(total, chunk_bytes) or index >= count:
+        raise WireError(f"chunk {index} of {count} does not fit a message of {total} bytes in {chunk_bytes}-byte chunks")
+    header = ChunkHeader(kind, sender, iteration, index, count, chunk_bytes, degree, total, flags)
+    payload = data[HEADER_SIZE:]
+    if len(payload) != header.payload_size():
+        raise WireError(f"chunk {index} carries {len(payload)} bytes, expected {header.payload_size()}")
+    expected = zlib.crc32(payload, zlib.crc32(data[:HEADER_SIZE - 4]))
+    if checksum != expected:
+        raise WireError("checksum mismatch: the datagram was corrupted")
+    return header, payload

@@ -1,0 +1,273 @@
+"""UDP: datagram codec, chunking, per-chunk averaging, emulation, and training under loss."""
+
+import json
+import struct
+import threading
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshlearn.algorithms.averaging import chunked_average_
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError, WireError
+from meshlearn.flat import FlatState
+from meshlearn.models import build_model
+from meshlearn.netem import Emulator, NetemSpec
+from meshlearn.node import build_node
+from meshlearn.sim import simulate
+from meshlearn.sim.inprocess import run_threads
+from meshlearn.topology import build_topology
+from meshlearn.transport.udp import StateLayout, UdpTransport
+from meshlearn.wire import Chunks, Kind, Message
+from meshlearn.wire.datagram import HEADER_SIZE, ChunkHeader, chunk_count, pack_header, parse_datagram
+
+
+def _datagram(index=1, count=3, chunk=8, total=20, payload=None, kind=Kind.MODEL):
+    header = ChunkHeader(kind, 4, 9, index, count, chunk, 3, total)
+    payload = payload if payload is not None else bytes(range(header.payload_size()))
+    return pack_header(header, [memoryview(payload)]) + payload
+
+
+def test_header_round_trip():
+    data = _datagram(index=2, payload=b"abcd")
+    header, payload = parse_datagram(memoryview(data), max_total=1000)
+    assert (header.kind, header.sender, header.iteration, header.index, header.count, header.degree) == \
+        (Kind.MODEL, 4, 9, 2, 3, 3)
+    assert bytes(payload) == b"abcd" and len(data) == HEADER_SIZE + 4
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d[:10], "shorter than"),
+    (lambda d: b"XXXX" + d[4:], "bad magic"),
+    (lambda d: d[:4] + b"\x09" + d[5:], "version"),
+    (lambda d: d[:5] + b"\x63" + d[6:], "unknown message kind"),
+    (lambda d: d[:6] + b"\x80" + d[7:], "flags"),
+    (lambda d: d[:-1], "carries 7 bytes"),
+    (lambda d: d[:-1] + bytes([d[-1] ^ 1]), "checksum"),
+    (lambda d: d[:28] + struct.pack("<I", 5) + d[32:], "does not fit"),
+], ids=["short", "magic", "version", "kind", "flags", "truncated", "corrupt", "count"])
+def test_malformed_datagrams_rejected(mutate, match):
+    with pytest.raises(WireError, match=match):
+        parse_datagram(memoryview(mutate(_datagram())), max_total=1000)
+
+
+def test_size_cap_on_datagrams():
+    with pytest.raises(WireError, match="size cap"):
+        parse_datagram(memoryview(_datagram()), max_total=19)
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=120), st.integers(0, 80), st.integers(1, 255))
+def test_fuzz_datagrams_only_raise_wire_error(noise, position, flip):
+    for data in (noise, bytearray(_datagram())):
+        if isinstance(data, bytearray) and position < len(data):
+            data[position] ^= flip
+        try:
+            parse_datagram(memoryview(bytes(data)), max_total=1 << 20)
+        except WireError:
+            pass
+
+
+def _pair(layout, **kwargs):
+    a = UdpTransport(0, layout=layout, **kwargs)
+    b = UdpTransport(1, layout=layout, **kwargs)
+    address_a, address_b = a.bind(), b.bind()
+    thread = threading.Thread(target=b.connect, args=({0: address_a},))
+    thread.start()
+    a.connect({1: address_b})
+    thread.join()
+    return a, b
+
+
+@pytest.fixture
+def lenet_state():
+    torch.manual_seed(0)
+    flat = FlatState(build_model("lenet", (3, 32, 32), 10))
+    return flat, StateLayout(flat.ranges, flat.state.dtype)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1424, 4000, 60000])
+def test_chunked_model_reassembles_bit_identical(lenet_state, chunk_bytes):
+    flat, layout = lenet_state
+    a, b = _pair(layout, chunk_bytes=chunk_bytes)
+    try:
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+        got = b.gather(0, [0], timeout=10)
+        assert got[0].chunks.missing == 0
+        assert got[0].chunks.present.numel() == chunk_count(flat.nbytes, chunk_bytes)
+        assert torch.equal(got[0].chunks.vector, flat.state)
+        for name, tensor in flat.tensors().items():
+            assert torch.equal(got[0].tensors[name], tensor)
+        assert b.extra_stats()["rcvbuf_drops"] == 0 and b.chunks_lost == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sync_gather_returns_as_soon_as_complete_and_async_does_not_wait(lenet_state):
+    flat, layout = lenet_state
+    a, b = _pair(layout)
+    try:
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+        start = time.monotonic()
+        assert 0 in b.gather(0, [0], timeout=30)
+        assert time.monotonic() - start < 10  # far below the timeout
+        start = time.monotonic()
+        assert b.gather(1, [0], timeout=0.3) == {}  # nothing sent: waits the timeout, counts it
+        assert time.monotonic() - start >= 0.29 and b.stats.gather_timeouts == 1
+        b.mode = "async"
+        start = time.monotonic()
+        assert b.gather(2, [0], timeout=30) == {}
+        assert time.monotonic() - start < 1
+    finally:
+        a.close()
+        b.close()
+
+
+def _partial(vector, present, chunk_elems, degree):
+    return Message(Kind.MODEL, 0, 0, degree, chunks=Chunks(chunk_elems * 4, present, vector))
+
+
+@pytest.mark.parametrize("rule", ["per-chunk", "fill-local"])
+def test_identical_models_stay_identical_under_any_loss(rule):
+    generator = torch.Generator().manual_seed(1)
+    model = torch.randn(1000, generator=generator)
+    for trial in range(20):
+        state = model.clone()
+        received = []
+        for j in range(3):
+            present = torch.rand(13, generator=generator) < 0.5
+            present[0] = trial % 2 == 0 or bool(present[0])
+            received.append(_partial(model.clone(), present, 80, degree=int(torch.randint(1, 5, (1,)))))
+        chunked_average_(state, received, rule)
+        assert torch.allclose(state, model, atol=1e-6)
+
+
+def test_no_loss_per_chunk_equals_metropolis_hastings():
+    generator = torch.Generator().manual_seed(2)
+    own, others = torch.randn(500, generator=generator), [torch.randn(500, generator=generator) for _ in range(3)]
+    degrees = [3, 2, 4]  # mine is 3
+    expected = own.clone()
+    weights = [1 / (1 + max(3, d)) for d in degrees]
+    expected = (1 - sum(weights)) * own + sum(w * o for w, o in zip(weights, others))
+    for rule in ("per-chunk", "fill-local"):
+        state = own.clone()
+        msgs = [_partial(o, torch.ones(7, dtype=torch.bool), 80, d) for o, d in zip(others, degrees)]
+        chunked_average_(state, msgs, rule)
+        assert torch.allclose(state, expected, atol=1e-6)
+
+
+def test_lost_chunk_takes_weights_from_arrived_neighbours_only():
+    own = torch.zeros(8)
+    a, b = torch.full((8,), 4.0), torch.full((8,), 8.0)
+    present_a = torch.tensor([True, True])
+    present_b = torch.tensor([True, False])  # b's second chunk (elements 4..7) lost
+    msgs = [_partial(a, present_a, 4, 1), _partial(b, present_b, 4, 1)]
+    state = own.clone()
+    chunked_average_(state, msgs, "per-chunk")
+    assert torch.allclose(state[:4], torch.full((4,), 4.0))  # (0 + 4 + 8) / 3
+    assert torch.allclose(state[4:], torch.full((4,), 2.0))  # (0 + 4) / 2: b's missing chunk counts for nobody
+    state = own.clone()
+    chunked_average_(state, msgs, "fill-local")
+    assert torch.allclose(state[4:], torch.full((4,), 4 / 3))  # b's chunk replaced by the local 0
+
+
+def test_udp_dpsgd_without_loss_equals_tcp():
+    results = {}
+    for transport in ("tcp", "udp"):
+        config = make_config({"nodes": 4, "topology": "ring", "rounds": 1, "iterations": 5, "test_after": 5,
+                              "eval_samples": 20, "transport": transport, "udp_timeout": 10, "seed": 4,
+                              "chunk_bytes": 1424})
+        graph = build_topology(config.topology, config.nodes, config.seed)
+        nodes = [build_node(config, rank, graph) for rank in range(config.nodes)]
+        run_threads(nodes, timeout=120)
+        results[transport] = torch.stack([n.flat.state.clone() for n in nodes])
+    assert torch.allclose(results["tcp"], results["udp"], atol=1e-6)
+
+
+def test_emulated_loss_rate_and_correlation():
+    emulator = Emulator(NetemSpec(loss=0.3, corr=0.25), seed=3)
+    drops = [emulator.drop() for _ in range(40_000)]
+    rate = sum(drops) / len(drops)
+    assert abs(rate - 0.3) < 0.02
+    after_drop = [b for a, b in zip(drops, drops[1:]) if a]
+    assert sum(after_drop) / len(after_drop) == pytest.approx(0.25 + 0.3 * 0.75, abs=0.03)
+
+
+def test_emulated_loss_on_real_datagrams(lenet_state):
+    flat, layout = lenet_state
+    a, b = _pair(layout, chunk_bytes=1424)
+    a.emulator = Emulator(NetemSpec(loss=0.3), seed=5)
+    try:
+        for iteration in range(5):
+            a.broadcast([1], Message(Kind.MODEL, 0, iteration, 1, flat.snapshot()))
+            time.sleep(0.1)
+        got = [b.gather(i, [0], timeout=0.5) for i in range(5)]
+        expected = 5 * chunk_count(flat.nbytes, 1424)
+        lost = sum(m[0].chunks.missing for m in got if 0 in m) + sum(
+            chunk_count(flat.nbytes, 1424) for m in got if 0 not in m)
+        assert abs(lost / expected - 0.3) < 0.05
+        assert a.emulated_drops == lost
+    finally:
+        a.close()
+        b.close()
+
+
+def test_emulated_delay_adds_the_configured_time(lenet_state):
+    flat, layout = lenet_state
+    a, b = _pair(layout)
+    a.emulator = Emulator(NetemSpec(delay=0.3), seed=5)
+    a._start_thread(a._delay_loop, "udp-delay")
+    try:
+        start = time.monotonic()
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+        assert 0 in b.gather(0, [0], timeout=5)
+        assert 0.29 <= time.monotonic() - start < 2.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tcp_emulated_delay_adds_the_configured_time():
+    from meshlearn.transport import TcpTransport
+
+    a = TcpTransport(0, bye_timeout=1, linger=1)
+    b = TcpTransport(1, bye_timeout=1, linger=1, netem=NetemSpec(delay=0.25))
+    address_a, address_b = a.bind(), b.bind()
+    thread = threading.Thread(target=b.connect, args=({0: address_a},))
+    thread.start()
+    a.connect({1: address_b})
+    thread.join()
+    try:
+        start = time.monotonic()
+        a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.ones(3)}))
+        assert 0 in b.gather(0, [0], timeout=5)
+        assert 0.24 <= time.monotonic() - start < 2.0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_net_spec_parsing():
+    spec = NetemSpec.parse("loss=20%,corr=25%,delay=200ms,jitter=50ms")
+    assert (spec.loss, spec.corr, spec.delay, spec.jitter) == (0.2, 0.25, 0.2, 0.05)
+    for bad in ("loss=120%", "los=1%", "delay=fast", "loss"):
+        with pytest.raises(ConfigError):
+            NetemSpec.parse(bad)
+
+
+def test_six_nodes_udp_with_20_percent_loss_reach_85_percent(tmp_path):
+    config = make_config({
+        "nodes": 6, "topology": "regular:3", "transport": "udp", "net": "loss=20%", "udp_timeout": 0.1,
+        "rounds": 2, "batch_size": 16, "iterations": 100, "test_after": 25, "seed": 11, "chunk_bytes": 4000,
+        "output": str(tmp_path / "run"),
+    })
+    result = simulate(config, progress=False)
+    summary = json.loads((result.output / "summary.json").read_text())
+    assert summary["final"]["accuracy"] >= 0.85
+    stats = [node["stats"] for node in summary["per_node"].values()]
+    assert sum(s["emulated_drops"] for s in stats) > 0 and sum(s["chunks_lost"] for s in stats) > 0
+    assert all(s["rcvbuf_drops"] == 0 for s in stats)
