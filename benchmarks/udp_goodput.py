@@ -5,7 +5,7 @@ returns when the last chunk is in, and it answers with a one-datagram REPLY thro
 transport. Goodput = model bytes / round-trip time. Reports
 self-inflicted loss (chunks lost, the socket's SO_RXQ_OVFL drops, and the kernel's RcvbufErrors).
 
-    python benchmarks/udp_goodput.py [--trials 20] [--chunk-bytes 60000] [--rate-gbps 0]
+    python benchmarks/udp_goodput.py [--trials 20] [--chunk-bytes 0] [--rate-gbps 0]
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--trials", type=int, default=20)
-    parser.add_argument("--chunk-bytes", type=int, default=60_000)
+    parser.add_argument("--chunk-bytes", type=int, default=0, help="0 = the transport default for loopback")
     parser.add_argument("--rate-gbps", type=float, default=0.0, help="sender pacing in GB/s (0 = unpaced)")
     args = parser.parse_args()
     args.rate = args.rate_gbps * 1e9 if args.rate_gbps else float("inf")

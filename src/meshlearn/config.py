@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from meshlearn.errors import ConfigError
 
@@ -21,14 +21,23 @@ class ExperimentConfig(BaseModel):
     dataset: str = Field("digits", description="digits | fashion-mnist:PATH | mnist:PATH | cifar10:PATH | imagefolder:PATH")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
-    algorithm: Literal["dpsgd"] = "dpsgd"
+    algorithm: Literal["dpsgd", "gossip"] = Field("dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa)")
     transport: Literal["tcp", "udp"] = "tcp"
     udp_mode: Literal["sync", "async"] = Field("sync", description="UDP: wait for all chunks (sync) or use what arrived (async)")
     udp_timeout: float = Field(0.4, gt=0, description="UDP sync mode: seconds to wait for neighbours' chunks")
-    chunk_bytes: int = Field(0, ge=0, description="UDP payload bytes per datagram (0 = fit the path: 60000 on loopback, 1424 otherwise)")
+    chunk_bytes: int = Field(0, ge=0, description="UDP payload bytes per datagram (0 = fit the path: 65456 on loopback, 1424 otherwise)")
     missing_chunks: Literal["per-chunk", "fill-local"] = Field("per-chunk", description="UDP: how lost chunks are averaged")
     udp_rate_gbps: float = Field(2.0, gt=0, description="UDP sender pacing in GB/s")
     net: str = Field("", description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
+    loss_mode: Literal["auto", "kernel", "user"] = Field(
+        "auto", description="where net's loss is made: kernel (real drops in a network namespace; root + nftables), "
+        "user (in the transport), auto (kernel for TCP where possible, user for UDP)")
+    fetch_probability: float = Field(1.0, ge=0, le=1, description="gossip: chance of fetching a peer each iteration")
+    fetch_timeout: float = Field(2.5, gt=0, description="gossip: seconds to wait for a fetch")
+    interpolation: Literal["constant", "clock", "loss"] = Field("constant", description="gossip: how much of the peer to take")
+    interpolation_value: float = Field(0.5, ge=0, le=1, description="gossip: the constant interpolation factor")
+    divergence_threshold: float = Field(0.0, ge=0, description="gossip: below this loss take less of peers (0 = off)")
+    slowdown: str = Field("", description="emulated stragglers, RANK:FACTOR,... e.g. 0:3 (node 0 trains 3x slower)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.05, gt=0)
@@ -69,6 +78,33 @@ class ExperimentConfig(BaseModel):
             raise ValueError("must be 0 (auto) or a multiple of 8 up to 65456")
         return value
 
+    @field_validator("slowdown")
+    @classmethod
+    def _valid_slowdown(cls, value: str) -> str:
+        for item in filter(None, (part.strip() for part in value.split(","))):
+            rank, sep, factor = item.partition(":")
+            try:
+                ok = sep and int(rank) >= 0 and float(factor) >= 1
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"{item!r} is not RANK:FACTOR with a factor >= 1 (e.g. 0:3)")
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _gossip_over_tcp(self) -> "ExperimentConfig":
+        if self.algorithm == "gossip" and self.transport != "tcp":
+            raise ValueError("gossip fetches peers' states over TCP: use transport tcp")
+        return self
+
+    def slowdown_of(self, rank: int) -> float:
+        """How many times slower node ``rank`` trains (1 = not a straggler)."""
+        for item in filter(None, (part.strip() for part in self.slowdown.split(","))):
+            r, _, factor = item.partition(":")
+            if int(r) == rank:
+                return float(factor)
+        return 1.0
+
     @property
     def max_message_bytes(self) -> int:
         return int(self.max_message_mb * 1024 * 1024)
@@ -90,6 +126,8 @@ def _describe(exc: ValidationError) -> str:
     extra = "" if len(exc.errors()) == 1 else f" (and {len(exc.errors()) - 1} more problem(s))"
     if err["type"] == "extra_forbidden":
         return f"unknown setting {where!r}: remove it or check its spelling{extra}"
+    if not err["loc"]:  # a rule across settings
+        return err["msg"].removeprefix("Value error, ") + extra
     return f"setting {where!r}: {err['msg']}{shown}{extra}"
 
 

@@ -4,17 +4,22 @@ Spec strings look like ``loss=20%,corr=25%,delay=200ms,jitter=50ms``. Loss follo
 Markov chain whose stationary loss rate is exactly ``loss`` and whose lag-1 correlation between
 successive drop decisions is ``corr`` (netem's "correlation" nudges a random number instead,
 which shifts the real loss rate; this keeps it). Delays are normal(delay, jitter), clipped at 0.
+
+TCP cannot lose a message, only take longer: where the kernel cannot drop real packets (see
+``meshlearn.sim.kernelnet``), ``Emulator.retransmit_delay`` models what loss costs TCP.
 """
 
 from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from meshlearn.errors import ConfigError
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
+RTO_MIN = 0.2  # seconds: Linux's minimum TCP retransmission timeout
+SEGMENT_BYTES = 1448  # TCP payload of one 1,500-byte Ethernet frame
 _KEYS = ("loss", "corr", "delay", "jitter")
 
 
@@ -30,6 +35,10 @@ class NetemSpec:
     @property
     def active(self) -> bool:
         return bool(self.loss or self.delay or self.jitter)
+
+    def without_loss(self) -> "NetemSpec":
+        """The same conditions with loss left to someone else (the kernel)."""
+        return replace(self, loss=0.0, corr=0.0)
 
     @classmethod
     def parse(cls, text: str | None) -> "NetemSpec":
@@ -90,3 +99,25 @@ class Emulator:
         if not (self.spec.delay or self.spec.jitter):
             return 0.0
         return max(0.0, self.rng.gauss(self.spec.delay, self.spec.jitter))
+
+    def retransmit_delay(self, nbytes: int) -> float:
+        """Extra seconds TCP would need to deliver ``nbytes`` over a path losing ``loss`` of its packets.
+
+        A coarse model, used only where real packets cannot be dropped: the message is cut into
+        Ethernet-sized segments, each lost independently. A segment's first loss is repaired by
+        fast retransmit (SACK) within about one round trip, taken as free; each further loss of the
+        same segment costs a retransmission timeout, doubling each time (RTO_MIN, 2 RTO_MIN, ...).
+        The worst segment sets the delay, since the others are repaired meanwhile. Tail losses
+        and congestion-window shrinkage are ignored, so this errs short; benchmarks/RESULTS.md
+        compares it with real kernel drops.
+        """
+        p = self.spec.loss
+        if not p:
+            return 0.0
+        if p >= 1:
+            return float("inf")
+        segments = max(1, -(-nbytes // SEGMENT_BYTES))
+        u, k = self.rng.random(), 0
+        while k < 12 and (1 - p ** (k + 1)) ** segments < u:  # P(worst segment lost at most k times)
+            k += 1
+        return RTO_MIN * (2 ** (k - 1) - 1) if k > 1 else 0.0

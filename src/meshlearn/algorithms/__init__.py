@@ -2,5 +2,9 @@
 
 from meshlearn.algorithms.base import ALGORITHMS, Algorithm, AlgorithmContext, make_algorithm, register_algorithm
 from meshlearn.algorithms.dpsgd import DPSGD
+from meshlearn.algorithms.gossip import Gossip, GossipAverager, GossipSettings
 
-__all__ = ["ALGORITHMS", "Algorithm", "AlgorithmContext", "DPSGD", "make_algorithm", "register_algorithm"]
+__all__ = [
+    "ALGORITHMS", "Algorithm", "AlgorithmContext", "DPSGD", "Gossip", "GossipAverager", "GossipSettings",
+    "make_algorithm", "register_algorithm",
+]

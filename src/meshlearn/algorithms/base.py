@@ -10,7 +10,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.topology import Graph
-from meshlearn.transport import Transport
+from meshlearn.transport import Endpoint
 
 
 @dataclass
@@ -19,7 +19,7 @@ class AlgorithmContext:
 
     rank: int
     flat: FlatState
-    transport: Transport
+    transport: Endpoint
     graph: Graph
     config: ExperimentConfig
 
@@ -27,8 +27,9 @@ class AlgorithmContext:
 class Algorithm(ABC):
     """A way of combining models across nodes, called by the node's run loop.
 
-    ``after_local_steps`` runs once per iteration after the local SGD steps and returns
-    timings and counters for the run log. Algorithms that work alongside training (gossip)
+    ``before_local_steps`` runs once per iteration before the local SGD steps (gossip publishes
+    and starts a fetch there); ``after_local_steps`` runs after them and returns timings and
+    counters for the run log. Algorithms that work alongside training (gossip)
     start their helpers in ``start`` and stop them in ``stop``.
     """
 
@@ -40,9 +41,12 @@ class Algorithm(ABC):
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""
 
+    def before_local_steps(self, iteration: int) -> None:
+        """Called at the start of each iteration, before the local steps."""
+
     @abstractmethod
-    def after_local_steps(self, iteration: int) -> dict[str, float]:
-        """Exchange and update the node's state for this iteration."""
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        """Exchange and update the node's state for this iteration (``train_loss``: mean of its steps)."""
 
     def stop(self) -> None:
         """Called once after the last iteration, before the transport closes."""

@@ -8,7 +8,9 @@ import time
 
 from meshlearn.algorithms.averaging import chunked_average_, weighted_average_
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.errors import ConfigError
 from meshlearn.topology import mh_row
+from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
 log = logging.getLogger(__name__)
@@ -26,11 +28,13 @@ class DPSGD(Algorithm):
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
+        if not isinstance(ctx.transport, Transport):
+            raise ConfigError("D-PSGD needs a push transport (tcp or udp)")
         row = mh_row(ctx.graph, ctx.rank)
         self.neighbours = ctx.graph.neighbours(ctx.rank)
         self.weights = {j: w for j, w in row.items() if j != ctx.rank}
 
-    def after_local_steps(self, iteration: int) -> dict[str, float]:
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
         t0 = time.perf_counter()
         snapshot = ctx.flat.snapshot()

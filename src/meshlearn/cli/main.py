@@ -1,4 +1,4 @@
-"""The `meshlearn` command: demo, simulate, node."""
+"""The `meshlearn` command: demo, simulate, experiment, node."""
 
 from __future__ import annotations
 
@@ -50,7 +50,8 @@ def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in ExperimentConfig.model_fields.items():
         group.add_argument(
             f"--{name.replace('_', '-')}", dest=name, type=_flag_type(field.annotation), default=None,
-            metavar=name.upper(), help=f"{field.description or name} (default: {field.default})",
+            metavar=name.upper(),
+            help=f"{field.description or name} (default: {field.default})".replace("%", "%%"),
         )
 
 
@@ -100,6 +101,16 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_experiment(args: argparse.Namespace) -> int:
+    from meshlearn.sim.experiment import load_experiment, run_experiment
+
+    experiment = load_experiment(args.file, args.quick, args.output)
+    output = run_experiment(experiment, progress=not args.quiet)
+    print((output / "table.md").read_text())
+    print(f"report: {output}  (table.md, table.csv, per_node.csv, comparison.png, iteration_times.png)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
@@ -115,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--quiet", action="store_true", help="no progress bar")
     _add_config_flags(simulate)
     simulate.set_defaults(func=cmd_simulate)
+
+    experiment = sub.add_parser("experiment", help="run the runs of an experiment file and compare them")
+    experiment.add_argument("file", help="experiment YAML file (see experiments/)")
+    experiment.add_argument("--quick", action="store_true", help="the file's small scale (a 2-core CPU machine)")
+    experiment.add_argument("--output", help="report folder (default runs/<name>[-quick])")
+    experiment.add_argument("--quiet", action="store_true", help="no progress bars")
+    experiment.set_defaults(func=cmd_experiment)
 
     node = sub.add_parser("node", help="run one node of a multi-machine experiment")
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from meshlearn.config import ExperimentConfig
+from meshlearn.errors import ConfigError
 from meshlearn.data import load_dataset, partition
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -14,23 +15,31 @@ from meshlearn.netem import NetemSpec
 from meshlearn.node.node import Node
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
-from meshlearn.transport import TcpTransport, Transport
-from meshlearn.transport.udp import StateLayout, UdpTransport
+from meshlearn.transport import Endpoint, TcpTransport
+from meshlearn.transport.pull import PullEndpoint
+from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 
 
 def make_transport(
     config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None
-) -> Transport:
-    """The transport the configuration names, for node ``rank`` and its state layout (not yet bound)."""
+) -> Endpoint:
+    """The endpoint the configuration names, for node ``rank`` and its state layout (not yet bound)."""
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
+    if config.algorithm == "gossip":
+        if config.transport != "tcp":
+            raise ConfigError("gossip fetches peers' states over TCP: use transport tcp")
+        return PullEndpoint(rank, host, port, max_message_bytes=config.max_message_bytes)
     netem = NetemSpec.parse(config.net)
+    if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
+        netem = netem.without_loss()
     if config.transport == "udp":
         return UdpTransport(
             rank, host, port,
             layout=StateLayout(flat.ranges, flat.state.dtype),
-            chunk_bytes=config.chunk_bytes,
+            # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
+            chunk_bytes=config.chunk_bytes or (ETHERNET_CHUNK if config.loss_mode == "kernel" else 0),
             mode=config.udp_mode,
             max_message_bytes=config.max_message_bytes,
             handshake_timeout=config.handshake_timeout,

@@ -16,7 +16,7 @@ from meshlearn.flat import FlatState
 from meshlearn.metrics import classification_report, confusion_matrix
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
-from meshlearn.transport import Transport
+from meshlearn.transport import Endpoint
 
 EVAL_BATCH = 1024
 IterationHook = Callable[["Node", int, dict], None]
@@ -50,7 +50,7 @@ class Node:
         dataset: Dataset,
         indices,
         model: nn.Module,
-        make_transport: Callable[[FlatState], Transport],
+        make_transport: Callable[[FlatState], Endpoint],
         log: JsonlLog | None = None,
     ):
         self.rank = rank
@@ -72,9 +72,18 @@ class Node:
         self.log = log
         self.hooks: list[IterationHook] = []
         self.loss_fn = nn.CrossEntropyLoss()
+        self.slowdown = config.slowdown_of(rank)
 
     def train_step(self) -> float:
         """One mini-batch SGD step on the local shard; returns the loss."""
+        started = time.perf_counter()
+        try:
+            return self._sgd_step()
+        finally:
+            if self.slowdown > 1:  # an emulated straggler: its steps take `slowdown` times as long
+                time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+
+    def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
@@ -128,14 +137,13 @@ class Node:
             start = time.perf_counter()
             last: Evaluation | None = None
             for iteration in range(config.iterations):
+                self.algorithm.before_local_steps(iteration)
                 t0 = time.perf_counter()
                 losses = [self.train_step() for _ in range(config.rounds)]
                 t1 = time.perf_counter()
-                record = self.algorithm.after_local_steps(iteration)
-                record.update(
-                    event="iteration", iteration=iteration, train=t1 - t0,
-                    train_loss=sum(losses) / len(losses) if losses else None,
-                )
+                train_loss = sum(losses) / len(losses) if losses else None
+                record = self.algorithm.after_local_steps(iteration, train_loss)
+                record.update(event="iteration", iteration=iteration, train=t1 - t0, train_loss=train_loss)
                 done = iteration + 1
                 if evaluates and (done % config.test_after == 0 or done == config.iterations):
                     t2 = time.perf_counter()

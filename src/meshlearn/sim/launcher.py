@@ -7,6 +7,7 @@ progress and stops every process cleanly when one fails or the user presses Ctrl
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import queue
 import signal
@@ -216,8 +217,16 @@ class _Launcher:
 
 def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResult:
     """Run a whole experiment of ``config.nodes`` local node processes; write its results folder."""
+    from meshlearn.sim.kernelnet import needs_namespace, resolve_loss_mode, run_in_namespace
     from meshlearn.sim.report import write_report
 
+    config = resolve_loss_mode(config)
+    if needs_namespace(config):
+        if not config.output:
+            config = config.model_copy(update={"output": str(default_output())})
+        output = run_in_namespace(config, progress)
+        per_node = json.loads((output / "summary.json").read_text())["per_node"]
+        return SimulationResult(output, {int(rank): summary for rank, summary in per_node.items()})
     graph, output = prepare_run(config)
     summaries = _Launcher(config, graph, output, progress).run()
     write_report(output)

@@ -1,6 +1,6 @@
-"""Transports: how messages travel between nodes (TCP over ZeroMQ; UDP comes next)."""
+"""Transports: how messages travel between nodes (push: TCP over ZeroMQ, UDP; pull: gossip)."""
 
-from meshlearn.transport.base import Transport, TransportStats
+from meshlearn.transport.base import Endpoint, Transport, TransportStats
 from meshlearn.transport.tcp import TcpTransport
 
-__all__ = ["TcpTransport", "Transport", "TransportStats"]
+__all__ = ["Endpoint", "TcpTransport", "Transport", "TransportStats"]

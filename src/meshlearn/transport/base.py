@@ -42,12 +42,12 @@ class TransportStats:
         return asdict(self)
 
 
-class Transport(ABC):
-    """Moves messages between one node and its neighbours.
+class Endpoint(ABC):
+    """A node's network endpoint, whatever the exchange pattern: what the node runtime needs.
 
-    Life cycle: ``bind()`` (returns the address others reach this node at), ``connect(peers)``
-    (handshake with every neighbour, raising TransportError naming the ones that never answer),
-    then ``send``/``recv``/``gather``, and ``close()`` (says BYE; safe to call twice).
+    Life cycle: ``bind()`` (returns the address others reach this node at), ``connect(peers)``,
+    then the pattern's own calls, and ``close()`` (safe to call twice). Push transports
+    (``Transport``) and the pull endpoint of gossip (``transport.pull.PullEndpoint``) are endpoints.
     """
 
     def __init__(self, node_id: int):
@@ -55,11 +55,35 @@ class Transport(ABC):
         self.stats = TransportStats()
         self.peers: dict[int, str] = {}
         self.departed: set[int] = set()
-        self._pending: dict[int, dict[int, Message]] = defaultdict(dict)
 
     @abstractmethod
     def bind(self) -> str:
         """Open this node's endpoint; return its address."""
+
+    @abstractmethod
+    def connect(self, peers: Mapping[int, str]) -> None:
+        """Get ready to talk to the peers (id -> address)."""
+
+    def extra_stats(self) -> dict[str, int]:
+        """Endpoint-specific counters for the run log (UDP: datagrams, lost chunks, drops)."""
+        return {}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the endpoint (push transports say BYE first)."""
+
+
+class Transport(Endpoint):
+    """Pushes messages between one node and its neighbours.
+
+    ``connect(peers)`` completes a HELLO handshake with every neighbour, raising TransportError
+    naming the ones that never answer; then ``send``/``broadcast``/``recv``/``gather``; ``close()``
+    says BYE.
+    """
+
+    def __init__(self, node_id: int):
+        super().__init__(node_id)
+        self._pending: dict[int, dict[int, Message]] = defaultdict(dict)
 
     @abstractmethod
     def connect(self, peers: Mapping[int, str]) -> None:
@@ -83,16 +107,8 @@ class Transport(ABC):
     def recv(self, timeout: float) -> Message | None:
         """The next valid message from a neighbour, or None after ``timeout`` seconds."""
 
-    def extra_stats(self) -> dict[str, int]:
-        """Transport-specific counters for the run log (UDP: datagrams, lost chunks, drops)."""
-        return {}
-
     def recycle(self, messages: Iterable[Message]) -> None:
         """Hand back gathered messages whose tensors the caller no longer reads (buffer reuse)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Say BYE to the neighbours and release the endpoint."""
 
     def gather(self, iteration: int, peers: Iterable[int], timeout: float) -> dict[int, Message]:
         """Collect the MODEL message of each peer for ``iteration``.

@@ -54,9 +54,6 @@ class TcpTransport(Transport):
     ):
         super().__init__(node_id)
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
-        if self.emulator.spec.loss:
-            log.warning("node %d: TCP loss cannot be emulated in user space (TCP would retransmit); only delay "
-                        "and jitter are emulated. Drop real packets in a network namespace for TCP loss.", node_id)
         self._held: list[tuple[float, int, Message]] = []
         self._held_seq = 0
         self._last_due = 0.0
@@ -176,7 +173,8 @@ class TcpTransport(Transport):
             msg = self._accept(self._router.recv_multipart(copy=False))
             if msg is None:
                 continue
-            delay = self.emulator.delay()
+            delay = self.emulator.delay() + self.emulator.retransmit_delay(
+                sum(t.numel() * t.element_size() for t in msg.tensors.values()))
             if delay <= 0 and not self._held:
                 return self._deliver(msg)
             # Emulated delay per message; never reorder, as TCP would not.

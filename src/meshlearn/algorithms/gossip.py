@@ -1,0 +1,169 @@
+"""Gossip: asynchronous pairwise averaging in the manner of dpwa.
+
+Each step a node publishes its state (parameters and floating-point buffers, with its ``clock``
+and ``loss``), and with probability ``fetch_probability`` starts fetching one peer's state while
+it trains; then it waits for that fetch (at most ``fetch_timeout``) and interpolates:
+``state = factor * peer_state + (1 - factor) * state``. No barrier: a slow or dead peer costs at
+most the timeout, and peer scores make it rarely chosen.
+
+dpwa exchanges parameters only; meshlearn also interpolates floating-point buffers (BatchNorm
+running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
+match its weights. ``num_batches_tracked`` stays local.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Iterable
+
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.errors import ConfigError
+from meshlearn.flat import FlatState
+from meshlearn.transport.pull import PullEndpoint
+
+INTERPOLATIONS = ("constant", "clock", "loss")
+
+
+@dataclass(frozen=True)
+class GossipSettings:
+    """dpwa's knobs: how often to fetch, how long to wait, and how much of the peer to take."""
+
+    fetch_probability: float = 1.0
+    timeout: float = 2.5  # seconds (dpwa's timeout_ms / 1000)
+    interpolation: str = "constant"
+    value: float = 0.5  # the factor of the constant method
+    divergence_threshold: float = 0.0
+
+    def __post_init__(self):
+        if self.interpolation not in INTERPOLATIONS:
+            raise ConfigError(f"unknown interpolation {self.interpolation!r}: use {', '.join(INTERPOLATIONS)}")
+        if not 0 <= self.fetch_probability <= 1 or not 0 <= self.value <= 1:
+            raise ConfigError("fetch_probability and the constant value must lie in 0..1")
+        if self.timeout <= 0 or self.divergence_threshold < 0:
+            raise ConfigError("the timeout must be positive and divergence_threshold not negative")
+
+
+def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: float, loss: float,
+                         peer_loss: float) -> float:
+    """How much of the peer's state to take (0..1).
+
+    constant: ``value``; clock: ``peer_clock / (clock + peer_clock)`` (the more the peer has
+    trained, the more of it); loss: ``loss / (loss + peer_loss)`` (the worse my loss, the more I
+    take). Both ratios are 0.5 when numerator and denominator are 0. With a non-zero
+    ``divergence_threshold`` and my loss below it, the factor is scaled by ``loss / threshold``,
+    so a node that already fits its data well takes little from others.
+    """
+    if settings.interpolation == "constant":
+        factor = settings.value
+    elif settings.interpolation == "clock":
+        factor = peer_clock / (clock + peer_clock) if clock + peer_clock > 0 else 0.5
+    else:
+        factor = loss / (loss + peer_loss) if loss + peer_loss > 0 else 0.5
+    if settings.divergence_threshold and loss < settings.divergence_threshold:
+        factor *= loss / settings.divergence_threshold
+    return min(1.0, max(0.0, factor))
+
+
+class PeerScores:
+    """Flow control: every peer starts at 1000; +10 after a fetch that worked, -100 after one
+    that failed, kept within 10..1000. ``pick`` takes the highest score plus a uniform random
+    term of up to ``NOISE``, so a peer that keeps failing is chosen rarely but still retried
+    (and climbs back once it answers)."""
+
+    START, REWARD, PENALTY, LOW, HIGH = 1000.0, 10.0, 100.0, 10.0, 1000.0
+    NOISE = 1500.0
+
+    def __init__(self, peers: Iterable[int], rng: random.Random):
+        self.score = {peer: self.START for peer in peers}
+        self.rng = rng
+
+    def pick(self) -> int:
+        return max(self.score, key=lambda peer: self.score[peer] + self.rng.uniform(0.0, self.NOISE))
+
+    def success(self, peer: int) -> None:
+        self.score[peer] = min(self.HIGH, self.score[peer] + self.REWARD)
+
+    def failure(self, peer: int) -> None:
+        self.score[peer] = max(self.LOW, self.score[peer] - self.PENALTY)
+
+
+class GossipAverager:
+    """The exchange both the engine's ``gossip`` algorithm and the PyTorch adapter run."""
+
+    def __init__(self, flat: FlatState, endpoint: PullEndpoint, peers: Iterable[int], settings: GossipSettings,
+                 seed: int = 0):
+        self.flat = flat
+        self.endpoint = endpoint
+        self.settings = settings
+        self.rng = random.Random(seed)
+        self.scores = PeerScores(sorted(peers), self.rng)
+        self.clock = 0.0
+        self.merges = 0
+        self._pending: tuple[int, Future, float] | None = None
+
+    def update_send(self, loss: float | None) -> None:
+        """Publish the current state; maybe start fetching a peer's (returns at once)."""
+        state = self.flat.segments_of(self.flat.state.detach().to("cpu", copy=True))
+        self.endpoint.publish(state, {"clock": self.clock, "loss": float(loss or 0.0)})
+        if self._pending is None and self.scores.score and self.rng.random() < self.settings.fetch_probability:
+            peer = self.scores.pick()
+            self._pending = (peer, self.endpoint.fetch(peer, self.settings.timeout),
+                             time.monotonic() + self.settings.timeout)
+
+    def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
+        """Count ``steps`` trained; wait for the fetch started by ``update_send`` (never past its
+        timeout) and interpolate with the peer. Returns what happened, for the run log."""
+        self.clock += steps
+        if self._pending is None:
+            return {"fetched": -1, "factor": 0.0, "comm": 0.0}
+        peer, future, deadline = self._pending
+        self._pending = None
+        started = time.monotonic()
+        try:
+            reply = future.result(timeout=max(0.0, deadline - started) + 0.05)
+        except FutureTimeout:  # the fetch thread ends it at its own deadline; stop waiting here
+            reply = None
+        waited = time.monotonic() - started
+        if reply is None or self.flat.check_compatible(reply.tensors) is not None:
+            self.scores.failure(peer)
+            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
+        self.scores.success(peer)
+        my_loss = float(loss or 0.0)
+        peer_clock, peer_loss = float(reply.meta.get("clock", 0.0)), float(reply.meta.get("loss", 0.0))
+        factor = interpolation_factor(self.settings, self.clock, peer_clock, my_loss, peer_loss)
+        t0 = time.monotonic()
+        for name, target in self.flat.tensors().items():
+            target.lerp_(reply.tensors[name].to(target.device), factor)
+        self.clock = factor * peer_clock + (1 - factor) * self.clock
+        self.merges += 1
+        return {"fetched": peer, "factor": factor, "comm": waited, "average": time.monotonic() - t0}
+
+
+@register_algorithm
+class Gossip(Algorithm):
+    """Asynchronous pairwise averaging over the topology's neighbours (dpwa's scheme)."""
+
+    name = "gossip"
+
+    def __init__(self, ctx: AlgorithmContext):
+        super().__init__(ctx)
+        if not isinstance(ctx.transport, PullEndpoint):
+            raise ConfigError("the gossip algorithm needs a pull endpoint (transport: tcp)")
+        config = ctx.config
+        self.settings = GossipSettings(config.fetch_probability, config.fetch_timeout, config.interpolation,
+                                       config.interpolation_value, config.divergence_threshold)
+        self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
+                                       seed=config.seed * 7919 + ctx.rank)
+        self._loss: float | None = None
+
+    def before_local_steps(self, iteration: int) -> None:
+        self.averager.update_send(self._loss)
+
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        self._loss = train_loss
+        record = self.averager.update_wait(train_loss, steps=max(1, self.ctx.config.rounds))
+        record["clock"] = self.averager.clock
+        return record

@@ -1,0 +1,178 @@
+"""Experiment files: a list of runs sharing base settings, run one after another, compared in one report.
+
+File layout (YAML)::
+
+    name: tcp-vs-udp
+    description: one line
+    base: {nodes: 16, dataset: ..., ...}     # the full scale
+    quick: {nodes: 6, dataset: digits, ...}  # overrides applied with --quick
+    runs:
+      - {name: tcp, transport: tcp}
+      - {name: udp-sync, transport: udp, udp_mode: sync, quick: {iterations: 20}}
+
+A run's own ``quick`` map applies on top with ``--quick`` only.
+
+Each run is a normal simulation in ``OUTPUT/<run name>/``; the comparison (plots, tables) goes
+to ``OUTPUT/`` itself.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshlearn.config import ExperimentConfig, make_config
+from meshlearn.errors import ConfigError
+from meshlearn.sim.launcher import simulate
+from meshlearn.sim.report import evaluation_table, final_summary, load_logs
+
+RUN_KEYS = {"name", "quick"}
+
+
+@dataclass
+class Experiment:
+    """A parsed experiment file: its name and the resolved configuration of every run."""
+
+    name: str
+    description: str
+    runs: list[tuple[str, ExperimentConfig]]
+
+
+def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None) -> Experiment:
+    """Read and validate an experiment file (every run's config is checked before any starts)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"experiment file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"experiment file {path} is not valid YAML: fix its syntax") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("runs"), list) or not raw["runs"]:
+        raise ConfigError(f"experiment file {path} needs a non-empty 'runs' list")
+    unknown = set(raw) - {"name", "description", "base", "quick", "runs"}
+    if unknown:
+        raise ConfigError(f"experiment file {path}: unknown section(s) {sorted(unknown)}")
+    name = str(raw.get("name", path.stem))
+    out = Path(output) if output else Path("runs") / (name + ("-quick" if quick else ""))
+    base = dict(raw.get("base") or {})
+    if quick:
+        base.update(raw.get("quick") or {})
+    runs, seen = [], set()
+    for index, run in enumerate(raw["runs"]):
+        if not isinstance(run, dict) or not run.get("name"):
+            raise ConfigError(f"experiment file {path}: run {index + 1} needs a name")
+        run_name = str(run["name"])
+        if run_name in seen or "/" in run_name:
+            raise ConfigError(f"experiment file {path}: run name {run_name!r} is repeated or has a '/'")
+        seen.add(run_name)
+        own_quick = run.get("quick") or {}
+        if not isinstance(own_quick, dict):
+            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'quick' must be a map of settings")
+        values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS}, **(own_quick if quick else {}),
+                  "output": str(out / run_name)}
+        try:
+            runs.append((run_name, make_config(values)))
+        except ConfigError as exc:
+            raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
+    return Experiment(name, str(raw.get("description", "")), runs)
+
+
+def run_experiment(experiment: Experiment, progress: bool = True, log=print) -> Path:
+    """Run every run of an experiment in turn, then write the comparison report; returns its folder."""
+    for index, (name, config) in enumerate(experiment.runs, start=1):
+        log(f"[{index}/{len(experiment.runs)}] {name}: {config.transport}"
+            f"{'/' + config.udp_mode if config.transport == 'udp' else ''}"
+            f"{' net ' + config.net if config.net else ''}")
+        simulate(config, progress=progress)
+    output = Path(experiment.runs[0][1].output).parent
+    write_comparison(experiment, output)
+    return output
+
+
+def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:
+    logs = load_logs(run_dir)
+    final = final_summary(logs)
+    totals = [sum((e.get(k) or 0.0) for k in ("train", "encode", "comm", "average", "eval"))
+              for events in logs.values() for e in events if e.get("event") == "iteration"]
+    per_node = []
+    for rank, node in final["per_node"].items():
+        stats = node["stats"]
+        per_node.append({"run": name, "node": rank, "timeouts": stats.get("gather_timeouts", 0),
+                         "chunks_lost": stats.get("chunks_lost", 0), "bytes_sent": stats.get("bytes_sent", 0),
+                         "rcvbuf_drops": stats.get("rcvbuf_drops", 0)})
+    iterations = max(1, len(totals))
+    row = {
+        "run": name,
+        "accuracy": final["final"]["accuracy"],
+        "f1": final["final"]["f1"],
+        "iter_mean_ms": statistics.fmean(totals) * 1000 if totals else float("nan"),
+        "iter_median_ms": statistics.median(totals) * 1000 if totals else float("nan"),
+        "iter_std_ms": statistics.pstdev(totals) * 1000 if totals else float("nan"),
+        "timeout_share": sum(p["timeouts"] for p in per_node) / iterations,
+        "chunks_lost": sum(p["chunks_lost"] for p in per_node),
+        "bytes_sent": final["bytes_sent"],
+        "elapsed_s": final["elapsed_max"],
+    }
+    return row, per_node, totals
+
+
+def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any]]:
+    """comparison.png, iteration_times.png, table.csv/.md and per_node.csv for finished runs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, nodes, boxes, curves = [], [], [], []
+    for name, config in experiment.runs:
+        row, per_node, totals = _run_rows(name, Path(config.output))
+        rows.append(row)
+        nodes += per_node
+        boxes.append((name, [t * 1000 for t in totals]))
+        curves.append((name, evaluation_table(load_logs(Path(config.output)))))
+    with (output / "table.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with (output / "per_node.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(nodes[0]) if nodes else ["run"])
+        writer.writeheader()
+        writer.writerows(nodes)
+    header = "| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost | MB sent |"
+    lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * 7 + "|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | {r['accuracy']:.4f} | {r['f1']:.4f} | {r['iter_mean_ms']:.1f} / "
+                     f"{r['iter_median_ms']:.1f} / {r['iter_std_ms']:.1f} | {r['timeout_share']:.3f} | "
+                     f"{r['chunks_lost']} | {r['bytes_sent'] / 1e6:.1f} |")
+    (output / "table.md").write_text("\n".join(lines) + "\n")
+    (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows}, indent=2))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, table in curves:
+        axes[0].plot([r["iteration"] for r in table], [r["test_acc_mean"] for r in table], marker="o", ms=3, label=name)
+        axes[1].plot([r["time_mean"] for r in table], [r["test_acc_mean"] for r in table], marker="o", ms=3, label=name)
+    for ax, label in ((axes[0], "iteration"), (axes[1], "wall-clock time (s)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("mean test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(experiment.name)
+    fig.tight_layout()
+    fig.savefig(output / "comparison.png", dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(boxes)), 4.5))
+    ax.boxplot([b for _, b in boxes], showfliers=False)
+    ax.set_xticks(range(1, len(boxes) + 1), [n for n, _ in boxes], rotation=20)
+    ax.set_ylabel("iteration time (ms)")
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(output / "iteration_times.png", dpi=100)
+    plt.close(fig)
+    return rows

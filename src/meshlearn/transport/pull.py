@@ -1,0 +1,198 @@
+"""Pull exchange for gossip: every node serves its latest published state to any peer that asks,
+from a background thread, and fetches one peer's state at a time without blocking training.
+
+Over ZeroMQ TCP: the server is a ROUTER socket owned by a serving thread; each fetch is a REQUEST
+message on a DEALER socket (one per peer, owned by a single fetch thread) answered by a REPLY
+carrying the state and its ``clock`` and ``loss`` in the message metadata. DEALERs are
+``ZMQ_IMMEDIATE``: a peer with no live connection (dead, not started yet, refusing) fails the
+fetch within ``CONNECT_WAIT`` instead of its whole timeout, while ZeroMQ keeps reconnecting in the
+background. A peer that answers late costs the timeout; its late answer is recognised by its
+request id and discarded. There is no handshake, since gossip peers may come and go.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import struct
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Mapping
+
+import torch
+import zmq
+
+from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.transport.allocator import tune_allocator
+from meshlearn.transport.base import Endpoint
+from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
+
+log = logging.getLogger(__name__)
+_IDENTITY = struct.Struct("<I")
+POLL_MS = 100
+CONNECT_WAIT = 0.2  # seconds a fetch waits for a connection to a peer before giving up on it
+
+
+class PullEndpoint(Endpoint):
+    """A node's gossip endpoint: ``publish`` what peers may take, ``fetch`` from one peer."""
+
+    def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *,
+                 max_message_bytes: int = DEFAULT_MAX_BYTES):
+        super().__init__(node_id)
+        self.host, self.port = host, port
+        self.max_message_bytes = max_message_bytes
+        self.address = ""
+        self.requests_served = 0
+        self.fetches = 0
+        self.fetch_timeouts = 0
+        self._ctx: zmq.Context | None = None
+        self._router: zmq.Socket | None = None
+        self._published: tuple[dict, dict] | None = None  # the latest state and its metadata
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server: threading.Thread | None = None
+        self._fetcher: ThreadPoolExecutor | None = None
+        self._dealers: dict[int, zmq.Socket] = {}  # used by the fetch thread only
+        self._request_id = 0
+
+    def bind(self) -> str:
+        tune_allocator()
+        self._ctx = zmq.Context()
+        router = self._ctx.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, 0)
+        router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # requests are tiny
+        try:
+            router.bind(f"tcp://{self.host}:{'*' if self.port == 0 else self.port}")
+        except zmq.ZMQError as exc:
+            router.close()
+            self._ctx.term()
+            self._ctx = None
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(f"port {self.port} on {self.host} is in use: choose another port "
+                                     "or stop the process using it") from None
+            raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{self.port}: {exc}") from None
+        self._router = router
+        self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        return self.address
+
+    def connect(self, peers: Mapping[int, str]) -> None:
+        """Remember the peers and start serving; no handshake (peers may be down and come back)."""
+        if self._router is None:
+            raise TransportError("bind() must be called before connect()")
+        self.peers = dict(peers)
+        if self._server is None:
+            self._server = threading.Thread(target=self._serve, name=f"gossip-serve-{self.node_id}", daemon=True)
+            self._server.start()
+            self._fetcher = ThreadPoolExecutor(1, thread_name_prefix=f"gossip-fetch-{self.node_id}")
+
+    def publish(self, tensors: Mapping[str, torch.Tensor], meta: Mapping[str, float]) -> None:
+        """Make this state what peers get from now on. The tensors must not change afterwards
+        (pass a private copy): they may still be on their way to a peer."""
+        state = (dict(tensors), dict(meta))
+        with self._lock:
+            self._published = state
+
+    def fetch(self, peer: int, timeout: float) -> Future:
+        """Start fetching ``peer``'s state; the future gives its Message, or None after ``timeout``
+        seconds, on a refused or dead peer, or if it has published nothing yet."""
+        if self._fetcher is None:
+            raise TransportError("connect() must be called before fetch()")
+        return self._fetcher.submit(self._fetch, peer, timeout)
+
+    def extra_stats(self) -> dict[str, int]:
+        return {"requests_served": self.requests_served, "fetches": self.fetches, "fetch_timeouts": self.fetch_timeouts}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._fetcher is not None:
+            self._fetcher.shutdown(wait=True, cancel_futures=True)  # a fetch in flight ends at its timeout
+            self._fetcher = None
+        self._close_dealers()  # the fetch thread is gone: its sockets may be closed from here
+        if self._server is not None:
+            self._server.join(timeout=5.0)
+            self._server = None
+        if self._router is not None:
+            self._router.close(linger=0)
+            self._router = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    # --- the serving thread ----------------------------------------------------------------
+
+    def _serve(self) -> None:
+        router = self._router
+        while not self._stop.is_set():
+            if not router.poll(POLL_MS):
+                continue
+            frames = router.recv_multipart(copy=False)
+            try:
+                request = decode(frames[1:], 64 * 1024)
+            except WireError as exc:
+                self.stats.malformed_dropped += 1
+                log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
+                continue
+            if request.kind != Kind.REQUEST or request.sender not in self.peers:
+                self.stats.unknown_sender_dropped += 1
+                continue
+            with self._lock:
+                published = self._published
+            tensors, meta = published or ({}, {})
+            # The request id travels in the iteration field; encoding only views the tensors.
+            reply = encode(Message(Kind.REPLY, self.node_id, request.iteration, 0, tensors, meta))
+            router.send_multipart([frames[0], *reply], copy=False)
+            self.requests_served += 1
+            self.stats.messages_sent += 1
+            self.stats.bytes_sent += sum(memoryview(f).nbytes for f in reply)
+
+    # --- the fetch thread ------------------------------------------------------------------
+
+    def _dealer(self, peer: int) -> zmq.Socket:
+        dealer = self._dealers.get(peer)
+        if dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id))
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.IMMEDIATE, 1)  # no live connection: sending is refused, not queued
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            dealer.connect(self.peers[peer])
+            self._dealers[peer] = dealer
+        return dealer
+
+    def _fetch(self, peer: int, timeout: float) -> Message | None:
+        if self._stop.is_set() or peer not in self.peers:
+            return None
+        self.fetches += 1
+        self._request_id += 1
+        dealer = self._dealer(peer)
+        deadline = time.monotonic() + timeout
+        try:
+            if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000), zmq.POLLOUT):
+                raise zmq.Again()  # no connection to the peer
+            dealer.send_multipart(encode(Message(Kind.REQUEST, self.node_id, self._request_id)), zmq.NOBLOCK)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not dealer.poll(max(1, int(remaining * 1000))):
+                    continue
+                frames = dealer.recv_multipart(copy=False)
+                self.stats.bytes_received += sum(len(f) for f in frames)
+                try:
+                    reply = decode(frames, self.max_message_bytes)
+                except WireError as exc:
+                    self.stats.malformed_dropped += 1
+                    log.warning("node %d: dropped a malformed reply from %d: %s", self.node_id, peer, exc)
+                    continue
+                if reply.kind != Kind.REPLY or reply.sender != peer or reply.iteration != self._request_id:
+                    self.stats.stale_dropped += 1
+                    continue
+                self.stats.messages_received += 1
+                return reply if reply.tensors else None
+        except zmq.ZMQError as exc:
+            log.debug("node %d: fetch from %d failed: %s", self.node_id, peer, exc)
+        self.fetch_timeouts += 1
+        return None
+
+    def _close_dealers(self) -> None:
+        for dealer in self._dealers.values():
+            dealer.close(linger=0)
+        self._dealers.clear()

@@ -1,0 +1,72 @@
+"""Experiment files: validation, the quick scale, and the comparison report of real runs."""
+
+import csv
+import json
+
+import pytest
+
+from meshlearn.errors import ConfigError
+from meshlearn.sim.experiment import load_experiment, run_experiment
+from pathlib import Path
+
+EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
+
+
+@pytest.mark.parametrize("path", sorted(EXPERIMENTS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_experiment_files_load_at_both_scales(path, tmp_path):
+    full = load_experiment(path, quick=False, output=tmp_path)
+    quick = load_experiment(path, quick=True, output=tmp_path)
+    assert len(full.runs) == len(quick.runs) >= 3
+    assert all(config.dataset.startswith("cifar10") and config.nodes == 16 for _, config in full.runs)
+    assert all(config.dataset == "digits" for _, config in quick.runs)
+
+
+def test_run_overrides_and_run_quick_maps(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text("name: e\nbase: {nodes: 16, iterations: 100}\nquick: {nodes: 4}\n"
+                    "runs:\n  - {name: a, transport: udp}\n  - {name: b, quick: {iterations: 7}}\n")
+    full = dict(load_experiment(path, quick=False, output=tmp_path / "out").runs)
+    quick = dict(load_experiment(path, quick=True, output=tmp_path / "out").runs)
+    assert (full["a"].nodes, full["a"].transport, full["b"].iterations) == (16, "udp", 100)
+    assert (quick["a"].nodes, quick["a"].iterations, quick["b"].iterations) == (4, 100, 7)
+    assert quick["b"].output == str(tmp_path / "out" / "b")
+
+
+@pytest.mark.parametrize("text, match", [
+    ("name: x\n", "non-empty 'runs'"),
+    ("runs: [{transport: tcp}]\n", "needs a name"),
+    ("runs: [{name: a}, {name: a}]\n", "repeated"),
+    ("runs: [{name: a, nodez: 3}]\n", "run 'a'.*nodez"),
+    ("runs: [{name: a}]\nextra: 1\n", "unknown section"),
+    ("runs: [{name: a\n", "not valid YAML"),
+])
+def test_bad_experiment_files(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        load_experiment(path, quick=False)
+
+
+def test_missing_experiment_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_experiment(tmp_path / "nope.yaml", quick=False)
+
+
+def test_report_compares_real_runs(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text("name: mini\ndescription: two transports\n"
+                    "base: {nodes: 3, topology: ring, iterations: 6, test_after: 3, rounds: 1, seed: 4}\n"
+                    "runs:\n  - {name: tcp, transport: tcp}\n  - {name: udp, transport: udp, net: 'loss=30%', "
+                    "chunk_bytes: 4000, udp_timeout: 0.1}\n")
+    output = run_experiment(load_experiment(path, quick=False, output=tmp_path / "report"), progress=False,
+                            log=lambda *_: None)
+    for name in ("table.md", "table.csv", "per_node.csv", "experiment.json", "comparison.png", "iteration_times.png"):
+        assert (output / name).is_file(), name
+    rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}
+    assert set(rows) == {"tcp", "udp"}
+    assert int(rows["tcp"]["chunks_lost"]) == 0 and int(rows["udp"]["chunks_lost"]) > 0
+    assert float(rows["udp"]["timeout_share"]) > 0 and 0 < float(rows["tcp"]["accuracy"]) <= 1
+    per_node = list(csv.DictReader((output / "per_node.csv").open()))
+    assert len(per_node) == 6 and all(int(r["bytes_sent"]) > 0 for r in per_node)
+    assert json.loads((output / "experiment.json").read_text())["name"] == "mini"
+    assert "| tcp |" in (output / "table.md").read_text()

@@ -1,0 +1,246 @@
+"""Gossip: interpolation rules, peer scores, the pull endpoint, the dpwa adapter and config, runs."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from meshlearn.adapter import DpwaPyTorchAdapter, GossipAdapter, load_gossip_config
+from meshlearn.algorithms.gossip import GossipSettings, PeerScores, interpolation_factor
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.sim import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+DPWA_SAMPLE = """\
+- nodes:
+  - {name: w1, host: localhost, port: 45000}
+  - {name: w2, host: localhost, port: 45001}
+- fetch_probability: 1
+- timeout_ms: 2500
+- interpolation: constant   # clock | loss | constant
+- divergence_threshold: 0.2
+- constant: { value: 0.5 }
+- clock: 0
+- loss: 0
+"""
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _group(ports, timeout_ms=300, **extra):
+    return {"nodes": [{"name": f"w{i}", "host": "127.0.0.1", "port": p} for i, p in enumerate(ports)],
+            "timeout_ms": timeout_ms, **extra}
+
+
+# --- interpolation --------------------------------------------------------------------------
+
+def test_interpolation_formulas_by_hand():
+    constant = GossipSettings(interpolation="constant", value=0.3)
+    assert interpolation_factor(constant, 10, 90, 1.0, 2.0) == pytest.approx(0.3)
+    clock = GossipSettings(interpolation="clock")
+    assert interpolation_factor(clock, 30, 90, 1.0, 2.0) == pytest.approx(90 / 120)
+    assert interpolation_factor(clock, 0, 0, 1.0, 2.0) == pytest.approx(0.5)
+    by_loss = GossipSettings(interpolation="loss")
+    assert interpolation_factor(by_loss, 1, 1, 3.0, 1.0) == pytest.approx(0.75)  # my loss is worse: take more
+    assert interpolation_factor(by_loss, 1, 1, 1.0, 3.0) == pytest.approx(0.25)
+
+
+def test_divergence_threshold_scales_the_factor_below_it():
+    settings = GossipSettings(interpolation="constant", value=0.5, divergence_threshold=0.2)
+    assert interpolation_factor(settings, 1, 1, 0.05, 1.0) == pytest.approx(0.5 * 0.05 / 0.2)
+    assert interpolation_factor(settings, 1, 1, 0.5, 1.0) == pytest.approx(0.5)  # above: unchanged
+    by_loss = GossipSettings(interpolation="loss", divergence_threshold=0.2)
+    assert interpolation_factor(by_loss, 1, 1, 0.1, 0.3) == pytest.approx(0.25 * 0.5)
+
+
+def test_bad_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="interpolation"):
+        GossipSettings(interpolation="median")
+    with pytest.raises(ConfigError):
+        GossipSettings(fetch_probability=1.5)
+
+
+# --- peer scores ----------------------------------------------------------------------------
+
+def test_scores_pick_a_failing_peer_rarely_and_recover_it():
+    import random
+
+    scores = PeerScores([0, 1, 2, 3], random.Random(3))
+    for _ in range(20):
+        scores.failure(3)
+    assert scores.score[3] == PeerScores.LOW
+    picks = [scores.pick() for _ in range(4000)]
+    share = picks.count(3) / len(picks)
+    assert 0 < share < 0.05  # rarely, but still retried
+    for _ in range(200):
+        scores.success(3)
+    assert scores.score[3] == PeerScores.HIGH
+    assert scores.score[0] == PeerScores.START
+
+
+# --- config ---------------------------------------------------------------------------------
+
+def test_dpwa_sample_config_loads_as_is(tmp_path):
+    path = tmp_path / "dpwa.yaml"
+    path.write_text(DPWA_SAMPLE)
+    config = load_gossip_config(path)
+    assert [n.name for n in config.nodes] == ["w1", "w2"] and config.nodes[1].port == 45001
+    settings = config.settings()
+    assert (settings.fetch_probability, settings.timeout, settings.interpolation, settings.value,
+            settings.divergence_threshold) == (1, 2.5, "constant", 0.5, 0.2)
+    same = tmp_path / "meshlearn.yaml"
+    same.write_text("nodes:\n  - {name: w1, host: localhost, port: 45000}\n  - {name: w2, host: localhost, port: 45001}\n"
+                    "timeout_ms: 2500\ndivergence_threshold: 0.2\nconstant: 0.5\n")
+    assert load_gossip_config(same).settings() == settings
+
+
+@pytest.mark.parametrize("text, match", [
+    ("- nodes: []\n", "nodes"),
+    (DPWA_SAMPLE.replace("constant   #", "median   #"), "interpolation"),
+    (DPWA_SAMPLE.replace("port: 45001", "port: 70000"), "port"),
+    (DPWA_SAMPLE.replace("name: w2", "name: w1"), "unique"),
+    (DPWA_SAMPLE + "- timeout_ms: 10\n", "twice"),
+    (DPWA_SAMPLE + "- speed: 3\n", "speed"),
+    ("- nodes: [\n", "not valid YAML"),
+    ("42\n", "list of one-key maps"),
+])
+def test_malformed_configs_give_one_clear_line(tmp_path, text, match):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=match) as info:
+        load_gossip_config(path)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_worker_name():
+    with pytest.raises(ConfigError, match="no node named 'w9'"):
+        GossipAdapter(nn.Linear(2, 2), "w9", _group([45000, 45001]))
+
+
+# --- adapters in one process: a dead peer -----------------------------------------------------
+
+def test_dead_peer_is_fetched_rarely_never_blocks_and_is_used_again_when_back():
+    ports = _free_ports(4)
+    config = _group(ports, timeout_ms=200)
+    torch.manual_seed(0)
+    adapters = [DpwaPyTorchAdapter(nn.Linear(8, 4), f"w{i}", config, seed=i) for i in range(3)]  # w3 is dead
+    try:
+        for a in adapters:
+            a.start()
+        me = adapters[0]
+        picked, slowest, floor_at = [], 0.0, None
+        for step in range(400):
+            for a in adapters[1:]:
+                a.update_send(1.0)
+            me.update_send(1.0)
+            started = time.monotonic()
+            record = me.update_wait(1.0)
+            slowest = max(slowest, time.monotonic() - started)
+            for a in adapters[1:]:
+                a.update_wait(1.0)
+            picked.append(record["fetched"])
+            if floor_at is None and me.scores["w3"] == PeerScores.LOW:
+                floor_at = step + 1
+            if floor_at is not None and step + 1 - floor_at >= 150:
+                break
+        assert slowest < 0.2 + 0.3  # never blocked past timeout_ms (plus scheduling slack)
+        assert floor_at is not None and me.scores["w3"] == PeerScores.LOW  # at the floor after its failures
+        assert picked[:floor_at].count(3) >= 10  # it was tried ...
+        assert picked[floor_at:].count(3) <= 12  # ... and then rarely picked (about 1.3% expected)
+        # w3 comes back: it answers, its score climbs, and it is fetched from again
+        back = DpwaPyTorchAdapter(nn.Linear(8, 4), "w3", config, seed=3)
+        adapters.append(back)
+        back.update_send(1.0)
+        used = 0
+        for _ in range(400):
+            me.update_send(1.0)
+            record = me.update_wait(1.0)
+            used += record["fetched"] == 3 and not record.get("failed")
+            if used >= 2:
+                break
+        assert used >= 2 and me.scores["w3"] > 10.0
+    finally:
+        for a in adapters:
+            a.close()
+
+
+def test_refused_and_unserved_peers_do_not_crash():
+    ports = _free_ports(2)
+    lonely = GossipAdapter(nn.Linear(3, 3), "w0", _group(ports, timeout_ms=100))
+    try:
+        before = [p.clone() for p in lonely.model.parameters()]
+        for _ in range(3):
+            lonely.update_send(0.5)
+            record = lonely.update_wait(0.5)
+            assert record.get("failed") == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, lonely.model.parameters()))
+        assert lonely.clock == 3
+    finally:
+        lonely.close()
+
+
+# --- real processes -------------------------------------------------------------------------
+
+def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
+    ports = _free_ports(4)
+    config = tmp_path / "group.yaml"
+    config.write_text(json.dumps(_group(ports, timeout_ms=1000)))
+    procs = []
+    try:
+        for i in range(4):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "gossip_train.py"), "--config", str(config), "--name", f"w{i}",
+                 "--dataset", "digits", "--model", "mlp", "--epochs", "40", "--batch-size", "16", "--lr", "0.05",
+                 "--result", str(tmp_path / f"w{i}.json")],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        for proc in procs:
+            out, _ = proc.communicate(timeout=240)
+            assert proc.returncode == 0, out
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(4)]
+    assert np.mean([r["accuracy"] for r in results]) >= 0.90, results
+    params = np.stack([np.load(tmp_path / f"w{i}.json.npy") for i in range(4)])  # (worker, [initial, final], P)
+
+    def spread(models):
+        return float(np.linalg.norm(models - models.mean(0), axis=1).mean())
+
+    assert spread(params[:, 1]) < 0.25 * spread(params[:, 0])  # different starts, close at the end
+
+
+def test_simulate_with_gossip_writes_the_usual_results(tmp_path):
+    config = make_config({"algorithm": "gossip", "nodes": 4, "topology": "full", "iterations": 60, "test_after": 20,
+                          "rounds": 2, "batch_size": 16, "fetch_timeout": 1.0, "output": str(tmp_path / "run")})
+    result = simulate(config, progress=False)
+    for name in ("config.yaml", "graph.txt", "summary.csv", "summary.json", "accuracy.png", "loss.png"):
+        assert (result.output / name).is_file(), name
+    summary = json.loads((result.output / "summary.json").read_text())
+    assert summary["final"]["accuracy"] > 0.6
+    stats = [node["stats"] for node in summary["per_node"].values()]
+    assert sum(s["fetches"] for s in stats) >= 4 * 50 and sum(s["requests_served"] for s in stats) > 0
+
+
+def test_gossip_needs_tcp():
+    with pytest.raises(ConfigError, match="use transport tcp"):
+        make_config({"algorithm": "gossip", "transport": "udp"})
