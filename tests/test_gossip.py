@@ -170,7 +170,7 @@ def test_dead_peer_is_fetched_rarely_never_blocks_and_is_used_again_when_back():
         adapters.append(back)
         back.update_send(1.0)
         used = 0
-        for _ in range(400):
+        for _ in range(4000):  # about 1.3% of picks go to a peer at the floor: expect ~150 steps per use
             me.update_send(1.0)
             record = me.update_wait(1.0)
             used += record["fetched"] == 3 and not record.get("failed")
@@ -244,3 +244,12 @@ def test_simulate_with_gossip_writes_the_usual_results(tmp_path):
 def test_gossip_needs_tcp():
     with pytest.raises(ConfigError, match="use transport tcp"):
         make_config({"algorithm": "gossip", "transport": "udp"})
+
+
+def test_slowdown_settings():
+    config = make_config({"slowdown": "*:+20ms,0:3"})
+    assert config.slowdown_of(0) == (3.0, 0.0) and config.slowdown_of(5) == (1.0, 0.02)
+    assert make_config({}).slowdown_of(0) == (1.0, 0.0)
+    for bad in ("0:0.5", "x:3", "0:+abc", "0"):
+        with pytest.raises(ConfigError, match="slowdown"):
+            make_config({"slowdown": bad})

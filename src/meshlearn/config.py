@@ -37,7 +37,8 @@ class ExperimentConfig(BaseModel):
     interpolation: Literal["constant", "clock", "loss"] = Field("constant", description="gossip: how much of the peer to take")
     interpolation_value: float = Field(0.5, ge=0, le=1, description="gossip: the constant interpolation factor")
     divergence_threshold: float = Field(0.0, ge=0, description="gossip: below this loss take less of peers (0 = off)")
-    slowdown: str = Field("", description="emulated stragglers, RANK:FACTOR,... e.g. 0:3 (node 0 trains 3x slower)")
+    slowdown: str = Field("", description="emulated slow steps: RANK:FACTOR or RANK:+TIME, RANK may be *; "
+                          "e.g. 0:3 (node 0 trains 3x slower) or *:+20ms,0:+60ms (sleep per step)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
     batch_size: int = Field(32, ge=1)
     lr: float = Field(0.05, gt=0)
@@ -82,13 +83,13 @@ class ExperimentConfig(BaseModel):
     @classmethod
     def _valid_slowdown(cls, value: str) -> str:
         for item in filter(None, (part.strip() for part in value.split(","))):
-            rank, sep, factor = item.partition(":")
+            rank, sep, amount = item.partition(":")
             try:
-                ok = sep and int(rank) >= 0 and float(factor) >= 1
+                ok = bool(sep) and (rank == "*" or int(rank) >= 0) and _slowdown_amount(amount) is not None
             except ValueError:
                 ok = False
             if not ok:
-                raise ValueError(f"{item!r} is not RANK:FACTOR with a factor >= 1 (e.g. 0:3)")
+                raise ValueError(f"{item!r} is not RANK:FACTOR (>= 1, e.g. 0:3) or RANK:+TIME (e.g. *:+20ms)")
         return value.strip()
 
     @model_validator(mode="after")
@@ -97,13 +98,14 @@ class ExperimentConfig(BaseModel):
             raise ValueError("gossip fetches peers' states over TCP: use transport tcp")
         return self
 
-    def slowdown_of(self, rank: int) -> float:
-        """How many times slower node ``rank`` trains (1 = not a straggler)."""
+    def slowdown_of(self, rank: int) -> tuple[float, float]:
+        """Node ``rank``'s emulated slowness: (factor on its step time, seconds added per step).
+        An entry for the rank overrides one for ``*`` (every node)."""
+        found = {}
         for item in filter(None, (part.strip() for part in self.slowdown.split(","))):
-            r, _, factor = item.partition(":")
-            if int(r) == rank:
-                return float(factor)
-        return 1.0
+            r, _, amount = item.partition(":")
+            found[r] = _slowdown_amount(amount)
+        return found.get(str(rank), found.get("*", (1.0, 0.0)))
 
     @property
     def max_message_bytes(self) -> int:
@@ -116,6 +118,17 @@ class ExperimentConfig(BaseModel):
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (written next to every run's results)."""
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def _slowdown_amount(text: str) -> tuple[float, float] | None:
+    """``3`` -> (3.0, 0.0); ``+20ms`` -> (1.0, 0.02); None if neither."""
+    text = text.strip()
+    if text.startswith("+"):
+        number = text[1:].removesuffix("ms")
+        seconds = float(number) / 1000 if text.endswith("ms") else float(text[1:].removesuffix("s"))
+        return (1.0, seconds) if seconds >= 0 else None
+    factor = float(text)
+    return (factor, 0.0) if factor >= 1 else None
 
 
 def _describe(exc: ValidationError) -> str:

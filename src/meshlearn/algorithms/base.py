@@ -27,9 +27,9 @@ class AlgorithmContext:
 class Algorithm(ABC):
     """A way of combining models across nodes, called by the node's run loop.
 
-    ``before_local_steps`` runs once per iteration before the local SGD steps (gossip publishes
-    and starts a fetch there); ``after_local_steps`` runs after them and returns timings and
-    counters for the run log. Algorithms that work alongside training (gossip)
+    ``before_local_steps`` runs once per iteration before the local SGD steps, ``before_step`` and
+    ``after_step`` around each step (gossip exchanges there), and ``after_local_steps`` after
+    them; it returns timings and counters for the run log. Algorithms that work alongside training (gossip)
     start their helpers in ``start`` and stop them in ``stop``.
     """
 
@@ -43,6 +43,12 @@ class Algorithm(ABC):
 
     def before_local_steps(self, iteration: int) -> None:
         """Called at the start of each iteration, before the local steps."""
+
+    def before_step(self) -> None:
+        """Called before each local SGD step (gossip publishes and may start a fetch here)."""
+
+    def after_step(self, loss: float) -> None:
+        """Called after each local SGD step with its loss (gossip merges a fetched peer here)."""
 
     @abstractmethod
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:

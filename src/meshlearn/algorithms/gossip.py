@@ -144,7 +144,8 @@ class GossipAverager:
 
 @register_algorithm
 class Gossip(Algorithm):
-    """Asynchronous pairwise averaging over the topology's neighbours (dpwa's scheme)."""
+    """Asynchronous pairwise averaging over the topology's neighbours (dpwa's scheme): an
+    exchange around every local step, as dpwa's adapter does around every batch."""
 
     name = "gossip"
 
@@ -158,12 +159,23 @@ class Gossip(Algorithm):
         self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
                                        seed=config.seed * 7919 + ctx.rank)
         self._loss: float | None = None
+        self._comm = self._average = 0.0
+        self._merged = self._failed = 0
 
-    def before_local_steps(self, iteration: int) -> None:
+    def before_step(self) -> None:
         self.averager.update_send(self._loss)
 
+    def after_step(self, loss: float) -> None:
+        self._loss = loss
+        record = self.averager.update_wait(loss)
+        self._comm += record.get("comm", 0.0)
+        self._average += record.get("average", 0.0)
+        self._merged += record["fetched"] >= 0 and not record.get("failed")
+        self._failed += record.get("failed", 0)
+
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        self._loss = train_loss
-        record = self.averager.update_wait(train_loss, steps=max(1, self.ctx.config.rounds))
-        record["clock"] = self.averager.clock
+        record = {"comm": self._comm, "average": self._average, "merged": self._merged, "failed": self._failed,
+                  "clock": self.averager.clock}
+        self._comm = self._average = 0.0
+        self._merged = self._failed = 0
         return record

@@ -80,8 +80,9 @@ class Node:
         try:
             return self._sgd_step()
         finally:
-            if self.slowdown > 1:  # an emulated straggler: its steps take `slowdown` times as long
-                time.sleep((self.slowdown - 1) * (time.perf_counter() - started))
+            factor, extra = self.slowdown
+            if factor > 1 or extra > 0:  # emulated slowness (a straggler, or a device-bound step)
+                time.sleep((factor - 1) * (time.perf_counter() - started) + extra)
 
     def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
@@ -138,12 +139,16 @@ class Node:
             last: Evaluation | None = None
             for iteration in range(config.iterations):
                 self.algorithm.before_local_steps(iteration)
-                t0 = time.perf_counter()
-                losses = [self.train_step() for _ in range(config.rounds)]
-                t1 = time.perf_counter()
+                losses, train_time = [], 0.0
+                for _ in range(config.rounds):
+                    self.algorithm.before_step()
+                    t0 = time.perf_counter()
+                    losses.append(self.train_step())
+                    train_time += time.perf_counter() - t0
+                    self.algorithm.after_step(losses[-1])
                 train_loss = sum(losses) / len(losses) if losses else None
                 record = self.algorithm.after_local_steps(iteration, train_loss)
-                record.update(event="iteration", iteration=iteration, train=t1 - t0, train_loss=train_loss)
+                record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss)
                 done = iteration + 1
                 if evaluates and (done % config.test_after == 0 or done == config.iterations):
                     t2 = time.perf_counter()

@@ -5,8 +5,8 @@ Over ZeroMQ TCP: the server is a ROUTER socket owned by a serving thread; each f
 message on a DEALER socket (one per peer, owned by a single fetch thread) answered by a REPLY
 carrying the state and its ``clock`` and ``loss`` in the message metadata. DEALERs are
 ``ZMQ_IMMEDIATE``: a peer with no live connection (dead, not started yet, refusing) fails the
-fetch within ``CONNECT_WAIT`` instead of its whole timeout, while ZeroMQ keeps reconnecting in the
-background. A peer that answers late costs the timeout; its late answer is recognised by its
+fetch at once (within ``CONNECT_WAIT`` on first contact) instead of costing its whole timeout,
+while ZeroMQ keeps reconnecting in the background. A peer that answers late costs the timeout; its late answer is recognised by its
 request id and discarded. There is no handshake, since gossip peers may come and go.
 """
 
@@ -165,10 +165,13 @@ class PullEndpoint(Endpoint):
             return None
         self.fetches += 1
         self._request_id += 1
+        fresh = peer not in self._dealers
         dealer = self._dealer(peer)
         deadline = time.monotonic() + timeout
         try:
-            if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000), zmq.POLLOUT):
+            # A new socket gets CONNECT_WAIT for its first handshake; a known peer whose connection
+            # is down (gone, restarting) fails at once while ZeroMQ reconnects in the background.
+            if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000) if fresh else 0, zmq.POLLOUT):
                 raise zmq.Again()  # no connection to the peer
             dealer.send_multipart(encode(Message(Kind.REQUEST, self.node_id, self._request_id)), zmq.NOBLOCK)
             while (remaining := deadline - time.monotonic()) > 0:

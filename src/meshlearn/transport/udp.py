@@ -133,6 +133,9 @@ class UdpTransport(Transport):
         self.rcvbuf_bytes = rcvbuf_bytes
         self.rate = rate_bytes_per_s
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
+        # HELLOs are sent a timing-dependent number of times: their own random stream keeps the
+        # model datagrams' drop pattern the same from run to run for a given seed.
+        self.control_emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id + 104_729)
         self.address = ""
         self.chunks_lost = 0
         self.datagrams_sent = 0
@@ -226,14 +229,15 @@ class UdpTransport(Transport):
 
     def _send_control(self, peer: int, kind: Kind, flags: int = 0) -> None:
         header = ChunkHeader(kind, self.node_id, 0, 0, 1, self.chunk_bytes, 0, 0, flags)
-        self._emit([pack_header(header)], self._addrs[peer])
+        self._emit([pack_header(header)], self._addrs[peer], self.control_emulator)
 
-    def _emit(self, pieces: list, addr: tuple[str, int]) -> None:
+    def _emit(self, pieces: list, addr: tuple[str, int], emulator: Emulator | None = None) -> None:
         """Send one datagram, through the emulator's loss and delay."""
-        if self.emulator.drop():
+        emulator = emulator or self.emulator
+        if emulator.drop():
             self.emulated_drops += 1
             return
-        delay = self.emulator.delay()
+        delay = emulator.delay()
         if delay > 0:
             with self._cond:
                 self._seq += 1
