@@ -2,8 +2,6 @@
 
 import json
 import logging
-import os
-import shutil
 import subprocess
 import sys
 

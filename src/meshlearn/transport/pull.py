@@ -12,7 +12,6 @@ request id and discarded. There is no handshake, since gossip peers may come and
 
 from __future__ import annotations
 
-import errno
 import logging
 import struct
 import threading
@@ -23,9 +22,10 @@ from typing import Mapping
 import torch
 import zmq
 
-from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.errors import TransportError, WireError
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Endpoint
+from meshlearn.transport.zmqsock import bind_router
 from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -59,19 +59,12 @@ class PullEndpoint(Endpoint):
     def bind(self) -> str:
         tune_allocator()
         self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.MAXMSGSIZE, 64 * 1024)  # requests are tiny
         try:
-            router.bind(f"tcp://{self.host}:{'*' if self.port == 0 else self.port}")
-        except zmq.ZMQError as exc:
-            router.close()
+            router = bind_router(self._ctx, self.node_id, self.host, self.port, 64 * 1024)  # requests are tiny
+        except Exception:
             self._ctx.term()
             self._ctx = None
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUseError(f"port {self.port} on {self.host} is in use: choose another port "
-                                     "or stop the process using it") from None
-            raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{self.port}: {exc}") from None
+            raise
         self._router = router
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.address

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
 import struct
@@ -11,10 +10,11 @@ from typing import Iterable, Mapping
 
 import zmq
 
-from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.errors import TransportError, WireError
 from meshlearn.netem import Emulator, NetemSpec
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
+from meshlearn.transport.zmqsock import bind_router
 from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
@@ -72,24 +72,13 @@ class TcpTransport(Transport):
     def bind(self) -> str:
         tune_allocator()
         self._ctx = zmq.Context()
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        router.setsockopt(zmq.RCVHWM, 0)
-        # libzmq refuses (and disconnects) any single frame over the cap before buffering it.
-        router.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-        port = "*" if self.port == 0 else str(self.port)
         try:
-            router.bind(f"tcp://{self.host}:{port}")
-        except zmq.ZMQError as exc:
-            router.close()
+            router = bind_router(self._ctx, self.node_id, self.host, self.port, self.max_message_bytes,
+                                 {zmq.ROUTER_HANDOVER: 1, zmq.RCVHWM: 0})
+        except Exception:
             self._ctx.term()
             self._ctx = None
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUseError(
-                    f"port {self.port} on {self.host} is in use: choose another port or stop the process using it"
-                ) from None
-            raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{port}: {exc}") from None
+            raise
         self._router = router
         self._poller.register(router, zmq.POLLIN)
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
