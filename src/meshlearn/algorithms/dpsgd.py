@@ -45,8 +45,9 @@ class DPSGD(Algorithm):
         received = ctx.transport.gather(iteration, self.neighbours, timeout)
         t2 = time.perf_counter()
         usable = []
-        for sender, reply in received.items():
-            problem = ctx.flat.check_compatible(reply.tensors)
+        # Sum in rank order, not arrival order, so that a run is bit-for-bit reproducible.
+        for sender in sorted(received):
+            problem = ctx.flat.check_compatible(received[sender].tensors)
             if problem is None:
                 usable.append(sender)
             else:
