@@ -21,7 +21,8 @@ class ExperimentConfig(BaseModel):
     dataset: str = Field("digits", description="digits | fashion-mnist:PATH | mnist:PATH | cifar10:PATH | imagefolder:PATH")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
-    algorithm: Literal["dpsgd", "gossip"] = Field("dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa)")
+    algorithm: Literal["dpsgd", "gossip", "local"] = Field(
+        "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | local (no exchange)")
     transport: Literal["tcp", "udp"] = "tcp"
     udp_mode: Literal["sync", "async"] = Field("sync", description="UDP: wait for all chunks (sync) or use what arrived (async)")
     udp_timeout: float = Field(0.4, gt=0, description="UDP sync mode: seconds to wait for neighbours' chunks")

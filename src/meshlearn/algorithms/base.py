@@ -61,10 +61,22 @@ class Algorithm(ABC):
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
+class LocalOnly(Algorithm):
+    """No exchange: each node trains alone (a baseline, or a node whose models a service moves)."""
+
+    name = "local"
+
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        return {}
+
+
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator adding an algorithm to the registry under ``cls.name``."""
     ALGORITHMS[cls.name] = cls
     return cls
+
+
+register_algorithm(LocalOnly)
 
 
 def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:

@@ -1,4 +1,4 @@
-"""The `meshlearn` command: demo, simulate, experiment, node."""
+"""The `meshlearn` command: demo, simulate, experiment, node, and the network commands (cli.network)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshlearn.cli.network import add_network_commands
 from meshlearn.config import ExperimentConfig, make_config, read_config_file
 from meshlearn.errors import MeshlearnError
 
@@ -140,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--rank", required=True, type=int, help="this node's rank")
     _add_config_flags(node)
     node.set_defaults(func=cmd_node)
+    add_network_commands(sub)
     return parser
 
 

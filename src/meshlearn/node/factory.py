@@ -15,7 +15,7 @@ from meshlearn.netem import NetemSpec
 from meshlearn.node.node import Node
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
-from meshlearn.transport import Endpoint, TcpTransport
+from meshlearn.transport import Endpoint, TcpTransport, Unconnected
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 
@@ -27,6 +27,8 @@ def make_transport(
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
+    if config.algorithm == "local":
+        return Unconnected(rank)
     if config.algorithm == "gossip":
         if config.transport != "tcp":
             raise ConfigError("gossip fetches peers' states over TCP: use transport tcp")

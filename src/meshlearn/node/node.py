@@ -34,6 +34,33 @@ class Evaluation:
     confusion: list[list[int]] = field(default_factory=list)
 
 
+@torch.no_grad()
+def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | str = "cpu",
+                   limit: int = 0, full: bool = False) -> Evaluation:
+    """A model's loss and accuracy on the test set (first ``limit`` samples; 0 = all); all metrics if ``full``."""
+    limit = limit or len(dataset.test_y)
+    xs, ys = dataset.test_x[:limit], dataset.test_y[:limit]
+    model.eval()
+    total_loss = 0.0
+    preds = []
+    for start in range(0, len(ys), EVAL_BATCH):
+        x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
+        y = ys[start:start + EVAL_BATCH].to(device)
+        logits = model(x)
+        total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
+        preds.append(logits.argmax(1).cpu())
+    confusion = confusion_matrix(ys, torch.cat(preds), dataset.num_classes)
+    report = classification_report(confusion)
+    return Evaluation(
+        loss=total_loss / max(1, len(ys)),
+        accuracy=report["accuracy"],
+        precision=report["precision"],
+        recall=report["recall"],
+        f1=report["f1"],
+        confusion=confusion.tolist() if full else [],
+    )
+
+
 class Node:
     """One participant of a run: a model, a data shard, an optimizer, an algorithm, a transport.
 
@@ -94,30 +121,9 @@ class Node:
         self.optimizer.step()
         return float(loss.detach())
 
-    @torch.no_grad()
     def evaluate(self, full: bool = False) -> Evaluation:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
-        limit = self.config.eval_samples or len(self.dataset.test_y)
-        xs, ys = self.dataset.test_x[:limit], self.dataset.test_y[:limit]
-        self.model.eval()
-        total_loss = 0.0
-        preds = []
-        for start in range(0, len(ys), EVAL_BATCH):
-            x = self.dataset.normalize(xs[start:start + EVAL_BATCH]).to(self.device)
-            y = ys[start:start + EVAL_BATCH].to(self.device)
-            logits = self.model(x)
-            total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-            preds.append(logits.argmax(1).cpu())
-        confusion = confusion_matrix(ys, torch.cat(preds), self.dataset.num_classes)
-        report = classification_report(confusion)
-        return Evaluation(
-            loss=total_loss / max(1, len(ys)),
-            accuracy=report["accuracy"],
-            precision=report["precision"],
-            recall=report["recall"],
-            f1=report["f1"],
-            confusion=confusion.tolist() if full else [],
-        )
+        return evaluate_model(self.model, self.dataset, self.device, self.config.eval_samples, full)
 
     def _write(self, event: dict) -> None:
         if self.log is not None:

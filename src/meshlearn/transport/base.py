@@ -73,6 +73,20 @@ class Endpoint(ABC):
         """Release the endpoint (push transports say BYE first)."""
 
 
+class Unconnected(Endpoint):
+    """The endpoint of a node that exchanges nothing itself (local training, or models moved by a
+    service above the engine, as leader aggregation does)."""
+
+    def bind(self) -> str:
+        return ""
+
+    def connect(self, peers: Mapping[int, str]) -> None:
+        self.peers = dict(peers)
+
+    def close(self) -> None:
+        pass
+
+
 class Transport(Endpoint):
     """Pushes messages between one node and its neighbours.
 

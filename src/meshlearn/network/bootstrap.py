@@ -1,0 +1,134 @@
+"""The bootstrap node: entry point of the network and registry of providers (``meshlearn bootstrap``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshlearn.network.envelope import BadMessage, Envelope, field_of
+from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
+from meshlearn.network.rpc import RpcServer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BootstrapSettings:
+    """Where the bootstrap listens, where it keeps its registry, and how long a heartbeat lasts."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    state: str = "meshlearn-bootstrap.sqlite"
+    ttl: float = 30.0
+    max_message_bytes: int = 1024 * 1024
+
+
+class Bootstrap:
+    """Serves registration, heartbeats, discovery and atomic claims; expires silent providers."""
+
+    def __init__(self, settings: BootstrapSettings, secret: bytes):
+        self.settings = settings
+        self.registry = Registry(settings.state)
+        self.server = RpcServer("bootstrap", settings.host, settings.port, secret, {
+            "ping": lambda req: {"service": "bootstrap"},
+            "register": self._register,
+            "heartbeat": self._heartbeat,
+            "leave": self._leave,
+            "discover": self._discover,
+            "claim": self._claim,
+            "release": self._release,
+            "task": self._task,
+        }, max_bytes=settings.max_message_bytes)
+        self._stop = threading.Event()
+
+    def run(self, ready: threading.Event | None = None) -> None:
+        """Serve until ``stop()``: open the registry, bind, sweep expired providers every second."""
+        Path(self.settings.state).parent.mkdir(parents=True, exist_ok=True) if self.settings.state != ":memory:" else None
+        self.registry.open()
+        try:
+            self.server.bind()
+            self.server.start()
+            log.info("bootstrap listening on %s (registry %s, %d provider(s) restored)",
+                     self.server.address, self.settings.state, len(self.registry.providers()))
+            if ready is not None:
+                ready.set()
+            while not self._stop.wait(1.0):
+                for gone in self.registry.expire(self.settings.ttl):
+                    log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
+        finally:
+            self.server.stop()
+            self.registry.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _register(self, req: Envelope) -> dict:
+        b = req.body
+        device = field_of(b, "device", str)
+        if device not in DEVICE_ORDER:
+            raise BadMessage(f"device {device!r} is not one of {sorted(DEVICE_ORDER)}")
+        info = ProviderInfo(
+            id=field_of(b, "id", str, max_len=64), address=field_of(b, "address", str, max_len=256),
+            ram_gb=float(field_of(b, "ram_gb", (int, float), min_value=0)),
+            cores=field_of(b, "cores", int, min_value=1), device=device,
+            location=field_of(b, "location", str, "", max_len=64),
+            status=_status(field_of(b, "status", str, "free")), task=field_of(b, "task", (str, type(None)), None))
+        self.registry.register(info)
+        log.info("provider %s registered at %s (%s, %d cores, %.1f GB)", info.id, info.address,
+                 info.device, info.cores, info.ram_gb)
+        return {"registered": info.id, "ttl": self.settings.ttl}
+
+    def _heartbeat(self, req: Envelope) -> dict:
+        b = req.body
+        known = self.registry.heartbeat(field_of(b, "id", str, max_len=64), _status(field_of(b, "status", str)),
+                                        field_of(b, "task", (str, type(None)), None, max_len=64))
+        return {"known": known, "ttl": self.settings.ttl}
+
+    def _leave(self, req: Envelope) -> dict:
+        return {"left": self.registry.remove(field_of(req.body, "id", str, max_len=64))}
+
+    def _discover(self, req: Envelope) -> dict:
+        b = req.body
+        found = self.registry.discover(
+            field_of(b, "count", int, 100, min_value=1), field_of(b, "device", str, "any"),
+            field_of(b, "location", (str, type(None)), None), field_of(b, "free_only", bool, True))
+        return {"providers": [p.public() for p in found]}
+
+    def _claim(self, req: Envelope) -> dict:
+        b = req.body
+        task_id = field_of(b, "task", str, max_len=64)
+        taken = self.registry.claim(task_id, req.sender[:128], field_of(b, "count", int, min_value=1),
+                                    field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None))
+        if not taken:
+            raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
+        return {"providers": [p.public() for p in taken]}
+
+    def _release(self, req: Envelope) -> dict:
+        self.registry.release(field_of(req.body, "task", str, max_len=64),
+                              field_of(req.body, "status", str, "done", max_len=32))
+        return {"released": True}
+
+    def _task(self, req: Envelope) -> dict:
+        record = self.registry.task(field_of(req.body, "task", str, max_len=64))
+        if record is None:
+            raise BadMessage(f"task {req.body.get('task')!r} is unknown to this bootstrap")
+        return record
+
+
+def _status(value: str) -> str:
+    if value not in ("free", "busy", "leaving"):
+        raise BadMessage(f"status {value!r} is not free, busy or leaving")
+    return value
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

@@ -1,0 +1,173 @@
+"""Moving a task's data to providers: shards written by the requester, served in checksummed chunks.
+
+A download resumes from the bytes it already holds after a dropped connection and is checked
+against the file's SHA-256 at the end. Files are named, never addressed by path: the server
+looks names up in its own table and the client writes only into its own folder, so a name like
+``../../etc/passwd`` is refused on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import crc32c
+import torch
+from safetensors.torch import load_file, save_file
+
+from meshlearn.data import Dataset
+from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
+from meshlearn.network.rpc import RemoteError, Unreachable, call
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 1024 * 1024
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_name(name: str) -> str:
+    """A shared file's name, refused if it could name anything outside the shared folder."""
+    if not isinstance(name, str) or not _NAME.match(name) or ".." in name:
+        raise BadMessage(f"file name {name!r} is not allowed: letters, digits, '.', '_' and '-' only")
+    return name
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class SharedFile:
+    """A file offered to providers: where it lies here, its size and SHA-256."""
+
+    path: Path
+    size: int
+    sha256: str
+
+    def describe(self) -> dict:
+        return {"size": self.size, "sha256": self.sha256}
+
+
+class FileShare:
+    """The files a requester serves, by name (handlers for an RpcServer)."""
+
+    def __init__(self):
+        self.files: dict[str, SharedFile] = {}
+        self.chunks_served = 0
+
+    def add(self, name: str, path: Path) -> None:
+        path = Path(path)
+        self.files[check_name(name)] = SharedFile(path, path.stat().st_size, sha256_of(path))
+
+    def manifest(self) -> dict[str, dict]:
+        return {name: f.describe() for name, f in self.files.items()}
+
+    def handlers(self) -> dict:
+        return {"data.chunk": self._chunk}
+
+    def _chunk(self, req: Envelope) -> tuple[dict, list]:
+        name = check_name(field_of(req.body, "name", str, max_len=128))
+        shared = self.files.get(name)
+        if shared is None:
+            raise BadMessage(f"no shared file named {name!r}")
+        offset = field_of(req.body, "offset", int, min_value=0)
+        length = min(field_of(req.body, "length", int, CHUNK_BYTES, min_value=1), MAX_CHUNK_BYTES)
+        if offset > shared.size:
+            raise BadMessage(f"offset {offset} is past the end of {name} ({shared.size} bytes)")
+        with open(shared.path, "rb") as f:
+            f.seek(offset)
+            data = f.read(min(length, shared.size - offset))
+        self.chunks_served += 1
+        return {"offset": offset, "crc32c": crc32c.crc32c(data)}, [data]
+
+
+def download(address: str, name: str, expected: dict, folder: Path, secret: bytes, *,
+             retries: int = 5, timeout: float = 10.0, chunk_bytes: int = CHUNK_BYTES, sender: str = "") -> Path:
+    """Fetch shared file ``name`` into ``folder``, resuming a partial download; return its path.
+
+    ``expected`` is the manifest entry (size, sha256). Each chunk's CRC-32C is checked as it
+    arrives; the whole file's SHA-256 at the end (a mismatch deletes the partial file).
+    """
+    name = check_name(name)
+    size, sha = int(expected["size"]), str(expected["sha256"])
+    folder.mkdir(parents=True, exist_ok=True)
+    final, part = folder / name, folder / f"{name}.part"
+    if final.exists() and final.stat().st_size == size and sha256_of(final) == sha:
+        return final
+    failures = 0
+    with open(part, "ab") as out:
+        while out.tell() < size:
+            offset = out.tell()
+            try:
+                reply = call(address, "data.chunk", {"name": name, "offset": offset, "length": chunk_bytes},
+                             secret, timeout=timeout, sender=sender)
+            except (Unreachable, RemoteError) as exc:
+                failures += 1
+                if failures > retries:
+                    raise NetworkError(f"download of {name} from {address} failed at byte {offset} of {size} "
+                                       f"after {retries} retries: {exc}") from None
+                log.warning("download of %s interrupted at byte %d (%s); resuming", name, offset, exc)
+                time.sleep(min(2.0, 0.2 * 2 ** failures))
+                continue
+            data = bytes(reply.blobs[0]) if len(reply.blobs) == 1 else b""
+            if reply.body.get("offset") != offset or reply.body.get("crc32c") != crc32c.crc32c(data) or not data:
+                failures += 1
+                if failures > retries:
+                    raise NetworkError(f"download of {name}: chunk at byte {offset} failed its checksum {retries} times")
+                continue
+            if offset + len(data) > size:
+                raise NetworkError(f"download of {name}: the server sent more than the {size} bytes announced")
+            out.write(data)
+            failures = 0
+        out.flush()
+        os.fsync(out.fileno())
+    if sha256_of(part) != sha:
+        part.unlink()
+        raise NetworkError(f"download of {name}: SHA-256 does not match the manifest; the partial file was deleted")
+    part.replace(final)
+    return final
+
+
+def write_shard(path: Path, x: torch.Tensor, y: torch.Tensor) -> None:
+    """Samples and labels as a safetensors file (no pickle)."""
+    save_file({"x": x.contiguous(), "y": y.to(torch.int64).contiguous()}, str(path))
+
+
+def read_shard(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Samples and labels from a shard file, validated for shape agreement."""
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise NetworkError(f"shard {path.name} is not a valid safetensors file: {exc}") from None
+    if set(tensors) != {"x", "y"} or tensors["x"].ndim != 4 or tensors["y"].ndim != 1 \
+            or len(tensors["x"]) != len(tensors["y"]):
+        raise NetworkError(f"shard {path.name} must hold x (N, C, H, W) and y (N,)")
+    return tensors["x"], tensors["y"]
+
+
+def dataset_meta(dataset: Dataset) -> dict:
+    """What a provider needs to rebuild the dataset around its shard: classes and normalization."""
+    return {"name": dataset.name, "num_classes": dataset.num_classes, "class_names": list(dataset.class_names),
+            "mean": list(dataset.mean), "std": list(dataset.std)}
+
+
+def dataset_from_shards(meta: dict, train: tuple[torch.Tensor, torch.Tensor],
+                        test: tuple[torch.Tensor, torch.Tensor]) -> Dataset:
+    """A Dataset of a provider's shard and the test set, with the requester's normalization."""
+    num_classes = int(meta["num_classes"])
+    for y in (train[1], test[1]):
+        if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+            raise NetworkError(f"labels outside 0..{num_classes - 1} in the task's data")
+    return Dataset(str(meta["name"]), train[0], train[1], test[0], test[1], num_classes,
+                   tuple(str(c) for c in meta["class_names"]), tuple(float(m) for m in meta["mean"]),
+                   tuple(float(s) for s in meta["std"]))

@@ -1,0 +1,142 @@
+"""Signed control messages: a JSON header, raw binary blobs, and an HMAC-SHA256 over all of them.
+
+Nothing in a message is ever unpickled, evaluated or imported: the header is JSON (a dict of
+plain values), blobs are bytes the receiver decodes with a validating codec (models go through
+``meshlearn.wire``). A message whose signature does not match the network secret is rejected
+before its header is even parsed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from meshlearn.errors import MeshlearnError, UserInputError
+
+VERSION = 1
+MAC_BYTES = 32
+MAX_HEADER_BYTES = 1024 * 1024
+MAX_BLOBS = 4096
+MAX_CLOCK_SKEW = 600.0
+SECRET_ENV = "MESHLEARN_SECRET"
+
+
+class NetworkError(MeshlearnError):
+    """A network-service failure: an unreachable peer, a refused request, a bad message."""
+
+
+class AuthError(NetworkError):
+    """A message that is not signed with this network's secret."""
+
+
+class BadMessage(NetworkError):
+    """A message that is malformed, too big, or of an unknown version or kind."""
+
+
+@dataclass
+class Envelope:
+    """One control message: who sent it, what kind, a JSON body and binary blobs."""
+
+    kind: str
+    body: dict[str, Any] = field(default_factory=dict)
+    blobs: list[Any] = field(default_factory=list)
+    sender: str = ""
+    msg_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    sent_at: float = field(default_factory=time.time)
+
+
+def resolve_secret(secret: str | None = None, secret_file: str | None = None) -> bytes:
+    """The network secret from a flag, a file, or ``$MESHLEARN_SECRET``, at least 8 characters."""
+    if secret_file:
+        path = Path(secret_file)
+        if not path.is_file():
+            raise UserInputError(f"secret file {path} does not exist: give the file holding the network secret")
+        secret = path.read_text().strip()
+    secret = secret if secret is not None else os.environ.get(SECRET_ENV)
+    if not secret:
+        raise UserInputError(
+            f"no network secret: pass --secret, --secret-file or set {SECRET_ENV} (the same on every machine)")
+    if len(secret) < 8:
+        raise UserInputError("the network secret is too short: use at least 8 characters")
+    return secret.encode()
+
+
+def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for frame in frames:
+        view = memoryview(frame).cast("B")
+        mac.update(len(view).to_bytes(8, "little"))
+        mac.update(view)
+    return mac.digest()
+
+
+def seal(envelope: Envelope, secret: bytes) -> list[Any]:
+    """Frames for the wire: header, blobs (as given, not copied), signature."""
+    blobs = [memoryview(b).cast("B") for b in envelope.blobs]
+    header = json.dumps({
+        "v": VERSION, "kind": envelope.kind, "from": envelope.sender, "id": envelope.msg_id,
+        "ts": envelope.sent_at, "body": envelope.body, "blobs": [len(b) for b in blobs],
+    }, separators=(",", ":")).encode()
+    frames: list[Any] = [header, *blobs]
+    return frames + [_mac(secret, frames)]
+
+
+def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
+    """Verify and decode frames into an Envelope; raise AuthError or BadMessage on anything wrong."""
+    if len(frames) < 2:
+        raise BadMessage(f"a message needs a header and a signature, got {len(frames)} frame(s)")
+    if len(frames) - 2 > MAX_BLOBS:
+        raise BadMessage(f"too many blobs ({len(frames) - 2} > {MAX_BLOBS})")
+    views = [memoryview(f.buffer if hasattr(f, "buffer") else f).cast("B") for f in frames]
+    total = sum(len(v) for v in views)
+    if total > max_bytes:
+        raise BadMessage(f"message of {total} bytes is over the {max_bytes}-byte cap")
+    if len(views[-1]) != MAC_BYTES or not hmac.compare_digest(bytes(views[-1]), _mac(secret, views[:-1])):
+        raise AuthError("message signature does not match: the sender does not hold this network's secret")
+    if len(views[0]) > MAX_HEADER_BYTES:
+        raise BadMessage(f"header of {len(views[0])} bytes is over the {MAX_HEADER_BYTES}-byte cap")
+    try:
+        header = json.loads(bytes(views[0]))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise BadMessage("header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise BadMessage("header is not a JSON object")
+    if header.get("v") != VERSION:
+        raise BadMessage(f"protocol version {header.get('v')!r} is not supported (this is version {VERSION})")
+    kind, body, sizes = header.get("kind"), header.get("body"), header.get("blobs")
+    sender, msg_id, sent_at = header.get("from"), header.get("id"), header.get("ts")
+    if not isinstance(kind, str) or not isinstance(body, dict) or not isinstance(sender, str) \
+            or not isinstance(msg_id, str) or not isinstance(sent_at, (int, float)) or not isinstance(sizes, list):
+        raise BadMessage("header lacks kind, body, from, id, ts or blobs, or has them of the wrong type")
+    if abs(time.time() - sent_at) > MAX_CLOCK_SKEW:
+        raise BadMessage(f"message timestamp is {time.time() - sent_at:.0f} s off: replayed, or clocks far apart")
+    blobs = views[1:-1]
+    if sizes != [len(b) for b in blobs]:
+        raise BadMessage("blob sizes in the header do not match the frames received")
+    return Envelope(kind, body, list(blobs), sender, msg_id, float(sent_at))
+
+
+def field_of(body: dict, key: str, kind: type | tuple[type, ...], default: Any = ..., *,
+             min_value: float | None = None, max_len: int = 4096) -> Any:
+    """``body[key]`` checked for type, bounds and length; BadMessage names the field otherwise."""
+    if key not in body:
+        if default is ...:
+            raise BadMessage(f"field {key!r} is missing")
+        return default
+    value = body[key]
+    if isinstance(value, bool) and bool not in (kind if isinstance(kind, tuple) else (kind,)):
+        raise BadMessage(f"field {key!r} must be {kind}, not a boolean")
+    if not isinstance(value, kind):
+        raise BadMessage(f"field {key!r} has the wrong type ({type(value).__name__})")
+    if min_value is not None and isinstance(value, (int, float)) and value < min_value:
+        raise BadMessage(f"field {key!r} must be at least {min_value}")
+    if isinstance(value, (str, list, dict)) and len(value) > max_len:
+        raise BadMessage(f"field {key!r} is too long ({len(value)} > {max_len})")
+    return value

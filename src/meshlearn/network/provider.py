@@ -1,0 +1,250 @@
+"""A provider: lends this machine's compute to the network, one task at a time (``meshlearn provider``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from meshlearn.errors import PortInUseError, UserInputError
+from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
+from meshlearn.network.results import read_results
+from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.task import TaskSpec
+from meshlearn.network.taskrun import ProviderContext, TaskRun
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProviderSettings:
+    """How a provider joins: its bootstrap, where it listens, what it declares, where it keeps tasks."""
+
+    bootstrap: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    location: str = ""
+    ram_gb: float | None = None
+    cores: int | None = None
+    device: str = "auto"
+    workdir: str = ""
+    data_root: str | None = None
+    models_module: str | None = None
+    provider_id: str = ""
+    max_message_mb: float = 512.0
+
+
+def detect_device(requested: str) -> tuple[str, str | None]:
+    """The device to train on and a warning if the requested one does not work here."""
+    import torch
+
+    if requested == "auto":
+        if torch.cuda.is_available():
+            return "cuda", None
+        mps = getattr(torch.backends, "mps", None)
+        return ("mps" if mps is not None and mps.is_available() else "cpu"), None
+    if requested == "cpu":
+        return "cpu", None
+    try:
+        torch.ones(1, device=requested).sum().item()
+        return requested.split(":")[0], None
+    except Exception as exc:  # noqa: BLE001 - any failure means: not usable here
+        return "cpu", f"device {requested} does not work here ({str(exc).splitlines()[0]}): training on the CPU"
+
+
+def detect_ram_gb() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def load_models_module(path: str) -> None:
+    """Import a local module that registers custom models: only one the operator names on the command line."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserInputError(f"models module {file} does not exist: give a local .py file that registers models")
+    spec = importlib.util.spec_from_file_location(f"meshlearn_user_models_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+class Provider:
+    """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
+
+    def __init__(self, settings: ProviderSettings, secret: bytes):
+        self.settings = settings
+        self.secret = secret
+        self.id = settings.provider_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        self.workdir = Path(settings.workdir or Path.home() / ".meshlearn" / f"provider-{self.id}")
+        self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, {
+            "ping": lambda req: {"service": "provider", "id": self.id},
+            "task.assign": self._assign,
+            "task.start": self._start_task,
+            "task.status": self._status,
+            "task.results": self._results,
+            "agg.push": lambda req: self._run_of(req).on_push(req),
+            "agg.ping": lambda req: self._run_of(req).on_ping(req),
+            "agg.results": lambda req: self._run_of(req).on_results(req),
+            "provider.leave": self._leave_request,
+        }, max_bytes=int(settings.max_message_mb * 2 ** 20))
+        self.runs: dict[str, TaskRun] = {}
+        self.current: TaskRun | None = None
+        self.device = "cpu"
+        self.leaving = threading.Event()
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # cuts the heartbeat wait short (leave, stop)
+        self._ttl = 30.0
+        self._lock = threading.Lock()
+
+    # ---- life cycle ------------------------------------------------------------------------
+
+    def run(self, ready: threading.Event | None = None) -> None:
+        """Join, serve until asked to leave, finish the current task, then leave the network."""
+        s = self.settings
+        if s.models_module:
+            load_models_module(s.models_module)
+        self.device, warning = detect_device(s.device)
+        if warning:
+            log.warning(warning)
+        try:
+            self.server.bind()
+        except PortInUseError:
+            wanted = self.server.port
+            self.server.port = 0
+            self.server.bind()
+            log.warning("port %d is in use: listening on %d instead", wanted, self.server.port)
+        self.server.start()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._register()
+        print(f"provider {self.id} listening on {self.server.address} ({self.device}); "
+              f"registered with {s.bootstrap}", flush=True)
+        if ready is not None:
+            ready.set()
+        try:
+            while not self._stop.is_set():
+                self._heartbeat()
+                if self.leaving.is_set() and not self._busy():
+                    break
+                self._wake.wait(1.0 if self.leaving.is_set() else self._ttl / 3)
+                self._wake.clear()
+        finally:
+            self._say_goodbye()
+            self.server.stop()
+
+    def leave(self) -> None:
+        """Leave after the current task (Ctrl-C, ``meshlearn leave``): no new task is accepted."""
+        if not self.leaving.is_set():
+            self.leaving.set()
+            task = self.current.spec.task_id if self._busy() else None
+            print(f"provider {self.id}: leaving" + (f" after task {task} finishes" if task else ""), flush=True)
+            self._wake.set()
+
+    def stop(self) -> None:
+        """Stop at once (a second Ctrl-C)."""
+        self._stop.set()
+        self._wake.set()
+
+    def _busy(self) -> bool:
+        return self.current is not None and self.current.state in ("preparing", "ready", "training", "finishing")
+
+    def _info(self) -> dict:
+        s = self.settings
+        return {"id": self.id, "address": self.server.address, "ram_gb": round(s.ram_gb or detect_ram_gb(), 2),
+                "cores": s.cores or os.cpu_count() or 1, "device": self.device, "location": s.location,
+                **self._doing()}
+
+    def _doing(self) -> dict:
+        status = "leaving" if self.leaving.is_set() else ("busy" if self._busy() else "free")
+        return {"status": status, "task": self.current.spec.task_id if self._busy() else None}
+
+    def _register(self) -> None:
+        for attempt in range(1, 1_000_000):
+            try:
+                reply = call(self.settings.bootstrap, "register", self._info(), self.secret, timeout=5, sender=self.id)
+                self._ttl = float(reply.body.get("ttl", 30.0))
+                return
+            except NetworkError as exc:
+                if attempt == 1:
+                    log.warning("cannot register with %s yet (%s); retrying", self.settings.bootstrap, exc)
+                if self._stop.wait(min(5.0, 0.5 * attempt)):
+                    return
+
+    def _heartbeat(self) -> None:
+        try:
+            reply = call(self.settings.bootstrap, "heartbeat", {"id": self.id, **self._doing()}, self.secret,
+                         timeout=5, sender=self.id)
+            if not reply.body.get("known", True):
+                self._register()
+        except NetworkError as exc:  # a bootstrap restart must not disturb running tasks
+            log.warning("heartbeat to %s failed: %s", self.settings.bootstrap, exc)
+
+    def _say_goodbye(self) -> None:
+        for attempt in range(1, 4):
+            try:
+                call(self.settings.bootstrap, "leave", {"id": self.id}, self.secret, timeout=5, sender=self.id)
+                print(f"provider {self.id} left the network (confirmed by {self.settings.bootstrap})", flush=True)
+                return
+            except NetworkError as exc:
+                log.warning("leave attempt %d failed: %s", attempt, exc)
+                time.sleep(0.5 * attempt)
+        print(f"provider {self.id}: the bootstrap did not confirm; it forgets this provider after its TTL", flush=True)
+
+    # ---- handlers --------------------------------------------------------------------------
+
+    def _run_of(self, req: Envelope) -> TaskRun:
+        task = field_of(req.body, "task", str, max_len=64)
+        run = self.runs.get(task)
+        if run is None:
+            raise BadMessage(f"task {task!r} is not running on {self.id}")
+        return run
+
+    def _assign(self, req: Envelope) -> dict:
+        spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
+        with self._lock:
+            if self.leaving.is_set():
+                raise BadMessage(f"provider {self.id} is leaving the network")
+            if self._busy() and self.current.spec.task_id != spec.task_id:
+                raise BadMessage(f"provider {self.id} is busy with task {self.current.spec.task_id}")
+            if spec.task_id in self.runs:
+                return self.runs[spec.task_id].status()
+            ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
+                                  Path(self.settings.data_root) if self.settings.data_root else None,
+                                  int(self.settings.max_message_mb * 2 ** 20))
+            run = TaskRun(spec, ctx)
+            self.runs[spec.task_id] = self.current = run
+        threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()
+        log.info("task %s accepted (provider %d of %d)", spec.task_id, run.index + 1, len(spec.peers))
+        return run.status()
+
+    def _start_task(self, req: Envelope) -> dict:
+        run = self._run_of(req)
+        book = field_of(req.body, "engines", dict, max_len=256)
+        try:
+            run.start({int(k): str(v) for k, v in book.items()})
+        except ValueError:
+            raise BadMessage("engines must map provider index to address") from None
+        return run.status()
+
+    def _status(self, req: Envelope) -> dict:
+        return self._run_of(req).status()
+
+    def _results(self, req: Envelope) -> tuple[dict, list]:
+        task = field_of(req.body, "task", str, max_len=64)
+        if not task.replace("-", "").replace("_", "").isalnum():
+            raise BadMessage(f"task id {task!r} is not valid")
+        found = read_results(self.workdir / "tasks" / task / "result")
+        if found is None:
+            raise BadMessage(f"{self.id} holds no result for task {task} (yet)")
+        metrics, model = found
+        return {"metrics": metrics}, [model]
+
+    def _leave_request(self, req: Envelope) -> dict:
+        self.leave()
+        return {"leaving": True, "after_task": self.current.spec.task_id if self._busy() else None}

@@ -1,0 +1,227 @@
+"""A requester: submits a training task to the network and gets the model and metrics back (``meshlearn request``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import yaml
+from safetensors.torch import load as load_safetensors
+
+from meshlearn.data import load_dataset, partition
+from meshlearn.errors import MeshlearnError, UserInputError
+from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
+from meshlearn.network.envelope import NetworkError
+from meshlearn.network.results import write_results
+from meshlearn.network.rpc import RemoteError, RpcServer, Unreachable, call
+from meshlearn.network.task import TaskRequest, TaskSpec, dataset_spec, new_task_id
+
+log = logging.getLogger(__name__)
+
+READY_TIMEOUT = 600.0
+Say = Callable[[str], None]
+
+
+class TaskFailed(MeshlearnError):
+    """The task could not finish: every provider failed or vanished."""
+
+
+class Requester:
+    """Claims providers, serves them the data, starts the task, follows it and collects the result."""
+
+    def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
+                 host: str = "127.0.0.1", port: int = 0, say: Say = print):
+        self.request = request
+        self.bootstrap = bootstrap
+        self.secret = secret
+        self.output = output
+        self.host, self.port = host, port
+        self.say = say
+        self.task_id = new_task_id()
+        self.sender = f"requester-{self.task_id}"
+
+    def run(self) -> dict:
+        """Run the task to the end; return its metrics (the result is written into ``output``)."""
+        req = self.request
+        for warning in req.warnings:
+            self.say(f"warning: {warning}")
+        dataset = None
+        if not req.data_on_providers:
+            dataset = load_dataset(dataset_spec(req.data))
+        claimed = self._claim()
+        server = None
+        try:
+            with tempfile.TemporaryDirectory(prefix="meshlearn-share-") as share_dir:
+                data, meta = {"mode": "local", "dataset": req.data_on_providers}, None
+                if dataset is not None:
+                    share = self._write_shares(dataset, len(claimed), Path(share_dir))
+                    server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
+                    server.start()
+                    data = {"mode": "served", "address": server.address, "files": share.manifest()}
+                    meta = dataset_meta(dataset)
+                spec = TaskSpec(
+                    task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
+                    algorithm=req.algorithm, aggregate_every=req.aggregate_every, seed=req.seed,
+                    partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
+                    peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
+                    requester=self.sender)
+                self._write_config(spec)
+                self._start(spec)
+                metrics = self._follow(spec)
+            self._release("done")
+            return metrics
+        except BaseException:
+            self._release("failed")
+            raise
+        finally:
+            if server is not None:
+                server.stop()
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def _claim(self) -> list[dict]:
+        req = self.request
+        try:
+            reply = call(self.bootstrap, "claim", {"task": self.task_id, "count": req.providers,
+                                                   "device": req.device, "location": req.location},
+                         self.secret, timeout=10, sender=self.sender)
+        except Unreachable:
+            raise UserInputError(f"no bootstrap answers at {self.bootstrap}: check --bootstrap and that it runs") from None
+        except RemoteError as exc:
+            raise TaskFailed(f"the bootstrap could not give providers: {exc}") from None
+        claimed = reply.body["providers"]
+        if len(claimed) < req.providers:
+            self.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those")
+        self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed))
+        return claimed
+
+    def _write_shares(self, dataset, count: int, folder: Path) -> FileShare:
+        req = self.request
+        parts = partition(dataset.train_y.numpy(), count, req.partition, req.seed)
+        share = FileShare()
+        for i, indices in enumerate(parts):
+            path = folder / f"shard-{i}.safetensors"
+            write_shard(path, dataset.train_x[indices], dataset.train_y[indices])
+            share.add(path.name, path)
+        test = folder / "test.safetensors"
+        limit = req.eval_samples or len(dataset.test_y)
+        write_shard(test, dataset.test_x[:limit], dataset.test_y[:limit])
+        share.add(test.name, test)
+        return share
+
+    def _write_config(self, spec: TaskSpec) -> None:
+        self.output.mkdir(parents=True, exist_ok=True)
+        resolved = {"task": spec.model_dump(exclude={"data", "meta"}), "data": self.request.data,
+                    "data_on_providers": self.request.data_on_providers, "bootstrap": self.bootstrap,
+                    "warnings": self.request.warnings}
+        (self.output / "task.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
+
+    def _call(self, peer: dict, kind: str, body: dict, timeout: float = 10.0):
+        return call(peer["address"], kind, {"task": self.task_id, **body}, self.secret, timeout=timeout,
+                    sender=self.sender, max_bytes=1 << 30)
+
+    def _start(self, spec: TaskSpec) -> None:
+        peers = [p.model_dump() for p in spec.peers]
+        for peer in peers:
+            self._call(peer, "task.assign", {"spec": spec.model_dump()}, timeout=30)
+        deadline = time.monotonic() + READY_TIMEOUT
+        engines: dict[str, str] = {}
+        while len(engines) < len(peers):
+            for i, peer in enumerate(peers):
+                status = self._call(peer, "task.status", {}).body
+                if status["state"] == "failed":
+                    raise TaskFailed(f"provider {peer['id']} could not prepare the task: {status['error']}")
+                if status["state"] != "preparing":
+                    engines[str(i)] = status["engine"]
+            if time.monotonic() > deadline:
+                raise TaskFailed("providers did not get ready in time (data download or model build)")
+            time.sleep(0.2)
+        for peer in peers:
+            self._call(peer, "task.start", {"engines": engines})
+        self.say(f"task {self.task_id}: started on {len(peers)} provider(s)")
+
+    def _follow(self, spec: TaskSpec) -> dict:
+        peers = [p.model_dump() for p in spec.peers]
+        last_line, gone = "", set()
+        while True:
+            states = []
+            for peer in peers:
+                if peer["id"] in gone:
+                    continue
+                try:
+                    status = self._call(peer, "task.status", {}, timeout=5).body
+                except (Unreachable, RemoteError):
+                    gone.add(peer["id"])
+                    self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
+                    continue
+                states.append((peer, status))
+                if status.get("results"):
+                    metrics = fetch_results(self.task_id, [peer], self.secret, self.output)
+                    if metrics is not None:
+                        return metrics
+            if not states:
+                raise TaskFailed(f"task {self.task_id}: every provider is gone; no result")
+            if all(s["state"] == "failed" for _, s in states):
+                raise TaskFailed(f"task {self.task_id} failed: {states[0][1]['error']}")
+            line = "  ".join(f"{p['id']}: {s['state']} {s['progress'].get('iteration', 0)}/"
+                             f"{s['progress'].get('iterations', '?')}" for p, s in states)
+            if line != last_line:
+                self.say(f"task {self.task_id}: {line}")
+                last_line = line
+            time.sleep(1.0)
+
+    def _release(self, status: str) -> None:
+        try:
+            call(self.bootstrap, "release", {"task": self.task_id, "status": status}, self.secret,
+                 timeout=5, sender=self.sender)
+        except NetworkError as exc:
+            log.warning("could not tell the bootstrap that task %s ended: %s", self.task_id, exc)
+
+
+def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) -> dict | None:
+    """Get a task's result from the first provider that holds it; write it into ``output``."""
+    for peer in peers:
+        try:
+            reply = call(peer["address"], "task.results", {"task": task_id}, secret, timeout=30,
+                         sender=f"requester-{task_id}", max_bytes=1 << 30)
+        except (Unreachable, RemoteError):
+            continue
+        if len(reply.blobs) != 1:
+            continue
+        model = bytes(reply.blobs[0])
+        try:
+            load_safetensors(model)
+        except Exception:  # noqa: BLE001 - a corrupt copy: try the next provider
+            log.warning("the result from %s is not a valid safetensors model", peer["id"])
+            continue
+        metrics = dict(reply.body.get("metrics") or {})
+        metrics["fetched_from"] = peer["id"]
+        write_results(output, metrics, model)
+        return metrics
+    return None
+
+
+def results_of_task(task_id: str, bootstrap: str, secret: bytes, output: Path) -> dict:
+    """``meshlearn results TASK_ID``: ask the bootstrap who ran the task, fetch the result from any of them."""
+    try:
+        record = call(bootstrap, "task", {"task": task_id}, secret, timeout=10).body
+    except Unreachable:
+        raise UserInputError(f"no bootstrap answers at {bootstrap}: check --bootstrap") from None
+    except RemoteError as exc:
+        raise UserInputError(str(exc)) from None
+    metrics = fetch_results(task_id, record["providers"], secret, output)
+    if metrics is None:
+        raise TaskFailed(f"no provider of task {task_id} holds its result (yet)")
+    return metrics
+
+
+def summary_line(metrics: dict) -> str:
+    return (f"accuracy {metrics['accuracy']:.4f}  F1 {metrics['f1']:.4f}  loss {metrics['loss']:.4f}  "
+            f"time {metrics['training_time']:.1f} s  leader {metrics['leader']}"
+            + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else ""))
+
+

@@ -1,0 +1,56 @@
+"""A task's result on disk: the model (safetensors), its metrics (JSON) and the confusion matrix (PNG)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+MODEL_FILE = "model.safetensors"
+METRICS_FILE = "metrics.json"
+CONFUSION_FILE = "confusion.png"
+
+
+def write_results(folder: Path, metrics: dict, model_bytes: bytes) -> None:
+    """Write the three files; the model last-but-atomically so a reader never sees half of it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / (MODEL_FILE + ".tmp")
+    tmp.write_bytes(model_bytes)
+    os.replace(tmp, folder / MODEL_FILE)
+    (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
+    if metrics.get("confusion"):
+        plot_confusion(metrics["confusion"], metrics.get("class_names") or [], folder / CONFUSION_FILE)
+
+
+def read_results(folder: Path) -> tuple[dict, bytes] | None:
+    """(metrics, model bytes) if the folder holds a complete result, else None."""
+    model, metrics = folder / MODEL_FILE, folder / METRICS_FILE
+    if not (model.is_file() and metrics.is_file()):
+        return None
+    return json.loads(metrics.read_text()), model.read_bytes()
+
+
+def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Path) -> None:
+    """The confusion matrix as a labelled heat map."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(confusion)
+    labels = [str(c) for c in class_names] if len(class_names) == n else [str(i) for i in range(n)]
+    fig, ax = plt.subplots(figsize=(1 + 0.55 * n, 1 + 0.5 * n))
+    image = ax.imshow(confusion, cmap="Blues")
+    ax.set_xticks(range(n), labels, rotation=45, ha="right")
+    ax.set_yticks(range(n), labels)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    top = max(max(row) for row in confusion) or 1
+    for i, row in enumerate(confusion):
+        for j, value in enumerate(row):
+            ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
+                    color="white" if value > top / 2 else "black")
+    fig.colorbar(image, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,82 @@
+"""Start the network's services as real processes on loopback, and always stop them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SECRET = "test-network-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Processes:
+    """Spawned `meshlearn` processes with their logs; ``stop_all()`` kills whatever is left."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str, secret: str = SECRET) -> subprocess.Popen:
+        env = {**os.environ, "MESHLEARN_SECRET": secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        log = open(self.folder / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "meshlearn", *args], stdout=log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text()
+
+    def wait_for(self, name: str, pattern: str, timeout: float = 60.0) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.search(pattern, self.log(name))
+            if found:
+                return found
+            if self.procs[name].poll() is not None:
+                raise AssertionError(f"{name} exited ({self.procs[name].returncode}):\n{self.log(name)}")
+            time.sleep(0.1)
+        raise AssertionError(f"{name} never printed {pattern!r}:\n{self.log(name)}")
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def stop_all(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=30)
+
+
+def start_network(procs: Processes, providers: int, ttl: float = 30.0) -> tuple[str, list[str]]:
+    """A bootstrap and ``providers`` providers; returns the bootstrap address and provider ids."""
+    port = free_port()
+    procs.start("bootstrap", "bootstrap", "--port", str(port), "--state", str(procs.folder / "registry.sqlite"),
+                "--ttl", str(ttl))
+    procs.wait_for("bootstrap", "bootstrap on")
+    ids = []
+    for i in range(providers):
+        pid = f"p{i}"
+        procs.start(pid, "provider", "--bootstrap", f"127.0.0.1:{port}", "--id", pid,
+                    "--workdir", str(procs.folder / pid))
+        ids.append(pid)
+    for pid in ids:
+        procs.wait_for(pid, "registered with")
+    return f"127.0.0.1:{port}", ids

@@ -1,0 +1,186 @@
+"""The compute-sharing network end to end: a bootstrap, providers and requesters as separate processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers.netproc import SECRET, Processes, free_port, start_network  # noqa: E402
+
+from meshlearn.data import load_dataset  # noqa: E402
+from meshlearn.models import build_model  # noqa: E402
+from meshlearn.network.rpc import call  # noqa: E402
+from meshlearn.node import evaluate_model  # noqa: E402
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
+
+
+@pytest.fixture
+def procs(tmp_path):
+    processes = Processes(tmp_path)
+    yield processes
+    processes.stop_all()
+
+
+def _request(procs: Processes, name: str, bootstrap: str, *args: str, timeout: float = 240, secret: str = SECRET):
+    proc = procs.start(name, "request", "--bootstrap", bootstrap, "--output", str(procs.folder / name), *args,
+                       secret=secret)
+    proc.wait(timeout=timeout)
+    return proc.returncode, procs.log(name)
+
+
+def _score(folder: Path, model: str = "mlp") -> float:
+    """Load the returned model into a plain PyTorch model and evaluate it ourselves."""
+    dataset = load_dataset("digits")
+    net = build_model(model, dataset.input_shape, dataset.num_classes)
+    net.load_state_dict(load_file(str(folder / "model.safetensors")))
+    return evaluate_model(net, dataset).accuracy
+
+
+@pytest.fixture(scope="module")
+def network(tmp_path_factory):
+    processes = Processes(tmp_path_factory.mktemp("net"))
+    try:
+        bootstrap, ids = start_network(processes, 3)
+        yield processes, bootstrap, ids
+    finally:
+        processes.stop_all()
+
+
+@pytest.mark.parametrize("algorithm", ["leader", "dpsgd", "gossip"])
+def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network, algorithm):
+    procs, bootstrap, ids = network
+    code, out = _request(procs, f"req-{algorithm}", bootstrap, *TASK, "--algorithm", algorithm,
+                         "--epochs", "4", "--providers", "5", "--aggregate-every", "5")
+    assert code == 0, out
+    assert "only 3 provider(s) available of the 5 asked" in out
+    folder = procs.folder / f"req-{algorithm}"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["algorithm"] == algorithm and metrics["lost"] == []
+    assert sorted(metrics["providers"]) == ids
+    assert all(c["samples"] > 400 for c in metrics["providers"].values())
+    assert _score(folder) == pytest.approx(metrics["accuracy"], abs=1e-9)
+    assert metrics["accuracy"] > 0.5
+    assert (folder / "confusion.png").stat().st_size > 1000 and (folder / "task.yaml").exists()
+    assert sum(map(sum, metrics["confusion"])) == metrics["test_samples"] == len(load_dataset("digits").test_y)
+    # every provider keeps a copy, and `meshlearn results` fetches it later
+    task_id = re.search(r"task (\w+) done", out).group(1)
+    for pid in ids:
+        assert (procs.folder / pid / "tasks" / task_id / "result" / "model.safetensors").exists()
+    again = procs.start(f"res-{algorithm}", "results", task_id, "--bootstrap", bootstrap,
+                        "--output", str(procs.folder / f"res-{algorithm}"))
+    assert again.wait(timeout=60) == 0, procs.log(f"res-{algorithm}")
+    assert _score(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_a_wrong_secret_can_neither_register_nor_read_results(network):
+    procs, bootstrap, ids = network
+    intruder = procs.start("intruder", "provider", "--bootstrap", bootstrap, "--id", "intruder",
+                           "--workdir", str(procs.folder / "intruder"), secret="not-the-network-secret")
+    try:
+        found = procs.wait_for("intruder", "cannot register", timeout=60)
+        assert "different secret" in found.string or "signature" in found.string
+    finally:
+        procs.kill("intruder")
+    listed = call(bootstrap, "discover", {"count": 10, "free_only": False}, SECRET.encode(), timeout=5).body
+    assert "intruder" not in [p["id"] for p in listed["providers"]]
+    code, out = _request(procs, "req-intruder", bootstrap, *TASK, secret="not-the-network-secret")
+    assert code != 0 and "different secret" in out and "Traceback" not in out
+    reader = procs.start("read-intruder", "results", "0123456789ab", "--bootstrap", bootstrap,
+                         secret="not-the-network-secret")
+    assert reader.wait(timeout=60) != 0 and "different secret" in procs.log("read-intruder")
+
+
+LONG_TASK = [*TASK, "--algorithm", "leader", "--epochs", "60", "--aggregate-every", "3", "--providers", "3",
+             "--peer-timeout", "3"]
+
+
+def _wait_training(procs: Processes, name: str, provider: str) -> None:
+    procs.wait_for(name, rf"{provider}: training [1-9]\d*/", timeout=120)
+
+
+def test_a_follower_killed_mid_task_leaves_the_others_to_finish(procs):
+    bootstrap, ids = start_network(procs, 3)
+    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *LONG_TASK)
+    _wait_training(procs, "req", "p2")
+    procs.kill("p2")
+    assert proc.wait(timeout=240) == 0, procs.log("req")
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["lost"] == ["p2"] and metrics["providers"]["p2"]["status"] == "lost"
+    assert metrics["leader"] == "p0" and metrics["accuracy"] > 0.8
+    assert _score(procs.folder / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_the_leader_killed_mid_task_hands_over_to_the_next_provider(procs):
+    bootstrap, ids = start_network(procs, 3)
+    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *LONG_TASK)
+    _wait_training(procs, "req", "p0")
+    procs.kill("p0")
+    assert proc.wait(timeout=240) == 0, procs.log("req")
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["leader"] == "p1" and metrics["leaders_lost"] == ["p0"]
+    assert metrics["fetched_from"] in ("p1", "p2")
+    assert metrics["providers"]["p2"]["status"] == "finished"
+    assert metrics["accuracy"] > 0.8
+    assert _score(procs.folder / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_a_bootstrap_restart_mid_task_changes_nothing(procs):
+    bootstrap, ids = start_network(procs, 2)
+    port = bootstrap.rsplit(":", 1)[1]
+    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"),
+                       *[a if a != "3" else "2" for a in LONG_TASK[:-2]])
+    _wait_training(procs, "req", "p1")
+    procs.kill("bootstrap")
+    procs.start("bootstrap2", "bootstrap", "--port", port, "--state", str(procs.folder / "registry.sqlite"))
+    procs.wait_for("bootstrap2", "bootstrap on")
+    listed = call(bootstrap, "discover", {"count": 10, "free_only": False}, SECRET.encode(), timeout=5).body
+    assert sorted(p["id"] for p in listed["providers"]) == ids  # restored from SQLite
+    assert proc.wait(timeout=240) == 0, procs.log("req")
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["lost"] == [] and metrics["accuracy"] > 0.8
+
+
+def test_a_provider_leaves_with_confirmation_on_ctrl_c(procs):
+    bootstrap, ids = start_network(procs, 1)
+    procs.procs["p0"].send_signal(signal.SIGINT)
+    assert procs.procs["p0"].wait(timeout=30) == 0
+    assert "left the network (confirmed by" in procs.log("p0")
+    listed = call(bootstrap, "discover", {"count": 10, "free_only": False}, SECRET.encode(), timeout=5).body
+    assert listed["providers"] == []
+
+
+def test_a_provider_whose_port_is_taken_picks_another(procs):
+    bootstrap, _ = start_network(procs, 0)
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        procs.start("late", "provider", "--bootstrap", bootstrap, "--id", "late", "--port", str(port),
+                    "--workdir", str(procs.folder / "late"))
+        found = procs.wait_for("late", r"port \d+ is in use: listening on (\d+) instead")
+        assert int(found.group(1)) != port
+        procs.wait_for("late", "registered with")
+
+
+def test_request_refuses_bad_input_in_one_line(procs, tmp_path):
+    port = free_port()
+    for args, text in [(["--bootstrap", "127.0.0.1:70000", "--data", "digits"], "outside 1..65535"),
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", str(tmp_path / "nope")], "does not exist"),
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--port", "99999"], "outside"),
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--algorithm", "x"], "algorithm")]:
+        name = f"bad{len(procs.procs)}"
+        proc = procs.start(name, "request", *args)
+        assert proc.wait(timeout=60) == 2, procs.log(name)
+        out = procs.log(name).strip()
+        assert text in out and len(out.splitlines()) == 1 and "Traceback" not in out

@@ -1,0 +1,287 @@
+"""The network services' pieces in one process: signed messages, RPC robustness, registry, data transfer, rules."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from meshlearn.errors import UserInputError
+from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings, wait_until
+from meshlearn.network.datashare import FileShare, check_name, download
+from meshlearn.network.envelope import AuthError, BadMessage, Envelope, NetworkError, resolve_secret, seal, unseal
+from meshlearn.network.registry import ProviderInfo, Registry
+from meshlearn.network.rpc import RemoteError, RpcServer, call, parse_address
+from meshlearn.network.task import TaskSpec, dataset_spec, validate_request
+
+SECRET = b"unit-test-secret"
+
+
+# ---- signed envelopes --------------------------------------------------------------------
+
+def test_envelope_round_trip_keeps_body_and_blobs():
+    frames = seal(Envelope("x", {"a": [1, 2], "b": "c"}, [b"\x00" * 10, bytearray(b"xyz")], "me"), SECRET)
+    got = unseal(frames, SECRET, 1 << 20)
+    assert (got.kind, got.body, got.sender) == ("x", {"a": [1, 2], "b": "c"}, "me")
+    assert [bytes(b) for b in got.blobs] == [b"\x00" * 10, b"xyz"]
+
+
+@pytest.mark.parametrize("mutate, error, text", [
+    (lambda f: f, AuthError, "secret"),  # checked with another secret below
+    (lambda f: [f[0], b"tampered", f[2]], AuthError, "secret"),
+    (lambda f: f[:1], BadMessage, "header and a signature"),
+])
+def test_unseal_rejects_foreign_tampered_and_truncated(mutate, error, text):
+    frames = mutate(seal(Envelope("x", {}, [b"blob"]), SECRET))
+    with pytest.raises(error, match=text):
+        unseal(frames, SECRET if error is not AuthError or len(frames) != 3 or frames[1] == b"tampered"
+               else b"another-secret", 1 << 20)
+
+
+def test_unseal_rejects_oversized_bad_json_and_wrong_version():
+    with pytest.raises(BadMessage, match="cap"):
+        unseal(seal(Envelope("x", {}, [b"\x00" * 5000]), SECRET), SECRET, 1000)
+    import hashlib
+    import hmac
+
+    def signed(header: bytes):
+        mac = hmac.new(SECRET, digestmod=hashlib.sha256)
+        mac.update(len(header).to_bytes(8, "little"))
+        mac.update(header)
+        return [header, mac.digest()]
+    with pytest.raises(BadMessage, match="JSON"):
+        unseal(signed(b"\xff{not json"), SECRET, 1 << 20)
+    with pytest.raises(BadMessage, match="version"):
+        unseal(signed(b'{"v": 99}'), SECRET, 1 << 20)
+    with pytest.raises(BadMessage, match="lacks"):
+        unseal(signed(b'{"v": 1, "kind": 3}'), SECRET, 1 << 20)
+
+
+def test_secret_must_be_given_and_long_enough(monkeypatch):
+    monkeypatch.delenv("MESHLEARN_SECRET", raising=False)
+    with pytest.raises(UserInputError, match="no network secret"):
+        resolve_secret()
+    with pytest.raises(UserInputError, match="too short"):
+        resolve_secret("short")
+    monkeypatch.setenv("MESHLEARN_SECRET", "from-the-environment")
+    assert resolve_secret() == b"from-the-environment"
+
+
+# ---- RPC server robustness ----------------------------------------------------------------
+
+@pytest.fixture
+def echo_server():
+    server = RpcServer("echo", "127.0.0.1", 0, SECRET, {"echo": lambda req: (req.body, req.blobs)},
+                       max_bytes=64 * 1024)
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_wrong_secret_is_refused_both_ways(echo_server):
+    with pytest.raises(AuthError, match="different secret"):
+        call(echo_server.address, "echo", {}, b"not-the-secret", timeout=5)
+    assert echo_server.rejected == 1
+    assert call(echo_server.address, "echo", {"k": 1}, SECRET, timeout=5).body == {"k": 1}
+
+
+def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{echo_server.address}")
+    try:
+        sock.send_multipart([b"garbage"])
+        sock.send_multipart([b"{}", b"x" * 32])
+        sock.send_multipart([b"\x00" * (128 * 1024)])  # over the socket's size cap: the peer is dropped
+    finally:
+        sock.close(0)
+    with pytest.raises(RemoteError, match="cap"):
+        call(echo_server.address, "echo", {}, SECRET, blobs=[b"\x00" * 40_000, b"\x00" * 40_000], timeout=5)
+    with pytest.raises(RemoteError, match="does not serve"):
+        call(echo_server.address, "nope", {}, SECRET, timeout=5)
+    assert call(echo_server.address, "echo", {"still": "alive"}, SECRET, timeout=5).body == {"still": "alive"}
+    assert echo_server.rejected >= 3
+
+
+def test_parse_address_refuses_bad_ports():
+    assert parse_address("127.0.0.1:8080") == "127.0.0.1:8080"
+    for bad, text in [("127.0.0.1:0", "outside"), ("h:70000", "outside"), ("h:http", "not a number"), ("h", "HOST:PORT")]:
+        with pytest.raises(UserInputError, match=text):
+            parse_address(bad)
+
+
+# ---- registry and bootstrap -------------------------------------------------------------
+
+def _provider(i: int, device: str = "cpu", location: str = "") -> ProviderInfo:
+    return ProviderInfo(f"p{i}", f"127.0.0.1:{9000 + i}", 8.0, 2 + i, device, location)
+
+
+def test_discovery_prefers_gpu_then_mps_then_cpu_and_filters(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite").open()
+    for i, (device, loc) in enumerate([("cpu", "eu"), ("mps", "eu"), ("cuda", "us"), ("cuda", "eu")]):
+        reg.register(_provider(i, device, loc))
+    assert [p.id for p in reg.discover(4)] == ["p3", "p2", "p1", "p0"]
+    assert [p.id for p in reg.discover(2, location="eu")] == ["p3", "p1"]
+    assert [p.id for p in reg.discover(1, device="cpu")] == ["p0"]
+    reg.close()
+
+
+def test_claim_race_never_gives_a_provider_twice(tmp_path):
+    path = tmp_path / "r.sqlite"
+    setup = Registry(path).open()
+    for i in range(5):
+        setup.register(_provider(i))
+    results: dict[int, list[str]] = {}
+    go = threading.Barrier(8)
+
+    def claimer(k: int) -> None:
+        reg = Registry(path).open()  # its own connection, as another process would have
+        go.wait()
+        results[k] = [p.id for p in reg.claim(f"task{k}", f"req{k}", 2)]
+        reg.close()
+    threads = [threading.Thread(target=claimer, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    claimed = [pid for ids in results.values() for pid in ids]
+    assert sorted(claimed) == [f"p{i}" for i in range(5)]  # each exactly once, all taken
+    assert all(setup.task(f"task{k}") is not None for k, ids in results.items() if ids)
+    setup.close()
+
+
+@pytest.fixture
+def bootstrap(tmp_path):
+    service = Bootstrap(BootstrapSettings("127.0.0.1", 0, str(tmp_path / "b.sqlite"), ttl=1.0), SECRET)
+    ready = threading.Event()
+    thread = threading.Thread(target=service.run, args=(ready,), daemon=True)
+    thread.start()
+    assert ready.wait(10)
+    yield service
+    service.stop()
+    thread.join(10)
+
+
+def _register(address: str, i: int) -> None:
+    p = _provider(i)
+    call(address, "register", {"id": p.id, "address": p.address, "ram_gb": p.ram_gb, "cores": p.cores,
+                               "device": p.device, "location": p.location}, SECRET, timeout=5)
+
+
+def test_heartbeats_keep_providers_and_silence_expires_them(bootstrap):
+    address = bootstrap.server.address
+    _register(address, 0)
+    _register(address, 1)
+    deadline = time.monotonic() + 2.5
+    while time.monotonic() < deadline:  # p0 beats, p1 stays silent
+        assert call(address, "heartbeat", {"id": "p0", "status": "free"}, SECRET, timeout=5).body["known"]
+        time.sleep(0.2)
+    ids = [p["id"] for p in call(address, "discover", {"count": 10}, SECRET, timeout=5).body["providers"]]
+    assert ids == ["p0"]
+    assert call(address, "heartbeat", {"id": "p1", "status": "free"}, SECRET, timeout=5).body["known"] is False
+
+
+def test_bootstrap_refuses_malformed_requests_and_keeps_serving(bootstrap):
+    address = bootstrap.server.address
+    for body, text in [({"id": "p0"}, "missing"), ({"id": "p0", "address": "a", "ram_gb": "lots", "cores": 2,
+                                                    "device": "cpu"}, "wrong type"),
+                       ({"id": "p0", "address": "a", "ram_gb": 1, "cores": 2, "device": "tpu"}, "device")]:
+        with pytest.raises(RemoteError, match=text):
+            call(address, "register", body, SECRET, timeout=5)
+    with pytest.raises(RemoteError, match="no free provider"):
+        call(address, "claim", {"task": "t1", "count": 2}, SECRET, timeout=5)
+    _register(address, 0)
+    assert [p["id"] for p in call(address, "claim", {"task": "t1", "count": 2}, SECRET, timeout=5).body["providers"]] == ["p0"]
+
+
+# ---- data transfer -----------------------------------------------------------------------
+
+def test_download_resumes_after_the_server_drops_and_checks_names(tmp_path):
+    source = tmp_path / "shard-0.safetensors"
+    payload = bytes(range(256)) * 4096 * 3  # 3 MiB: 12 chunks of 256 KiB
+    source.write_bytes(payload)
+    share = FileShare()
+    share.add(source.name, source)
+    handlers = share.handlers()
+    served = []
+
+    def flaky(req):
+        if len(served) == 5:  # the connection drops after five chunks
+            raise NetworkError("connection dropped")
+        served.append(req.body["offset"])
+        return handlers["data.chunk"](req)
+    server = RpcServer("share", "127.0.0.1", 0, SECRET, {"data.chunk": flaky})
+    server.start()
+    try:
+        with pytest.raises(NetworkError, match="failed at byte 1310720"):
+            download(server.address, source.name, share.manifest()[source.name], tmp_path / "dest", SECRET,
+                     retries=0, chunk_bytes=256 * 1024)
+        assert (tmp_path / "dest" / f"{source.name}.part").stat().st_size == 5 * 256 * 1024
+        server.handlers["data.chunk"] = lambda req: (served.append(req.body["offset"]), handlers["data.chunk"](req))[1]
+        got = download(server.address, source.name, share.manifest()[source.name], tmp_path / "dest", SECRET,
+                       chunk_bytes=256 * 1024)
+        assert got.read_bytes() == payload
+        assert served == [i * 256 * 1024 for i in range(12)]  # nothing fetched twice
+        with pytest.raises(RemoteError, match="not allowed"):
+            call(server.address, "data.chunk", {"name": "../../etc/passwd", "offset": 0}, SECRET, timeout=5)
+        with pytest.raises(RemoteError, match="no shared file"):
+            call(server.address, "data.chunk", {"name": "other.bin", "offset": 0}, SECRET, timeout=5)
+    finally:
+        server.stop()
+    for bad in ["../x", "/etc/passwd", ".hidden", "a/b", "a..b"]:
+        with pytest.raises(BadMessage):
+            check_name(bad)
+
+
+def test_download_deletes_a_file_whose_hash_does_not_match(tmp_path):
+    source = tmp_path / "f.bin"
+    source.write_bytes(b"abc" * 1000)
+    share = FileShare()
+    share.add("f.bin", source)
+    server = RpcServer("share", "127.0.0.1", 0, SECRET, share.handlers())
+    server.start()
+    try:
+        with pytest.raises(NetworkError, match="SHA-256"):
+            download(server.address, "f.bin", {"size": 3000, "sha256": "0" * 64}, tmp_path / "d", SECRET)
+        assert not (tmp_path / "d" / "f.bin.part").exists() and not (tmp_path / "d" / "f.bin").exists()
+    finally:
+        server.stop()
+
+
+# ---- request validation rules ------------------------------------------------------------
+
+def test_request_rules_correct_what_they_can_and_warn():
+    req = validate_request({"data": "digits", "batch_size": 0, "lr": -1, "epochs": 2.6}, train_samples=1000)
+    assert (req.batch_size, req.lr, req.epochs) == (16, 0.001, 3)
+    assert len(req.warnings) == 3
+    assert validate_request({"data": "digits", "batch_size": 5000}, 1000).batch_size == 16
+    assert validate_request({"data": "digits", "epochs": 1e9}).epochs == 1000
+    assert validate_request({"data": "digits", "epochs": 0.2}).epochs == 1
+    ok = validate_request({"data": "digits", "batch_size": 32, "lr": 0.1, "epochs": 4}, 1000)
+    assert (ok.batch_size, ok.lr, ok.epochs, ok.warnings) == (32, 0.1, 4, [])
+    for values, text in [({}, "no data"), ({"data": "digits", "algorithm": "magic"}, "algorithm"),
+                         ({"data": "digits", "epochs": "many"}, "not a number"),
+                         ({"data": "digits", "providers": 0}, "at least 1"),
+                         ({"data": "digits", "aggregate_every": "sometimes"}, "aggregate-every")]:
+        with pytest.raises(UserInputError, match=text):
+            validate_request(values)
+
+
+def test_data_path_must_hold_train_and_test(tmp_path):
+    assert dataset_spec("digits") == "digits"
+    with pytest.raises(UserInputError, match="does not exist"):
+        dataset_spec(str(tmp_path / "missing"))
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserInputError, match="no train/ and test/"):
+        dataset_spec(str(tmp_path))
+    (tmp_path / "test").mkdir()
+    assert dataset_spec(str(tmp_path)) == f"imagefolder:{tmp_path.resolve()}"
+
+
+def test_task_spec_from_the_network_is_validated():
+    with pytest.raises(BadMessage, match="task_id"):
+        TaskSpec.parse({"task_id": "../x"})
+    with pytest.raises(BadMessage, match="task spec"):
+        TaskSpec.parse({"task_id": "t1", "model": "mlp", "epochs": -1})
