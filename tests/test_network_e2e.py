@@ -81,6 +81,16 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert _score(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
+def test_data_the_providers_already_hold_is_not_sent(network):
+    procs, bootstrap, ids = network
+    code, out = _request(procs, "req-local", bootstrap, "--data-on-providers", "digits", "--model", "mlp",
+                         "--lr", "0.05", "--epochs", "3", "--providers", "3", "--aggregate-every", "5")
+    assert code == 0, out
+    metrics = json.loads((procs.folder / "req-local" / "metrics.json").read_text())
+    assert sum(c["samples"] for c in metrics["providers"].values()) == len(load_dataset("digits").train_y)
+    assert _score(procs.folder / "req-local") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
 def test_a_wrong_secret_can_neither_register_nor_read_results(network):
     procs, bootstrap, ids = network
     intruder = procs.start("intruder", "provider", "--bootstrap", bootstrap, "--id", "intruder",
@@ -107,25 +117,25 @@ def _wait_training(procs: Processes, name: str, provider: str) -> None:
     procs.wait_for(name, rf"{provider}: training [1-9]\d*/", timeout=120)
 
 
-def test_a_follower_killed_mid_task_leaves_the_others_to_finish(procs):
+def _kill_mid_task(procs: Processes, victim: str) -> dict:
+    """Run LONG_TASK on three providers, SIGKILL ``victim`` once it trains; the task's metrics."""
     bootstrap, ids = start_network(procs, 3)
     proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *LONG_TASK)
-    _wait_training(procs, "req", "p2")
-    procs.kill("p2")
+    _wait_training(procs, "req", victim)
+    procs.kill(victim)
     assert proc.wait(timeout=240) == 0, procs.log("req")
-    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    return json.loads((procs.folder / "req" / "metrics.json").read_text())
+
+
+def test_a_follower_killed_mid_task_leaves_the_others_to_finish(procs):
+    metrics = _kill_mid_task(procs, "p2")
     assert metrics["lost"] == ["p2"] and metrics["providers"]["p2"]["status"] == "lost"
     assert metrics["leader"] == "p0" and metrics["accuracy"] > 0.8
     assert _score(procs.folder / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
 def test_the_leader_killed_mid_task_hands_over_to_the_next_provider(procs):
-    bootstrap, ids = start_network(procs, 3)
-    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *LONG_TASK)
-    _wait_training(procs, "req", "p0")
-    procs.kill("p0")
-    assert proc.wait(timeout=240) == 0, procs.log("req")
-    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    metrics = _kill_mid_task(procs, "p0")
     assert metrics["leader"] == "p1" and metrics["leaders_lost"] == ["p0"]
     assert metrics["fetched_from"] in ("p1", "p2")
     assert metrics["providers"]["p2"]["status"] == "finished"

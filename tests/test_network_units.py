@@ -94,6 +94,7 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
     try:
         sock.send_multipart([b"garbage"])
         sock.send_multipart([b"{}", b"x" * 32])
+        assert wait_until(lambda: echo_server.rejected == 2, timeout=10)
         sock.send_multipart([b"\x00" * (128 * 1024)])  # over the socket's size cap: the peer is dropped
     finally:
         sock.close(0)
@@ -102,7 +103,7 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
     with pytest.raises(RemoteError, match="does not serve"):
         call(echo_server.address, "nope", {}, SECRET, timeout=5)
     assert call(echo_server.address, "echo", {"still": "alive"}, SECRET, timeout=5).body == {"still": "alive"}
-    assert echo_server.rejected >= 3
+    assert echo_server.rejected == 4
 
 
 def test_parse_address_refuses_bad_ports():
@@ -285,3 +286,54 @@ def test_task_spec_from_the_network_is_validated():
         TaskSpec.parse({"task_id": "../x"})
     with pytest.raises(BadMessage, match="task spec"):
         TaskSpec.parse({"task_id": "t1", "model": "mlp", "epochs": -1})
+
+
+# ---- provider-side rules -----------------------------------------------------------------
+
+def test_a_device_that_does_not_work_falls_back_to_the_cpu():
+    import torch
+
+    from meshlearn.network.provider import detect_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a working CUDA device")
+    device, warning = detect_device("cuda")
+    assert device == "cpu" and "does not work here" in warning and "CPU" in warning
+    assert detect_device("cpu") == ("cpu", None)
+
+
+def test_custom_models_come_only_from_a_local_module_the_operator_names(tmp_path):
+    from meshlearn.models import build_model
+    from meshlearn.network.provider import load_models_module
+
+    module = tmp_path / "my_models.py"
+    module.write_text(
+        "from torch import nn\n"
+        "from meshlearn.models.registry import register_model\n"
+        "@register_model('tiny-operator-model')\n"
+        "def tiny(shape, classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], classes))\n")
+    load_models_module(str(module))
+    assert build_model("tiny-operator-model", (1, 8, 8), 10)[1].out_features == 10
+    with pytest.raises(UserInputError, match="does not exist"):
+        load_models_module(str(tmp_path / "missing.py"))
+
+
+def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
+    from meshlearn.network.taskrun import ProviderContext, TaskRun
+
+    spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
+                    peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
+    (tmp_path / "root" / "cifar").mkdir(parents=True)
+    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work", data_root=tmp_path / "root"))
+    assert run._allowed_local("digits") == "digits"
+    assert run._allowed_local("cifar10:cifar") == f"cifar10:{(tmp_path / 'root' / 'cifar').resolve()}"
+    for escape in ["imagefolder:../../etc", "imagefolder:/etc"]:
+        with pytest.raises(BadMessage, match="outside"):
+            run._allowed_local(escape)
+    closed = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"))
+    with pytest.raises(BadMessage, match="--data-root"):
+        closed._allowed_local("cifar10:cifar")
+    with pytest.raises(BadMessage, match="does not list this provider"):
+        TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"))

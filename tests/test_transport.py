@@ -132,3 +132,32 @@ def test_port_in_use_is_a_clear_error(local):
     other = TcpTransport(1, port=port)
     with pytest.raises(PortInUseError):
         other.bind()
+
+
+def test_a_neighbour_without_the_secret_is_never_heard():
+    """Two nodes signing with different secrets: each drops the other's messages, the handshake names it."""
+    a = TcpTransport(0, handshake_timeout=1.5, secret=b"secret-of-the-network")
+    b = TcpTransport(1, handshake_timeout=1.5, secret=b"some-other-secret")
+    try:
+        addresses = {0: a.bind(), 1: b.bind()}
+        import threading
+
+        errors = []
+        other = threading.Thread(target=lambda: errors.append(_connect_error(b, {0: addresses[0]})))
+        other.start()
+        with pytest.raises(TransportError, match="did not answer the handshake"):
+            a.connect({1: addresses[1]})
+        other.join()
+        assert errors and "did not answer" in errors[0]
+        assert a.stats.malformed_dropped >= 1 and b.stats.malformed_dropped >= 1
+    finally:
+        a.close()
+        b.close()
+
+
+def _connect_error(transport: TcpTransport, peers: dict) -> str:
+    try:
+        transport.connect(peers)
+    except TransportError as exc:
+        return str(exc)
+    return ""

@@ -166,3 +166,19 @@ def test_fuzz_mutated_valid_messages_only_raise_wire_error(data):
         return
     for tensor in out.tensors.values():  # whatever decoded must be fully readable
         tensor.sum()
+
+
+def test_signed_messages_round_trip_and_refuse_the_wrong_secret():
+    msg = Message(Kind.MODEL, 3, 7, 2, {"w": torch.arange(10, dtype=torch.float32)})
+    frames = [bytes(memoryview(f)) for f in encode(msg, b"network-secret")]
+    assert torch.equal(decode(frames, secret=b"network-secret").tensors["w"], msg.tensors["w"])
+    with pytest.raises(WireError, match="not signed with this network's secret"):
+        decode(frames, secret=b"another-secret")
+    tampered = list(frames)
+    tampered[1] = b"\x00" * len(tampered[1])
+    with pytest.raises(WireError, match="not signed"):
+        decode(tampered, secret=b"network-secret")
+    with pytest.raises(WireError, match="not signed"):  # an unsigned message where a secret is set
+        decode([bytes(memoryview(f)) for f in encode(msg)], secret=b"network-secret")
+    with pytest.raises(WireError):  # a signed message where none is expected
+        decode(frames)

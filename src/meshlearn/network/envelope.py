@@ -8,8 +8,6 @@ before its header is even parsed.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import os
 import time
@@ -19,9 +17,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from meshlearn.errors import MeshlearnError, UserInputError
+from meshlearn.wire.auth import frames_mac, mac_matches
 
 VERSION = 1
-MAC_BYTES = 32
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_BLOBS = 4096
 MAX_CLOCK_SKEW = 600.0
@@ -68,15 +66,6 @@ def resolve_secret(secret: str | None = None, secret_file: str | None = None) ->
     return secret.encode()
 
 
-def _mac(secret: bytes, frames: Sequence[Any]) -> bytes:
-    mac = hmac.new(secret, digestmod=hashlib.sha256)
-    for frame in frames:
-        view = memoryview(frame).cast("B")
-        mac.update(len(view).to_bytes(8, "little"))
-        mac.update(view)
-    return mac.digest()
-
-
 def seal(envelope: Envelope, secret: bytes) -> list[Any]:
     """Frames for the wire: header, blobs (as given, not copied), signature."""
     blobs = [memoryview(b).cast("B") for b in envelope.blobs]
@@ -85,7 +74,7 @@ def seal(envelope: Envelope, secret: bytes) -> list[Any]:
         "ts": envelope.sent_at, "body": envelope.body, "blobs": [len(b) for b in blobs],
     }, separators=(",", ":")).encode()
     frames: list[Any] = [header, *blobs]
-    return frames + [_mac(secret, frames)]
+    return frames + [frames_mac(secret, frames)]
 
 
 def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
@@ -98,7 +87,7 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
     total = sum(len(v) for v in views)
     if total > max_bytes:
         raise BadMessage(f"message of {total} bytes is over the {max_bytes}-byte cap")
-    if len(views[-1]) != MAC_BYTES or not hmac.compare_digest(bytes(views[-1]), _mac(secret, views[:-1])):
+    if not mac_matches(secret, views[:-1], views[-1]):
         raise AuthError("message signature does not match: the sender does not hold this network's secret")
     if len(views[0]) > MAX_HEADER_BYTES:
         raise BadMessage(f"header of {len(views[0])} bytes is over the {MAX_HEADER_BYTES}-byte cap")

@@ -65,9 +65,10 @@ def validate_request(values: dict[str, Any], train_samples: int | None = None) -
     Batch size outside [1, n] becomes 16, a learning rate <= 0 becomes 0.001, epochs are rounded
     and clipped to 1..MAX_EPOCHS. Anything that cannot be corrected raises UserInputError.
     """
-    req = TaskRequest(data=str(values.get("data") or ""))
+    req = TaskRequest(data=str(values.get("data") or values.get("data_on_providers") or ""))
     if not req.data:
-        raise UserInputError("no data: pass --data PATH (a folder with train/ and test/) or a dataset such as digits")
+        raise UserInputError("no data: pass --data PATH (a folder with train/ and test/), a dataset such as "
+                             "digits, or --data-on-providers SPEC")
     warnings = req.warnings
     for key in ("model", "algorithm", "device", "location", "data_on_providers", "partition"):
         if values.get(key) is not None:

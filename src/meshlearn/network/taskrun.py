@@ -124,7 +124,7 @@ class TaskRun:
         torch.manual_seed(spec.seed)  # every provider starts from the same model
         model = build_model(spec.model, dataset.input_shape, dataset.num_classes)
         self.node = Node(self.index, config, graph, dataset, indices, model,
-                         lambda flat: make_transport(config, self.index, flat, self.ctx.host, 0))
+                         lambda flat: make_transport(config, self.index, flat, self.ctx.host, 0, self.ctx.secret))
         self.engine_address = self.node.transport.bind()
         self.node.hooks.append(self._after_iteration)
         self.iterations = iterations

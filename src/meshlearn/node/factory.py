@@ -21,9 +21,13 @@ from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 
 
 def make_transport(
-    config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None
+    config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None,
+    secret: bytes | None = None,
 ) -> Endpoint:
-    """The endpoint the configuration names, for node ``rank`` and its state layout (not yet bound)."""
+    """The endpoint the configuration names, for node ``rank`` and its state layout (not yet bound).
+
+    With ``secret`` every message is signed and unsigned ones are dropped (TCP and gossip only).
+    """
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
@@ -32,11 +36,13 @@ def make_transport(
     if config.algorithm == "gossip":
         if config.transport != "tcp":
             raise ConfigError("gossip fetches peers' states over TCP: use transport tcp")
-        return PullEndpoint(rank, host, port, max_message_bytes=config.max_message_bytes)
+        return PullEndpoint(rank, host, port, max_message_bytes=config.max_message_bytes, secret=secret)
     netem = NetemSpec.parse(config.net)
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
     if config.transport == "udp":
+        if secret:
+            raise ConfigError("the UDP transport does not sign datagrams: use transport tcp with a network secret")
         return UdpTransport(
             rank, host, port,
             layout=StateLayout(flat.ranges, flat.state.dtype),
@@ -56,6 +62,7 @@ def make_transport(
         bye_timeout=config.wait_timeout,
         netem=netem,
         seed=config.seed,
+        secret=secret,
     )
 
 

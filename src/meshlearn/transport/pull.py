@@ -38,10 +38,11 @@ class PullEndpoint(Endpoint):
     """A node's gossip endpoint: ``publish`` what peers may take, ``fetch`` from one peer."""
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *,
-                 max_message_bytes: int = DEFAULT_MAX_BYTES):
+                 max_message_bytes: int = DEFAULT_MAX_BYTES, secret: bytes | None = None):
         super().__init__(node_id)
         self.host, self.port = host, port
         self.max_message_bytes = max_message_bytes
+        self.secret = secret
         self.address = ""
         self.requests_served = 0
         self.fetches = 0
@@ -121,7 +122,7 @@ class PullEndpoint(Endpoint):
                 continue
             frames = router.recv_multipart(copy=False)
             try:
-                request = decode(frames[1:], 64 * 1024)
+                request = decode(frames[1:], 64 * 1024, self.secret)
             except WireError as exc:
                 self.stats.malformed_dropped += 1
                 log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
@@ -133,7 +134,7 @@ class PullEndpoint(Endpoint):
                 published = self._published
             tensors, meta = published or ({}, {})
             # The request id travels in the iteration field; encoding only views the tensors.
-            reply = encode(Message(Kind.REPLY, self.node_id, request.iteration, 0, tensors, meta))
+            reply = encode(Message(Kind.REPLY, self.node_id, request.iteration, 0, tensors, meta), self.secret)
             router.send_multipart([frames[0], *reply], copy=False)
             self.requests_served += 1
             self.stats.messages_sent += 1
@@ -166,14 +167,15 @@ class PullEndpoint(Endpoint):
             # is down (gone, restarting) fails at once while ZeroMQ reconnects in the background.
             if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000) if fresh else 0, zmq.POLLOUT):
                 raise zmq.Again()  # no connection to the peer
-            dealer.send_multipart(encode(Message(Kind.REQUEST, self.node_id, self._request_id)), zmq.NOBLOCK)
+            request = encode(Message(Kind.REQUEST, self.node_id, self._request_id), self.secret)
+            dealer.send_multipart(request, zmq.NOBLOCK)
             while (remaining := deadline - time.monotonic()) > 0:
                 if not dealer.poll(max(1, int(remaining * 1000))):
                     continue
                 frames = dealer.recv_multipart(copy=False)
                 self.stats.bytes_received += sum(len(f) for f in frames)
                 try:
-                    reply = decode(frames, self.max_message_bytes)
+                    reply = decode(frames, self.max_message_bytes, self.secret)
                 except WireError as exc:
                     self.stats.malformed_dropped += 1
                     log.warning("node %d: dropped a malformed reply from %d: %s", self.node_id, peer, exc)

@@ -51,8 +51,10 @@ class TcpTransport(Transport):
         linger: float = 5.0,
         netem: NetemSpec | None = None,
         seed: int = 0,
+        secret: bytes | None = None,
     ):
         super().__init__(node_id)
+        self.secret = secret
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
         self._held: list[tuple[float, int, Message]] = []
         self._held_seq = 0
@@ -88,7 +90,7 @@ class TcpTransport(Transport):
         if self._router is None:
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
-        hello = encode(Message(Kind.HELLO, self.node_id))
+        hello = encode(Message(Kind.HELLO, self.node_id), self.secret)
         for peer, address in self.peers.items():
             dealer = self._ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id))
@@ -117,11 +119,11 @@ class TcpTransport(Transport):
                 self._keep(msg)
 
     def send(self, peer: int, msg: Message) -> None:
-        self._send_frames(peer, encode(msg))
+        self._send_frames(peer, encode(msg, self.secret))
 
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
-        frames = encode(msg)
+        frames = encode(msg, self.secret)
         trackers: list[zmq.MessageTracker] = []
         for peer in peers:
             trackers += self._send_frames(peer, frames)
@@ -180,7 +182,7 @@ class TcpTransport(Transport):
         """Decode one received multipart message; count and drop anything invalid."""
         self.stats.bytes_received += sum(len(f) for f in frames)
         try:
-            msg = decode(frames[1:], self.max_message_bytes)
+            msg = decode(frames[1:], self.max_message_bytes, self.secret)
         except WireError as exc:
             self.stats.malformed_dropped += 1
             log.warning("node %d: dropped a malformed message: %s", self.node_id, exc)
@@ -198,7 +200,7 @@ class TcpTransport(Transport):
         self._closed = True
         try:
             if self._dealers:
-                bye = encode(Message(Kind.BYE, self.node_id))
+                bye = encode(Message(Kind.BYE, self.node_id), self.secret)
                 for peer in self._dealers:
                     self._send_frames(peer, bye)
                 # A neighbour's BYE means it no longer needs anything from us, so our queued

@@ -8,8 +8,10 @@ Layout of frame 0 (little-endian)::
                      | byte length u64
     then meta: a small JSON object of plain values (may be empty)
 
-Frames 1..n hold the raw bytes of each tensor, in table order. Nothing is pickled, evaluated or
-imported: the only parser for untrusted bytes is ``struct`` plus ``json`` for the capped metadata.
+Frames 1..n hold the raw bytes of each tensor, in table order. With a shared secret the header's
+SIGNED flag is set and one more frame follows: the HMAC-SHA256 of all the others (``wire.auth``),
+checked before anything else is parsed. Nothing is pickled, evaluated or imported: the only
+parser for untrusted bytes is ``struct`` plus ``json`` for the capped metadata.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from meshlearn.errors import WireError
+from meshlearn.wire.auth import frames_mac, mac_matches
 
 MAGIC = b"MSHL"
 VERSION = 1
@@ -107,10 +110,14 @@ def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B")
 
 
-def encode(msg: Message) -> list[bytes | memoryview]:
+FLAG_SIGNED = 0x1
+
+
+def encode(msg: Message, secret: bytes | None = None) -> list[bytes | memoryview]:
     """Encode a message into frames; tensor frames are views of the tensors, not copies.
 
-    The tensors must not be modified until the frames have been sent.
+    The tensors must not be modified until the frames have been sent. With ``secret`` the
+    message is signed (one more frame: its HMAC).
     """
     if len(msg.tensors) > MAX_TENSORS:
         raise ValueError(f"wire: at most {MAX_TENSORS} tensors per message")
@@ -133,10 +140,12 @@ def encode(msg: Message) -> list[bytes | memoryview]:
         table += _U64.pack(data.nbytes)
         frames.append(data)
     header = _FIXED.pack(
-        MAGIC, VERSION, int(msg.kind), 0, msg.sender, msg.iteration, msg.degree,
+        MAGIC, VERSION, int(msg.kind), FLAG_SIGNED if secret else 0, msg.sender, msg.iteration, msg.degree,
         len(msg.tensors), len(meta),
     )
     frames[0] = header + bytes(table) + meta
+    if secret:
+        frames.append(frames_mac(secret, frames))
     return frames
 
 
@@ -184,14 +193,21 @@ def _as_tensor(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return tensor.view(shape)
 
 
-def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message:
-    """Decode and validate frames into a Message; raises WireError on any malformed input."""
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: bytes | None = None) -> Message:
+    """Decode and validate frames into a Message; raises WireError on any malformed input.
+
+    With ``secret`` only messages signed with it are accepted, checked before parsing.
+    """
     if not frames:
         raise WireError("empty message: no header frame")
     views = [_frame_view(f) for f in frames]
     total = sum(v.nbytes for v in views)
     if total > max_bytes:
         raise WireError(f"message of {total} bytes exceeds the size cap of {max_bytes} bytes")
+    if secret:
+        if len(views) < 2 or not mac_matches(secret, views[:-1], views[-1]):
+            raise WireError("message is not signed with this network's secret")
+        views = views[:-1]
     reader = _Reader(views[0])
     magic, version, kind, flags, sender, iteration, degree, count, meta_len = reader.take(_FIXED, "fixed header")
     if magic != MAGIC:
@@ -202,8 +218,8 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES) -> Message
         kind = Kind(kind)
     except ValueError:
         raise WireError(f"unknown message kind {kind}") from None
-    if flags != 0:
-        raise WireError(f"unknown header flags {flags:#x}")
+    if flags != (FLAG_SIGNED if secret else 0):
+        raise WireError(f"header flags {flags:#x} are unknown, or say signed where no secret is set")
     if count > MAX_TENSORS:
         raise WireError(f"tensor count {count} exceeds the limit of {MAX_TENSORS}")
     if meta_len > MAX_META_BYTES:
