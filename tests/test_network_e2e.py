@@ -81,6 +81,16 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert _score(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
+def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network):
+    procs, bootstrap, ids = network
+    code, out = _request(procs, "req-bad-model", bootstrap, "--data", "digits", "--model", "no-such-model",
+                         "--providers", "3")
+    assert code == 1 and "could not prepare the task" in out and "unknown model 'no-such-model'" in out, out
+    assert "Traceback" not in out
+    free = call(bootstrap, "discover", {"count": 10}, SECRET.encode(), timeout=5).body["providers"]
+    assert sorted(p["id"] for p in free) == ids
+
+
 def test_data_the_providers_already_hold_is_not_sent(network):
     procs, bootstrap, ids = network
     code, out = _request(procs, "req-local", bootstrap, "--data-on-providers", "digits", "--model", "mlp",

@@ -153,6 +153,18 @@ def test_claim_race_never_gives_a_provider_twice(tmp_path):
     setup.close()
 
 
+def test_a_claimed_provider_stays_busy_until_it_has_run_the_task(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite").open()
+    reg.register(_provider(0))
+    assert [p.id for p in reg.claim("t1", "req", 1)] == ["p0"]
+    reg.heartbeat("p0", "free", None, last_task=None)  # a beat sent before the task was assigned
+    assert reg.discover(1) == [] and reg.claim("t2", "other", 1) == []
+    reg.heartbeat("p0", "busy", "t1", last_task="t1")
+    reg.heartbeat("p0", "free", None, last_task="t1")  # ran it and is done
+    assert [p.id for p in reg.discover(1)] == ["p0"]
+    reg.close()
+
+
 @pytest.fixture
 def bootstrap(tmp_path):
     service = Bootstrap(BootstrapSettings("127.0.0.1", 0, str(tmp_path / "b.sqlite"), ttl=1.0), SECRET)

@@ -116,15 +116,16 @@ def cmd_request(args: argparse.Namespace) -> int:
 
     bootstrap = parse_address(args.bootstrap, "--bootstrap")
     _port(args.port, allow_zero=True)
+    secret = _secret(args)
     values = _request_values(args)
-    train_samples = None
+    dataset = None
     if values.get("data") and not values.get("data_on_providers"):
         from meshlearn.data import load_dataset
 
-        train_samples = len(load_dataset(dataset_spec(str(values["data"]))).train_y)
-    request = validate_request(values, train_samples)
+        dataset = load_dataset(dataset_spec(str(values["data"])))
+    request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    requester = Requester(request, bootstrap, _secret(args), output, args.host, args.port)
+    requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")

@@ -84,7 +84,8 @@ class Bootstrap:
     def _heartbeat(self, req: Envelope) -> dict:
         b = req.body
         known = self.registry.heartbeat(field_of(b, "id", str, max_len=64), _status(field_of(b, "status", str)),
-                                        field_of(b, "task", (str, type(None)), None, max_len=64))
+                                        field_of(b, "task", (str, type(None)), None, max_len=64),
+                                        field_of(b, "last_task", (str, type(None)), None, max_len=64))
         return {"known": known, "ttl": self.settings.ttl}
 
     def _leave(self, req: Envelope) -> dict:

@@ -89,6 +89,7 @@ class Provider:
             "task.start": self._start_task,
             "task.status": self._status,
             "task.results": self._results,
+            "task.cancel": lambda req: (self._run_of(req).cancel(), {"cancelled": True})[1],
             "agg.push": lambda req: self._run_of(req).on_push(req),
             "agg.ping": lambda req: self._run_of(req).on_ping(req),
             "agg.results": lambda req: self._run_of(req).on_results(req),
@@ -162,7 +163,8 @@ class Provider:
 
     def _doing(self) -> dict:
         status = "leaving" if self.leaving.is_set() else ("busy" if self._busy() else "free")
-        return {"status": status, "task": self.current.spec.task_id if self._busy() else None}
+        return {"status": status, "task": self.current.spec.task_id if self._busy() else None,
+                "last_task": self.current.spec.task_id if self.current is not None else None}
 
     def _register(self) -> None:
         for attempt in range(1, 1_000_000):

@@ -1,7 +1,9 @@
 """The bootstrap's registry of providers and tasks, kept in SQLite so a restart loses nothing.
 
 Claims run in one ``BEGIN IMMEDIATE`` transaction: two requesters racing for the same provider
-are serialized by SQLite, and the loser sees it busy.
+are serialized by SQLite, and the loser sees it busy. A claimed provider stays busy until it
+reports that it ran the task, the task is released, or CLAIM_GRACE passes without the requester
+showing up (its heartbeats saying "free" in between do not free it).
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}
+CLAIM_GRACE = 300.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS providers (
     id TEXT PRIMARY KEY, address TEXT NOT NULL, ram_gb REAL NOT NULL, cores INTEGER NOT NULL,
     device TEXT NOT NULL, location TEXT NOT NULL, status TEXT NOT NULL, task TEXT,
-    last_seen REAL NOT NULL, registered REAL NOT NULL);
+    last_seen REAL NOT NULL, registered REAL NOT NULL, claimed_at REAL);
 CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY, requester TEXT NOT NULL, providers TEXT NOT NULL,
     created REAL NOT NULL, status TEXT NOT NULL);
@@ -80,17 +83,29 @@ class Registry:
         """Add or refresh a provider (a re-registration keeps a task it still runs)."""
         now = time.time()
         self._run(lambda db: db.execute(
-            "INSERT INTO providers VALUES (?,?,?,?,?,?,?,?,?,?) ON CONFLICT(id) DO UPDATE SET "
+            "INSERT INTO providers VALUES (?,?,?,?,?,?,?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET "
             "address=excluded.address, ram_gb=excluded.ram_gb, cores=excluded.cores, device=excluded.device, "
             "location=excluded.location, status=excluded.status, task=excluded.task, last_seen=excluded.last_seen",
             (info.id, info.address, info.ram_gb, info.cores, info.device, info.location,
              info.status, info.task, now, now)))
 
-    def heartbeat(self, provider_id: str, status: str, task: str | None) -> bool:
-        """Record that a provider is alive and what it is doing; False if it is not registered."""
+    def heartbeat(self, provider_id: str, status: str, task: str | None, last_task: str | None = None) -> bool:
+        """Record that a provider is alive and what it is doing; False if it is not registered.
+
+        A provider claimed for a task it has not started yet stays busy (see CLAIM_GRACE).
+        """
         def beat(db):
-            return db.execute("UPDATE providers SET last_seen=?, status=?, task=? WHERE id=?",
-                              (time.time(), status, task, provider_id)).rowcount == 1
+            row = db.execute("SELECT status, task, claimed_at FROM providers WHERE id=?", (provider_id,)).fetchone()
+            if row is None:
+                return False
+            new_status, new_task = status, task
+            held, claimed, claimed_at = row[0] == "busy", row[1], row[2] or 0.0
+            if held and status == "free" and claimed and claimed != last_task \
+                    and time.time() - claimed_at < CLAIM_GRACE:
+                new_status, new_task = "busy", claimed  # claimed, the requester has not assigned it yet
+            db.execute("UPDATE providers SET last_seen=?, status=?, task=? WHERE id=?",
+                       (time.time(), new_status, new_task, provider_id))
+            return True
         return self._run(beat)
 
     def remove(self, provider_id: str) -> bool:
@@ -131,7 +146,8 @@ class Registry:
             free.sort(key=lambda p: _preference(p, device))
             taken = free[:count]
             for p in taken:
-                db.execute("UPDATE providers SET status='busy', task=? WHERE id=?", (task_id, p.id))
+                db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
+                           (task_id, time.time(), p.id))
                 p.status, p.task = "busy", task_id
             if taken:
                 db.execute("INSERT INTO tasks VALUES (?,?,?,?,?)", (

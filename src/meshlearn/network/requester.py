@@ -12,7 +12,7 @@ from typing import Callable
 import yaml
 from safetensors.torch import load as load_safetensors
 
-from meshlearn.data import load_dataset, partition
+from meshlearn.data import Dataset, load_dataset, partition
 from meshlearn.errors import MeshlearnError, UserInputError
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.envelope import NetworkError
@@ -34,8 +34,9 @@ class Requester:
     """Claims providers, serves them the data, starts the task, follows it and collects the result."""
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
-                 host: str = "127.0.0.1", port: int = 0, say: Say = print):
+                 host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None):
         self.request = request
+        self.dataset = dataset  # the task's data, if the caller has loaded it already
         self.bootstrap = bootstrap
         self.secret = secret
         self.output = output
@@ -49,8 +50,8 @@ class Requester:
         req = self.request
         for warning in req.warnings:
             self.say(f"warning: {warning}")
-        dataset = None
-        if not req.data_on_providers:
+        dataset = self.dataset
+        if dataset is None and not req.data_on_providers:
             dataset = load_dataset(dataset_spec(req.data))
         claimed = self._claim()
         server = None
@@ -75,6 +76,7 @@ class Requester:
             self._release("done")
             return metrics
         except BaseException:
+            self._cancel(claimed)
             self._release("failed")
             raise
         finally:
@@ -173,6 +175,14 @@ class Requester:
                 self.say(f"task {self.task_id}: {line}")
                 last_line = line
             time.sleep(1.0)
+
+    def _cancel(self, peers: list[dict]) -> None:
+        """Tell every provider to drop the task (best effort), so none stays busy with it."""
+        for peer in peers:
+            try:
+                self._call(peer, "task.cancel", {}, timeout=3)
+            except NetworkError:
+                pass
 
     def _release(self, status: str) -> None:
         try:

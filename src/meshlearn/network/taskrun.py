@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 600.0
 
 
+class TaskCancelled(Exception):
+    """Raised inside a task run when its requester cancels it."""
+
+
 @dataclass
 class ProviderContext:
     """What a task run may use of its provider: identity, secret, folders, device and limits."""
@@ -80,6 +84,7 @@ class TaskRun:
         self._stop_pinging = threading.Event()
         self._started_at = 0.0
         self._final_sent_to: int | None = None
+        self._cancelled = False
 
     # ---- the run ---------------------------------------------------------------------------
 
@@ -90,6 +95,7 @@ class TaskRun:
             self.state = "ready"
             if not self._start.wait(START_TIMEOUT):
                 raise NetworkError(f"the requester never started task {self.spec.task_id}")
+            self._check_cancelled()
             self.state = "training"
             self._started_at = time.monotonic()
             pinger = threading.Thread(target=self._watch_leader, daemon=True, name="leader-watch")
@@ -98,6 +104,9 @@ class TaskRun:
             self.state = "finishing"
             self._finish()
             self.state = "done"
+        except TaskCancelled:
+            self.state = "cancelled"
+            log.warning("task %s cancelled by its requester", self.spec.task_id)
         except Exception as exc:  # noqa: BLE001 - the requester reads the reason from status
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
@@ -162,7 +171,17 @@ class TaskRun:
             raise BadMessage(f"local data {path!r} is outside this provider's data root")
         return f"{kind}:{resolved}"
 
+    def cancel(self) -> None:
+        """Stop this task at the next iteration (the requester gave up on it)."""
+        self._cancelled = True
+        self._start.set()
+
+    def _check_cancelled(self) -> None:
+        if self._cancelled:
+            raise TaskCancelled(self.spec.task_id)
+
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
+        self._check_cancelled()
         self.progress = {"iteration": iteration + 1, "iterations": self.iterations,
                          "train_loss": record.get("train_loss"), "leader": self.ids[self.leader]}
         if self.spec.algorithm == "leader":
