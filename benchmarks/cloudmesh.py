@@ -7,10 +7,11 @@ time alone. Everything runs on this machine, each role in its own process over l
 
     python benchmarks/cloudmesh.py [--data ../shared/datasets/cifar10-jpeg.tar.gz] [--model simplecnn]
         [--epochs 10] [--batch-size 16] [--lr 0.01] [--providers 4] [--device cpu|cuda]
-        [--threads-per-provider 1] [--variants epoch:0.01 100:0.04]
+        [--threads-per-provider 1] [--variants epoch:0.01 100:0.04 50:0.04:dpsgd]
 
-Each variant is one network run, AGGREGATE_EVERY:LR (batches or `epoch`, and the providers'
-learning rate); all run after the single-process baseline, in one invocation.
+Each variant is one network run, AGGREGATE_EVERY:LR[:ALGORITHM] (batches or `epoch`, the
+providers' learning rate, leader by default); all run after the single-process baseline, in one
+invocation.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def network(args, folder: Path, aggregate_every: str, lr: float) -> dict:
+def network(args, folder: Path, aggregate_every: str, lr: float, algorithm: str) -> dict:
     """Bootstrap + providers + requester, each a process; returns the task's metrics and wall time."""
     env = {**os.environ, "MESHLEARN_SECRET": SECRET, "OMP_NUM_THREADS": str(args.threads_per_provider)}
     port = _free_port()
@@ -94,7 +95,7 @@ def network(args, folder: Path, aggregate_every: str, lr: float) -> dict:
             [sys.executable, "-m", "meshlearn", "request", "--bootstrap", f"127.0.0.1:{port}", "--data", args.data,
              "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
              "--lr", str(lr), "--providers", str(args.providers), "--aggregate-every", aggregate_every,
-             "--seed", str(args.seed), "--output", str(folder / "result")],
+             "--algorithm", algorithm, "--seed", str(args.seed), "--output", str(folder / "result")],
             env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if request.returncode != 0:
@@ -127,10 +128,10 @@ def main() -> None:
     base = single_process(args)
     runs = [("single process", base)]
     for variant in args.variants:
-        every, _, lr = variant.partition(":")
+        every, lr, algorithm = (variant.split(":") + ["leader"])[:3]
         with tempfile.TemporaryDirectory(prefix="meshlearn-cloudmesh-") as tmp:
-            runs.append((f"network, {args.providers} providers, aggregate every {every}, lr {lr}",
-                         network(args, Path(tmp), every, float(lr))))
+            runs.append((f"network ({algorithm}), {args.providers} providers, aggregate every {every}, lr {lr}",
+                         network(args, Path(tmp), every, float(lr), algorithm)))
     print(f"{args.model}, {args.epochs} epoch(s), batch {args.batch_size}, baseline lr {args.lr}, "
           f"{os.cpu_count()} cores, {args.device}")
     print("| run | accuracy | F1 | training time (s) | total time (s) | time / single process |")
