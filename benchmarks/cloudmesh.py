@@ -6,7 +6,7 @@ on the same test set; the network run is timed from `meshlearn request` to the r
 time alone. Everything runs on this machine, each role in its own process over loopback.
 
     python benchmarks/cloudmesh.py [--data ../shared/datasets/cifar10-jpeg.tar.gz] [--model simplecnn]
-        [--epochs 10] [--batch-size 16] [--lr 0.01] [--providers 4] [--device cpu|cuda]
+        [--epochs 10] [--batch-size 16] [--lr 0.01] [--momentum 0] [--providers 4] [--device cpu|cuda]
         [--threads-per-provider 1] [--variants epoch:0.01 100:0.04 50:0.04:dpsgd]
 
 Each variant is one network run, AGGREGATE_EVERY:LR[:ALGORITHM] (batches or `epoch`, the
@@ -44,7 +44,7 @@ def single_process(args) -> dict:
     dataset = load_dataset(dataset_spec(args.data))
     torch.manual_seed(args.seed)
     model = build_model(args.model, dataset.input_shape, dataset.num_classes).to(args.device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     loader = ShardLoader(dataset, range(len(dataset.train_y)), args.batch_size, seed=args.seed)
     steps = args.epochs * -(-len(dataset.train_y) // args.batch_size)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -95,7 +95,8 @@ def network(args, folder: Path, aggregate_every: str, lr: float, algorithm: str)
             [sys.executable, "-m", "meshlearn", "request", "--bootstrap", f"127.0.0.1:{port}", "--data", args.data,
              "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
              "--lr", str(lr), "--providers", str(args.providers), "--aggregate-every", aggregate_every,
-             "--algorithm", algorithm, "--seed", str(args.seed), "--output", str(folder / "result")],
+             "--momentum", str(args.momentum), "--algorithm", algorithm, "--seed", str(args.seed),
+             "--output", str(folder / "result")],
             env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
         if request.returncode != 0:
@@ -117,6 +118,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of both runs")
     parser.add_argument("--providers", type=int, default=4)
     parser.add_argument("--variants", nargs="+", default=["epoch:0.01"],
                         help="network runs as AGGREGATE_EVERY:LR (default epoch:0.01)")
@@ -133,6 +135,7 @@ def main() -> None:
             runs.append((f"network ({algorithm}), {args.providers} providers, aggregate every {every}, lr {lr}",
                          network(args, Path(tmp), every, float(lr), algorithm)))
     print(f"{args.model}, {args.epochs} epoch(s), batch {args.batch_size}, baseline lr {args.lr}, "
+          f"momentum {args.momentum}, "
           f"{os.cpu_count()} cores, {args.device}")
     print("| run | accuracy | F1 | training time (s) | total time (s) | time / single process |")
     print("|---|---|---|---|---|---|")

@@ -277,6 +277,7 @@ def test_request_rules_correct_what_they_can_and_warn():
     for values, text in [({}, "no data"), ({"data": "digits", "algorithm": "magic"}, "algorithm"),
                          ({"data": "digits", "epochs": "many"}, "not a number"),
                          ({"data": "digits", "providers": 0}, "at least 1"),
+                         ({"data": "digits", "momentum": 1.5}, "momentum"),
                          ({"data": "digits", "aggregate_every": "sometimes"}, "aggregate-every")]:
         with pytest.raises(UserInputError, match=text):
             validate_request(values)

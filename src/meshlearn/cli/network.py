@@ -13,6 +13,7 @@ REQUEST_FLAGS = {  # flag -> (type, help); defaults live in network.task.TaskReq
     "epochs": (float, "epochs over each provider's partition (default 10)"),
     "batch_size": (float, "mini-batch size (default 16)"),
     "lr": (float, "learning rate (default 0.01)"),
+    "momentum": (float, "SGD momentum in [0, 1) (default 0)"),
     "providers": (int, "providers to train on (default 4)"),
     "device": (str, "preferred device: any | gpu | mps | cpu (default any)"),
     "location": (str, "only providers declaring this location"),

@@ -66,6 +66,7 @@ class Requester:
                     meta = dataset_meta(dataset)
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
+                    momentum=req.momentum,
                     algorithm=req.algorithm, aggregate_every=req.aggregate_every, seed=req.seed,
                     partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,

@@ -28,6 +28,7 @@ class TaskRequest:
     epochs: int = 10
     batch_size: int = DEFAULT_BATCH
     lr: float = 0.01
+    momentum: float = 0.0
     providers: int = 4
     device: str = "any"
     location: str | None = None
@@ -105,6 +106,10 @@ def validate_request(values: dict[str, Any], train_samples: int | None = None) -
         lr = DEFAULT_LR
     req.lr = lr
 
+    req.momentum = _number(values.get("momentum", req.momentum), "momentum")
+    if not 0 <= req.momentum < 1:
+        raise UserInputError(f"momentum must be in [0, 1) (got {req.momentum:g})")
+
     every = values.get("aggregate_every", "epoch")
     if str(every) == "epoch":
         req.aggregate_every = "epoch"
@@ -148,6 +153,7 @@ class TaskSpec(BaseModel):
     epochs: int = Field(ge=1, le=MAX_EPOCHS)
     batch_size: int = Field(ge=1)
     lr: float = Field(gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
     algorithm: Literal["leader", "dpsgd", "gossip"]
     aggregate_every: int | Literal["epoch"]
     seed: int = Field(ge=0)

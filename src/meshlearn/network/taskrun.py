@@ -124,7 +124,8 @@ class TaskRun:
         config = make_config({
             "nodes": max(2, len(self.ids)), "algorithm": "local" if spec.algorithm == "leader" else spec.algorithm,
             "topology": "full", "rounds": every, "iterations": iterations, "batch_size": spec.batch_size,
-            "lr": spec.lr, "seed": spec.seed, "test_after": iterations, "eval_samples": spec.eval_samples,
+            "lr": spec.lr, "momentum": spec.momentum, "seed": spec.seed, "test_after": iterations,
+            "eval_samples": spec.eval_samples,
             "eval_nodes": 1, "wait_timeout": spec.peer_timeout, "handshake_timeout": 3 * spec.peer_timeout,
             "host": self.ctx.host, "device": self.ctx.device,
             "max_message_mb": self.ctx.max_message_bytes / 2 ** 20,
