@@ -141,8 +141,9 @@ def test_identical_models_stay_identical_under_any_loss(rule):
         for j in range(3):
             present = torch.rand(13, generator=generator) < 0.5
             present[0] = trial % 2 == 0 or bool(present[0])
-            received.append(_partial(model.clone(), present, 80, degree=int(torch.randint(1, 5, (1,)))))
-        chunked_average_(state, received, rule)
+            degree = int(torch.randint(1, 5, (1,)))
+            received.append((1 / (1 + max(3, degree)), _partial(model.clone(), present, 80, degree)))
+        chunked_average_(state, 1 - sum(w for w, _ in received), received, rule)
         assert torch.allclose(state, model, atol=1e-6)
 
 
@@ -155,8 +156,8 @@ def test_no_loss_per_chunk_equals_metropolis_hastings():
     expected = (1 - sum(weights)) * own + sum(w * o for w, o in zip(weights, others))
     for rule in ("per-chunk", "fill-local"):
         state = own.clone()
-        msgs = [_partial(o, torch.ones(7, dtype=torch.bool), 80, d) for o, d in zip(others, degrees)]
-        chunked_average_(state, msgs, rule)
+        msgs = [(w, _partial(o, torch.ones(7, dtype=torch.bool), 80, d)) for w, o, d in zip(weights, others, degrees)]
+        chunked_average_(state, 1 - sum(weights), msgs, rule)
         assert torch.allclose(state, expected, atol=1e-6)
 
 
@@ -165,14 +166,30 @@ def test_lost_chunk_takes_weights_from_arrived_neighbours_only():
     a, b = torch.full((8,), 4.0), torch.full((8,), 8.0)
     present_a = torch.tensor([True, True])
     present_b = torch.tensor([True, False])  # b's second chunk (elements 4..7) lost
-    msgs = [_partial(a, present_a, 4, 1), _partial(b, present_b, 4, 1)]
+    msgs = [(1 / 3, _partial(a, present_a, 4, 1)), (1 / 3, _partial(b, present_b, 4, 1))]
     state = own.clone()
-    chunked_average_(state, msgs, "per-chunk")
+    chunked_average_(state, 1 / 3, msgs, "per-chunk")
     assert torch.allclose(state[:4], torch.full((4,), 4.0))  # (0 + 4 + 8) / 3
     assert torch.allclose(state[4:], torch.full((4,), 2.0))  # (0 + 4) / 2: b's missing chunk counts for nobody
     state = own.clone()
-    chunked_average_(state, msgs, "fill-local")
+    chunked_average_(state, 1 / 3, msgs, "fill-local")
     assert torch.allclose(state[4:], torch.full((4,), 4 / 3))  # b's chunk replaced by the local 0
+
+
+def test_per_chunk_loss_in_a_regular_graph_biases_toward_neither_side():
+    # 3-regular: every Metropolis-Hastings weight is 1/4. One neighbour's second chunk is lost:
+    # that chunk is the plain mean of the node and the two neighbours that delivered it.
+    own = torch.zeros(8)
+    values = [torch.full((8,), v) for v in (3.0, 6.0, 9.0)]
+    presence = [torch.tensor([True, True]), torch.tensor([True, True]), torch.tensor([True, False])]
+    msgs = [(0.25, _partial(v, p, 4, 3)) for v, p in zip(values, presence)]
+    state = own.clone()
+    chunked_average_(state, 0.25, msgs, "per-chunk")
+    assert torch.allclose(state[:4], torch.full((4,), 18 / 4))
+    assert torch.allclose(state[4:], torch.full((4,), 9 / 3))
+    state = own.clone()
+    chunked_average_(state, 0.25, msgs, "fill-local")  # the study's rule: the lost quarter goes to the node
+    assert torch.allclose(state[4:], torch.full((4,), 9 / 4))
 
 
 def test_udp_dpsgd_without_loss_equals_tcp():
@@ -211,6 +228,24 @@ def test_emulated_loss_on_real_datagrams(lenet_state):
             chunk_count(flat.nbytes, 1424) for m in got if 0 not in m)
         assert abs(lost / expected - 0.3) < 0.05
         assert a.emulated_drops == lost
+    finally:
+        a.close()
+        b.close()
+
+
+def test_lost_chunks_read_as_zeros_even_in_a_recycled_buffer(lenet_state):
+    flat, layout = lenet_state
+    a, b = _pair(layout, chunk_bytes=1424)
+    a.emulator = Emulator(NetemSpec(loss=0.3), seed=5)
+    try:
+        b.recycle([Message(Kind.MODEL, 0, 0, 1, chunks=Chunks(1424, torch.ones(1, dtype=torch.bool),
+                                                              torch.full((layout.numel,), float("nan"))))])
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+        got = b.gather(0, [0], timeout=0.5)[0]
+        lost = ~got.chunks.present.repeat_interleave(1424 // 4)[:layout.numel]
+        assert got.chunks.missing > 0 and not got.chunks.vector.isnan().any()
+        assert torch.equal(got.chunks.vector[lost], torch.zeros(int(lost.sum())))
+        assert torch.equal(got.chunks.vector[~lost], flat.state[~lost])
     finally:
         a.close()
         b.close()

@@ -25,27 +25,31 @@ def _element_mask(msg: Message, numel: int, element_size: int) -> torch.Tensor:
     return msg.chunks.present.repeat_interleave(per_chunk)[:numel].to(torch.float32)
 
 
-def chunked_average_(state: torch.Tensor, received: list[Message], rule: str) -> None:
+def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]], rule: str) -> None:
     """In place: Metropolis-Hastings averaging where some chunks of some models are missing.
 
-    ``per-chunk``: for every chunk, weights ``1 / (1 + max(k, d_j))`` over the k neighbours whose
-    chunk arrived (d_j from the sender's header), the rest to the node itself: a lost chunk
-    biases toward neither side. ``fill-local`` (the UDP study's rule): k counts neighbours that
-    delivered any chunk, and a missing chunk counts as the node's own values.
-    With nothing lost both equal plain Metropolis-Hastings.
+    ``received`` pairs each neighbour's model with its Metropolis-Hastings weight, and
+    ``own_weight`` is the node's own (the weights of all neighbours and the node sum to one).
+    ``per-chunk``: for every chunk, these weights renormalised over the node and the neighbours
+    whose chunk arrived, so a lost chunk biases toward neither side: with one of three equally
+    weighted neighbours missing, the node and the other two get a third each.
+    ``fill-local`` (the UDP study's rule): weights ``1 / (1 + max(k, d_j))`` with k the neighbours
+    that delivered any chunk and d_j the sender's degree, and a missing chunk counts as the
+    node's own values. With nothing lost both equal plain Metropolis-Hastings.
     """
     numel, size = state.numel(), state.element_size()
-    masks = [_element_mask(msg, numel, size).to(state.device) for msg in received]
+    masks = [_element_mask(msg, numel, size).to(state.device) for _, msg in received]
     with torch.no_grad():
         if rule == "per-chunk":
-            arrived = torch.stack(masks).sum(0) if masks else torch.zeros(numel, device=state.device)
-            weights = [mask / (1 + torch.clamp(arrived, min=msg.degree)) for mask, msg in zip(masks, received)]
+            weights = [mask * weight for mask, (weight, _) in zip(masks, received)]
+            total = own_weight + (torch.stack(weights).sum(0) if weights else torch.zeros(numel, device=state.device))
+            weights = [w / total for w in weights]
         elif rule == "fill-local":
             senders = len(received)
-            weights = [mask * (1.0 / (1 + max(senders, msg.degree))) for mask, msg in zip(masks, received)]
+            weights = [mask * (1.0 / (1 + max(senders, msg.degree))) for mask, (_, msg) in zip(masks, received)]
         else:
             raise ValueError(f"unknown missing-chunk rule {rule!r}")
         own = 1.0 - (torch.stack(weights).sum(0) if weights else torch.zeros(numel, device=state.device))
         state.mul_(own.to(state.dtype))
-        for weight, msg in zip(weights, received):
+        for weight, (_, msg) in zip(weights, received):
             state.addcmul_(weight.to(state.dtype), msg.chunks.vector.to(state.device))

@@ -21,7 +21,8 @@ class DPSGD(Algorithm):
     """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
 
     A neighbour whose model misses the deadline is left out of this iteration's average and
-    its weight goes to the node's own model, so the weights still sum to one.
+    its weight goes to the node's own model, so the weights still sum to one. Over UDP, lost
+    chunks (and wholly lost models) are averaged per chunk by ``missing_chunks``.
     """
 
     name = "dpsgd"
@@ -53,8 +54,11 @@ class DPSGD(Algorithm):
             else:
                 log.warning("node %d: ignored the model of %d: %s", ctx.rank, sender, problem)
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
-        if partial:
-            chunked_average_(ctx.flat.state, [received[j] for j in usable], ctx.config.missing_chunks)
+        lossy = ctx.config.transport == "udp" and len(usable) < len(self.neighbours)
+        if partial or (lossy and usable):
+            own = 1.0 - sum(self.weights.values())
+            chunked_average_(ctx.flat.state, own, [(self.weights[j], received[j]) for j in usable],
+                             ctx.config.missing_chunks)
         else:
             own = 1.0 - sum(self.weights[j] for j in usable)
             for name, target in ctx.flat.tensors().items():

@@ -93,6 +93,13 @@ class _Reassembly:
         return self.received == self.header.count
 
     def message(self, layout: StateLayout) -> Message:
+        """The message as received so far; lost chunks read as zeros (a recycled buffer's old
+        bytes could be NaN, and averaging multiplies them by a zero weight)."""
+        if not self.complete:
+            size = self.vector.element_size()
+            per_chunk = self.header.chunk_bytes // size
+            for index in (i for i, here in enumerate(self.present) if not here):
+                self.vector[index * per_chunk:(index + 1) * per_chunk].zero_()
         tensors = {name: self.vector[a:b] for name, (a, b) in layout.ranges.items()}
         present = torch.frombuffer(self.present, dtype=torch.bool) if self.present else torch.ones(0, dtype=torch.bool)
         return Message(Kind.MODEL, self.header.sender, self.header.iteration, self.header.degree, tensors,

@@ -73,7 +73,7 @@ DTYPE_CODES: dict[torch.dtype, int] = {dtype: code for code, dtype in DTYPES.ite
 class Chunks:
     """Which chunks of a message arrived, for transports that may lose some (UDP).
 
-    ``vector`` is the whole received payload as one tensor; bytes of missing chunks are undefined.
+    ``vector`` is the whole received payload as one tensor; missing chunks read as zeros.
     """
 
     chunk_bytes: int
