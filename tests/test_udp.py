@@ -1,6 +1,7 @@
 """UDP: datagram codec, chunking, per-chunk averaging, emulation, and training under loss."""
 
 import json
+import socket
 import struct
 import threading
 import time
@@ -105,6 +106,70 @@ def test_chunked_model_reassembles_bit_identical(lenet_state, chunk_bytes):
     finally:
         a.close()
         b.close()
+
+
+def test_datagrams_read_into_a_guessed_slot_never_corrupt_the_model(lenet_state):
+    # The receiver reads each datagram into the slot of the chunk after the last one received.
+    # Feed it wrong guesses: a corrupted chunk, an oversized one, chunks out of order.
+    flat, layout = lenet_state
+    a, b = _pair(layout, chunk_bytes=1424)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        data = memoryview(flat.state.numpy()).cast("B")
+        count = chunk_count(flat.nbytes, 1424)
+        target = b.address.removeprefix("udp://").rpartition(":")
+        target = (target[0], int(target[2]))
+
+        def chunk(index, iteration=0):
+            header = ChunkHeader(Kind.MODEL, 0, iteration, index, count, 1424, 1, flat.nbytes)
+            payload = bytes(data[index * 1424:index * 1424 + header.payload_size()])
+            return pack_header(header, [memoryview(payload)]) + payload
+
+        corrupted = bytearray(chunk(1))
+        corrupted[-1] ^= 0xFF
+        order = [chunk(0), bytes(corrupted), chunk(3), chunk(2) + b"extra", chunk(2, iteration=1)]
+        order += [chunk(i) for i in range(4, count)] + [chunk(2), chunk(1)]
+        for datagram in order:
+            raw.sendto(datagram, target)
+        got = b.gather(0, [0], timeout=10)
+        assert got[0].chunks.missing == 0
+        assert torch.equal(got[0].chunks.vector, flat.state)
+        assert b.stats.malformed_dropped == 2
+        lone = b.gather(1, [0], timeout=0.1)[0]  # iteration 1 got chunk 2 only
+        assert lone.chunks.present.nonzero().flatten().tolist() == [2]
+        assert torch.equal(lone.chunks.vector[2 * 356:3 * 356], flat.state[2 * 356:3 * 356])
+    finally:
+        raw.close()
+        a.close()
+        b.close()
+
+
+def test_interleaved_senders_reassemble_bit_identical(lenet_state):
+    flat, layout = lenet_state
+    receiver = UdpTransport(9, layout=layout, chunk_bytes=1424)
+    senders = [UdpTransport(i, layout=layout, chunk_bytes=1424) for i in range(3)]
+    models = [flat.state * (i + 1) for i in range(3)]
+    try:
+        address = receiver.bind()
+        book = {i: s.bind() for i, s in enumerate(senders)}
+        threads = [threading.Thread(target=s.connect, args=({9: address},)) for s in senders]
+        for thread in threads:
+            thread.start()
+        receiver.connect(book)
+        for thread in threads:
+            thread.join()
+        sending = [threading.Thread(target=s.broadcast, args=([9], Message(Kind.MODEL, i, 0, 1, {"all": m})))
+                   for i, (s, m) in enumerate(zip(senders, models))]
+        for thread in sending:
+            thread.start()
+        for thread in sending:
+            thread.join()
+        got = receiver.gather(0, [0, 1, 2], timeout=10)
+        for i in range(3):
+            assert got[i].chunks.missing == 0 and torch.equal(got[i].chunks.vector, models[i])
+    finally:
+        for transport in [receiver, *senders]:
+            transport.close()
 
 
 def test_sync_gather_returns_as_soon_as_complete_and_async_does_not_wait(lenet_state):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import select
 import socket
 import struct
 import threading
@@ -32,8 +33,8 @@ from meshlearn.transport.base import DONE, Receipt, Transport
 from meshlearn.netem import Emulator, NetemSpec
 from meshlearn.wire import DEFAULT_MAX_BYTES, Chunks, Kind, Message
 from meshlearn.wire.datagram import (
-    FLAG_HEARD, FLAG_REPLY, HEADER_SIZE, MAX_DATAGRAM, ChunkHeader, chunk_count, pack_fields, pack_header,
-    parse_datagram,
+    FLAG_HEARD, FLAG_REPLY, HEADER_SIZE, MAX_DATAGRAM, ChunkHeader, check_payload, chunk_count, pack_fields,
+    pack_header, parse_header,
 )
 
 log = logging.getLogger(__name__)
@@ -77,16 +78,23 @@ class _Reassembly:
         self.present = bytearray(header.count)  # plain bytes: torch indexing costs microseconds per chunk
         self.received = 0
 
-    def add(self, header: ChunkHeader, payload: memoryview) -> bool:
-        """Store one chunk; returns whether the message is now complete."""
+    def add(self, header: ChunkHeader, payload: memoryview, in_place: bool = False) -> bool:
+        """Store one chunk (``in_place``: the socket already wrote it to its slot); returns
+        whether the message is now complete."""
         if header.chunk_bytes != self.header.chunk_bytes or header.total != self.header.total:
             raise WireError("chunk geometry changed within one message")
         if not self.present[header.index]:
-            start = header.index * header.chunk_bytes
-            self.bytes[start:start + len(payload)] = payload
+            if not in_place:
+                start = header.index * header.chunk_bytes
+                self.bytes[start:start + len(payload)] = payload
             self.present[header.index] = 1
             self.received += 1
         return self.complete
+
+    def slot(self, index: int) -> memoryview:
+        """The bytes chunk ``index`` occupies in the vector."""
+        start = index * self.header.chunk_bytes
+        return self.bytes[start:start + min(self.header.chunk_bytes, self.header.total - start)]
 
     @property
     def complete(self) -> bool:
@@ -163,6 +171,11 @@ class UdpTransport(Transport):
         self._delayed: list[tuple[float, int, bytes, tuple[str, int]]] = []
         self._seq = 0
         self._closed = False
+        # The receive thread reads the next datagram straight into the slot of the chunk it most
+        # likely is (the one after the last chunk received), saving a copy per datagram. While a
+        # slot is armed its message must stay in _parts; gather sets _taking and waits for disarming.
+        self._armed: tuple[_Reassembly, int, memoryview] | None = None
+        self._taking = False
 
     # --- set-up ---------------------------------------------------------------------------
 
@@ -181,7 +194,7 @@ class UdpTransport(Transport):
             if exc.errno == 98:
                 raise PortInUseError(f"UDP port {self.port} on {self.host} is in use: choose another port") from None
             raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{self.port}: {exc}") from None
-        sock.settimeout(0.1)
+        sock.setblocking(False)  # the receive thread polls; see _receive_loop
         self._sock = sock
         host, port = sock.getsockname()
         self.address = f"udp://{host}:{port}"
@@ -275,13 +288,16 @@ class UdpTransport(Transport):
         whole = _contiguous(list(msg.tensors.values()), total)
         size, started, sent = self.chunk_bytes, time.monotonic(), 0
         emit = self._emit if self.emulator.spec.active else self._send_now
+        heads: list[bytes] = []  # a datagram's header names no receiver: checksum each chunk once
         for peer in peers:
             addr = self._addrs[peer]
             for index in range(count):
                 start = index * size
                 pieces = [whole[start:start + size]] if whole is not None else _slice(views, start, start + size)
-                emit([pack_fields(msg.kind, 0, self.node_id, msg.iteration, index, count, size, msg.degree, total,
-                                  pieces), *pieces], addr)
+                if len(heads) == index:
+                    heads.append(pack_fields(msg.kind, 0, self.node_id, msg.iteration, index, count, size,
+                                             msg.degree, total, pieces))
+                emit([heads[index], *pieces], addr)
                 sent += HEADER_SIZE + min(size, total - start)
                 ahead = sent / self.rate - (time.monotonic() - started)
                 if ahead > 0.002:  # pace: never more than 2 ms ahead of the configured rate
@@ -311,13 +327,21 @@ class UdpTransport(Transport):
     # --- receiving ------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        buffer = bytearray(MAX_DATAGRAM + 1)
-        view = memoryview(buffer)
+        head = memoryview(bytearray(HEADER_SIZE))
+        spill = memoryview(bytearray(MAX_DATAGRAM + 1))
+        joined = memoryview(bytearray(MAX_DATAGRAM + 1))
         ancillary = socket.CMSG_SPACE(4)
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
         while not self._stop.is_set():
+            armed = self._armed
             try:
-                size, ancdata, _, _ = self._sock.recvmsg_into([buffer], ancillary)
-            except (socket.timeout, BlockingIOError):
+                size, ancdata, _, _ = self._sock.recvmsg_into([head, armed[2], spill] if armed else [head, spill],
+                                                              ancillary)
+            except BlockingIOError:
+                if armed is not None:
+                    self._disarm()
+                poller.poll(100)
                 continue
             except OSError:
                 if self._stop.is_set():
@@ -328,20 +352,48 @@ class UdpTransport(Transport):
                     self.rcvbuf_drops = struct.unpack("<I", data[:4])[0]
             self.stats.bytes_received += size
             try:
-                header, payload = parse_datagram(view[:size], self.max_message_bytes)
-                self._accept(header, payload)
+                if size < HEADER_SIZE:
+                    raise WireError(f"datagram of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+                header, checksum = parse_header(head, self.max_message_bytes)
+                payload, in_place = self._payload(size - HEADER_SIZE, armed, spill, joined)
+                check_payload(head, header, checksum, payload)
+                in_place = in_place and armed[0].header.sender == header.sender and \
+                    armed[0].header.iteration == header.iteration and armed[1] == header.index
+                self._accept(header, payload, in_place)
             except WireError as exc:
                 self.stats.malformed_dropped += 1
                 log.debug("node %d: dropped a malformed datagram: %s", self.node_id, exc)
 
-    def _accept(self, header: ChunkHeader, payload: memoryview) -> None:
+    @staticmethod
+    def _payload(size: int, armed, spill: memoryview, joined: memoryview) -> tuple[memoryview, bool]:
+        """Where a received payload of ``size`` bytes lies, and whether it is all in the armed slot."""
+        if armed is None:
+            return spill[:size], False
+        slot = armed[2]
+        if size <= len(slot):
+            return slot[:size], size == len(slot)
+        joined[:len(slot)] = slot  # longer than the slot guessed for it: the rest went to spill
+        joined[len(slot):size] = spill[:size - len(slot)]
+        return joined[:size], False
+
+    def _disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+            if self._taking:
+                self._cond.notify_all()
+
+    def _accept(self, header: ChunkHeader, payload: memoryview, in_place: bool = False) -> None:
         if header.sender not in self.peers:
             self.stats.unknown_sender_dropped += 1
+            self._disarm()
             return
         self.datagrams_received += 1
         with self._cond:
+            self._armed = None
             if header.kind == Kind.MODEL:
-                if self._add_chunk(header, payload):  # wake a waiting gather only when a model completes
+                if self._add_chunk(header, payload, in_place):  # wake a waiting gather only when a model completes
+                    self._cond.notify_all()
+                elif self._taking:
                     self._cond.notify_all()
                 return
             if header.kind == Kind.HELLO:
@@ -356,8 +408,8 @@ class UdpTransport(Transport):
                 self._control.append(Message(header.kind, header.sender, header.iteration, header.degree))
             self._cond.notify_all()
 
-    def _add_chunk(self, header: ChunkHeader, payload: memoryview) -> bool:
-        """Store one chunk of a model; returns whether that model is now complete."""
+    def _add_chunk(self, header: ChunkHeader, payload: memoryview, in_place: bool) -> bool:
+        """Store one chunk of a model and arm the slot of the next; returns whether that model is now complete."""
         if header.total != self.layout.nbytes:
             raise WireError(f"a {header.total}-byte model does not match the {self.layout.nbytes}-byte layout")
         if header.iteration < self._floor:
@@ -368,10 +420,14 @@ class UdpTransport(Transport):
         if part is None:
             vector = self._free.pop() if self._free else torch.empty(self.layout.numel, dtype=self.layout.dtype)
             part = self._parts[key] = _Reassembly(header, vector)
-        if part.add(header, payload):
+        complete = part.add(header, payload, in_place)
+        if complete:
             self.stats.messages_received += 1
-            return True
-        return False
+        else:
+            following = header.index + 1
+            if following < header.count and not part.present[following] and not self._taking:
+                self._armed = (part, following, part.slot(following))
+        return complete
 
     def recv(self, timeout: float) -> Message | None:
         """The next control message (not HELLO, BYE or MODEL: those are handled by the transport)."""
@@ -383,21 +439,7 @@ class UdpTransport(Transport):
     def gather(self, iteration: int, peers: Iterable[int], timeout: float) -> dict[int, Message]:
         wanted = list(peers)
         with self._cond:
-            if self.mode == "sync":
-                deadline = time.monotonic() + timeout
-                while not all(self._done(p, iteration) for p in wanted):
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        self.stats.gather_timeouts += 1
-                        break
-                    self._cond.wait(remaining)
-                taken = {p: self._parts.pop((p, iteration), None) for p in wanted}
-            else:
-                taken = {p: self._newest(p, iteration) for p in wanted}
-            self._floor = max(self._floor, iteration + 1)
-            for key in [k for k in self._parts if k[1] < self._floor]:
-                self.stats.stale_dropped += 1
-                self._free.append(self._parts.pop(key).vector)
+            taken = self._take(iteration, wanted, timeout)
         expected = chunk_count(self.layout.nbytes, self.chunk_bytes)
         result = {}
         for peer, part in taken.items():
@@ -408,6 +450,33 @@ class UdpTransport(Transport):
             self.chunks_lost += part.header.count - part.received
             result[peer] = part.message(self.layout)
         return result
+
+    def _take(self, iteration: int, wanted: list[int], timeout: float) -> dict[int, _Reassembly | None]:
+        """gather's part under the lock: wait as the mode says, then remove this iteration's parts
+        (and older ones) once no datagram is being read into any of them."""
+        if self.mode == "sync":
+            deadline = time.monotonic() + timeout
+            while not all(self._done(p, iteration) for p in wanted):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.stats.gather_timeouts += 1
+                    break
+                self._cond.wait(remaining)
+        self._taking = True
+        try:
+            while self._armed is not None:  # the receive thread disarms within one non-blocking read
+                self._cond.wait(0.005)
+            if self.mode == "sync":
+                taken = {p: self._parts.pop((p, iteration), None) for p in wanted}
+            else:
+                taken = {p: self._newest(p, iteration) for p in wanted}
+            self._floor = max(self._floor, iteration + 1)
+            for key in [k for k in self._parts if k[1] < self._floor]:
+                self.stats.stale_dropped += 1
+                self._free.append(self._parts.pop(key).vector)
+        finally:
+            self._taking = False
+        return taken
 
     def recycle(self, messages: Iterable[Message]) -> None:
         """Take back the buffers of gathered models the caller no longer uses (saves page faults)."""

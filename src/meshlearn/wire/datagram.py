@@ -82,8 +82,20 @@ def parse_datagram(data: memoryview, max_total: int) -> tuple[ChunkHeader, memor
     """
     if len(data) < HEADER_SIZE:
         raise WireError(f"datagram of {len(data)} bytes is shorter than the {HEADER_SIZE}-byte header")
+    header, checksum = parse_header(data[:HEADER_SIZE], max_total)
+    payload = data[HEADER_SIZE:]
+    check_payload(data[:HEADER_SIZE], header, checksum, payload)
+    return header, payload
+
+
+def parse_header(head: memoryview, max_total: int) -> tuple[ChunkHeader, int]:
+    """Validate a datagram's ``HEADER_SIZE`` header bytes; return the header and its checksum.
+
+    The payload is not checked yet (``check_payload`` does): a receiver may read the header and
+    the payload into different buffers.
+    """
     (magic, version, kind, flags, reserved, sender, iteration, index, count, chunk_bytes, degree, total,
-     checksum) = HEADER.unpack_from(data, 0)
+     checksum) = HEADER.unpack_from(head, 0)
     if magic != MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r}: not a meshlearn datagram")
     if version != VERSION:
@@ -100,11 +112,12 @@ def parse_datagram(data: memoryview, max_total: int) -> tuple[ChunkHeader, memor
         raise WireError(f"chunk size {chunk_bytes} is outside 1..{MAX_DATAGRAM}")
     if count != chunk_count(total, chunk_bytes) or index >= count:
         raise WireError(f"chunk {index} of {count} does not fit a message of {total} bytes in {chunk_bytes}-byte chunks")
-    header = ChunkHeader(kind, sender, iteration, index, count, chunk_bytes, degree, total, flags)
-    payload = data[HEADER_SIZE:]
+    return ChunkHeader(kind, sender, iteration, index, count, chunk_bytes, degree, total, flags), checksum
+
+
+def check_payload(head: memoryview, header: ChunkHeader, checksum: int, payload: memoryview) -> None:
+    """Raise WireError unless ``payload`` has the size ``header`` announces and matches ``checksum``."""
     if len(payload) != header.payload_size():
-        raise WireError(f"chunk {index} carries {len(payload)} bytes, expected {header.payload_size()}")
-    expected = crc32c(payload, crc32c(data[:HEADER_SIZE - 4]))
-    if checksum != expected:
+        raise WireError(f"chunk {header.index} carries {len(payload)} bytes, expected {header.payload_size()}")
+    if checksum != crc32c(payload, crc32c(head[:HEADER_SIZE - 4])):
         raise WireError("checksum mismatch: the datagram was corrupted")
-    return header, payload
