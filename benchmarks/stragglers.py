@@ -11,7 +11,7 @@ straggler sleeps `--slowdown` times as long, so its steps take about that many t
 2. No straggler: final mean accuracy of both after the same number of iterations (same samples).
 
     python benchmarks/stragglers.py [--nodes 8] [--targets 0.85 0.9] [--slowdown 3] [--iterations 100]
-        [--model mlp] [--step-ms 20] [--lr 0.05] [--gossip-lr 0.1]
+        [--model mlp] [--step-ms 20] [--lr 0.05] [--gossip-lr 0.1] [--interpolation constant|clock|loss]
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--gossip-lr", type=float, default=None,
                         help="gossip's learning rate (default --lr). dpwa's one-sided interpolation keeps only "
                              "(1 - factor) of a node's own step, so gossip tolerates (and wants) a larger one")
+    parser.add_argument("--interpolation", default="constant", help="gossip's interpolation: constant | clock | loss")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     out = Path(args.output or tempfile.mkdtemp(prefix="stragglers-"))
@@ -73,6 +74,7 @@ def main() -> None:
             name = f"{algorithm}-{'straggler' if straggler else 'even'}"
             lr = args.gossip_lr if algorithm == "gossip" and args.gossip_lr else args.lr
             config = make_config({**base, "algorithm": algorithm, "lr": lr, "output": str(out / name),
+                                  "interpolation": args.interpolation,
                                   "slowdown": _slowdown(args, straggler)})
             print(f"running {name} ...", file=sys.stderr, flush=True)
             result = simulate(config, progress=False)
@@ -81,7 +83,7 @@ def main() -> None:
                          summary["final"]["accuracy"], summary["elapsed_max"]))
     print(f"{args.nodes} nodes, digits, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} iterations; "
           f"straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; "
-          f"lr {args.lr:g} (gossip {args.gossip_lr or args.lr:g})")
+          f"lr {args.lr:g} (gossip {args.gossip_lr or args.lr:g}, {args.interpolation} interpolation)")
     targets = " | ".join(f"to {t:.0%} (s)" for t in args.targets)
     print(f"| run | {targets} | final accuracy | slowest node done (s) |")
     print("|---|" + "---|" * (len(args.targets) + 2))

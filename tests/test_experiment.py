@@ -16,7 +16,10 @@ EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 def test_shipped_experiment_files_load_at_both_scales(path, tmp_path):
     full = load_experiment(path, quick=False, output=tmp_path)
     quick = load_experiment(path, quick=True, output=tmp_path)
-    assert len(full.runs) == len(quick.runs) >= 3
+    assert len(full.runs) >= 3
+    repeated = {name: base for base, names in quick.groups.items() for name in names}
+    assert [repeated.get(name, name) for name, _ in quick.runs] == \
+        [n for name, _ in full.runs for n in [name] * len(quick.groups.get(name, [name]))]
     assert all(config.dataset.startswith("cifar10") and config.nodes == 16 for _, config in full.runs)
     assert all(config.dataset == "digits" for _, config in quick.runs)
 
@@ -32,12 +35,25 @@ def test_run_overrides_and_run_quick_maps(tmp_path):
     assert quick["b"].output == str(tmp_path / "out" / "b")
 
 
+def test_seeds_repeat_a_run(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text("base: {seed: 9}\nruns:\n  - {name: a, seeds: [1, 2]}\n  - {name: b, quick: {seeds: [3]}}\n")
+    full = load_experiment(path, quick=False, output=tmp_path / "out")
+    quick = load_experiment(path, quick=True, output=tmp_path / "out")
+    assert [(n, c.seed) for n, c in full.runs] == [("a-s1", 1), ("a-s2", 2), ("b", 9)]
+    assert [(n, c.seed) for n, c in quick.runs] == [("a-s1", 1), ("a-s2", 2), ("b-s3", 3)]
+    assert quick.groups == {"a": ["a-s1", "a-s2"], "b": ["b-s3"]}
+    assert dict(full.runs)["a-s2"].output == str(tmp_path / "out" / "a-s2")
+
+
 @pytest.mark.parametrize("text, match", [
     ("name: x\n", "non-empty 'runs'"),
     ("runs: [{transport: tcp}]\n", "needs a name"),
     ("runs: [{name: a}, {name: a}]\n", "repeated"),
     ("runs: [{name: a, nodez: 3}]\n", "run 'a'.*nodez"),
     ("runs: [{name: a}]\nextra: 1\n", "unknown section"),
+    ("runs: [{name: a, seeds: 3}]\n", "'seeds' must be a list of integers"),
+    ("runs: [{name: a, seeds: [1, x]}]\n", "'seeds' must be a list of integers"),
     ("runs: [{name: a\n", "not valid YAML"),
 ])
 def test_bad_experiment_files(tmp_path, text, match):
@@ -56,17 +72,22 @@ def test_report_compares_real_runs(tmp_path):
     path = tmp_path / "e.yaml"
     path.write_text("name: mini\ndescription: two transports\n"
                     "base: {nodes: 3, topology: ring, iterations: 6, test_after: 3, rounds: 1, seed: 4}\n"
-                    "runs:\n  - {name: tcp, transport: tcp}\n  - {name: udp, transport: udp, net: 'loss=30%', "
+                    "runs:\n  - {name: tcp, transport: tcp, seeds: [4, 5]}\n  - {name: udp, transport: udp, net: 'loss=30%', "
                     "chunk_bytes: 4000, udp_timeout: 0.1}\n")
     output = run_experiment(load_experiment(path, quick=False, output=tmp_path / "report"), progress=False,
                             log=lambda *_: None)
     for name in ("table.md", "table.csv", "per_node.csv", "experiment.json", "comparison.png", "iteration_times.png"):
         assert (output / name).is_file(), name
     rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}
-    assert set(rows) == {"tcp", "udp"}
-    assert int(rows["tcp"]["chunks_lost"]) == 0 and int(rows["udp"]["chunks_lost"]) > 0
-    assert float(rows["udp"]["timeout_share"]) > 0 and 0 < float(rows["tcp"]["accuracy"]) <= 1
+    assert set(rows) == {"tcp-s4", "tcp-s5", "udp"}
+    assert int(rows["tcp-s4"]["chunks_lost"]) == 0 and int(rows["udp"]["chunks_lost"]) > 0
+    assert float(rows["udp"]["timeout_share"]) > 0 and 0 < float(rows["tcp-s4"]["accuracy"]) <= 1
     per_node = list(csv.DictReader((output / "per_node.csv").open()))
-    assert len(per_node) == 6 and all(int(r["bytes_sent"]) > 0 for r in per_node)
-    assert json.loads((output / "experiment.json").read_text())["name"] == "mini"
-    assert "| tcp |" in (output / "table.md").read_text()
+    assert len(per_node) == 9 and all(int(r["bytes_sent"]) > 0 for r in per_node)
+    report = json.loads((output / "experiment.json").read_text())
+    assert report["name"] == "mini"
+    [mean] = report["seed_means"]
+    accuracies = [float(rows[n]["accuracy"]) for n in ("tcp-s4", "tcp-s5")]
+    assert mean["run"] == "tcp" and mean["seeds"] == 2
+    assert mean["accuracy"] == pytest.approx(sum(accuracies) / 2) and mean["accuracy_min"] == min(accuracies)
+    assert "| tcp-s4 |" in (output / "table.md").read_text() and "Mean over seeds" in (output / "table.md").read_text()

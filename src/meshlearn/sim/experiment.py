@@ -10,7 +10,9 @@ File layout (YAML)::
       - {name: tcp, transport: tcp}
       - {name: udp-sync, transport: udp, udp_mode: sync, quick: {iterations: 20}}
 
-A run's own ``quick`` map applies on top with ``--quick`` only.
+A run's own ``quick`` map applies on top with ``--quick`` only. A run with ``seeds: [1, 2, 3]``
+(in the run or its ``quick`` map) is repeated once per seed as ``NAME-s1``, ...; the report adds
+the mean over its seeds (one seed's accuracy is noisy at small scale).
 
 Each run is a normal simulation in ``OUTPUT/<run name>/``; the comparison (plots, tables) goes
 to ``OUTPUT/`` itself.
@@ -32,7 +34,7 @@ from meshlearn.errors import ConfigError
 from meshlearn.sim.launcher import simulate
 from meshlearn.sim.report import evaluation_table, final_summary, load_logs
 
-RUN_KEYS = {"name", "quick"}
+RUN_KEYS = {"name", "quick", "seeds"}
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Experiment:
     name: str
     description: str
     runs: list[tuple[str, ExperimentConfig]]
+    groups: dict[str, list[str]]  # a run with seeds -> the names of its repetitions
 
 
 def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None) -> Experiment:
@@ -63,7 +66,7 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     base = dict(raw.get("base") or {})
     if quick:
         base.update(raw.get("quick") or {})
-    runs, seen = [], set()
+    runs, seen, groups = [], set(), {}
     for index, run in enumerate(raw["runs"]):
         if not isinstance(run, dict) or not run.get("name"):
             raise ConfigError(f"experiment file {path}: run {index + 1} needs a name")
@@ -74,13 +77,21 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
         own_quick = run.get("quick") or {}
         if not isinstance(own_quick, dict):
             raise ConfigError(f"experiment file {path}: run {run_name!r}: 'quick' must be a map of settings")
-        values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS}, **(own_quick if quick else {}),
-                  "output": str(out / run_name)}
-        try:
-            runs.append((run_name, make_config(values)))
-        except ConfigError as exc:
-            raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
-    return Experiment(name, str(raw.get("description", "")), runs)
+        seeds = own_quick.get("seeds", run.get("seeds")) if quick else run.get("seeds")
+        if seeds is not None and (not isinstance(seeds, list) or not seeds or
+                                  not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
+            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'seeds' must be a list of integers")
+        values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS},
+                  **({k: v for k, v in own_quick.items() if k != "seeds"} if quick else {})}
+        repeats = [(f"{run_name}-s{seed}", {"seed": seed}) for seed in seeds] if seeds else [(run_name, {})]
+        if seeds:
+            groups[run_name] = [n for n, _ in repeats]
+        for repeat_name, extra in repeats:
+            try:
+                runs.append((repeat_name, make_config({**values, **extra, "output": str(out / repeat_name)})))
+            except ConfigError as exc:
+                raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
+    return Experiment(name, str(raw.get("description", "")), runs, groups)
 
 
 def run_experiment(experiment: Experiment, progress: bool = True, log=print) -> Path:
@@ -122,6 +133,17 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
     return row, per_node, totals
 
 
+def _seed_means(groups: dict[str, list[str]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_name = {r["run"]: r for r in rows}
+    means = []
+    for name, members in groups.items():
+        accuracies = [by_name[m]["accuracy"] for m in members]
+        means.append({"run": name, "seeds": len(members), "accuracy": statistics.fmean(accuracies),
+                      "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
+                      "iter_mean_ms": statistics.fmean(by_name[m]["iter_mean_ms"] for m in members)})
+    return means
+
+
 def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any]]:
     """comparison.png, iteration_times.png, table.csv/.md and per_node.csv for finished runs."""
     import matplotlib
@@ -150,8 +172,15 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
         lines.append(f"| {r['run']} | {r['accuracy']:.4f} | {r['f1']:.4f} | {r['iter_mean_ms']:.1f} / "
                      f"{r['iter_median_ms']:.1f} / {r['iter_std_ms']:.1f} | {r['timeout_share']:.3f} | "
                      f"{r['chunks_lost']} | {r['bytes_sent'] / 1e6:.1f} |")
+    means = _seed_means(experiment.groups, rows)
+    if means:
+        lines += ["", "Mean over seeds:", "", "| run | seeds | accuracy mean (min .. max) | iteration mean (ms) |",
+                  "|---|---|---|---|"]
+        lines += [f"| {m['run']} | {m['seeds']} | {m['accuracy']:.4f} ({m['accuracy_min']:.4f} .. "
+                  f"{m['accuracy_max']:.4f}) | {m['iter_mean_ms']:.1f} |" for m in means]
     (output / "table.md").write_text("\n".join(lines) + "\n")
-    (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows}, indent=2))
+    (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows, "seed_means": means},
+                                                       indent=2))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, table in curves:
