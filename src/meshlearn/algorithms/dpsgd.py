@@ -34,6 +34,7 @@ class DPSGD(Algorithm):
         row = mh_row(ctx.graph, ctx.rank)
         self.neighbours = ctx.graph.neighbours(ctx.rank)
         self.weights = {j: w for j, w in row.items() if j != ctx.rank}
+        self.own_weight = 1.0 - sum(self.weights.values())
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
@@ -56,8 +57,7 @@ class DPSGD(Algorithm):
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
         lossy = ctx.config.transport == "udp" and len(usable) < len(self.neighbours)
         if partial or (lossy and usable):
-            own = 1.0 - sum(self.weights.values())
-            chunked_average_(ctx.flat.state, own, [(self.weights[j], received[j]) for j in usable],
+            chunked_average_(ctx.flat.state, self.own_weight, [(self.weights[j], received[j]) for j in usable],
                              ctx.config.missing_chunks)
         else:
             own = 1.0 - sum(self.weights[j] for j in usable)
