@@ -172,6 +172,63 @@ def test_interleaved_senders_reassemble_bit_identical(lenet_state):
             transport.close()
 
 
+@pytest.mark.parametrize("late", [True, False])
+def test_chunks_that_miss_their_deadline_fill_the_next_iteration(lenet_state, late):
+    flat, layout = lenet_state
+    a, b = _pair(layout, chunk_bytes=1424, late=late)
+    raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        models = {0: flat.state.clone(), 1: flat.state * -2, 2: flat.state * 3}
+        count = chunk_count(flat.nbytes, 1424)
+        per_chunk = 1424 // 4
+        host, _, port = b.address.removeprefix("udp://").rpartition(":")
+
+        def send(iteration, indices):
+            data = memoryview(models[iteration].numpy()).cast("B")
+            for index in indices:
+                header = ChunkHeader(Kind.MODEL, 0, iteration, index, count, 1424, 1, flat.nbytes)
+                payload = bytes(data[index * 1424:index * 1424 + header.payload_size()])
+                raw.sendto(pack_header(header, [memoryview(payload)]) + payload, (host, int(port)))
+
+        def settle():  # every datagram sent so far is read
+            deadline = time.monotonic() + 5
+            while b.datagrams_received < sent[0] and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+        sent = [0]
+        half = range(0, count, 2)
+        send(0, half)
+        sent[0] += len(half)
+        settle()
+        first = b.gather(0, [0], timeout=0.05)[0]
+        assert first.chunks.missing == count - len(half)
+        send(0, range(1, count))  # the rest of iteration 0 (and a duplicate of chunk 2), too late
+        send(1, [0, 1])
+        sent[0] += count - 1 + 2
+        settle()
+        second = b.gather(1, [0], timeout=0.05)[0]
+        assert b.chunks_lost == (count - len(half)) + (count - 2)
+        if late:
+            assert second.chunks.missing == 0 and b.late_chunks_used == count - 2
+            expected = models[0].clone()
+            expected[:2 * per_chunk] = models[1][:2 * per_chunk]
+            assert torch.equal(second.chunks.vector, expected)
+            assert b.stats.stale_dropped == 0
+        else:
+            assert second.chunks.present.nonzero().flatten().tolist() == [0, 1]
+            assert b.late_chunks_used == 0 and b.stats.stale_dropped == count - 1
+        send(0, [count - 1])  # two iterations late: dropped either way
+        send(2, range(count))
+        sent[0] += 1 + count
+        settle()
+        third = b.gather(2, [0], timeout=5)[0]
+        assert third.chunks.missing == 0 and torch.equal(third.chunks.vector, models[2])
+    finally:
+        raw.close()
+        a.close()
+        b.close()
+
+
 def test_sync_gather_returns_as_soon_as_complete_and_async_does_not_wait(lenet_state):
     flat, layout = lenet_state
     a, b = _pair(layout)

@@ -28,6 +28,9 @@ class ExperimentConfig(BaseModel):
     udp_timeout: float = Field(0.4, gt=0, description="UDP sync mode: seconds to wait for neighbours' chunks")
     chunk_bytes: int = Field(0, ge=0, description="UDP payload bytes per datagram (0 = fit the path: 65456 on loopback, 1424 otherwise)")
     missing_chunks: Literal["per-chunk", "fill-local"] = Field("per-chunk", description="UDP: how lost chunks are averaged")
+    late_chunks: Literal["use", "drop"] = Field(
+        "use", description="UDP sync mode: chunks that miss their deadline fill the sender's missing chunks at the "
+        "next iteration (use) or are dropped (drop, the UDP study's behaviour)")
     udp_rate_gbps: float = Field(2.0, gt=0, description="UDP sender pacing in GB/s")
     net: str = Field("", description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
     loss_mode: Literal["auto", "kernel", "user"] = Field(

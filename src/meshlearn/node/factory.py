@@ -49,6 +49,7 @@ def make_transport(
             # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
             chunk_bytes=config.chunk_bytes or (ETHERNET_CHUNK if config.loss_mode == "kernel" else 0),
             mode=config.udp_mode,
+            late=config.late_chunks == "use",
             max_message_bytes=config.max_message_bytes,
             handshake_timeout=config.handshake_timeout,
             rate_bytes_per_s=config.udp_rate_gbps * 1e9,

@@ -115,7 +115,8 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
     for rank, node in final["per_node"].items():
         stats = node["stats"]
         per_node.append({"run": name, "node": rank, "timeouts": stats.get("gather_timeouts", 0),
-                         "chunks_lost": stats.get("chunks_lost", 0), "bytes_sent": stats.get("bytes_sent", 0),
+                         "chunks_lost": stats.get("chunks_lost", 0),
+                         "late_chunks_used": stats.get("late_chunks_used", 0), "bytes_sent": stats.get("bytes_sent", 0),
                          "rcvbuf_drops": stats.get("rcvbuf_drops", 0)})
     iterations = max(1, len(totals))
     row = {
@@ -127,6 +128,7 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
         "iter_std_ms": statistics.pstdev(totals) * 1000 if totals else float("nan"),
         "timeout_share": sum(p["timeouts"] for p in per_node) / iterations,
         "chunks_lost": sum(p["chunks_lost"] for p in per_node),
+        "late_chunks_used": sum(p["late_chunks_used"] for p in per_node),
         "bytes_sent": final["bytes_sent"],
         "elapsed_s": final["elapsed_max"],
     }
@@ -166,12 +168,12 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
         writer = csv.DictWriter(handle, fieldnames=list(nodes[0]) if nodes else ["run"])
         writer.writeheader()
         writer.writerows(nodes)
-    header = "| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost | MB sent |"
+    header = "| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost (used late) | MB sent |"
     lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * 7 + "|"]
     for r in rows:
         lines.append(f"| {r['run']} | {r['accuracy']:.4f} | {r['f1']:.4f} | {r['iter_mean_ms']:.1f} / "
                      f"{r['iter_median_ms']:.1f} / {r['iter_std_ms']:.1f} | {r['timeout_share']:.3f} | "
-                     f"{r['chunks_lost']} | {r['bytes_sent'] / 1e6:.1f} |")
+                     f"{r['chunks_lost']} ({r['late_chunks_used']}) | {r['bytes_sent'] / 1e6:.1f} |")
     means = _seed_means(experiment.groups, rows)
     if means:
         lines += ["", "Mean over seeds:", "", "| run | seeds | accuracy mean (min .. max) | iteration mean (ms) |",

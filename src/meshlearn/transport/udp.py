@@ -5,7 +5,11 @@ time, so datagrams do not pile up in the kernel while the node trains (the cause
 self-inflicted loss measured in the UDP study). ``gather`` then differs by mode:
 
 - ``sync``: wait until every neighbour's model for this iteration is complete, or the timeout;
-  returns the moment the last chunk is in.
+  returns the moment the last chunk is in. Chunks that miss their deadline are not thrown away
+  (unless ``late=False``, the study's behaviour): they stand in for the same sender's chunks
+  missing at the next iteration. Once the timeout cuts every iteration (any loss at all), nodes
+  that started a little apart stay apart, and a neighbour's chunks can land just after each
+  deadline, iteration after iteration; one iteration late, they are still news.
 - ``async``: no waiting; take, per neighbour, the newest model received so far (the study's
   "UDP_threading", kept to reproduce it).
 
@@ -100,6 +104,18 @@ class _Reassembly:
     def complete(self) -> bool:
         return self.received == self.header.count
 
+    def fill_from(self, older: "_Reassembly") -> int:
+        """Copy into this message's missing chunks those that ``older`` (the same sender's
+        previous message) has; returns how many."""
+        filled = 0
+        for index, here in enumerate(self.present):
+            if not here and older.present[index]:
+                self.slot(index)[:] = older.slot(index)
+                self.present[index] = 1
+                filled += 1
+        self.received += filled
+        return filled
+
     def message(self, layout: StateLayout) -> Message:
         """The message as received so far; lost chunks read as zeros (a recycled buffer's old
         bytes could be NaN, and averaging multiplies them by a zero weight)."""
@@ -132,6 +148,7 @@ class UdpTransport(Transport):
         rate_bytes_per_s: float = 2e9,
         netem: NetemSpec | None = None,
         seed: int = 0,
+        late: bool = True,
     ):
         super().__init__(node_id)
         if mode not in ("sync", "async"):
@@ -143,6 +160,7 @@ class UdpTransport(Transport):
             raise UserInputError(f"chunk size {self.chunk_bytes} bytes: use a multiple of 8 between 8 and "
                                  f"{(MAX_DATAGRAM - HEADER_SIZE) // 8 * 8}")
         self.mode = mode
+        self.late = late and mode == "sync"
         self.max_message_bytes = max_message_bytes
         self.handshake_timeout = handshake_timeout
         self.rcvbuf_bytes = rcvbuf_bytes
@@ -153,6 +171,7 @@ class UdpTransport(Transport):
         self.control_emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id + 104_729)
         self.address = ""
         self.chunks_lost = 0
+        self.late_chunks_used = 0
         self.datagrams_sent = 0
         self.datagrams_received = 0
         self.emulated_drops = 0
@@ -412,7 +431,7 @@ class UdpTransport(Transport):
         """Store one chunk of a model and arm the slot of the next; returns whether that model is now complete."""
         if header.total != self.layout.nbytes:
             raise WireError(f"a {header.total}-byte model does not match the {self.layout.nbytes}-byte layout")
-        if header.iteration < self._floor:
+        if header.iteration < self._floor - self.late:  # one iteration late is kept; see the module docstring
             self.stats.stale_dropped += 1
             return False
         key = (header.sender, header.iteration)
@@ -439,21 +458,35 @@ class UdpTransport(Transport):
     def gather(self, iteration: int, peers: Iterable[int], timeout: float) -> dict[int, Message]:
         wanted = list(peers)
         with self._cond:
-            taken = self._take(iteration, wanted, timeout)
+            taken, late = self._take(iteration, wanted, timeout)
         expected = chunk_count(self.layout.nbytes, self.chunk_bytes)
-        result = {}
+        result, spare = {}, []
         for peer, part in taken.items():
-            if part is None:
-                if peer not in self.departed:
-                    self.chunks_lost += expected
-                continue
-            self.chunks_lost += part.header.count - part.received
-            result[peer] = part.message(self.layout)
+            lost = expected if part is None else part.header.count - part.received
+            if part is None and peer in self.departed:
+                lost = 0
+            self.chunks_lost += lost
+            behind = late.get(peer)
+            if behind is not None and lost:
+                if part is None:
+                    part, behind = behind, None
+                    self.late_chunks_used += part.received
+                else:
+                    self.late_chunks_used += part.fill_from(behind)
+            if behind is not None:
+                spare.append(behind.vector)
+            if part is not None:
+                result[peer] = part.message(self.layout)
+        if spare:
+            with self._cond:
+                self._free.extend(spare[:max(0, 2 * len(self.peers) - len(self._free))])
         return result
 
-    def _take(self, iteration: int, wanted: list[int], timeout: float) -> dict[int, _Reassembly | None]:
-        """gather's part under the lock: wait as the mode says, then remove this iteration's parts
-        (and older ones) once no datagram is being read into any of them."""
+    def _take(self, iteration: int, wanted: list[int], timeout: float
+              ) -> tuple[dict[int, _Reassembly | None], dict[int, _Reassembly]]:
+        """gather's part under the lock: wait as the mode says, then remove this iteration's parts,
+        the previous iteration's late chunks and anything older, once no datagram is being read
+        into any of them."""
         if self.mode == "sync":
             deadline = time.monotonic() + timeout
             while not all(self._done(p, iteration) for p in wanted):
@@ -466,8 +499,11 @@ class UdpTransport(Transport):
         try:
             while self._armed is not None:  # the receive thread disarms within one non-blocking read
                 self._cond.wait(0.005)
+            late = {}
             if self.mode == "sync":
                 taken = {p: self._parts.pop((p, iteration), None) for p in wanted}
+                if self.late:
+                    late = {p: part for p in wanted if (part := self._parts.pop((p, iteration - 1), None))}
             else:
                 taken = {p: self._newest(p, iteration) for p in wanted}
             self._floor = max(self._floor, iteration + 1)
@@ -476,7 +512,7 @@ class UdpTransport(Transport):
                 self._free.append(self._parts.pop(key).vector)
         finally:
             self._taking = False
-        return taken
+        return taken, late
 
     def recycle(self, messages: Iterable[Message]) -> None:
         """Take back the buffers of gathered models the caller no longer uses (saves page faults)."""
@@ -501,7 +537,8 @@ class UdpTransport(Transport):
         """UDP counters for the run log: datagrams, chunks lost, emulated and buffer drops."""
         return {
             "datagrams_sent": self.datagrams_sent, "datagrams_received": self.datagrams_received,
-            "chunks_lost": self.chunks_lost, "emulated_drops": self.emulated_drops,
+            "chunks_lost": self.chunks_lost, "late_chunks_used": self.late_chunks_used,
+            "emulated_drops": self.emulated_drops,
             "rcvbuf_drops": self.rcvbuf_drops,
         }
 
