@@ -11,7 +11,11 @@ straggler sleeps `--slowdown` times as long, so its steps take about that many t
 2. No straggler: final mean accuracy of both after the same number of iterations (same samples).
 
     python benchmarks/stragglers.py [--nodes 8] [--targets 0.85 0.9] [--slowdown 3] [--iterations 100]
-        [--model mlp] [--step-ms 20] [--lr 0.05] [--gossip-lr 0.1] [--interpolation constant|clock|loss]
+        [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 1.6] [--tune 0.2 0.4 0.8 1.6]
+        [--interpolation constant|clock|loss] [--test-after 1]
+
+Learning rates matter more than anything here: a D-PSGD held to a small one makes any rival look
+fast. ``--tune`` picks each algorithm's best rate without the straggler first, in the same run.
 """
 
 from __future__ import annotations
@@ -57,33 +61,47 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="sleep per step of every node (0: none)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--gossip-lr", type=float, default=None,
-                        help="gossip's learning rate (default --lr). dpwa's one-sided interpolation keeps only "
-                             "(1 - factor) of a node's own step, so gossip tolerates (and wants) a larger one")
-    parser.add_argument("--interpolation", default="constant", help="gossip's interpolation: constant | clock | loss")
+    parser.add_argument("--lr", type=float, default=0.8, help="D-PSGD's learning rate")
+    parser.add_argument("--gossip-lr", type=float, default=1.6,
+                        help="gossip's learning rate. dpwa's one-sided interpolation keeps only (1 - factor) of a "
+                             "node's own step, so gossip tolerates (and wants) a larger one")
+    parser.add_argument("--tune", type=float, nargs="*", default=None, metavar="LR",
+                        help="first try each algorithm without the straggler at each of these learning rates and "
+                             "compare each at its best (fastest to the last target), not at --lr / --gossip-lr")
+    parser.add_argument("--test-after", type=int, default=1, help="evaluate every N iterations (the time resolution)")
+    parser.add_argument("--interpolation", default="clock", help="gossip's interpolation: constant | clock | loss")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     out = Path(args.output or tempfile.mkdtemp(prefix="stragglers-"))
     base = {"nodes": args.nodes, "topology": "regular:3", "dataset": "digits", "model": args.model, "partition": "iid",
-            "rounds": args.rounds, "batch_size": args.batch_size, "iterations": args.iterations, "test_after": 5,
-            "seed": 90, "fetch_timeout": 1.0}
-    rows = []
-    for straggler in (True, False):
-        for algorithm in ("dpsgd", "gossip"):
-            name = f"{algorithm}-{'straggler' if straggler else 'even'}"
-            lr = args.gossip_lr if algorithm == "gossip" and args.gossip_lr else args.lr
-            config = make_config({**base, "algorithm": algorithm, "lr": lr, "output": str(out / name),
-                                  "interpolation": args.interpolation,
-                                  "slowdown": _slowdown(args, straggler)})
-            print(f"running {name} ...", file=sys.stderr, flush=True)
-            result = simulate(config, progress=False)
-            summary = final_summary(load_logs(result.output))
-            rows.append((name, [time_to_target(result.output, t) for t in args.targets],
-                         summary["final"]["accuracy"], summary["elapsed_max"]))
-    print(f"{args.nodes} nodes, digits, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} iterations; "
-          f"straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; "
-          f"lr {args.lr:g} (gossip {args.gossip_lr or args.lr:g}, {args.interpolation} interpolation)")
+            "rounds": args.rounds, "batch_size": args.batch_size, "iterations": args.iterations,
+            "test_after": args.test_after, "seed": 90, "fetch_timeout": 1.0, "interpolation": args.interpolation}
+
+    def run(algorithm: str, lr: float, straggler: bool, name: str) -> tuple[str, list[float], float, float]:
+        config = make_config({**base, "algorithm": algorithm, "lr": lr, "output": str(out / name),
+                              "slowdown": _slowdown(args, straggler)})
+        print(f"running {name} (lr {lr:g}) ...", file=sys.stderr, flush=True)
+        result = simulate(config, progress=False)
+        summary = final_summary(load_logs(result.output))
+        return (name, [time_to_target(result.output, t) for t in args.targets], summary["final"]["accuracy"],
+                summary["elapsed_max"])
+
+    lrs = {"dpsgd": args.lr, "gossip": args.gossip_lr}
+    even: dict[str, tuple] = {}
+    if args.tune:
+        print("| tuning run, no straggler | " + " | ".join(f"to {t:.0%} (s)" for t in args.targets) + " | final accuracy |")
+        print("|---|" + "---|" * (len(args.targets) + 1))
+        for algorithm in lrs:
+            tried = {lr: run(algorithm, lr, False, f"tune-{algorithm}-{lr:g}") for lr in args.tune}
+            for lr, (name, reach, accuracy, _) in tried.items():
+                print(f"| {name} | {' | '.join(f'{r:.2f}' for r in reach)} | {accuracy:.4f} |")
+            lrs[algorithm] = min(tried, key=lambda lr: (tried[lr][1][-1], -tried[lr][2]))
+            even[algorithm] = (f"{algorithm}-even",) + tried[lrs[algorithm]][1:]
+    rows = [run(algorithm, lrs[algorithm], True, f"{algorithm}-straggler") for algorithm in lrs]
+    rows += [even.get(algorithm) or run(algorithm, lrs[algorithm], False, f"{algorithm}-even") for algorithm in lrs]
+    print(f"{args.nodes} nodes, digits, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} "
+          f"iterations; straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; lr: D-PSGD "
+          f"{lrs['dpsgd']:g}, gossip {lrs['gossip']:g} ({args.interpolation} interpolation)")
     targets = " | ".join(f"to {t:.0%} (s)" for t in args.targets)
     print(f"| run | {targets} | final accuracy | slowest node done (s) |")
     print("|---|" + "---|" * (len(args.targets) + 2))
