@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers.netproc import SECRET, Processes, free_port, start_network  # noqa: E402
@@ -99,6 +99,27 @@ def test_data_the_providers_already_hold_is_not_sent(network):
     metrics = json.loads((procs.folder / "req-local" / "metrics.json").read_text())
     assert sum(c["samples"] for c in metrics["providers"].values()) == len(load_dataset("digits").train_y)
     assert _score(procs.folder / "req-local") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_a_requester_supplied_weights_file_is_where_training_starts(network, tmp_path):
+    procs, bootstrap, ids = network
+    dataset = load_dataset("digits")
+    torch.manual_seed(123)
+    start = build_model("mlp", dataset.input_shape, dataset.num_classes).state_dict()
+    save_file(start, str(tmp_path / "start.safetensors"))
+    code, out = _request(procs, "req-weights", bootstrap, *TASK, "--lr", "1e-9", "--epochs", "1", "--providers", "3",
+                         "--weights", str(tmp_path / "start.safetensors"))
+    assert code == 0, out
+    got = load_file(str(procs.folder / "req-weights" / "model.safetensors"))
+    torch.manual_seed(90)
+    seeded = build_model("mlp", dataset.input_shape, dataset.num_classes).state_dict()
+    for name, tensor in start.items():  # a learning rate of 1e-9 leaves the given weights as they were
+        assert torch.allclose(got[name], tensor, atol=1e-6), name
+        assert not torch.allclose(seeded[name], tensor, atol=1e-3) or tensor.numel() == 0
+    save_file(build_model("lenet", (3, 32, 32), 10).state_dict(), str(tmp_path / "lenet.safetensors"))
+    code, out = _request(procs, "req-misfit", bootstrap, *TASK, "--providers", "3",
+                         "--weights", str(tmp_path / "lenet.safetensors"))
+    assert code == 1 and "weights file does not fit the model" in out and "Traceback" not in out, out
 
 
 def test_a_wrong_secret_can_neither_register_nor_read_results(network):
@@ -198,7 +219,11 @@ def test_request_refuses_bad_input_in_one_line(procs, tmp_path):
     for args, text in [(["--bootstrap", "127.0.0.1:70000", "--data", "digits"], "outside 1..65535"),
                        (["--bootstrap", f"127.0.0.1:{port}", "--data", str(tmp_path / "nope")], "does not exist"),
                        (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--port", "99999"], "outside"),
-                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--algorithm", "x"], "algorithm")]:
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--algorithm", "x"], "algorithm"),
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--weights", str(tmp_path / "w")],
+                        "weights file"),
+                       (["--bootstrap", f"127.0.0.1:{port}", "--data", "digits", "--weights", __file__],
+                        "not a safetensors file")]:
         name = f"bad{len(procs.procs)}"
         proc = procs.start(name, "request", *args)
         assert proc.wait(timeout=60) == 2, procs.log(name)

@@ -23,6 +23,7 @@ REQUEST_FLAGS = {  # flag -> (type, help); defaults live in network.task.TaskReq
     "partition": (str, "iid | shards:K | dirichlet:ALPHA (default iid)"),
     "eval_samples": (int, "evaluate on the first N test samples only (default all)"),
     "peer_timeout": (float, "seconds of silence before a provider counts as gone (default 20)"),
+    "weights": (str, "safetensors file of initial weights for the model (default: a fresh model from --seed)"),
 }
 
 

@@ -33,3 +33,27 @@ def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) 
     if factory is None:
         raise ModelError(f"unknown model {name!r}: choose one of {', '.join(model_names())}")
     return factory(tuple(input_shape), num_classes)
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Load a safetensors file of ``model``'s state dict into it; ModelError names any mismatch.
+
+    Safetensors holds raw tensors only (no pickle), so a file from anyone is safe to read.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelError(f"weights file {path} is not a safetensors file: {exc}") from None
+    state = model.state_dict()
+    missing, extra = sorted(state.keys() - tensors.keys()), sorted(tensors.keys() - state.keys())
+    if missing or extra:
+        raise ModelError(f"weights file does not fit the model: missing {missing[:3]}, unexpected {extra[:3]}")
+    for name, mine in state.items():
+        theirs = tensors[name]
+        if theirs.shape != mine.shape or theirs.dtype != mine.dtype:
+            raise ModelError(f"weights file does not fit the model: {name} is {theirs.dtype} {list(theirs.shape)}, "
+                             f"the model has {mine.dtype} {list(mine.shape)}")
+    model.load_state_dict(tensors)

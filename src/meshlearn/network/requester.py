@@ -18,7 +18,7 @@ from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.envelope import NetworkError
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import RemoteError, RpcServer, Unreachable, call
-from meshlearn.network.task import TaskRequest, TaskSpec, dataset_spec, new_task_id
+from meshlearn.network.task import WEIGHTS_FILE, TaskRequest, TaskSpec, dataset_spec, new_task_id
 
 log = logging.getLogger(__name__)
 
@@ -57,20 +57,28 @@ class Requester:
         server = None
         try:
             with tempfile.TemporaryDirectory(prefix="meshlearn-share-") as share_dir:
-                data, meta = {"mode": "local", "dataset": req.data_on_providers}, None
+                data, meta, weights = {"mode": "local", "dataset": req.data_on_providers}, None, None
+                share = FileShare()
                 if dataset is not None:
-                    share = self._write_shares(dataset, len(claimed), Path(share_dir))
+                    self._write_shares(share, dataset, len(claimed), Path(share_dir))
+                if req.weights:
+                    share.add(WEIGHTS_FILE, Path(req.weights))
+                if share.manifest():
                     server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
                     server.start()
-                    data = {"mode": "served", "address": server.address, "files": share.manifest()}
-                    meta = dataset_meta(dataset)
+                    if dataset is not None:
+                        files = {k: v for k, v in share.manifest().items() if k != WEIGHTS_FILE}
+                        data = {"mode": "served", "address": server.address, "files": files}
+                        meta = dataset_meta(dataset)
+                    if req.weights:
+                        weights = {"address": server.address, **share.manifest()[WEIGHTS_FILE]}
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
                     momentum=req.momentum,
                     algorithm=req.algorithm, aggregate_every=req.aggregate_every, seed=req.seed,
                     partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
-                    requester=self.sender)
+                    weights=weights, requester=self.sender)
                 self._write_config(spec)
                 self._start(spec)
                 metrics = self._follow(spec)
@@ -102,10 +110,10 @@ class Requester:
         self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed))
         return claimed
 
-    def _write_shares(self, dataset, count: int, folder: Path) -> FileShare:
+    def _write_shares(self, share: FileShare, dataset, count: int, folder: Path) -> None:
+        """Each provider's shard and the test set, written into ``folder`` and offered by ``share``."""
         req = self.request
         parts = partition(dataset.train_y.numpy(), count, req.partition, req.seed)
-        share = FileShare()
         for i, indices in enumerate(parts):
             path = folder / f"shard-{i}.safetensors"
             write_shard(path, dataset.train_x[indices], dataset.train_y[indices])
@@ -114,11 +122,11 @@ class Requester:
         limit = req.eval_samples or len(dataset.test_y)
         write_shard(test, dataset.test_x[:limit], dataset.test_y[:limit])
         share.add(test.name, test)
-        return share
 
     def _write_config(self, spec: TaskSpec) -> None:
         self.output.mkdir(parents=True, exist_ok=True)
-        resolved = {"task": spec.model_dump(exclude={"data", "meta"}), "data": self.request.data,
+        resolved = {"task": spec.model_dump(exclude={"data", "meta", "weights"}), "data": self.request.data,
+                    "weights": self.request.weights,
                     "data_on_providers": self.request.data_on_providers, "bootstrap": self.bootstrap,
                     "warnings": self.request.warnings}
         (self.output / "task.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))

@@ -16,6 +16,7 @@ from meshlearn.network.envelope import BadMessage
 MAX_EPOCHS = 1000
 DEFAULT_BATCH = 16
 DEFAULT_LR = 0.001
+WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
 
 
@@ -39,6 +40,7 @@ class TaskRequest:
     partition: str = "iid"
     eval_samples: int = 0
     peer_timeout: float = 20.0
+    weights: str | None = None  # a local safetensors file of initial weights
     warnings: list[str] = field(default_factory=list)
 
 
@@ -78,6 +80,8 @@ def validate_request(values: dict[str, Any], train_samples: int | None = None) -
         raise UserInputError(f"algorithm {req.algorithm!r} is not leader, dpsgd or gossip")
     if req.device not in ("any", "gpu", "cuda", "mps", "cpu"):
         raise UserInputError(f"device {req.device!r} is not any, gpu, mps or cpu")
+    if values.get("weights"):
+        req.weights = check_weights_file(str(values["weights"]))
     req.seed = _integer(values.get("seed", req.seed), "seed", minimum=0)
     req.providers = _integer(values.get("providers", req.providers), "providers", minimum=1)
     req.eval_samples = _integer(values.get("eval_samples", 0), "eval samples", minimum=0)
@@ -118,6 +122,23 @@ def validate_request(values: dict[str, Any], train_samples: int | None = None) -
     return req
 
 
+def check_weights_file(path: str) -> str:
+    """The absolute path of a readable safetensors file of tensors; UserInputError says what is wrong."""
+    from safetensors import SafetensorError, safe_open
+
+    file = Path(path)
+    if not file.is_file():
+        raise UserInputError(f"weights file {path} does not exist: give a .safetensors file of the model's state")
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            if not list(handle.keys()):
+                raise UserInputError(f"weights file {path} holds no tensors")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise UserInputError(f"weights file {path} is not a safetensors file ({exc}): save it with "
+                             "safetensors.torch.save_file(model.state_dict(), PATH)") from None
+    return str(file.resolve())
+
+
 def _number(value: Any, what: str) -> float:
     try:
         return float(value)
@@ -144,6 +165,15 @@ class Peer(BaseModel):
     address: str = Field(max_length=256)
 
 
+class ServedFile(BaseModel):
+    """A file the requester serves (initial weights): where to fetch it, its size and SHA-256."""
+
+    model_config = ConfigDict(extra="forbid")
+    address: str = Field(max_length=256)
+    size: int = Field(ge=1, le=1 << 36)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+
+
 class TaskSpec(BaseModel):
     """Everything a provider needs to run its part of a task; sent as JSON, validated on arrival."""
 
@@ -163,6 +193,7 @@ class TaskSpec(BaseModel):
     peers: list[Peer] = Field(min_length=1, max_length=256)
     data: dict[str, Any]  # {"mode": "served", "address", "files"} or {"mode": "local", "dataset"}
     meta: dict[str, Any] | None = None  # classes and normalization (served mode)
+    weights: ServedFile | None = None  # initial weights, served by the requester
     requester: str = Field("", max_length=256)
 
     @classmethod

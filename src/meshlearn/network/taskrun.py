@@ -24,13 +24,13 @@ from safetensors.torch import save as save_safetensors
 
 from meshlearn.config import make_config
 from meshlearn.data import load_dataset, partition
-from meshlearn.models import build_model
+from meshlearn.models import build_model, load_weights
 from meshlearn.network.aggregation import LeaderState
 from meshlearn.network.datashare import dataset_from_shards, download, read_shard
 from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import RemoteError, Unreachable, call
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.node import Node, evaluate_model, make_transport
 from meshlearn.topology import build_topology
 from meshlearn.wire import Kind, Message, decode, encode
@@ -133,6 +133,13 @@ class TaskRun:
         graph = build_topology("full", max(2, len(self.ids)), spec.seed)
         torch.manual_seed(spec.seed)  # every provider starts from the same model
         model = build_model(spec.model, dataset.input_shape, dataset.num_classes)
+        if spec.weights is not None:  # the requester's initial weights replace the seeded ones
+            if spec.weights.size > self.ctx.max_message_bytes:
+                raise BadMessage(f"initial weights of {spec.weights.size} bytes exceed this provider's "
+                                 f"{self.ctx.max_message_bytes}-byte limit")
+            path = download(spec.weights.address, WEIGHTS_FILE, spec.weights.model_dump(), self.folder / "data",
+                            self.ctx.secret, sender=self.ctx.id)
+            load_weights(model, str(path))
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, self.ctx.host, 0, self.ctx.secret))
         self.engine_address = self.node.transport.bind()
