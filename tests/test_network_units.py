@@ -106,6 +106,36 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
     assert echo_server.rejected == 4
 
 
+def test_a_provider_answers_while_a_first_cycle_of_many_followers_waits():
+    # The leader's first aggregation cycle holds every follower's push until all are in: with
+    # more followers than handler threads, the others (and status calls) would starve.
+    from meshlearn.network.provider import HANDLER_THREADS
+
+    followers, release = 40, threading.Event()
+    held = []
+
+    def push(req):
+        held.append(1)
+        release.wait(30)
+        return {"ok": True}
+
+    server = RpcServer("leader", "127.0.0.1", 0, SECRET, {"agg.push": push, "ping": lambda req: {"up": True}},
+                       workers=HANDLER_THREADS)
+    server.start()
+    pushes = [threading.Thread(target=call, args=(server.address, "agg.push", {}, SECRET), kwargs={"timeout": 30})
+              for _ in range(followers)]
+    try:
+        for thread in pushes:
+            thread.start()
+        assert wait_until(lambda: len(held) == followers, timeout=20)
+        assert call(server.address, "ping", {}, SECRET, timeout=5).body == {"up": True}
+    finally:
+        release.set()
+        for thread in pushes:
+            thread.join(timeout=30)
+        server.stop()
+
+
 def test_parse_address_refuses_bad_ports():
     assert parse_address("127.0.0.1:8080") == "127.0.0.1:8080"
     for bad, text in [("127.0.0.1:0", "outside"), ("h:70000", "outside"), ("h:http", "not a number"), ("h", "HOST:PORT")]:

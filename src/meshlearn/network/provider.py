@@ -16,10 +16,15 @@ from meshlearn.errors import PortInUseError, UserInputError
 from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.task import MAX_TASK_PEERS, TaskSpec
 from meshlearn.network.taskrun import ProviderContext, TaskRun
 
 log = logging.getLogger(__name__)
+
+# The leader's first aggregation cycle holds each follower's push until all are in, so the pool
+# must outnumber the largest task's followers, with threads to spare for status and pings
+# (a thread pool only starts the threads it needs).
+HANDLER_THREADS = MAX_TASK_PEERS + 16
 
 
 @dataclass
@@ -94,7 +99,7 @@ class Provider:
             "agg.ping": lambda req: self._run_of(req).on_ping(req),
             "agg.results": lambda req: self._run_of(req).on_results(req),
             "provider.leave": self._leave_request,
-        }, max_bytes=int(settings.max_message_mb * 2 ** 20))
+        }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS)
         self.runs: dict[str, TaskRun] = {}
         self.current: TaskRun | None = None
         self.device = "cpu"

@@ -16,6 +16,7 @@ from meshlearn.network.envelope import BadMessage
 MAX_EPOCHS = 1000
 DEFAULT_BATCH = 16
 DEFAULT_LR = 0.001
+MAX_TASK_PEERS = 256
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
 
@@ -190,7 +191,7 @@ class TaskSpec(BaseModel):
     partition: str = Field(max_length=64)
     eval_samples: int = Field(ge=0)
     peer_timeout: float = Field(gt=0, le=3600)
-    peers: list[Peer] = Field(min_length=1, max_length=256)
+    peers: list[Peer] = Field(min_length=1, max_length=MAX_TASK_PEERS)
     data: dict[str, Any]  # {"mode": "served", "address", "files"} or {"mode": "local", "dataset"}
     meta: dict[str, Any] | None = None  # classes and normalization (served mode)
     weights: ServedFile | None = None  # initial weights, served by the requester
