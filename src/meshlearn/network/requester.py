@@ -63,15 +63,16 @@ class Requester:
                     self._write_shares(share, dataset, len(claimed), Path(share_dir))
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
-                if share.manifest():
+                if share.files:
                     server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
                     server.start()
+                    files = share.manifest()
+                    served_weights = files.pop(WEIGHTS_FILE, None)
                     if dataset is not None:
-                        files = {k: v for k, v in share.manifest().items() if k != WEIGHTS_FILE}
                         data = {"mode": "served", "address": server.address, "files": files}
                         meta = dataset_meta(dataset)
-                    if req.weights:
-                        weights = {"address": server.address, **share.manifest()[WEIGHTS_FILE]}
+                    if served_weights is not None:
+                        weights = {"address": server.address, **served_weights}
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
                     momentum=req.momentum,
