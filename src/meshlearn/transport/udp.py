@@ -479,7 +479,7 @@ class UdpTransport(Transport):
                 result[peer] = part.message(self.layout)
         if spare:
             with self._cond:
-                self._free.extend(spare[:max(0, 2 * len(self.peers) - len(self._free))])
+                self._keep_buffers(spare)
         return result
 
     def _take(self, iteration: int, wanted: list[int], timeout: float
@@ -517,9 +517,12 @@ class UdpTransport(Transport):
     def recycle(self, messages: Iterable[Message]) -> None:
         """Take back the buffers of gathered models the caller no longer uses (saves page faults)."""
         with self._cond:
-            for msg in messages:
-                if msg.chunks is not None and len(self._free) < 2 * max(1, len(self.peers)):
-                    self._free.append(msg.chunks.vector)
+            self._keep_buffers([msg.chunks.vector for msg in messages if msg.chunks is not None])
+
+    def _keep_buffers(self, vectors: list[torch.Tensor]) -> None:
+        """Pool reassembly vectors for reuse, two per neighbour at most (call under the lock)."""
+        room = 2 * max(1, len(self.peers)) - len(self._free)
+        self._free.extend(vectors[:max(0, room)])
 
     def _done(self, peer: int, iteration: int) -> bool:
         part = self._parts.get((peer, iteration))
