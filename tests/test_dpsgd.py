@@ -86,6 +86,16 @@ def test_six_nodes_on_digits_reach_90_percent_and_write_every_result_file(tmp_pa
         assert 0.9 <= final["metrics"]["f1"] <= 1.0
 
 
+def test_a_diverged_run_still_writes_its_report(tmp_path):
+    config = make_config({"nodes": 2, "topology": "full", "model": "mlp", "lr": 1e6, "iterations": 3, "test_after": 1,
+                          "eval_samples": 50, "output": str(tmp_path / "run")})
+    result = simulate(config, progress=False)
+    summary = json.loads((result.output / "summary.json").read_text())
+    assert summary["nodes_finished"] == 2
+    rows = list(csv.DictReader((result.output / "summary.csv").open()))
+    assert len(rows) == 3 and rows[-1]["test_loss_mean"] in ("nan", "inf")
+
+
 def test_same_seed_same_partitions_and_graph(tmp_path):
     from meshlearn.sim import prepare_run
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -26,7 +27,11 @@ def load_logs(output: Path) -> dict[int, list[dict[str, Any]]]:
 def _mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
-    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+    if len(values) == 1:
+        return float(values[0]), 0.0
+    if not all(math.isfinite(v) for v in values):  # a diverged run (inf or NaN loss) still gets its report
+        return statistics.fmean(values), float("nan")
+    return statistics.fmean(values), statistics.pstdev(values)
 
 
 def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
