@@ -11,8 +11,8 @@ straggler sleeps `--slowdown` times as long, so its steps take about that many t
 2. No straggler: final mean accuracy of both after the same number of iterations (same samples).
 
     python benchmarks/stragglers.py [--nodes 8] [--targets 0.85 0.9] [--slowdown 3] [--iterations 100]
-        [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 1.6] [--tune 0.2 0.4 0.8 1.6]
-        [--interpolation constant|clock|loss] [--test-after 1]
+        [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 0.8] [--tune 0.2 0.4 0.8 1.6]
+        [--interpolation constant|clock|loss] [--test-after 1] [--seeds 1 2 3]
 
 Learning rates matter more than anything here: a D-PSGD held to a small one makes any rival look
 fast. ``--tune`` picks each algorithm's best rate without the straggler first, in the same run.
@@ -62,29 +62,35 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.8, help="D-PSGD's learning rate")
-    parser.add_argument("--gossip-lr", type=float, default=1.6,
-                        help="gossip's learning rate. dpwa's one-sided interpolation keeps only (1 - factor) of a "
-                             "node's own step, so gossip tolerates (and wants) a larger one")
+    parser.add_argument("--gossip-lr", type=float, default=0.8, help="gossip's learning rate")
     parser.add_argument("--tune", type=float, nargs="*", default=None, metavar="LR",
                         help="first try each algorithm without the straggler at each of these learning rates and "
                              "compare each at its best (fastest to the last target), not at --lr / --gossip-lr")
     parser.add_argument("--test-after", type=int, default=1, help="evaluate every N iterations (the time resolution)")
     parser.add_argument("--interpolation", default="clock", help="gossip's interpolation: constant | clock | loss")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[90],
+                        help="run every configuration once per seed (partitions, initial model, topology) and "
+                             "report the mean time to each target: single runs on a shared machine vary by 20%%")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     out = Path(args.output or tempfile.mkdtemp(prefix="stragglers-"))
     base = {"nodes": args.nodes, "topology": "regular:3", "dataset": "digits", "model": args.model, "partition": "iid",
             "rounds": args.rounds, "batch_size": args.batch_size, "iterations": args.iterations,
-            "test_after": args.test_after, "seed": 90, "fetch_timeout": 1.0, "interpolation": args.interpolation}
+            "test_after": args.test_after, "fetch_timeout": 1.0, "interpolation": args.interpolation}
 
     def run(algorithm: str, lr: float, straggler: bool, name: str) -> tuple[str, list[float], float, float]:
-        config = make_config({**base, "algorithm": algorithm, "lr": lr, "output": str(out / name),
-                              "slowdown": _slowdown(args, straggler)})
-        print(f"running {name} (lr {lr:g}) ...", file=sys.stderr, flush=True)
-        result = simulate(config, progress=False)
-        summary = final_summary(load_logs(result.output))
-        return (name, [time_to_target(result.output, t) for t in args.targets], summary["final"]["accuracy"],
-                summary["elapsed_max"])
+        """One configuration, once per seed: mean time to each target, mean final accuracy, slowest node."""
+        reach, accuracy, elapsed = [], [], []
+        for seed in args.seeds:
+            config = make_config({**base, "algorithm": algorithm, "lr": lr, "seed": seed,
+                                  "output": str(out / f"{name}-seed{seed}"), "slowdown": _slowdown(args, straggler)})
+            print(f"running {name} (lr {lr:g}, seed {seed}) ...", file=sys.stderr, flush=True)
+            result = simulate(config, progress=False)
+            summary = final_summary(load_logs(result.output))
+            reach.append([time_to_target(result.output, t) for t in args.targets])
+            accuracy.append(summary["final"]["accuracy"])
+            elapsed.append(summary["elapsed_max"])
+        return (name, [statistics.fmean(times) for times in zip(*reach)], statistics.fmean(accuracy), max(elapsed))
 
     lrs = {"dpsgd": args.lr, "gossip": args.gossip_lr}
     even: dict[str, tuple] = {}
@@ -100,7 +106,7 @@ def main() -> None:
     rows = [run(algorithm, lrs[algorithm], True, f"{algorithm}-straggler") for algorithm in lrs]
     rows += [even.get(algorithm) or run(algorithm, lrs[algorithm], False, f"{algorithm}-even") for algorithm in lrs]
     print(f"{args.nodes} nodes, digits, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} "
-          f"iterations; straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; lr: D-PSGD "
+          f"iterations; seeds {' '.join(map(str, args.seeds))} (times are means over them); straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; lr: D-PSGD "
           f"{lrs['dpsgd']:g}, gossip {lrs['gossip']:g} ({args.interpolation} interpolation)")
     targets = " | ".join(f"to {t:.0%} (s)" for t in args.targets)
     print(f"| run | {targets} | final accuracy | slowest node done (s) |")

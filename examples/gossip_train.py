@@ -53,14 +53,14 @@ def main() -> None:
             order = mine[torch.randperm(len(mine))]
             for start in range(0, len(order), args.batch_size):
                 batch = order[start:start + args.batch_size]
-                adapter.update_send(loss)  # <- meshlearn: publish, maybe start fetching a peer
+                adapter.update_send(loss)  # <- meshlearn: maybe start fetching a peer
                 model.train()
                 optimizer.zero_grad()
                 step_loss = loss_fn(model(data.normalize(data.train_x[batch])), data.train_y[batch])
                 step_loss.backward()
                 optimizer.step()
                 loss = step_loss.item()
-                adapter.update_wait(loss)  # <- meshlearn: wait for the fetch, interpolate
+                adapter.update_wait(loss)  # <- meshlearn: publish, wait for the fetch, interpolate
             print(f"{args.name}: epoch {epoch + 1} loss {loss:.3f} clock {adapter.clock:.0f}", flush=True)
         scores = adapter.scores
 

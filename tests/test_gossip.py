@@ -182,6 +182,36 @@ def test_dead_peer_is_fetched_rarely_never_blocks_and_is_used_again_when_back():
             a.close()
 
 
+def test_peers_get_the_trained_state_before_it_is_merged():
+    """update_wait publishes the state just trained (before interpolating), so a peer's fetch
+    carries the latest gradient step; dpwa's order would hand out the state from before it."""
+    config = _group(_free_ports(2), timeout_ms=1000)
+    torch.manual_seed(0)
+    a, b = (GossipAdapter(nn.Linear(4, 2), f"w{i}", config, seed=i) for i in range(2))
+    try:
+        a.start()
+        b.start()
+        b.update_send(1.0)
+        b.update_wait(1.0)  # w0 has published nothing yet: a failed fetch, b unchanged
+        b0 = [p.detach().clone() for p in b.model.parameters()]
+        a.update_send(1.0)
+        with torch.no_grad():  # "training": a step that moves every parameter by 1
+            for p in a.model.parameters():
+                p += 1.0
+        a1 = [p.detach().clone() for p in a.model.parameters()]
+        assert a.update_wait(1.0)["factor"] == pytest.approx(0.5)
+        for p, x, y in zip(a.model.parameters(), a1, b0):
+            assert torch.allclose(p, (x + y) / 2)
+        b.update_send(1.0)
+        record = b.update_wait(1.0)
+        assert record["fetched"] == 0 and not record.get("failed")
+        for p, x, y in zip(b.model.parameters(), a1, b0):
+            assert torch.allclose(p, (x + y) / 2)  # took a's trained state, not its merged or older one
+    finally:
+        a.close()
+        b.close()
+
+
 def test_refused_and_unserved_peers_do_not_crash():
     ports = _free_ports(2)
     lonely = GossipAdapter(nn.Linear(3, 3), "w0", _group(ports, timeout_ms=100))

@@ -2,9 +2,9 @@
 
     adapter = GossipAdapter(model, "w1", "gossip.yaml")   # dpwa's config format works unchanged
     for x, y in batches:
-        adapter.update_send(loss)    # publish the model; maybe start fetching a peer's
+        adapter.update_send(loss)    # maybe start fetching a peer's model
         loss = train_batch(x, y)
-        adapter.update_wait(loss)    # wait for that fetch (<= timeout_ms); interpolate with the peer
+        adapter.update_wait(loss)    # publish the trained model; wait for that fetch (<= timeout_ms); interpolate
     adapter.close()
 
 ``DpwaPyTorchAdapter`` is the same class under dpwa's name. Nothing received is unpickled: states
@@ -57,13 +57,14 @@ class GossipAdapter:
         self._started = True
 
     def update_send(self, loss: float | torch.Tensor | None = None) -> None:
-        """Publish the current parameters (and loss); maybe start fetching one peer's. Never blocks."""
+        """Maybe start fetching one peer's parameters (and publish this worker's on the first call). Never blocks."""
         self.start()
         self.averager.update_send(_as_float(loss))
 
     def update_wait(self, loss: float | torch.Tensor | None = None) -> dict[str, float]:
-        """Count one batch; wait for the fetch begun by ``update_send`` (at most ``timeout_ms``) and
-        interpolate with the peer's parameters. Returns what happened (peer, factor, wait)."""
+        """Count one batch and publish the trained parameters; wait for the fetch begun by
+        ``update_send`` (at most ``timeout_ms``) and interpolate with the peer's parameters.
+        Returns what happened (peer, factor, wait)."""
         with torch.no_grad():
             return self.averager.update_wait(_as_float(loss))
 
