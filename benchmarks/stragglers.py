@@ -11,7 +11,7 @@ straggler sleeps `--slowdown` times as long, so its steps take about that many t
 2. No straggler: final mean accuracy of both after the same number of iterations (same samples).
 
     python benchmarks/stragglers.py [--nodes 8] [--targets 0.85 0.9] [--slowdown 3] [--iterations 100]
-        [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 0.8] [--tune 0.2 0.4 0.8 1.6]
+        [--dataset digits] [--eval-samples 0] [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 0.8] [--tune 0.2 0.4 0.8 1.6]
         [--interpolation constant|clock|loss] [--test-after 1] [--seeds 1 2 3]
 
 Learning rates matter more than anything here: a D-PSGD held to a small one makes any rival look
@@ -57,6 +57,8 @@ def main() -> None:
     parser.add_argument("--targets", type=float, nargs="+", default=[0.85, 0.9, 0.92, 0.94])
     parser.add_argument("--slowdown", type=float, default=3.0)
     parser.add_argument("--iterations", type=int, default=100)
+    parser.add_argument("--dataset", default="digits", help="a dataset spec, e.g. fashion-mnist:../shared/datasets/fashion-mnist")
+    parser.add_argument("--eval-samples", type=int, default=0, help="test samples per evaluation (0: all)")
     parser.add_argument("--model", default="mlp")
     parser.add_argument("--step-ms", type=float, default=20.0, help="sleep per step of every node (0: none)")
     parser.add_argument("--rounds", type=int, default=5)
@@ -74,9 +76,9 @@ def main() -> None:
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     out = Path(args.output or tempfile.mkdtemp(prefix="stragglers-"))
-    base = {"nodes": args.nodes, "topology": "regular:3", "dataset": "digits", "model": args.model, "partition": "iid",
+    base = {"nodes": args.nodes, "topology": "regular:3", "dataset": args.dataset, "model": args.model, "partition": "iid",
             "rounds": args.rounds, "batch_size": args.batch_size, "iterations": args.iterations,
-            "test_after": args.test_after, "fetch_timeout": 1.0, "interpolation": args.interpolation}
+            "test_after": args.test_after, "eval_samples": args.eval_samples, "fetch_timeout": 1.0, "interpolation": args.interpolation}
 
     def run(algorithm: str, lr: float, straggler: bool, name: str) -> tuple[str, list[float], float, float]:
         """One configuration, once per seed: mean time to each target, mean final accuracy, slowest node."""
@@ -105,7 +107,7 @@ def main() -> None:
             even[algorithm] = (f"{algorithm}-even",) + tried[lrs[algorithm]][1:]
     rows = [run(algorithm, lrs[algorithm], True, f"{algorithm}-straggler") for algorithm in lrs]
     rows += [even.get(algorithm) or run(algorithm, lrs[algorithm], False, f"{algorithm}-even") for algorithm in lrs]
-    print(f"{args.nodes} nodes, digits, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} "
+    print(f"{args.nodes} nodes, {args.dataset}, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} "
           f"iterations; seeds {' '.join(map(str, args.seeds))} (times are means over them); straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; lr: D-PSGD "
           f"{lrs['dpsgd']:g}, gossip {lrs['gossip']:g} ({args.interpolation} interpolation)")
     targets = " | ".join(f"to {t:.0%} (s)" for t in args.targets)
