@@ -89,6 +89,10 @@ def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network)
     assert "Traceback" not in out
     free = call(bootstrap, "discover", {"count": 10}, SECRET.encode(), timeout=5).body["providers"]
     assert sorted(p["id"] for p in free) == ids
+    task_id = re.search(r"task (\w+): 3 provider", out).group(1)
+    for provider in free:  # each has stopped the task (none still downloading its data), so it takes the next one
+        state = call(provider["address"], "task.status", {"task": task_id}, SECRET.encode(), timeout=5).body["state"]
+        assert state in ("failed", "cancelled"), (provider["id"], state)
 
 
 def test_data_the_providers_already_hold_is_not_sent(network):

@@ -293,6 +293,36 @@ def test_download_deletes_a_file_whose_hash_does_not_match(tmp_path):
         server.stop()
 
 
+def test_a_download_stops_when_its_task_is_cancelled_and_a_vanished_file_is_a_clear_error(tmp_path):
+    source = tmp_path / "f.bin"
+    source.write_bytes(bytes(range(256)) * 4096)  # 1 MiB: 4 chunks of 256 KiB
+    share = FileShare()
+    share.add("f.bin", source)
+    server = RpcServer("share", "127.0.0.1", 0, SECRET, share.handlers())
+    server.start()
+    asked = []
+
+    class Cancelled(Exception):
+        pass
+
+    def cancel_after_two():
+        if len(asked) == 2:
+            raise Cancelled
+        asked.append(1)
+    try:
+        with pytest.raises(Cancelled):
+            download(server.address, "f.bin", share.manifest()["f.bin"], tmp_path / "d", SECRET,
+                     chunk_bytes=256 * 1024, before_chunk=cancel_after_two)
+        assert share.chunks_served == 2  # no request after the cancel
+        assert (tmp_path / "d" / "f.bin.part").stat().st_size == 2 * 256 * 1024  # kept for a resume
+        source.unlink()  # the requester's file goes away while it is being served
+        for _ in range(2):  # an error reply each time: the service stays up
+            with pytest.raises(RemoteError, match="'f.bin' can no longer be read"):
+                call(server.address, "data.chunk", {"name": "f.bin", "offset": 0}, SECRET, timeout=5)
+    finally:
+        server.stop()
+
+
 # ---- request validation rules ------------------------------------------------------------
 
 def test_request_rules_correct_what_they_can_and_warn():

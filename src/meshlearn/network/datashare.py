@@ -15,6 +15,7 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import crc32c
 import torch
@@ -84,19 +85,24 @@ class FileShare:
         length = min(field_of(req.body, "length", int, CHUNK_BYTES, min_value=1), MAX_CHUNK_BYTES)
         if offset > shared.size:
             raise BadMessage(f"offset {offset} is past the end of {name} ({shared.size} bytes)")
-        with open(shared.path, "rb") as f:
-            f.seek(offset)
-            data = f.read(min(length, shared.size - offset))
+        try:
+            with open(shared.path, "rb") as f:
+                f.seek(offset)
+                data = f.read(min(length, shared.size - offset))
+        except OSError as exc:  # moved or deleted while being served: the caller gets a clear error
+            raise NetworkError(f"shared file {name!r} can no longer be read: {exc.strerror or exc}") from None
         self.chunks_served += 1
         return {"offset": offset, "crc32c": crc32c.crc32c(data)}, [data]
 
 
 def download(address: str, name: str, expected: dict, folder: Path, secret: bytes, *,
-             retries: int = 5, timeout: float = 10.0, chunk_bytes: int = CHUNK_BYTES, sender: str = "") -> Path:
+             retries: int = 5, timeout: float = 10.0, chunk_bytes: int = CHUNK_BYTES, sender: str = "",
+             before_chunk: Callable[[], None] | None = None) -> Path:
     """Fetch shared file ``name`` into ``folder``, resuming a partial download; return its path.
 
     ``expected`` is the manifest entry (size, sha256). Each chunk's CRC-32C is checked as it
     arrives; the whole file's SHA-256 at the end (a mismatch deletes the partial file).
+    ``before_chunk`` runs before every request; what it raises ends the download (a cancelled task).
     """
     name = check_name(name)
     size, sha = int(expected["size"]), str(expected["sha256"])
@@ -107,6 +113,8 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
     failures = 0
     with open(part, "ab") as out:
         while out.tell() < size:
+            if before_chunk is not None:
+                before_chunk()
             offset = out.tell()
             try:
                 reply = call(address, "data.chunk", {"name": name, "offset": offset, "length": chunk_bytes},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import tempfile
@@ -54,18 +55,21 @@ class Requester:
         if dataset is None and not req.data_on_providers:
             dataset = load_dataset(dataset_spec(req.data))
         claimed = self._claim()
-        server = None
-        try:
-            with tempfile.TemporaryDirectory(prefix="meshlearn-share-") as share_dir:
+        # cleanup unwinds after the except clause: providers are told to cancel while the share
+        # still serves them, so one caught mid-download stops cleanly instead of retrying a file that is gone
+        with contextlib.ExitStack() as cleanup:
+            try:
+                share_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="meshlearn-share-")))
                 data, meta, weights = {"mode": "local", "dataset": req.data_on_providers}, None, None
                 share = FileShare()
                 if dataset is not None:
-                    self._write_shares(share, dataset, len(claimed), Path(share_dir))
+                    self._write_shares(share, dataset, len(claimed), share_dir)
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
                 if share.files:
                     server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
                     server.start()
+                    cleanup.callback(server.stop)
                     files = share.manifest()
                     served_weights = files.pop(WEIGHTS_FILE, None)
                     if dataset is not None:
@@ -83,15 +87,12 @@ class Requester:
                 self._write_config(spec)
                 self._start(spec)
                 metrics = self._follow(spec)
-            self._release("done")
-            return metrics
-        except BaseException:
-            self._cancel(claimed)
-            self._release("failed")
-            raise
-        finally:
-            if server is not None:
-                server.stop()
+            except BaseException:
+                self._cancel(claimed)
+                self._release("failed")
+                raise
+        self._release("done")
+        return metrics
 
     # ---- steps -----------------------------------------------------------------------------
 

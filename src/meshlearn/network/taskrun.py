@@ -38,6 +38,7 @@ from meshlearn.wire import Kind, Message, decode, encode
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 600.0
+CANCEL_WAIT = 2.0  # seconds task.cancel waits for the run to stop, so the provider is free when it answers
 
 
 class TaskCancelled(Exception):
@@ -82,6 +83,7 @@ class TaskRun:
         self._book: dict[int, str] = {}
         self._lock = threading.RLock()
         self._stop_pinging = threading.Event()
+        self._ended = threading.Event()
         self._started_at = 0.0
         self._final_sent_to: int | None = None
         self._cancelled = False
@@ -113,6 +115,7 @@ class TaskRun:
             log.exception("task %s failed on %s", self.spec.task_id, self.ctx.id)
         finally:
             self._stop_pinging.set()
+            self._ended.set()
 
     def _prepare(self) -> None:
         spec = self.spec
@@ -138,7 +141,7 @@ class TaskRun:
                 raise BadMessage(f"initial weights of {spec.weights.size} bytes exceed this provider's "
                                  f"{self.ctx.max_message_bytes}-byte limit")
             path = download(spec.weights.address, WEIGHTS_FILE, spec.weights.model_dump(), self.folder / "data",
-                            self.ctx.secret, sender=self.ctx.id)
+                            self.ctx.secret, sender=self.ctx.id, before_chunk=self._check_cancelled)
             load_weights(model, str(path))
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, self.ctx.host, 0, self.ctx.secret))
@@ -155,9 +158,10 @@ class TaskRun:
             if not isinstance(files, dict) or name not in files or "test.safetensors" not in files or spec.meta is None:
                 raise BadMessage("served data must list this provider's shard and test.safetensors, with meta")
             folder = self.folder / "data"
-            shard = download(address, name, files[name], folder, self.ctx.secret, sender=self.ctx.id)
+            shard = download(address, name, files[name], folder, self.ctx.secret, sender=self.ctx.id,
+                             before_chunk=self._check_cancelled)
             test = download(address, "test.safetensors", files["test.safetensors"], folder, self.ctx.secret,
-                            sender=self.ctx.id)
+                            sender=self.ctx.id, before_chunk=self._check_cancelled)
             dataset = dataset_from_shards(spec.meta, read_shard(shard), read_shard(test))
             return dataset, list(range(len(dataset.train_y)))
         if mode == "local":
@@ -179,10 +183,12 @@ class TaskRun:
             raise BadMessage(f"local data {path!r} is outside this provider's data root")
         return f"{kind}:{resolved}"
 
-    def cancel(self) -> None:
-        """Stop this task at the next iteration (the requester gave up on it)."""
+    def cancel(self, wait: float = CANCEL_WAIT) -> None:
+        """Stop this task at its next data chunk or iteration (the requester gave up on it);
+        return once it has stopped, or after ``wait`` seconds."""
         self._cancelled = True
         self._start.set()
+        self._ended.wait(wait)
 
     def _check_cancelled(self) -> None:
         if self._cancelled:
