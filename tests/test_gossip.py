@@ -18,7 +18,9 @@ from meshlearn.adapter import DpwaPyTorchAdapter, GossipAdapter, load_gossip_con
 from meshlearn.algorithms.gossip import GossipSettings, PeerScores, interpolation_factor
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
+from meshlearn.flat import FlatState
 from meshlearn.sim import simulate
+from meshlearn.transport.pull import PullEndpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 DPWA_SAMPLE = """\
@@ -210,6 +212,34 @@ def test_peers_get_the_trained_state_before_it_is_merged():
     finally:
         a.close()
         b.close()
+
+
+def test_a_peer_whose_clock_or_loss_is_not_a_number_is_not_merged():
+    ports = _free_ports(2)
+    me = GossipAdapter(nn.Linear(4, 2), "w0", _group(ports, timeout_ms=1000, interpolation="clock"))
+    rogue = PullEndpoint(1, "127.0.0.1", ports[1])  # speaks the protocol, sends odd metadata
+    torch.manual_seed(1)
+    state = FlatState(nn.Linear(4, 2))
+    try:
+        rogue.bind()
+        rogue.connect({0: f"tcp://127.0.0.1:{ports[0]}"})  # it serves only the peers it knows
+        me.start()
+        before = [p.detach().clone() for p in me.model.parameters()]
+        for meta in ({"clock": "soon", "loss": 1.0}, {"clock": -3.0, "loss": 1.0}, {"clock": 2.0, "loss": [1]},
+                     {"clock": True, "loss": 1.0}):
+            rogue.publish(state.segments_of(state.state.clone()), meta)
+            me.update_send(1.0)
+            record = me.update_wait(1.0)
+            assert record["fetched"] == 1 and record.get("failed") == 1, meta
+            assert all(torch.equal(a, b) for a, b in zip(before, me.model.parameters()))
+        assert me.scores["w1"] < PeerScores.START
+        rogue.publish(state.segments_of(state.state.clone()), {"clock": 4.0, "loss": 1.0})
+        me.update_send(1.0)
+        record = me.update_wait(1.0)  # well-formed again: merged with factor 4 / (5 + 4)
+        assert not record.get("failed") and record["factor"] == pytest.approx(4 / 9)
+    finally:
+        me.close()
+        rogue.close()
 
 
 def test_refused_and_unserved_peers_do_not_crash():

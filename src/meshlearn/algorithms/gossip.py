@@ -20,6 +20,7 @@ match its weights. ``num_batches_tracked`` stays local.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from concurrent.futures import Future, TimeoutError as FutureTimeout
@@ -66,12 +67,24 @@ def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: flo
     if settings.interpolation == "constant":
         factor = settings.value
     elif settings.interpolation == "clock":
-        factor = peer_clock / (clock + peer_clock) if clock + peer_clock > 0 else 0.5
+        factor = _share(peer_clock, clock)
     else:
-        factor = loss / (loss + peer_loss) if loss + peer_loss > 0 else 0.5
+        factor = _share(loss, peer_loss)
     if settings.divergence_threshold and loss < settings.divergence_threshold:
         factor *= loss / settings.divergence_threshold
     return min(1.0, max(0.0, factor))
+
+
+def _share(part: float, other: float) -> float:
+    return part / (part + other) if part + other > 0 else 0.5
+
+
+def _meta_number(meta: dict, key: str) -> float | None:
+    """A peer's non-negative finite number, or None if it sent something else."""
+    value = meta.get(key, 0.0)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
 
 
 class PeerScores:
@@ -125,7 +138,8 @@ class GossipAverager:
 
     def _publish(self, loss: float | None) -> None:
         state = self.flat.segments_of(self.flat.state.detach().to("cpu", copy=True))
-        self.endpoint.publish(state, {"clock": self.clock, "loss": float(loss or 0.0)})
+        loss = float(loss or 0.0)
+        self.endpoint.publish(state, {"clock": self.clock, "loss": loss if math.isfinite(loss) else 0.0})
 
     def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
         """Count ``steps`` trained and publish the trained state; wait for the fetch started by
@@ -144,13 +158,13 @@ class GossipAverager:
         except FutureTimeout:  # the fetch thread ends it at its own deadline; stop waiting here
             reply = None
         waited = time.monotonic() - started
-        if reply is None or self.flat.check_compatible(reply.tensors) is not None:
-            self.scores.failure(peer)
+        peer_meta = {} if reply is None else {key: _meta_number(reply.meta, key) for key in ("clock", "loss")}
+        if reply is None or self.flat.check_compatible(reply.tensors) is not None or None in peer_meta.values():
+            self.scores.failure(peer)  # no answer, another model, or numbers that are not numbers
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
         self.scores.success(peer)
-        my_loss = float(loss or 0.0)
-        peer_clock, peer_loss = float(reply.meta.get("clock", 0.0)), float(reply.meta.get("loss", 0.0))
-        factor = interpolation_factor(self.settings, self.clock, peer_clock, my_loss, peer_loss)
+        peer_clock = peer_meta["clock"]
+        factor = interpolation_factor(self.settings, self.clock, peer_clock, float(loss or 0.0), peer_meta["loss"])
         t0 = time.monotonic()
         for name, target in self.flat.tensors().items():
             target.lerp_(reply.tensors[name].to(target.device), factor)
