@@ -12,7 +12,7 @@ straggler sleeps `--slowdown` times as long, so its steps take about that many t
 
     python benchmarks/stragglers.py [--nodes 8] [--targets 0.85 0.9] [--slowdown 3] [--iterations 100]
         [--dataset digits] [--eval-samples 0] [--model mlp] [--step-ms 20] [--lr 0.8] [--gossip-lr 0.8] [--tune 0.2 0.4 0.8 1.6]
-        [--interpolation constant|clock|loss] [--test-after 1] [--seeds 1 2 3]
+        [--interpolation constant|clock|loss] [--test-after 1] [--seeds 1 2 3] [--fetch fresh|dpwa|both]
 
 Learning rates matter more than anything here: a D-PSGD held to a small one makes any rival look
 fast. ``--tune`` picks each algorithm's best rate without the straggler first, in the same run.
@@ -70,6 +70,9 @@ def main() -> None:
                              "compare each at its best (fastest to the last target), not at --lr / --gossip-lr")
     parser.add_argument("--test-after", type=int, default=1, help="evaluate every N iterations (the time resolution)")
     parser.add_argument("--interpolation", default="clock", help="gossip's interpolation: constant | clock | loss")
+    parser.add_argument("--fetch", choices=("fresh", "dpwa", "both"), default="fresh",
+                        help="gossip fetches the state a peer finishes meanwhile (fresh), the one it has (dpwa), or "
+                             "run both side by side")
     parser.add_argument("--seeds", type=int, nargs="+", default=[90],
                         help="run every configuration once per seed (partitions, initial model, topology) and "
                              "report the mean time to each target: single runs on a shared machine vary by 20%%")
@@ -80,11 +83,17 @@ def main() -> None:
             "rounds": args.rounds, "batch_size": args.batch_size, "iterations": args.iterations,
             "test_after": args.test_after, "eval_samples": args.eval_samples, "fetch_timeout": 1.0, "interpolation": args.interpolation}
 
-    def run(algorithm: str, lr: float, straggler: bool, name: str) -> tuple[str, list[float], float, float]:
+    variants = {"dpsgd": {"algorithm": "dpsgd"}}
+    if args.fetch in ("fresh", "both"):
+        variants["gossip"] = {"algorithm": "gossip", "fetch_fresh": True}
+    if args.fetch in ("dpwa", "both"):
+        variants["gossip-dpwa-fetch"] = {"algorithm": "gossip", "fetch_fresh": False}
+
+    def run(variant: str, lr: float, straggler: bool, name: str) -> tuple[str, list[float], float, float]:
         """One configuration, once per seed: mean time to each target, mean final accuracy, slowest node."""
         reach, accuracy, elapsed = [], [], []
         for seed in args.seeds:
-            config = make_config({**base, "algorithm": algorithm, "lr": lr, "seed": seed,
+            config = make_config({**base, **variants[variant], "lr": lr, "seed": seed,
                                   "output": str(out / f"{name}-seed{seed}"), "slowdown": _slowdown(args, straggler)})
             print(f"running {name} (lr {lr:g}, seed {seed}) ...", file=sys.stderr, flush=True)
             result = simulate(config, progress=False)
@@ -94,30 +103,32 @@ def main() -> None:
             elapsed.append(summary["elapsed_max"])
         return (name, [statistics.fmean(times) for times in zip(*reach)], statistics.fmean(accuracy), max(elapsed))
 
-    lrs = {"dpsgd": args.lr, "gossip": args.gossip_lr}
+    lrs = {variant: args.lr if variant == "dpsgd" else args.gossip_lr for variant in variants}
     even: dict[str, tuple] = {}
     if args.tune:
         print("| tuning run, no straggler | " + " | ".join(f"to {t:.0%} (s)" for t in args.targets) + " | final accuracy |")
         print("|---|" + "---|" * (len(args.targets) + 1))
-        for algorithm in lrs:
-            tried = {lr: run(algorithm, lr, False, f"tune-{algorithm}-{lr:g}") for lr in args.tune}
+        for variant in lrs:
+            tried = {lr: run(variant, lr, False, f"tune-{variant}-{lr:g}") for lr in args.tune}
             for lr, (name, reach, accuracy, _) in tried.items():
                 print(f"| {name} | {' | '.join(f'{r:.2f}' for r in reach)} | {accuracy:.4f} |")
-            lrs[algorithm] = min(tried, key=lambda lr: (tried[lr][1][-1], -tried[lr][2]))
-            even[algorithm] = (f"{algorithm}-even",) + tried[lrs[algorithm]][1:]
-    rows = [run(algorithm, lrs[algorithm], True, f"{algorithm}-straggler") for algorithm in lrs]
-    rows += [even.get(algorithm) or run(algorithm, lrs[algorithm], False, f"{algorithm}-even") for algorithm in lrs]
+            lrs[variant] = min(tried, key=lambda lr: (tried[lr][1][-1], -tried[lr][2]))
+            even[variant] = (f"{variant}-even",) + tried[lrs[variant]][1:]
+    rows = {variant: run(variant, lrs[variant], True, f"{variant}-straggler") for variant in lrs}
+    evens = {variant: even.get(variant) or run(variant, lrs[variant], False, f"{variant}-even") for variant in lrs}
     print(f"{args.nodes} nodes, {args.dataset}, {args.model}, rounds {args.rounds}, batch {args.batch_size}, {args.iterations} "
-          f"iterations; seeds {' '.join(map(str, args.seeds))} (times are means over them); straggler: node 0 x{args.slowdown:g}; sleep per step {args.step_ms:g} ms; lr: D-PSGD "
-          f"{lrs['dpsgd']:g}, gossip {lrs['gossip']:g} ({args.interpolation} interpolation)")
+          f"iterations; seeds {' '.join(map(str, args.seeds))} (times are means over them); straggler: node 0 x{args.slowdown:g}; "
+          f"sleep per step {args.step_ms:g} ms; lr: " + ", ".join(f"{variant} {lr:g}" for variant, lr in lrs.items())
+          + f" ({args.interpolation} interpolation)")
     targets = " | ".join(f"to {t:.0%} (s)" for t in args.targets)
     print(f"| run | {targets} | final accuracy | slowest node done (s) |")
     print("|---|" + "---|" * (len(args.targets) + 2))
-    for name, reach, accuracy, elapsed in rows:
+    for name, reach, accuracy, elapsed in [*rows.values(), *evens.values()]:
         print(f"| {name} | {' | '.join(f'{r:.2f}' for r in reach)} | {accuracy:.4f} | {elapsed:.1f} |")
-    for target, dpsgd, gossip in zip(args.targets, rows[0][1], rows[1][1]):
-        print(f"with the straggler, gossip reaches {target:.0%} {dpsgd / gossip:.2f}x as fast as D-PSGD")
-    print(f"without it, gossip's final accuracy is {(rows[3][2] - rows[2][2]) * 100:+.2f} points from D-PSGD's")
+    for variant in [v for v in variants if v != "dpsgd"]:
+        ratios = " / ".join(f"{dpsgd / gossip:.2f}x" for dpsgd, gossip in zip(rows["dpsgd"][1], rows[variant][1]))
+        print(f"with the straggler, {variant} reaches {' / '.join(f'{t:.0%}' for t in args.targets)} {ratios} as fast as D-PSGD")
+        print(f"without it, {variant}'s final accuracy is {(evens[variant][2] - evens['dpsgd'][2]) * 100:+.2f} points from D-PSGD's")
     print(f"runs: {out}")
 
 

@@ -4,14 +4,18 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
+import zmq
 from torch import nn
 
 from meshlearn.adapter import DpwaPyTorchAdapter, GossipAdapter, load_gossip_config
@@ -21,6 +25,7 @@ from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.sim import simulate
 from meshlearn.transport.pull import PullEndpoint
+from meshlearn.wire import Kind, Message, encode
 
 ROOT = Path(__file__).resolve().parents[1]
 DPWA_SAMPLE = """\
@@ -35,6 +40,7 @@ DPWA_SAMPLE = """\
 - clock: 0
 - loss: 0
 """
+DPWA_SAMPLE_DATA = yaml.safe_load(DPWA_SAMPLE)
 
 
 def _free_ports(n):
@@ -112,6 +118,8 @@ def test_dpwa_sample_config_loads_as_is(tmp_path):
     same.write_text("nodes:\n  - {name: w1, host: localhost, port: 45000}\n  - {name: w2, host: localhost, port: 45001}\n"
                     "timeout_ms: 2500\ndivergence_threshold: 0.2\nconstant: 0.5\n")
     assert load_gossip_config(same).settings() == settings
+    assert settings.fresh  # meshlearn's fetch by default; dpwa's with `fresh: false`
+    assert not load_gossip_config(DPWA_SAMPLE_DATA + [{"fresh": False}]).settings().fresh
 
 
 @pytest.mark.parametrize("text, match", [
@@ -121,6 +129,7 @@ def test_dpwa_sample_config_loads_as_is(tmp_path):
     (DPWA_SAMPLE.replace("name: w2", "name: w1"), "unique"),
     (DPWA_SAMPLE + "- timeout_ms: 10\n", "twice"),
     (DPWA_SAMPLE + "- speed: 3\n", "speed"),
+    (DPWA_SAMPLE + "- fresh: sometimes\n", "fresh"),
     ("- nodes: [\n", "not valid YAML"),
     ("42\n", "list of one-key maps"),
 ])
@@ -255,6 +264,130 @@ def test_refused_and_unserved_peers_do_not_crash():
         assert lonely.clock == 3
     finally:
         lonely.close()
+
+
+# --- fresh fetches: a server holds a request for the state it is about to publish -------------
+
+def _pair(b_knows=None):
+    """Two connected pull endpoints, node 0 and node 1, on loopback (1 also serves ``b_knows``)."""
+    a, b = PullEndpoint(0), PullEndpoint(1)
+    a.bind(), b.bind()
+    a.connect({1: b.address})
+    b.connect({0: a.address, **(b_knows or {})})
+    return a, b
+
+
+def _value(message):
+    return message.tensors["w"][0].item()
+
+
+def test_a_held_fetch_gets_the_state_published_while_it_waits_and_a_plain_one_does_not():
+    a, b = _pair()
+    try:
+        b.publish({"w": torch.full((3,), 1.0)}, {"clock": 1.0})
+        held = a.fetch(1, timeout=10.0, wait=1.5)
+        time.sleep(0.3)  # long enough for an unheld request to have been answered
+        assert not held.done()
+        b.publish({"w": torch.full((3,), 2.0)}, {"clock": 2.0})
+        assert _value(held.result()) == 2.0  # answered at the end of its wait with the newest state
+        plain = a.fetch(1, timeout=10.0)
+        time.sleep(0.3)
+        b.publish({"w": torch.full((3,), 3.0)}, {"clock": 3.0})
+        assert _value(plain.result()) == 2.0  # dpwa's fetch: what the peer had when asked
+        quiet = a.fetch(1, timeout=10.0, wait=0.2)
+        assert _value(quiet.result()) == 3.0  # nothing newer within the wait: what it has
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_held_fetch_gets_the_last_state_published_before_its_wait_ends():
+    a, b = _pair()
+    published, stop = [0], threading.Event()
+
+    def train():
+        while not stop.is_set():
+            published[0] += 1
+            b.publish({"w": torch.full((3,), float(published[0]))}, {})
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    try:
+        time.sleep(0.3)  # the server learns how often it publishes
+        for _ in range(3):
+            asked_at = published[0]
+            got = _value(a.fetch(1, timeout=10.0, wait=0.5).result())
+            assert got >= asked_at + 5  # about ten publications in the wait: not the first one after asking
+    finally:
+        stop.set()
+        thread.join()
+        a.close()
+        b.close()
+
+
+def test_a_closing_server_answers_the_requests_it_holds():
+    a, b = _pair()
+    try:
+        b.publish({"w": torch.full((3,), 7.0)}, {})
+        held = a.fetch(1, timeout=30.0, wait=8.0)
+        time.sleep(0.3)
+        b.close()
+        assert _value(held.result(timeout=5.0)) == 7.0  # not a timeout: answered on the way out
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("wait", ["soon", -1.0, [0.1], True])
+def test_a_request_with_a_bad_wait_is_dropped_and_the_server_keeps_serving(wait):
+    a, b = _pair({2: "tcp://127.0.0.1:9"})  # node 2: a peer b serves, played by a raw socket here
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        b.publish({"w": torch.full((3,), 5.0)}, {})
+        dealer.setsockopt(zmq.ROUTING_ID, struct.pack("<I", 2))
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(b.address)
+        dealer.send_multipart(encode(Message(Kind.REQUEST, 2, 99, meta={"wait": wait})))
+        assert not dealer.poll(500)  # no answer ...
+        assert b.stats.malformed_dropped == 1  # ... and counted as malformed
+        assert _value(a.fetch(1, timeout=5.0, wait=0.1).result()) == 5.0
+    finally:
+        dealer.close()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_the_adapter_merges_the_state_a_peer_finishes_during_its_step(fresh):
+    """With ``fresh`` a worker's fetch is held until the peer publishes the step it is training,
+    so the merge includes that step; dpwa's fetch merges the state from before it."""
+    config = _group(_free_ports(2), timeout_ms=5000, fresh=fresh)
+    torch.manual_seed(0)
+    a, b = (GossipAdapter(nn.Linear(4, 2), f"w{i}", config, seed=i) for i in range(2))
+    try:
+        b.update_send(1.0)
+        b.update_wait(1.0)  # b publishes its first state (its fetch from a, not started yet, fails)
+        a.update_send(1.0)
+        time.sleep(0.8)  # a's step: it learns that its steps take about this long
+        a.update_wait(1.0)
+        b_before = [p.detach().clone() for p in b.model.parameters()]
+        a_before = [p.detach().clone() for p in a.model.parameters()]
+        a.update_send(1.0)
+        time.sleep(0.3)  # a trains; its request has reached b by now
+        b.update_send(1.0)
+        with torch.no_grad():  # b trains a step that moves every parameter by 1
+            for p in b.model.parameters():
+                p += 1.0
+        b.update_wait(1.0)  # ... and publishes it
+        record = a.update_wait(1.0)
+        assert not record.get("failed")
+        shift = 1.0 if fresh else 0.0
+        for p, mine, peer in zip(a.model.parameters(), a_before, b_before):
+            assert torch.allclose(p, (mine + peer + shift) / 2)
+    finally:
+        a.close()
+        b.close()
 
 
 # --- real processes -------------------------------------------------------------------------

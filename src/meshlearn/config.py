@@ -41,6 +41,8 @@ class ExperimentConfig(BaseModel):
     interpolation: Literal["constant", "clock", "loss"] = Field("constant", description="gossip: how much of the peer to take")
     interpolation_value: float = Field(0.5, ge=0, le=1, description="gossip: the constant interpolation factor")
     divergence_threshold: float = Field(0.0, ge=0, description="gossip: below this loss take less of peers (0 = off)")
+    fetch_fresh: bool = Field(True, description="gossip: ask a peer for the state it finishes while this node trains "
+                                               "(false: the one it already has, as dpwa)")
     slowdown: str = Field("", description="emulated slow steps: RANK:FACTOR or RANK:+TIME, RANK may be *; "
                           "e.g. 0:3 (node 0 trains 3x slower) or *:+20ms,0:+60ms (sleep per step)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")

@@ -12,7 +12,9 @@ dpwa's file is a list of one-key maps::
     - clock: 0                  # settings of the clock and loss methods: they have none
     - loss: 0
 
-meshlearn's is the same keys as one map, and ``constant`` may be a plain number.
+meshlearn's is the same keys as one map, and ``constant`` may be a plain number. Either may add
+``fresh: false`` to fetch what a peer already has, as dpwa does, instead of the state it finishes
+while this worker trains (see ``meshlearn.algorithms.gossip``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class GossipConfig(BaseModel):
     interpolation: Literal["constant", "clock", "loss"] = "constant"
     divergence_threshold: float = Field(0.0, ge=0)
     constant: float = Field(0.5, ge=0, le=1)
+    fresh: bool = True
     clock: Any = None  # dpwa lists these method sections; they carry no settings
     loss: Any = None
 
@@ -71,7 +74,7 @@ class GossipConfig(BaseModel):
     def settings(self) -> GossipSettings:
         """The averaging settings the engine uses."""
         return GossipSettings(self.fetch_probability, self.timeout_ms / 1000, self.interpolation, self.constant,
-                              self.divergence_threshold)
+                              self.divergence_threshold, self.fresh)
 
     def rank_of(self, name: str) -> int:
         """The index of worker ``name`` in ``nodes`` (its node id)."""

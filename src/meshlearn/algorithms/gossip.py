@@ -13,6 +13,12 @@ step and before interpolating, so a peer gets a state that includes its latest g
 in benchmarks/RESULTS.md: 8 nodes reach 85-96% 1.1-1.4x sooner). ``update_send`` publishes only
 while nothing fresher is out (the first step, or a loop that never calls ``update_wait``).
 
+dpwa's fetch returns whatever the peer last published, a state already about a step old when it
+is merged. meshlearn's fetch (``fresh``, on by default) asks the peer to hold the request until it
+publishes its next state, for at most as long as this node's own steps take (measured): a peer
+that finishes its step meanwhile sends that state, a slower one sends what it has when this node
+needs it, so waiting costs nothing beyond dpwa's.
+
 dpwa exchanges parameters only; meshlearn also interpolates floating-point buffers (BatchNorm
 running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
 match its weights. ``num_batches_tracked`` stays local.
@@ -44,6 +50,7 @@ class GossipSettings:
     interpolation: str = "constant"
     value: float = 0.5  # the factor of the constant method
     divergence_threshold: float = 0.0
+    fresh: bool = True  # ask for the state a peer publishes while this node trains, not its previous one
 
     def __post_init__(self):
         if self.interpolation not in INTERPOLATIONS:
@@ -124,6 +131,8 @@ class GossipAverager:
         self.merges = 0
         self._trained_published = False  # update_wait published since the last update_send
         self._pending: tuple[int, Future, float] | None = None
+        self._step_seconds = 0.0  # a moving average of the time from update_send to update_wait
+        self._sent_at: float | None = None
 
     def update_send(self, loss: float | None) -> None:
         """Maybe start fetching a peer's state (returns at once); publish the current state if
@@ -133,8 +142,10 @@ class GossipAverager:
         self._trained_published = False
         if self._pending is None and self.scores.score and self.rng.random() < self.settings.fetch_probability:
             peer = self.scores.pick()
-            self._pending = (peer, self.endpoint.fetch(peer, self.settings.timeout),
+            wait = min(self._step_seconds, self.settings.timeout / 2) if self.settings.fresh else 0.0
+            self._pending = (peer, self.endpoint.fetch(peer, self.settings.timeout, wait),
                              time.monotonic() + self.settings.timeout)
+        self._sent_at = time.monotonic()
 
     def _publish(self, loss: float | None) -> None:
         state = self.flat.segments_of(self.flat.state.detach().to("cpu", copy=True))
@@ -146,6 +157,10 @@ class GossipAverager:
         ``update_send`` (never past its timeout) and interpolate with the peer. Returns what
         happened, for the run log."""
         self.clock += steps
+        if self._sent_at is not None:
+            took = time.monotonic() - self._sent_at
+            self._step_seconds = took if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * took
+            self._sent_at = None
         self._publish(loss)
         self._trained_published = True
         if self._pending is None:
@@ -186,7 +201,7 @@ class Gossip(Algorithm):
             raise ConfigError("the gossip algorithm needs a pull endpoint (transport: tcp)")
         config = ctx.config
         self.settings = GossipSettings(config.fetch_probability, config.fetch_timeout, config.interpolation,
-                                       config.interpolation_value, config.divergence_threshold)
+                                       config.interpolation_value, config.divergence_threshold, config.fetch_fresh)
         self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
                                        seed=config.seed * 7919 + ctx.rank)
         self._loss: float | None = None

@@ -6,17 +6,30 @@ message on a DEALER socket (one per peer, owned by a single fetch thread) answer
 carrying the state and its ``clock`` and ``loss`` in the message metadata. DEALERs are
 ``ZMQ_IMMEDIATE``: a peer with no live connection (dead, not started yet, refusing) fails the
 fetch at once (within ``CONNECT_WAIT`` on first contact) instead of costing its whole timeout,
-while ZeroMQ keeps reconnecting in the background. A peer that answers late costs the timeout; its late answer is recognised by its
-request id and discarded. There is no handshake, since gossip peers may come and go.
+while ZeroMQ keeps reconnecting in the background. A peer that answers late costs the timeout;
+its late answer is recognised by its request id and discarded. There is no handshake, since
+gossip peers may come and go.
+
+A request may ask the server to *hold* it for up to ``wait`` seconds (its metadata): the server
+answers with the last state it publishes within the wait (when it publishes a newer state and
+does not expect to publish another before the wait ends, judging by its recent publications), or
+with the state it has when the wait ends. A fetcher that asks when its own step starts and needs
+the answer when the step ends thus gets the newest state its peer finishes in the meantime, not
+one that is already a step old. Held requests are kept one per peer (a newer request from the
+same peer replaces an unanswered one), never longer than ``MAX_HOLD``, and answered when the
+server closes.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import socket
 import struct
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
@@ -32,6 +45,19 @@ log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
 POLL_MS = 100
 CONNECT_WAIT = 0.2  # seconds a fetch waits for a connection to a peer before giving up on it
+LINGER_MS = 200  # on close, time for the answers to held requests to leave
+MAX_HOLD = 10.0
+MAX_REQUESTS_PER_WAKE = 64  # seconds a server holds a request for a newer state, whatever the request asks
+
+
+@dataclass
+class _Held:
+    """A request waiting for a state newer than ``version`` (or for ``deadline``)."""
+
+    routing_id: object
+    request_id: int
+    version: int
+    deadline: float
 
 
 class PullEndpoint(Endpoint):
@@ -47,9 +73,15 @@ class PullEndpoint(Endpoint):
         self.requests_served = 0
         self.fetches = 0
         self.fetch_timeouts = 0
+        self.held_fresh = 0  # held requests answered with a state published while they waited
+        self.held_expired = 0  # ... and those answered with an older one when their wait ended
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._published: tuple[dict, dict] | None = None  # the latest state and its metadata
+        self._version = 0  # publications so far
+        self._last_publish = 0.0
+        self._publish_interval = 0.0  # a moving average of the time between publications
+        self._wake: tuple[socket.socket, socket.socket] | None = None  # publish -> serving thread
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._server: threading.Thread | None = None
@@ -67,6 +99,9 @@ class PullEndpoint(Endpoint):
             self._ctx = None
             raise
         self._router = router
+        self._wake = socket.socketpair()
+        for end in self._wake:
+            end.setblocking(False)
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.address
 
@@ -86,16 +121,30 @@ class PullEndpoint(Endpoint):
         state = (dict(tensors), dict(meta))
         with self._lock:
             self._published = state
+            self._version += 1
+            now = time.monotonic()
+            if self._last_publish:
+                since = now - self._last_publish
+                self._publish_interval = 0.8 * self._publish_interval + 0.2 * since if self._publish_interval else since
+            self._last_publish = now
+            if self._wake is not None:
+                try:
+                    self._wake[1].send(b"!")  # held requests may now be answered
+                except OSError:  # BlockingIOError: the serving thread already has wake-ups to read
+                    pass
 
-    def fetch(self, peer: int, timeout: float) -> Future:
+    def fetch(self, peer: int, timeout: float, wait: float = 0.0) -> Future:
         """Start fetching ``peer``'s state; the future gives its Message, or None after ``timeout``
-        seconds, on a refused or dead peer, or if it has published nothing yet."""
+        seconds, on a refused or dead peer, or if it has published nothing yet. With ``wait`` > 0
+        the peer answers with the newest state it publishes within ``wait`` seconds, if any, else
+        with the one it has when the wait ends."""
         if self._fetcher is None:
             raise TransportError("connect() must be called before fetch()")
-        return self._fetcher.submit(self._fetch, peer, timeout)
+        return self._fetcher.submit(self._fetch, peer, timeout, wait)
 
     def extra_stats(self) -> dict[str, int]:
-        return {"requests_served": self.requests_served, "fetches": self.fetches, "fetch_timeouts": self.fetch_timeouts}
+        return {"requests_served": self.requests_served, "fetches": self.fetches, "fetch_timeouts": self.fetch_timeouts,
+                "held_fresh": self.held_fresh, "held_expired": self.held_expired}
 
     def close(self) -> None:
         self._stop.set()
@@ -107,8 +156,12 @@ class PullEndpoint(Endpoint):
             self._server.join(timeout=5.0)
             self._server = None
         if self._router is not None:
-            self._router.close(linger=0)
+            self._router.close(linger=LINGER_MS)
             self._router = None
+        with self._lock:  # a publish from another thread must not write to a closed socket
+            wake, self._wake = self._wake, None
+        for end in wake or ():
+            end.close()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -116,29 +169,76 @@ class PullEndpoint(Endpoint):
     # --- the serving thread ----------------------------------------------------------------
 
     def _serve(self) -> None:
-        router = self._router
+        router, wake = self._router, self._wake[0]
+        poller = zmq.Poller()
+        poller.register(router, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        held: dict[int, _Held] = {}  # by peer
         while not self._stop.is_set():
-            if not router.poll(POLL_MS):
-                continue
-            frames = router.recv_multipart(copy=False)
-            try:
-                request = decode(frames[1:], 64 * 1024, self.secret)
-            except WireError as exc:
-                self.stats.malformed_dropped += 1
-                log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
-                continue
-            if request.kind != Kind.REQUEST or request.sender not in self.peers:
-                self.stats.unknown_sender_dropped += 1
-                continue
+            wait_ms = POLL_MS
+            if held:
+                wait_ms = min(wait_ms, max(0, math.ceil((min(h.deadline for h in held.values()) - time.monotonic()) * 1000)))
+            events = dict(poller.poll(wait_ms))
+            if wake.fileno() in events:
+                _drain(wake)
+            if router in events:
+                for _ in range(MAX_REQUESTS_PER_WAKE):  # then answer what is held, even under a flood
+                    if not self._take_request(router, held):
+                        break
+            if held:
+                self._answer_held(router, held)
+        for request in held.values():  # closing: what a peer waits for now is all it will get
+            self._reply(router, request.routing_id, request.request_id)
+
+    def _take_request(self, router: zmq.Socket, held: dict[int, _Held]) -> bool:
+        """Read one request, if any is waiting: answer it now, or hold it. False when none was."""
+        try:
+            frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        try:
+            request = decode(frames[1:], 64 * 1024, self.secret)
+            wait = _requested_wait(request.meta)
+        except WireError as exc:
+            self.stats.malformed_dropped += 1
+            log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
+            return True
+        if request.kind != Kind.REQUEST or request.sender not in self.peers:
+            self.stats.unknown_sender_dropped += 1
+            return True
+        if wait > 0:
             with self._lock:
-                published = self._published
-            tensors, meta = published or ({}, {})
-            # The request id travels in the iteration field; encoding only views the tensors.
-            reply = encode(Message(Kind.REPLY, self.node_id, request.iteration, 0, tensors, meta), self.secret)
-            router.send_multipart([frames[0], *reply], copy=False)
-            self.requests_served += 1
-            self.stats.messages_sent += 1
-            self.stats.bytes_sent += sum(memoryview(f).nbytes for f in reply)
+                version = self._version
+            held[request.sender] = _Held(frames[0], request.iteration, version, time.monotonic() + wait)
+        else:
+            self._reply(router, frames[0], request.iteration)
+        return True
+
+    def _answer_held(self, router: zmq.Socket, held: dict[int, _Held]) -> None:
+        with self._lock:
+            version, next_publish = self._version, self._last_publish + self._publish_interval
+        now = time.monotonic()
+        # Answer a request when its wait is over, or when it can have a newer state and the next one
+        # is not expected in time; otherwise keep it for that next one.
+        for peer in [peer for peer, h in held.items()
+                     if h.deadline <= now or (h.version < version and next_publish >= h.deadline)]:
+            request = held.pop(peer)
+            if request.version < version:
+                self.held_fresh += 1
+            else:
+                self.held_expired += 1
+            self._reply(router, request.routing_id, request.request_id)
+
+    def _reply(self, router: zmq.Socket, routing_id, request_id: int) -> None:
+        with self._lock:
+            published = self._published
+        tensors, meta = published or ({}, {})
+        # The request id travels in the iteration field; encoding only views the tensors.
+        reply = encode(Message(Kind.REPLY, self.node_id, request_id, 0, tensors, meta), self.secret)
+        router.send_multipart([routing_id, *reply], copy=False)
+        self.requests_served += 1
+        self.stats.messages_sent += 1
+        self.stats.bytes_sent += sum(memoryview(f).nbytes for f in reply)
 
     # --- the fetch thread ------------------------------------------------------------------
 
@@ -154,7 +254,7 @@ class PullEndpoint(Endpoint):
             self._dealers[peer] = dealer
         return dealer
 
-    def _fetch(self, peer: int, timeout: float) -> Message | None:
+    def _fetch(self, peer: int, timeout: float, wait: float) -> Message | None:
         if self._stop.is_set() or peer not in self.peers:
             return None
         self.fetches += 1
@@ -167,7 +267,8 @@ class PullEndpoint(Endpoint):
             # is down (gone, restarting) fails at once while ZeroMQ reconnects in the background.
             if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000) if fresh else 0, zmq.POLLOUT):
                 raise zmq.Again()  # no connection to the peer
-            request = encode(Message(Kind.REQUEST, self.node_id, self._request_id), self.secret)
+            meta = {"wait": round(wait, 6)} if wait > 0 else {}
+            request = encode(Message(Kind.REQUEST, self.node_id, self._request_id, meta=meta), self.secret)
             dealer.send_multipart(request, zmq.NOBLOCK)
             while (remaining := deadline - time.monotonic()) > 0:
                 if not dealer.poll(max(1, int(remaining * 1000))):
@@ -194,3 +295,19 @@ class PullEndpoint(Endpoint):
         for dealer in self._dealers.values():
             dealer.close(linger=0)
         self._dealers.clear()
+
+
+def _requested_wait(meta: dict) -> float:
+    """How long a request asks to be held (0: answer now), at most ``MAX_HOLD``."""
+    wait = meta.get("wait", 0.0)
+    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait) or wait < 0:
+        raise WireError(f"a request's wait must be a non-negative number of seconds, not {wait!r}")
+    return min(float(wait), MAX_HOLD)
+
+
+def _drain(sock: socket.socket) -> None:
+    try:
+        while sock.recv(4096):
+            pass
+    except OSError:  # BlockingIOError: nothing more to read
+        pass
