@@ -126,7 +126,8 @@ def main() -> None:
     for name, reach, accuracy, elapsed in [*rows.values(), *evens.values()]:
         print(f"| {name} | {' | '.join(f'{r:.2f}' for r in reach)} | {accuracy:.4f} | {elapsed:.1f} |")
     for variant in [v for v in variants if v != "dpsgd"]:
-        ratios = " / ".join(f"{dpsgd / gossip:.2f}x" for dpsgd, gossip in zip(rows["dpsgd"][1], rows[variant][1]))
+        ratios = " / ".join(f"{dpsgd / gossip:.2f}x" if gossip < float("inf") else "never"
+                            for dpsgd, gossip in zip(rows["dpsgd"][1], rows[variant][1]))
         print(f"with the straggler, {variant} reaches {' / '.join(f'{t:.0%}' for t in args.targets)} {ratios} as fast as D-PSGD")
         print(f"without it, {variant}'s final accuracy is {(evens[variant][2] - evens['dpsgd'][2]) * 100:+.2f} points from D-PSGD's")
     print(f"runs: {out}")
