@@ -46,7 +46,7 @@ _IDENTITY = struct.Struct("<I")
 POLL_MS = 100
 CONNECT_WAIT = 0.2  # seconds a fetch waits for a connection to a peer before giving up on it
 LINGER_MS = 200  # on close, time for the answers to held requests to leave
-CLOSE_GRACE = 0.25  # seconds a closing server stays connected after answering held requests
+CLOSE_GRACE = 0.25  # seconds a closing server goes on answering requests, at once
 MAX_HOLD = 10.0
 MAX_REQUESTS_PER_WAKE = 64  # seconds a server holds a request for a newer state, whatever the request asks
 
@@ -129,11 +129,15 @@ class PullEndpoint(Endpoint):
                 since = now - self._last_publish
                 self._publish_interval = 0.8 * self._publish_interval + 0.2 * since if self._publish_interval else since
             self._last_publish = now
-            if self._wake is not None:
-                try:
-                    self._wake[1].send(b"!")  # held requests may now be answered
-                except OSError:  # BlockingIOError: the serving thread already has wake-ups to read
-                    pass
+            self._poke()  # held requests may now be answered
+
+    def _poke(self) -> None:
+        """Wake the serving thread (call with the lock held)."""
+        if self._wake is not None:
+            try:
+                self._wake[1].send(b"!")
+            except OSError:  # BlockingIOError: the serving thread already has wake-ups to read
+                pass
 
     def fetch(self, peer: int, timeout: float, wait: float = 0.0) -> Future:
         """Start fetching ``peer``'s state; the future gives its Message, or None after ``timeout``
@@ -150,6 +154,8 @@ class PullEndpoint(Endpoint):
 
     def close(self) -> None:
         self._stop.set()
+        with self._lock:
+            self._poke()
         if self._fetcher is not None:
             self._fetcher.shutdown(wait=True, cancel_futures=True)  # a fetch in flight ends at its timeout
             self._fetcher = None
@@ -176,10 +182,19 @@ class PullEndpoint(Endpoint):
         poller.register(router, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
         held: dict[int, _Held] = {}  # by peer
-        while not self._stop.is_set():
+        closing_until: float | None = None
+        while closing_until is None or time.monotonic() < closing_until:
+            if closing_until is None and self._stop.is_set():
+                # No newer state will come. Answer what is held, and for a moment answer at once
+                # what still arrives: a request already on its way would cost its whole timeout,
+                # and (measured on a loaded machine) a peer lost about one answer in four sent just
+                # before the connection closed, linger or not.
+                closing_until = time.monotonic() + CLOSE_GRACE
+                self._answer_held(router, held, everything=True)
+            deadlines = [h.deadline for h in held.values()] + ([closing_until] if closing_until else [])
             wait_ms = POLL_MS
-            if held:
-                wait_ms = min(wait_ms, max(0, math.ceil((min(h.deadline for h in held.values()) - time.monotonic()) * 1000)))
+            if deadlines:
+                wait_ms = min(wait_ms, max(0, math.ceil((min(deadlines) - time.monotonic()) * 1000)))
             events = dict(poller.poll(wait_ms))
             if wake.fileno() in events:
                 _drain(wake)
@@ -188,13 +203,7 @@ class PullEndpoint(Endpoint):
                     if not self._take_request(router, held):
                         break
             if held:
-                self._answer_held(router, held)
-        for request in held.values():  # closing: what a peer waits for now is all it will get
-            self._reply(router, request.routing_id, request.request_id)
-        if held:
-            # Stay connected a moment: measured on a loaded machine, a peer lost answers sent
-            # just before the connection closed about one time in four, linger or not.
-            time.sleep(CLOSE_GRACE)
+                self._answer_held(router, held, everything=closing_until is not None)
 
     def _take_request(self, router: zmq.Socket, held: dict[int, _Held]) -> bool:
         """Read one request, if any is waiting: answer it now, or hold it. False when none was."""
@@ -221,14 +230,14 @@ class PullEndpoint(Endpoint):
             self._reply(router, frames[0], request.iteration)
         return True
 
-    def _answer_held(self, router: zmq.Socket, held: dict[int, _Held]) -> None:
+    def _answer_held(self, router: zmq.Socket, held: dict[int, _Held], everything: bool = False) -> None:
         with self._lock:
             version, next_publish = self._version, self._last_publish + self._publish_interval
         now = time.monotonic()
         # Answer a request when its wait is over, or when it can have a newer state and the next one
         # is not expected in time; otherwise keep it for that next one.
         for peer in [peer for peer, h in held.items()
-                     if h.deadline <= now or (h.version < version and next_publish >= h.deadline)]:
+                     if everything or h.deadline <= now or (h.version < version and next_publish >= h.deadline)]:
             request = held.pop(peer)
             if request.version < version:
                 self.held_fresh += 1
