@@ -14,10 +14,11 @@ in benchmarks/RESULTS.md: 8 nodes reach 85-96% 1.1-1.4x sooner). ``update_send``
 while nothing fresher is out (the first step, or a loop that never calls ``update_wait``).
 
 dpwa's fetch returns whatever the peer last published, a state already about a step old when it
-is merged. meshlearn's fetch (``fresh``, on by default) asks the peer to hold the request until it
-publishes its next state, for at most as long as this node's own steps take (measured): a peer
-that finishes its step meanwhile sends that state, a slower one sends what it has when this node
-needs it, so waiting costs nothing beyond dpwa's.
+is merged. meshlearn's fetch (``fresh``, on by default) asks the peer to hold the request for as
+long as this node's own steps take (a moving average, at most half the timeout): a peer that
+finishes a step meanwhile sends the newest such state, a slower one sends what it has when this
+node needs it, so waiting costs nothing beyond dpwa's (measured in benchmarks/RESULTS.md: without
+a straggler 1.2-1.4x sooner to 85-96% than dpwa's fetch, as fast as D-PSGD).
 
 dpwa exchanges parameters only; meshlearn also interpolates floating-point buffers (BatchNorm
 running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
