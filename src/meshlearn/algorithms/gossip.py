@@ -18,7 +18,7 @@ is merged. meshlearn's fetch (``fresh``, on by default) asks the peer to hold th
 long as this node's own steps take (a moving average, at most half the timeout): a peer that
 finishes a step meanwhile sends the newest such state, a slower one sends what it has when this
 node needs it, so waiting costs nothing beyond dpwa's (measured in benchmarks/RESULTS.md: without
-a straggler 1.2-1.4x sooner to 85-96% than dpwa's fetch, as fast as D-PSGD).
+a straggler 1.2-1.4x sooner to 85-96% than dpwa's fetch, within about 10% of D-PSGD).
 
 dpwa exchanges parameters only; meshlearn also interpolates floating-point buffers (BatchNorm
 running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
