@@ -38,6 +38,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algo
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
+from meshlearn.wire import meta_number
 
 INTERPOLATIONS = ("constant", "clock", "loss")
 
@@ -85,14 +86,6 @@ def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: flo
 
 def _share(part: float, other: float) -> float:
     return part / (part + other) if part + other > 0 else 0.5
-
-
-def _meta_number(meta: dict, key: str) -> float | None:
-    """A peer's non-negative finite number, or None if it sent something else."""
-    value = meta.get(key, 0.0)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        return None
-    return float(value)
 
 
 class PeerScores:
@@ -174,7 +167,7 @@ class GossipAverager:
         except FutureTimeout:  # the fetch thread ends it at its own deadline; stop waiting here
             reply = None
         waited = time.monotonic() - started
-        peer_meta = {} if reply is None else {key: _meta_number(reply.meta, key) for key in ("clock", "loss")}
+        peer_meta = {} if reply is None else {key: meta_number(reply.meta, key) for key in ("clock", "loss")}
         if reply is None or self.flat.check_compatible(reply.tensors) is not None or None in peer_meta.values():
             self.scores.failure(peer)  # no answer, another model, or numbers that are not numbers
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}

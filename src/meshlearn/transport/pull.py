@@ -39,7 +39,7 @@ from meshlearn.errors import TransportError, WireError
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Endpoint
 from meshlearn.transport.zmqsock import bind_router
-from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
+from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode, meta_number
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
@@ -315,10 +315,10 @@ class PullEndpoint(Endpoint):
 
 def _requested_wait(meta: dict) -> float:
     """How long a request asks to be held (0: answer now), at most ``MAX_HOLD``."""
-    wait = meta.get("wait", 0.0)
-    if isinstance(wait, bool) or not isinstance(wait, (int, float)) or not math.isfinite(wait) or wait < 0:
-        raise WireError(f"a request's wait must be a non-negative number of seconds, not {wait!r}")
-    return min(float(wait), MAX_HOLD)
+    wait = meta_number(meta, "wait")
+    if wait is None:
+        raise WireError(f"a request's wait must be a non-negative number of seconds, not {meta['wait']!r}")
+    return min(wait, MAX_HOLD)
 
 
 def _drain(sock: socket.socket) -> None:

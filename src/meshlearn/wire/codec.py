@@ -266,3 +266,12 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
     if reader.pos != len(views[0]):
         raise WireError(f"{len(views[0]) - reader.pos} unexpected bytes after the header")
     return Message(kind=kind, sender=sender, iteration=iteration, degree=degree, tensors=tensors, meta=meta)
+
+
+def meta_number(meta: dict[str, Any], key: str, default: float = 0.0) -> float | None:
+    """The non-negative finite number a message's metadata holds under ``key`` (``default`` when
+    absent), or None when it holds anything else: metadata comes from peers, so check it."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
