@@ -21,6 +21,7 @@ import torch
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
 from meshlearn.transport import TcpTransport
+from meshlearn.transport.settings import TcpSettings
 from meshlearn.wire import Kind, Message
 
 SHAPE = (3, 32, 32)
@@ -43,7 +44,7 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def receiver(name: str, trials: int, addr_q, raw_port_q) -> None:
     torch.set_num_threads(1)
     flat = _flat(name)
-    transport = TcpTransport(1, handshake_timeout=60, bye_timeout=5)
+    transport = TcpTransport(1, settings=TcpSettings(handshake_timeout=60, wait_timeout=5))
     addr_q.put(transport.bind())
     peer_address = addr_q.get()
     server = socket.socket()
@@ -73,7 +74,7 @@ def sender(name: str, trials: int) -> tuple[list[float], list[float]]:
     addr_q, raw_port_q = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=receiver, args=(name, trials, addr_q, raw_port_q))
     proc.start()
-    transport = TcpTransport(0, handshake_timeout=60, bye_timeout=5)
+    transport = TcpTransport(0, settings=TcpSettings(handshake_timeout=60, wait_timeout=5))
     peer_address = addr_q.get()
     addr_q.put(transport.bind())
     raw_port = raw_port_q.get()

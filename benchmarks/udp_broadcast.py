@@ -18,7 +18,12 @@ import torch
 
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
-from meshlearn.transport.udp import SO_RCVBUFFORCE, StateLayout, UdpTransport
+from meshlearn.transport.udp import (
+    SO_RCVBUFFORCE,
+    StateLayout,
+    UdpSettings,
+    UdpTransport,
+)
 from meshlearn.wire import Kind, Message
 
 
@@ -49,8 +54,8 @@ def main() -> None:
         sink.bind(("127.0.0.1", 0))
         sink.setblocking(False)
         sinks.append(sink)
-    sender = UdpTransport(0, layout=StateLayout(flat.ranges, flat.state.dtype), chunk_bytes=args.chunk_bytes,
-                          rate_bytes_per_s=float("inf"))
+    sender = UdpTransport(0, layout=StateLayout(flat.ranges, flat.state.dtype),
+                          settings=UdpSettings(chunk_bytes=args.chunk_bytes, rate_gbps=float("inf")))
     sender.bind()
     sender._addrs = {i + 1: sink.getsockname() for i, sink in enumerate(sinks)}  # no handshake: sinks are plain sockets
     snapshot = flat.snapshot()

@@ -19,7 +19,12 @@ import torch
 
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
-from meshlearn.transport.udp import StateLayout, UdpTransport, rcvbuf_errors
+from meshlearn.transport.udp import (
+    StateLayout,
+    UdpSettings,
+    UdpTransport,
+    rcvbuf_errors,
+)
 from meshlearn.wire import Kind, Message
 
 
@@ -29,9 +34,13 @@ def _layout(name: str) -> tuple[FlatState, StateLayout]:
     return flat, StateLayout(flat.ranges, flat.state.dtype)
 
 
+def _settings(args) -> UdpSettings:
+    return UdpSettings(chunk_bytes=args.chunk_bytes, rate_gbps=args.rate / 1e9)
+
+
 def receiver(args, queue, back) -> None:
     flat, layout = _layout(args.model)
-    transport = UdpTransport(1, layout=layout, chunk_bytes=args.chunk_bytes, rate_bytes_per_s=args.rate)
+    transport = UdpTransport(1, layout=layout, settings=_settings(args))
     queue.put(transport.bind())
     transport.connect({0: back.get()})
     ok = 0
@@ -58,7 +67,7 @@ def main() -> None:
     queue, back = ctx.Queue(), ctx.Queue()
     proc = ctx.Process(target=receiver, args=(args, queue, back))
     proc.start()
-    transport = UdpTransport(0, layout=layout, chunk_bytes=args.chunk_bytes, rate_bytes_per_s=args.rate)
+    transport = UdpTransport(0, layout=layout, settings=_settings(args))
     peer = queue.get()
     back.put(transport.bind())
     errors_before = rcvbuf_errors()

@@ -293,9 +293,8 @@ def test_a_held_fetch_gets_the_state_published_while_it_waits_and_a_plain_one_do
     try:
         b.publish({"w": torch.full((3,), 1.0)}, {"clock": 1.0})
         held = a.fetch(1, timeout=10.0, wait=1.5)
-        _wait_until(lambda: b.requests_held == 1)
-        time.sleep(0.2)
-        assert not held.done()  # held: an unheld request would have been answered by now
+        _wait_until(lambda: b.requests_held == 1)  # held, not answered at once ...
+        assert not held.done()  # ... and not answered before a newer state comes or the wait ends
         b.publish({"w": torch.full((3,), 2.0)}, {"clock": 2.0})
         assert _value(held.result()) == 2.0  # answered at the end of its wait with the newest state
         assert _value(a.fetch(1, timeout=10.0).result(timeout=5.0)) == 2.0  # dpwa's fetch: what it has, at once
@@ -320,7 +319,7 @@ def test_a_held_fetch_gets_the_last_state_published_before_its_wait_ends():
     thread = threading.Thread(target=train)
     thread.start()
     try:
-        time.sleep(0.3)  # the server learns how often it publishes
+        _wait_until(lambda: published[0] >= 6)  # the server learns how often it publishes
         for _ in range(3):
             asked_at = published[0]
             got = _value(a.fetch(1, timeout=10.0, wait=0.6).result())
@@ -381,7 +380,8 @@ def test_the_adapter_merges_the_state_a_peer_finishes_during_its_step(fresh):
         b_before = [p.detach().clone() for p in b.model.parameters()]
         a_before = [p.detach().clone() for p in a.model.parameters()]
         a.update_send(1.0)
-        time.sleep(0.3)  # a trains; its request has reached b by now
+        # a trains; its request has reached b (held, or with dpwa's fetch answered: b's second answer to a)
+        _wait_until(lambda: b.endpoint.requests_held == 1 if fresh else b.endpoint.requests_served == 2)
         b.update_send(1.0)
         with torch.no_grad():  # b trains a step that moves every parameter by 1
             for p in b.model.parameters():

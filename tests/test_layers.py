@@ -7,8 +7,9 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
 # Higher number = higher layer. Shared modules (config, errors, ...) are layer 0 and may be used by any.
-LAYERS = {"wire": 1, "transport": 2, "algorithms": 3, "node": 4, "sim": 5, "adapter": 5, "network": 5, "cli": 6}
-SHARED = {"errors": 0, "config": 0, "flat": 0, "netem": 0, "metrics": 0, "runlog": 0, "topology": 0, "data": 0, "models": 0}
+LAYERS = {"wire": 1, "transport": 2, "algorithms": 3, "aggregation": 3, "config": 4, "node": 4, "sim": 5, "adapter": 5,
+          "network": 5, "cli": 6}
+SHARED = {"errors": 0, "settings": 0, "clock": 0, "lazy": 0, "flat": 0, "netem": 0, "metrics": 0, "runlog": 0, "topology": 0, "data": 0, "models": 0}
 
 
 def _layer(module: str) -> int | None:

@@ -5,20 +5,17 @@ from __future__ import annotations
 import json
 import re
 import signal
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).parent))
-from helpers.netproc import SECRET, Processes, free_port, start_network  # noqa: E402
+from helpers.netproc import SECRET, Processes, free_port, start_network
+from helpers.scoring import score_result
 
-from meshlearn.data import load_dataset  # noqa: E402
-from meshlearn.models import build_model  # noqa: E402
-from meshlearn.network.rpc import call  # noqa: E402
-from meshlearn.node import evaluate_model  # noqa: E402
+from meshlearn.data import load_dataset
+from meshlearn.models import build_model
+from meshlearn.network.rpc import call
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
 
@@ -35,14 +32,6 @@ def _request(procs: Processes, name: str, bootstrap: str, *args: str, timeout: f
                        secret=secret)
     proc.wait(timeout=timeout)
     return proc.returncode, procs.log(name)
-
-
-def _score(folder: Path, model: str = "mlp") -> float:
-    """Load the returned model into a plain PyTorch model and evaluate it ourselves."""
-    dataset = load_dataset("digits")
-    net = build_model(model, dataset.input_shape, dataset.num_classes)
-    net.load_state_dict(load_file(str(folder / "model.safetensors")))
-    return evaluate_model(net, dataset).accuracy
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +56,7 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert metrics["algorithm"] == algorithm and metrics["lost"] == []
     assert sorted(metrics["providers"]) == ids
     assert all(c["samples"] > 400 for c in metrics["providers"].values())
-    assert _score(folder) == pytest.approx(metrics["accuracy"], abs=1e-9)
+    assert score_result(folder) == pytest.approx(metrics["accuracy"], abs=1e-9)
     assert metrics["accuracy"] > 0.5
     assert (folder / "confusion.png").stat().st_size > 1000 and (folder / "task.yaml").exists()
     assert sum(map(sum, metrics["confusion"])) == metrics["test_samples"] == len(load_dataset("digits").test_y)
@@ -78,7 +67,7 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     again = procs.start(f"res-{algorithm}", "results", task_id, "--bootstrap", bootstrap,
                         "--output", str(procs.folder / f"res-{algorithm}"))
     assert again.wait(timeout=60) == 0, procs.log(f"res-{algorithm}")
-    assert _score(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
+    assert score_result(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
 def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network):
@@ -102,7 +91,7 @@ def test_data_the_providers_already_hold_is_not_sent(network):
     assert code == 0, out
     metrics = json.loads((procs.folder / "req-local" / "metrics.json").read_text())
     assert sum(c["samples"] for c in metrics["providers"].values()) == len(load_dataset("digits").train_y)
-    assert _score(procs.folder / "req-local") == pytest.approx(metrics["accuracy"], abs=1e-9)
+    assert score_result(procs.folder / "req-local") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
 def test_a_requester_supplied_weights_file_is_where_training_starts(network, tmp_path):
@@ -144,54 +133,7 @@ def test_a_wrong_secret_can_neither_register_nor_read_results(network):
     assert reader.wait(timeout=60) != 0 and "different secret" in procs.log("read-intruder")
 
 
-LONG_TASK = [*TASK, "--algorithm", "leader", "--epochs", "60", "--aggregate-every", "3", "--providers", "3",
-             "--peer-timeout", "3"]
-
-
-def _wait_training(procs: Processes, name: str, provider: str) -> None:
-    procs.wait_for(name, rf"{provider}: training [1-9]\d*/", timeout=120)
-
-
-def _kill_mid_task(procs: Processes, victim: str) -> dict:
-    """Run LONG_TASK on three providers, SIGKILL ``victim`` once it trains; the task's metrics."""
-    bootstrap, ids = start_network(procs, 3)
-    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *LONG_TASK)
-    _wait_training(procs, "req", victim)
-    procs.kill(victim)
-    assert proc.wait(timeout=240) == 0, procs.log("req")
-    return json.loads((procs.folder / "req" / "metrics.json").read_text())
-
-
-def test_a_follower_killed_mid_task_leaves_the_others_to_finish(procs):
-    metrics = _kill_mid_task(procs, "p2")
-    assert metrics["lost"] == ["p2"] and metrics["providers"]["p2"]["status"] == "lost"
-    assert metrics["leader"] == "p0" and metrics["accuracy"] > 0.8
-    assert _score(procs.folder / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
-
-
-def test_the_leader_killed_mid_task_hands_over_to_the_next_provider(procs):
-    metrics = _kill_mid_task(procs, "p0")
-    assert metrics["leader"] == "p1" and metrics["leaders_lost"] == ["p0"]
-    assert metrics["fetched_from"] in ("p1", "p2")
-    assert metrics["providers"]["p2"]["status"] == "finished"
-    assert metrics["accuracy"] > 0.8
-    assert _score(procs.folder / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
-
-
-def test_a_bootstrap_restart_mid_task_changes_nothing(procs):
-    bootstrap, ids = start_network(procs, 2)
-    port = bootstrap.rsplit(":", 1)[1]
-    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"),
-                       *[a if a != "3" else "2" for a in LONG_TASK[:-2]])
-    _wait_training(procs, "req", "p1")
-    procs.kill("bootstrap")
-    procs.start("bootstrap2", "bootstrap", "--port", port, "--state", str(procs.folder / "registry.sqlite"))
-    procs.wait_for("bootstrap2", "bootstrap on")
-    listed = call(bootstrap, "discover", {"count": 10, "free_only": False}, SECRET.encode(), timeout=5).body
-    assert sorted(p["id"] for p in listed["providers"]) == ids  # restored from SQLite
-    assert proc.wait(timeout=240) == 0, procs.log("req")
-    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
-    assert metrics["lost"] == [] and metrics["accuracy"] > 0.8
+# Kills in the middle of a task (a follower, the leader, the bootstrap): tests/test_chaos.py.
 
 
 def test_a_provider_leaves_with_confirmation_on_ctrl_c(procs):

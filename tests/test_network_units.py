@@ -3,15 +3,24 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import zmq
+from helpers.waiting import wait_until
 
+from meshlearn.clock import FakeClock
 from meshlearn.errors import UserInputError
-from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings, wait_until
+from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
 from meshlearn.network.datashare import FileShare, check_name, download
-from meshlearn.network.envelope import AuthError, BadMessage, Envelope, NetworkError, resolve_secret, seal, unseal
+from meshlearn.network.envelope import (
+    AuthError,
+    BadMessage,
+    Envelope,
+    NetworkError,
+    resolve_secret,
+    seal,
+    unseal,
+)
 from meshlearn.network.registry import ProviderInfo, Registry
 from meshlearn.network.rpc import RemoteError, RpcServer, call, parse_address
 from meshlearn.network.task import TaskSpec, dataset_spec, validate_request
@@ -106,36 +115,6 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
     assert echo_server.rejected == 4
 
 
-def test_a_provider_answers_while_a_first_cycle_of_many_followers_waits():
-    # The leader's first aggregation cycle holds every follower's push until all are in: with
-    # more followers than handler threads, the others (and status calls) would starve.
-    from meshlearn.network.provider import HANDLER_THREADS
-
-    followers, release = 40, threading.Event()
-    held = []
-
-    def push(req):
-        held.append(1)
-        release.wait(30)
-        return {"ok": True}
-
-    server = RpcServer("leader", "127.0.0.1", 0, SECRET, {"agg.push": push, "ping": lambda req: {"up": True}},
-                       workers=HANDLER_THREADS)
-    server.start()
-    pushes = [threading.Thread(target=call, args=(server.address, "agg.push", {}, SECRET), kwargs={"timeout": 30})
-              for _ in range(followers)]
-    try:
-        for thread in pushes:
-            thread.start()
-        assert wait_until(lambda: len(held) == followers, timeout=20)
-        assert call(server.address, "ping", {}, SECRET, timeout=5).body == {"up": True}
-    finally:
-        release.set()
-        for thread in pushes:
-            thread.join(timeout=30)
-        server.stop()
-
-
 def test_parse_address_refuses_bad_ports():
     assert parse_address("127.0.0.1:8080") == "127.0.0.1:8080"
     for bad, text in [("127.0.0.1:0", "outside"), ("h:70000", "outside"), ("h:http", "not a number"), ("h", "HOST:PORT")]:
@@ -196,8 +175,14 @@ def test_a_claimed_provider_stays_busy_until_it_has_run_the_task(tmp_path):
 
 
 @pytest.fixture
-def bootstrap(tmp_path):
-    service = Bootstrap(BootstrapSettings("127.0.0.1", 0, str(tmp_path / "b.sqlite"), ttl=1.0), SECRET)
+def clock():
+    return FakeClock()
+
+
+@pytest.fixture
+def bootstrap(tmp_path, clock):
+    service = Bootstrap(BootstrapSettings(host="127.0.0.1", port=0, state=str(tmp_path / "b.sqlite"), ttl=1.0), SECRET,
+                        clock=clock)
     ready = threading.Event()
     thread = threading.Thread(target=service.run, args=(ready,), daemon=True)
     thread.start()
@@ -213,16 +198,18 @@ def _register(address: str, i: int) -> None:
                                "device": p.device, "location": p.location}, SECRET, timeout=5)
 
 
-def test_heartbeats_keep_providers_and_silence_expires_them(bootstrap):
+def test_heartbeats_keep_providers_and_silence_expires_them(bootstrap, clock):
     address = bootstrap.server.address
     _register(address, 0)
     _register(address, 1)
-    deadline = time.monotonic() + 2.5
-    while time.monotonic() < deadline:  # p0 beats, p1 stays silent
-        assert call(address, "heartbeat", {"id": "p0", "status": "free"}, SECRET, timeout=5).body["known"]
-        time.sleep(0.2)
-    ids = [p["id"] for p in call(address, "discover", {"count": 10}, SECRET, timeout=5).body["providers"]]
-    assert ids == ["p0"]
+
+    def listed():
+        return sorted(p["id"] for p in call(address, "discover", {"count": 10}, SECRET, timeout=5).body["providers"])
+    clock.advance(0.6)
+    assert call(address, "heartbeat", {"id": "p0", "status": "free"}, SECRET, timeout=5).body["known"]
+    assert listed() == ["p0", "p1"]  # the TTL (1 s) has not passed for anyone
+    clock.advance(0.6)  # p1 silent for 1.2 s, p0 for 0.6 s: the next sweep drops p1 only
+    assert wait_until(lambda: listed() == ["p0"], timeout=10)
     assert call(address, "heartbeat", {"id": "p1", "status": "free"}, SECRET, timeout=5).body["known"] is False
 
 
@@ -393,20 +380,20 @@ def test_custom_models_come_only_from_a_local_module_the_operator_names(tmp_path
 
 
 def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
+    from meshlearn.network.taskdata import allowed_local
     from meshlearn.network.taskrun import ProviderContext, TaskRun
 
     spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
                     peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
-    (tmp_path / "root" / "cifar").mkdir(parents=True)
-    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work", data_root=tmp_path / "root"))
-    assert run._allowed_local("digits") == "digits"
-    assert run._allowed_local("cifar10:cifar") == f"cifar10:{(tmp_path / 'root' / 'cifar').resolve()}"
+    root = tmp_path / "root"
+    (root / "cifar").mkdir(parents=True)
+    assert allowed_local("digits", root) == "digits"
+    assert allowed_local("cifar10:cifar", root) == f"cifar10:{(root / 'cifar').resolve()}"
     for escape in ["imagefolder:../../etc", "imagefolder:/etc"]:
         with pytest.raises(BadMessage, match="outside"):
-            run._allowed_local(escape)
-    closed = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"))
+            allowed_local(escape, root)
     with pytest.raises(BadMessage, match="--data-root"):
-        closed._allowed_local("cifar10:cifar")
+        allowed_local("cifar10:cifar", None)
     with pytest.raises(BadMessage, match="does not list this provider"):
         TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"))

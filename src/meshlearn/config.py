@@ -1,4 +1,13 @@
-"""Typed, validated experiment configuration: every default lives here, and only here."""
+"""The experiment configuration: the run's own settings, composed with every component's settings.
+
+Each component owns its settings (defaults and documentation in one place): ``TcpSettings``,
+``UdpSettings``, ``NetemSpec``, ``DpsgdSettings``, ``GossipSettings``, ``LeaderSettings``. An
+experiment holds one section of each (``tcp:``, ``udp:``, ``net:``, ``dpsgd:``, ...). Files and
+flags may also name a section's setting flat, by its flat name (``udp_mode: async`` is
+``udp: {mode: async}``, ``wait_timeout: 30`` is ``tcp: {wait_timeout: 30}``); a flat name shared
+by two transports (``handshake_timeout``, ``max_message_mb``) sets both. Flat names win over a
+section given in the same file, so a flag overrides a file.
+"""
 
 from __future__ import annotations
 
@@ -6,63 +15,92 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
+from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import ConfigError
+from meshlearn.netem import NetemSpec
+from meshlearn.settings import Settings
+from meshlearn.transport.settings import TcpSettings, UdpSettings
+
+SECTIONS: dict[str, type[Settings]] = {
+    "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
+}
 
 
-class ExperimentConfig(BaseModel):
+def _flat_routes() -> dict[str, list[tuple[str, str]]]:
+    """Flat name -> every (section, field) it sets."""
+    routes: dict[str, list[tuple[str, str]]] = {}
+    for section, cls in SECTIONS.items():
+        for flat, name in cls.flat_names().items():
+            routes.setdefault(flat, []).append((section, name))
+    return routes
+
+
+FLAT_ROUTES = _flat_routes()
+
+
+class ExperimentConfig(Settings):
     """One decentralized training run: who trains what, on which graph, how they talk."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     nodes: int = Field(8, ge=2, le=4096, description="number of nodes")
-    topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | erdos:P | file:PATH")
-    dataset: str = Field("digits", description="digits | fashion-mnist:PATH | mnist:PATH | cifar10:PATH | imagefolder:PATH")
+    topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | "
+                                                   "erdos:P | file:PATH (a DecentralizePy graph file)")
+    dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
+                                               "imagefolder:DIR")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
-    algorithm: Literal["dpsgd", "gossip", "local"] = Field(
-        "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | local (no exchange)")
-    transport: Literal["tcp", "udp"] = "tcp"
-    udp_mode: Literal["sync", "async"] = Field("sync", description="UDP: wait for all chunks (sync) or use what arrived (async)")
-    udp_timeout: float = Field(0.4, gt=0, description="UDP sync mode: seconds to wait for neighbours' chunks")
-    chunk_bytes: int = Field(0, ge=0, description="UDP payload bytes per datagram (0 = fit the path: 65456 on loopback, 1424 otherwise)")
-    missing_chunks: Literal["per-chunk", "fill-local"] = Field("per-chunk", description="UDP: how lost chunks are averaged")
-    late_chunks: Literal["use", "drop"] = Field(
-        "use", description="UDP sync mode: chunks that miss their deadline fill the sender's missing chunks at the "
-        "next iteration (use) or are dropped (drop, the UDP study's behaviour)")
-    udp_rate_gbps: float = Field(2.0, gt=0, description="UDP sender pacing in GB/s")
-    net: str = Field("", description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
+    algorithm: Literal["dpsgd", "gossip", "leader", "local"] = Field(
+        "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
+        "leader aggregation, CloudMesh) | local (no exchange)")
+    transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
+                                                                "datagrams, tolerates loss)")
+    net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
     loss_mode: Literal["auto", "kernel", "user"] = Field(
         "auto", description="where net's loss is made: kernel (real drops in a network namespace; root + nftables), "
         "user (in the transport), auto (kernel for TCP where possible, user for UDP)")
-    fetch_probability: float = Field(1.0, ge=0, le=1, description="gossip: chance of fetching a peer each iteration")
-    fetch_timeout: float = Field(2.5, gt=0, description="gossip: seconds to wait for a fetch")
-    interpolation: Literal["constant", "clock", "loss"] = Field("constant", description="gossip: how much of the peer to take")
-    interpolation_value: float = Field(0.5, ge=0, le=1, description="gossip: the constant interpolation factor")
-    divergence_threshold: float = Field(0.0, ge=0, description="gossip: below this loss take less of peers (0 = off)")
-    fetch_fresh: bool = Field(True, description="gossip: ask a peer for the state it finishes while this node trains "
-                                               "(false: the one it already has, as dpwa)")
     slowdown: str = Field("", description="emulated slow steps: RANK:FACTOR or RANK:+TIME, RANK may be *; "
                           "e.g. 0:3 (node 0 trains 3x slower) or *:+20ms,0:+60ms (sleep per step)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
-    batch_size: int = Field(32, ge=1)
-    lr: float = Field(0.05, gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    weight_decay: float = Field(0.0, ge=0)
-    iterations: int = Field(100, ge=1)
+    batch_size: int = Field(32, ge=1, description="mini-batch size")
+    lr: float = Field(0.05, gt=0, description="SGD learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0, description="SGD weight decay")
+    iterations: int = Field(100, ge=1, description="iterations (rounds + one exchange each)")
     test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
     eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
     eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
-    seed: int = Field(90, ge=0)
-    wait_timeout: float = Field(60.0, gt=0, description="seconds to wait for neighbours' models each iteration")
-    handshake_timeout: float = Field(60.0, gt=0, description="seconds to wait for every neighbour to say HELLO")
-    max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
+    seed: int = Field(90, ge=0, description="same seed, same partitions, graph and initial model")
     host: str = Field("127.0.0.1", description="address nodes listen on")
     base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")
     device: str = Field("cpu", description="torch device for training: cpu | cuda | cuda:N | mps")
     threads: int = Field(1, ge=1, description="torch intra-op threads per node process")
     output: str | None = Field(None, description="results folder (default runs/<timestamp>)")
+    tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
+    udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
+    dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
+    gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
+    leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _route_flat_names(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = dict(values)
+        sections: dict[str, dict] = {}
+        for flat in [key for key in values if key in FLAT_ROUTES and key not in cls.model_fields]:
+            value = values.pop(flat)
+            for section, name in FLAT_ROUTES[flat]:
+                if section not in sections:
+                    given = values.get(section) or {}
+                    sections[section] = given.model_dump() if isinstance(given, Settings) else dict(given) \
+                        if isinstance(given, dict) else given
+                if isinstance(sections[section], dict):
+                    sections[section][name] = value
+        values.update(sections)
+        return values
 
     @field_validator("topology", "dataset", "partition", "model", "host", "device")
     @classmethod
@@ -70,20 +108,6 @@ class ExperimentConfig(BaseModel):
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
-
-    @field_validator("net")
-    @classmethod
-    def _valid_net(cls, value: str) -> str:
-        from meshlearn.netem import NetemSpec
-
-        return NetemSpec.parse(value).describe() if value.strip() else ""
-
-    @field_validator("chunk_bytes")
-    @classmethod
-    def _valid_chunk(cls, value: int) -> int:
-        if value and (value % 8 or value > 65_456):
-            raise ValueError("must be 0 (auto) or a multiple of 8 up to 65456")
-        return value
 
     @field_validator("slowdown")
     @classmethod
@@ -99,10 +123,27 @@ class ExperimentConfig(BaseModel):
         return value.strip()
 
     @model_validator(mode="after")
-    def _gossip_over_tcp(self) -> "ExperimentConfig":
-        if self.algorithm == "gossip" and self.transport != "tcp":
-            raise ValueError("gossip fetches peers' states over TCP: use transport tcp")
+    def _pull_and_push_over_tcp(self) -> "ExperimentConfig":
+        if self.algorithm in ("gossip", "leader") and self.transport != "tcp":
+            raise ValueError(f"{self.algorithm} exchanges models by request and answer over TCP: use transport tcp")
         return self
+
+    @classmethod
+    def setting_name(cls, loc: tuple) -> str:
+        """A section's field is named by its flat name, as flags and most files write it."""
+        if len(loc) >= 2 and loc[0] in SECTIONS:
+            return SECTIONS[loc[0]].FLAT_NAMES.get(str(loc[1]), str(loc[1]))
+        return super().setting_name(loc)
+
+    @property
+    def link(self) -> TcpSettings | UdpSettings:
+        """The chosen transport's settings."""
+        return self.udp if self.transport == "udp" else self.tcp
+
+    def settings_of(self, algorithm: str) -> Settings | None:
+        """The settings section of ``algorithm`` (None for one without settings, such as local)."""
+        section = getattr(self, algorithm, None)
+        return section if isinstance(section, Settings) else None
 
     def slowdown_of(self, rank: int) -> tuple[float, float]:
         """Node ``rank``'s emulated slowness: (factor on its step time, seconds added per step).
@@ -112,10 +153,6 @@ class ExperimentConfig(BaseModel):
             r, _, amount = item.partition(":")
             found[r] = _slowdown_amount(amount)
         return found.get(str(rank), found.get("*", (1.0, 0.0)))
-
-    @property
-    def max_message_bytes(self) -> int:
-        return int(self.max_message_mb * 1024 * 1024)
 
     def node_evaluates(self, rank: int) -> bool:
         """Whether node ``rank`` runs the periodic test evaluation."""
@@ -137,25 +174,10 @@ def _slowdown_amount(text: str) -> tuple[float, float] | None:
     return (factor, 0.0) if factor >= 1 else None
 
 
-def _describe(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
-    got = err.get("input")
-    shown = "" if isinstance(got, dict) else f" (got {got!r})"
-    extra = "" if len(exc.errors()) == 1 else f" (and {len(exc.errors()) - 1} more problem(s))"
-    if err["type"] == "extra_forbidden":
-        return f"unknown setting {where!r}: remove it or check its spelling{extra}"
-    if not err["loc"]:  # a rule across settings
-        return err["msg"].removeprefix("Value error, ") + extra
-    return f"setting {where!r}: {err['msg']}{shown}{extra}"
-
-
 def make_config(values: dict[str, Any]) -> ExperimentConfig:
-    """Validate plain values into an ExperimentConfig, or raise ConfigError with one clear line."""
-    try:
-        return ExperimentConfig(**values)
-    except ValidationError as exc:
-        raise ConfigError(_describe(exc)) from None
+    """Validate plain values (flat or in sections) into an ExperimentConfig, or raise ConfigError
+    with one clear line."""
+    return ExperimentConfig(**values)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -172,3 +194,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(values, dict):
         raise ConfigError(f"config file {path} must hold a mapping of settings (key: value)")
     return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
+def flat_fields() -> list[tuple[str, FieldInfo]]:
+    """Every setting under its flat name (as flags and flat files write it), with its field."""
+    fields = [(name, field) for name, field in ExperimentConfig.model_fields.items() if name not in SECTIONS]
+    fields += [(flat, SECTIONS[section].model_fields[name]) for flat, [(section, name), *_] in FLAT_ROUTES.items()]
+    return fields

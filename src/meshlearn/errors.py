@@ -1,4 +1,12 @@
-"""The error types meshlearn raises; the CLI turns each into one line and an exit code."""
+"""The error types meshlearn raises, in one hierarchy; the CLI turns each into one line and an exit code.
+
+    MeshlearnError (exit 1)
+    ├── UserInputError (exit 2): ConfigError, TopologyError, DatasetError, ModelError, PortInUseError
+    ├── WireError, TransportError
+    ├── NetworkError: AuthError, BadMessage, RemoteError, Unreachable, TaskFailed
+    ├── TaskCancelled
+    └── NodeFailure
+"""
 
 
 class MeshlearnError(Exception):
@@ -39,3 +47,35 @@ class TransportError(MeshlearnError):
 
 class PortInUseError(UserInputError):
     """A port the user asked for is taken by another process."""
+
+
+class NetworkError(MeshlearnError):
+    """A network-service failure: an unreachable peer, a refused request, a bad message."""
+
+
+class AuthError(NetworkError):
+    """A message that is not signed with this network's secret."""
+
+
+class BadMessage(NetworkError):
+    """A message that is malformed, too big, or of an unknown version or kind."""
+
+
+class RemoteError(NetworkError):
+    """The peer understood the request and refused it; the message says why."""
+
+
+class Unreachable(NetworkError):
+    """No reply from the peer before the deadline."""
+
+
+class TaskFailed(NetworkError):
+    """A task could not finish: every provider failed or vanished."""
+
+
+class TaskCancelled(MeshlearnError):
+    """Raised inside a provider's task run when its requester cancels it (or the provider stops)."""
+
+
+class NodeFailure(MeshlearnError):
+    """A simulated node process failed or died; the message names it and says why."""

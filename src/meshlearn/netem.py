@@ -11,11 +11,15 @@ TCP cannot lose a message, only take longer: where the kernel cannot drop real p
 
 from __future__ import annotations
 
+import heapq
 import random
 import re
-from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import Field, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError
+from meshlearn.settings import Settings
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 RTO_MIN = 0.2  # seconds: Linux's minimum TCP retransmission timeout
@@ -23,14 +27,25 @@ SEGMENT_BYTES = 1448  # TCP payload of one 1,500-byte Ethernet frame
 _KEYS = ("loss", "corr", "delay", "jitter")
 
 
-@dataclass(frozen=True)
-class NetemSpec:
-    """Emulated network conditions: loss and corr in 0..1, delay and jitter in seconds."""
+class NetemSpec(Settings):
+    """Emulated network conditions (the ``net`` setting). Written as a string such as
+    ``loss=20%,corr=25%,delay=200ms,jitter=50ms`` (any subset, any order) or as a map of the fields."""
 
-    loss: float = 0.0
-    corr: float = 0.0
-    delay: float = 0.0
-    jitter: float = 0.0
+    loss: float = Field(0.0, ge=0, le=1, description="share of packets lost (0..1; 20% in the string form)")
+    corr: float = Field(0.0, ge=0, le=1, description="lag-1 correlation between successive drop decisions (0..1)")
+    delay: float = Field(0.0, ge=0, description="mean one-way delay per message or datagram, in seconds")
+    jitter: float = Field(0.0, ge=0, description="standard deviation of the delay, in seconds")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        return cls._parse_fields(value) if isinstance(value, str) else value
+
+    @model_serializer
+    def _as_string(self) -> str:
+        return self.describe() if self.active else ""
 
     @property
     def active(self) -> bool:
@@ -38,21 +53,28 @@ class NetemSpec:
 
     def without_loss(self) -> "NetemSpec":
         """The same conditions with loss left to someone else (the kernel)."""
-        return replace(self, loss=0.0, corr=0.0)
+        return self.model_copy(update={"loss": 0.0, "corr": 0.0})
 
     @classmethod
     def parse(cls, text: str | None) -> "NetemSpec":
         """Parse ``loss=20%,corr=25%,delay=200ms,jitter=50ms`` (any subset, any order)."""
-        if not text or not text.strip():
-            return cls()
+        try:
+            fields = cls._parse_fields(text or "")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return cls(**fields)
+
+    @staticmethod
+    def _parse_fields(text: str) -> dict[str, float]:
         values: dict[str, float] = {}
-        for item in text.split(","):
-            key, sep, raw = item.strip().partition("=")
-            if not sep or key not in _KEYS:
-                raise ConfigError(f"network emulation {text!r}: {item.strip()!r} is not one of "
-                                  "loss=P%, corr=P%, delay=Tms, jitter=Tms")
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, raw = item.partition("=")
+            if not sep or key.strip() not in _KEYS:
+                raise ValueError(f"network emulation {text!r}: {item!r} is not one of "
+                                 "loss=P%, corr=P%, delay=Tms, jitter=Tms")
+            key = key.strip()
             values[key] = _percent(raw, text) if key in ("loss", "corr") else _duration(raw, text)
-        return cls(**values)
+        return values
 
     def describe(self) -> str:
         """The spec written back in its own syntax."""
@@ -64,14 +86,14 @@ def _percent(raw: str, text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*(%?)\s*", raw)
     value = float(match.group(1)) / (100 if match.group(2) else 1) if match else -1
     if not 0 <= value <= 1:
-        raise ConfigError(f"network emulation {text!r}: {raw!r} must be a share like 20% (0..100%)")
+        raise ValueError(f"network emulation {text!r}: {raw!r} must be a share like 20% (0..100%)")
     return value
 
 
 def _duration(raw: str, text: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", raw)
     if not match:
-        raise ConfigError(f"network emulation {text!r}: {raw!r} must be a duration like 200ms")
+        raise ValueError(f"network emulation {text!r}: {raw!r} must be a duration like 200ms")
     return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
 
 
@@ -121,3 +143,43 @@ class Emulator:
         while k < 12 and (1 - p ** (k + 1)) ** segments < u:  # P(worst segment lost at most k times)
             k += 1
         return RTO_MIN * (2 ** (k - 1) - 1) if k > 1 else 0.0
+
+
+class DelayLine:
+    """Items held back by an emulated delay until they are due (a heap; not thread-safe).
+
+    With ``keep_order`` an item is never due before one pushed earlier (TCP delivers in order);
+    without it, jitter may reorder items (datagrams), as a real network may.
+    """
+
+    def __init__(self, keep_order: bool = False):
+        self.keep_order = keep_order
+        self._heap: list[tuple[float, int, Any]] = []
+        self._pushed = 0
+        self._last_due = float("-inf")
+
+    def push(self, item: Any, due: float) -> float:
+        """Hold ``item`` until ``due`` (a clock reading); returns when it will really be due."""
+        if self.keep_order:
+            due = self._last_due = max(self._last_due, due)
+        self._pushed += 1
+        heapq.heappush(self._heap, (due, self._pushed, item))
+        return due
+
+    def pop_due(self, now: float) -> list[Any]:
+        """Every item due at ``now``, in the order they fall due."""
+        due = []
+        while (item := self.pop_next(now)) is not None:
+            due.append(item)
+        return due
+
+    def pop_next(self, now: float) -> Any | None:
+        """The first item, if it is due at ``now``."""
+        return heapq.heappop(self._heap)[2] if self._heap and self._heap[0][0] <= now else None
+
+    def next_due(self) -> float | None:
+        """When the next item falls due, or None if none is held."""
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._heap)

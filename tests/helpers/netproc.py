@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 SECRET = "test-network-secret"
 
@@ -38,12 +39,14 @@ class Processes:
     def log(self, name: str) -> str:
         return (self.folder / f"{name}.log").read_text()
 
-    def wait_for(self, name: str, pattern: str, timeout: float = 60.0) -> re.Match:
+    def wait_for(self, name: str, pattern: str, timeout: float = 60.0,
+                 accept: Callable[[re.Match], bool] | None = None) -> re.Match:
+        """The first match of ``pattern`` in ``name``'s log (that ``accept`` takes), once it appears."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = re.search(pattern, self.log(name))
-            if found:
-                return found
+            for found in re.finditer(pattern, self.log(name)):
+                if accept is None or accept(found):
+                    return found
             if self.procs[name].poll() is not None:
                 raise AssertionError(f"{name} exited ({self.procs[name].returncode}):\n{self.log(name)}")
             time.sleep(0.1)

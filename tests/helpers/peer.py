@@ -9,12 +9,13 @@ import sys
 import torch
 
 from meshlearn.transport import TcpTransport
+from meshlearn.transport.settings import TcpSettings
 from meshlearn.wire import Kind, Message
 
 
 def main() -> None:
     node_id, peer_id, peer_address, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-    transport = TcpTransport(node_id, handshake_timeout=20, bye_timeout=20)
+    transport = TcpTransport(node_id, settings=TcpSettings(handshake_timeout=20, wait_timeout=20))
     print(transport.bind(), flush=True)
     try:
         transport.connect({peer_id: peer_address})

@@ -20,48 +20,56 @@ while this worker trains (see ``meshlearn.algorithms.gossip``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from meshlearn.algorithms.gossip import GossipSettings
+from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.errors import ConfigError
+from meshlearn.settings import Settings
+
+# dpwa's name of each gossip setting (timeout_ms is in milliseconds; the engine's timeout in seconds)
+DPWA_NAMES = {"fetch_probability": "fetch_probability", "timeout_ms": "timeout", "interpolation": "interpolation",
+              "divergence_threshold": "divergence_threshold", "constant": "value", "fresh": "fresh"}
+DPWA_SECTIONS = ("clock", "loss")  # dpwa lists these method sections; they carry no settings
 
 
-class PeerAddress(BaseModel):
+class PeerAddress(Settings):
     """One worker of the group: its name and where its endpoint listens."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     host: str = Field(min_length=1)
     port: int = Field(ge=1, le=65535)
 
 
-class GossipConfig(BaseModel):
-    """Every worker of a group and how they average."""
+class GossipConfig(Settings):
+    """Every worker of a group, and how they average (``GossipSettings``, written with dpwa's names)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    NAMES: ClassVar[dict[str, str]] = {engine: dpwa for dpwa, engine in DPWA_NAMES.items()}
 
     nodes: list[PeerAddress] = Field(min_length=1)
-    fetch_probability: float = Field(1.0, ge=0, le=1)
-    timeout_ms: float = Field(2500, gt=0)
-    interpolation: Literal["constant", "clock", "loss"] = "constant"
-    divergence_threshold: float = Field(0.0, ge=0)
-    constant: float = Field(0.5, ge=0, le=1)
-    fresh: bool = True
-    clock: Any = None  # dpwa lists these method sections; they carry no settings
-    loss: Any = None
+    gossip: GossipSettings = GossipSettings()
 
-    @field_validator("constant", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _constant_value(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            if set(value) != {"value"}:
-                raise ValueError("must be a number or {value: NUMBER}")
-            return value["value"]
-        return value
+    def _dpwa_names(cls, values: Any) -> Any:
+        if not isinstance(values, dict):
+            return values
+        values = {k: v for k, v in values.items() if k not in DPWA_SECTIONS}
+        gossip = dict(values.pop("gossip", None) or {})
+        for dpwa, engine in DPWA_NAMES.items():
+            if dpwa not in values:
+                continue
+            value = values.pop(dpwa)
+            if dpwa == "timeout_ms" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                value = value / 1000
+            if dpwa == "constant" and isinstance(value, dict):
+                if set(value) != {"value"}:
+                    raise ValueError("constant must be a number or {value: NUMBER}")
+                value = value["value"]
+            gossip[engine] = value
+        return {**values, "gossip": gossip}
 
     @field_validator("nodes")
     @classmethod
@@ -71,10 +79,16 @@ class GossipConfig(BaseModel):
             raise ValueError("node names must be unique")
         return nodes
 
+    @classmethod
+    def setting_name(cls, loc: tuple) -> str:
+        """A gossip setting by the name dpwa's file gives it."""
+        if len(loc) >= 2 and loc[0] == "gossip":
+            return cls.NAMES.get(str(loc[1]), str(loc[1]))
+        return super().setting_name(loc)
+
     def settings(self) -> GossipSettings:
         """The averaging settings the engine uses."""
-        return GossipSettings(self.fetch_probability, self.timeout_ms / 1000, self.interpolation, self.constant,
-                              self.divergence_threshold, self.fresh)
+        return self.gossip
 
     def rank_of(self, name: str) -> int:
         """The index of worker ``name`` in ``nodes`` (its node id)."""
@@ -111,10 +125,6 @@ def load_gossip_config(source: str | Path | dict | list | GossipConfig) -> Gossi
     if not isinstance(source, dict):
         raise ConfigError(f"{where} must be dpwa's list of one-key maps or a map of settings")
     try:
-        return GossipConfig(**source)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(p) for p in error["loc"]) or "config"
-        raise ConfigError(f"{where}: {field}: {error['msg']}") from None
-    except TypeError as exc:
+        return GossipConfig(**{str(k): v for k, v in source.items()})
+    except ConfigError as exc:
         raise ConfigError(f"{where}: {exc}") from None

@@ -1,10 +1,16 @@
-"""Algorithms: how nodes combine their models. Each registers itself by name."""
+"""Algorithms: how nodes combine their models. Each registers itself by name; their settings live
+in ``algorithms.settings`` (which does not load torch).
 
-from meshlearn.algorithms.base import ALGORITHMS, Algorithm, AlgorithmContext, make_algorithm, register_algorithm
-from meshlearn.algorithms.dpsgd import DPSGD
-from meshlearn.algorithms.gossip import Gossip, GossipAverager, GossipSettings
+Names are imported on first use, so reading settings does not load the algorithms."""
 
-__all__ = [
-    "ALGORITHMS", "Algorithm", "AlgorithmContext", "DPSGD", "Gossip", "GossipAverager", "GossipSettings",
-    "make_algorithm", "register_algorithm",
-]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {
+    "ALGORITHMS": "base", "Algorithm": "base", "AlgorithmContext": "base", "algorithm_class": "base",
+    "make_algorithm": "base", "register_algorithm": "base", "DPSGD": "dpsgd", "Gossip": "gossip",
+    "GossipAverager": "gossip", "Leader": "leader", "Election": "election", "LeaderState": "leaderstate",
+    "DpsgdSettings": "settings", "GossipSettings": "settings", "LeaderSettings": "settings",
+}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -2,26 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar, Literal
 
-from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.settings import Settings
 from meshlearn.topology import Graph
-from meshlearn.transport import Endpoint
+from meshlearn.transport.base import Endpoint
+
+EndpointKind = Literal["push", "pull", "hub", "none"]
 
 
 @dataclass
 class AlgorithmContext:
-    """What an algorithm may use of its node: identity, state, link and settings."""
+    """What an algorithm may use of its node: identity, state, link, its own settings, and the
+    run's shape (seed, samples in the node's shard, iterations)."""
 
     rank: int
     flat: FlatState
     transport: Endpoint
     graph: Graph
-    config: ExperimentConfig
+    settings: Settings | None = None
+    seed: int = 0
+    samples: int = 0
+    iterations: int = 0
 
 
 class Algorithm(ABC):
@@ -29,11 +36,16 @@ class Algorithm(ABC):
 
     ``before_local_steps`` runs once per iteration before the local SGD steps, ``before_step`` and
     ``after_step`` around each step (gossip exchanges there), and ``after_local_steps`` after
-    them; it returns timings and counters for the run log. Algorithms that work alongside training (gossip)
-    start their helpers in ``start`` and stop them in ``stop``.
+    them; it returns timings and counters for the run log. Algorithms that work alongside training
+    (gossip, the leader's watcher) start their helpers in ``start`` and stop them in ``stop``.
+    ``endpoint`` names the kind of endpoint the algorithm needs, which the node factory builds:
+    ``push`` (a ``Transport``: TCP or UDP), ``pull`` (gossip's ``PullEndpoint``), ``hub`` (the
+    leader's ``HubEndpoint``) or ``none``.
     """
 
     name: ClassVar[str]
+    endpoint: ClassVar[EndpointKind] = "none"
+    talks_to: ClassVar[Literal["neighbours", "everyone"]] = "neighbours"
 
     def __init__(self, ctx: AlgorithmContext):
         self.ctx = ctx
@@ -62,7 +74,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
 class LocalOnly(Algorithm):
-    """No exchange: each node trains alone (a baseline, or a node whose models a service moves)."""
+    """No exchange: each node trains alone (a baseline)."""
 
     name = "local"
 
@@ -79,9 +91,19 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
 register_algorithm(LocalOnly)
 
 
-def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:
-    """Build a registered algorithm by name."""
-    cls: Callable[[AlgorithmContext], Algorithm] | None = ALGORITHMS.get(name)
+BUILT_IN = ("dpsgd", "gossip", "leader")  # modules of meshlearn.algorithms that register algorithms
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    """The algorithm registered under ``name`` (the built-in ones are loaded first)."""
+    for module in BUILT_IN:
+        importlib.import_module(f"meshlearn.algorithms.{module}")
+    cls = ALGORITHMS.get(name)
     if cls is None:
         raise ConfigError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(ALGORITHMS))}")
-    return cls(ctx)
+    return cls
+
+
+def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:
+    """Build a registered algorithm by name."""
+    return algorithm_class(name)(ctx)

@@ -6,8 +6,13 @@ from __future__ import annotations
 import logging
 import time
 
-from meshlearn.algorithms.averaging import chunked_average_, weighted_average_
+from meshlearn.algorithms.averaging import (
+    MISSING_CHUNK_RULES,
+    chunked_average_,
+    weighted_average_,
+)
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.algorithms.settings import DpsgdSettings
 from meshlearn.errors import ConfigError
 from meshlearn.topology import mh_row
 from meshlearn.transport import Transport
@@ -21,20 +26,24 @@ class DPSGD(Algorithm):
     """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
 
     A neighbour whose model misses the deadline is left out of this iteration's average and
-    its weight goes to the node's own model, so the weights still sum to one. Over UDP, lost
-    chunks (and wholly lost models) are averaged per chunk by ``missing_chunks``.
+    its weight goes to the node's own model, so the weights still sum to one. Over a lossy
+    transport, lost chunks (and wholly lost models) are averaged per chunk by ``missing_chunks``.
     """
 
     name = "dpsgd"
+    endpoint = "push"
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
         if not isinstance(ctx.transport, Transport):
             raise ConfigError("D-PSGD needs a push transport (tcp or udp)")
+        settings = ctx.settings or DpsgdSettings()
         row = mh_row(ctx.graph, ctx.rank)
         self.neighbours = ctx.graph.neighbours(ctx.rank)
         self.weights = {j: w for j, w in row.items() if j != ctx.rank}
         self.own_weight = 1.0 - sum(self.weights.values())
+        self.lossy = ctx.transport.lossy
+        self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
@@ -43,8 +52,7 @@ class DPSGD(Algorithm):
         msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
         t1 = time.perf_counter()
         ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
-        timeout = ctx.config.udp_timeout if ctx.config.transport == "udp" else ctx.config.wait_timeout
-        received = ctx.transport.gather(iteration, self.neighbours, timeout)
+        received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
         usable = []
         # Sum in rank order, not arrival order, so that a run is bit-for-bit reproducible.
@@ -55,10 +63,9 @@ class DPSGD(Algorithm):
             else:
                 log.warning("node %d: ignored the model of %d: %s", ctx.rank, sender, problem)
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
-        lossy = ctx.config.transport == "udp" and len(usable) < len(self.neighbours)
-        if partial or (lossy and usable):
+        if partial or (self.lossy and usable and len(usable) < len(self.neighbours)):
             chunked_average_(ctx.flat.state, self.own_weight, [(self.weights[j], received[j]) for j in usable],
-                             ctx.config.missing_chunks)
+                             self.missing_chunk_rule)
         else:
             own = 1.0 - sum(self.weights[j] for j in usable)
             for name, target in ctx.flat.tensors().items():

@@ -30,37 +30,16 @@ from __future__ import annotations
 import math
 import random
 import time
-from concurrent.futures import Future, TimeoutError as FutureTimeout
-from dataclasses import dataclass
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Iterable
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import meta_number
-
-INTERPOLATIONS = ("constant", "clock", "loss")
-
-
-@dataclass(frozen=True)
-class GossipSettings:
-    """dpwa's knobs: how often to fetch, how long to wait, and how much of the peer to take."""
-
-    fetch_probability: float = 1.0
-    timeout: float = 2.5  # seconds (dpwa's timeout_ms / 1000)
-    interpolation: str = "constant"
-    value: float = 0.5  # the factor of the constant method
-    divergence_threshold: float = 0.0
-    fresh: bool = True  # ask for the state a peer publishes while this node trains, not its previous one
-
-    def __post_init__(self):
-        if self.interpolation not in INTERPOLATIONS:
-            raise ConfigError(f"unknown interpolation {self.interpolation!r}: use {', '.join(INTERPOLATIONS)}")
-        if not 0 <= self.fetch_probability <= 1 or not 0 <= self.value <= 1:
-            raise ConfigError("fetch_probability and the constant value must lie in 0..1")
-        if self.timeout <= 0 or self.divergence_threshold < 0:
-            raise ConfigError("the timeout must be positive and divergence_threshold not negative")
 
 
 def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: float, loss: float,
@@ -188,16 +167,15 @@ class Gossip(Algorithm):
     exchange around every local step, as dpwa's adapter does around every batch."""
 
     name = "gossip"
+    endpoint = "pull"
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
         if not isinstance(ctx.transport, PullEndpoint):
             raise ConfigError("the gossip algorithm needs a pull endpoint (transport: tcp)")
-        config = ctx.config
-        self.settings = GossipSettings(config.fetch_probability, config.fetch_timeout, config.interpolation,
-                                       config.interpolation_value, config.divergence_threshold, config.fetch_fresh)
+        self.settings = ctx.settings or GossipSettings()
         self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
-                                       seed=config.seed * 7919 + ctx.rank)
+                                       seed=ctx.seed * 7919 + ctx.rank)
         self._loss: float | None = None
         self._comm = self._average = 0.0
         self._merged = self._failed = 0

@@ -5,13 +5,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import types
 import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshlearn.cli.flags import add_flags, given
 from meshlearn.cli.network import add_network_commands
-from meshlearn.config import ExperimentConfig, make_config, read_config_file
+from meshlearn.config import (
+    ExperimentConfig,
+    flat_fields,
+    make_config,
+    read_config_file,
+)
 from meshlearn.errors import MeshlearnError
 
 DEMO = {
@@ -36,32 +41,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _flag_type(annotation: Any):
-    """The argparse type for a config field's annotation (str | None -> str)."""
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
-    if typing.get_origin(annotation) is typing.Literal:
-        return str
-    return annotation if annotation in (int, float, str) else str
-
-
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per ExperimentConfig field; defaults stay in the config class."""
-    group = parser.add_argument_group("experiment settings (override the config file)")
-    for name, field in ExperimentConfig.model_fields.items():
-        group.add_argument(
-            f"--{name.replace('_', '-')}", dest=name, type=_flag_type(field.annotation), default=None,
-            metavar=name.upper(),
-            help=f"{field.description or name} (default: {field.default})".replace("%", "%%"),
-        )
+    """One flag per experiment setting (flat names); defaults stay in the settings models."""
+    add_flags(parser.add_argument_group("experiment settings (override the config file)"), flat_fields())
 
 
 def _resolve(args: argparse.Namespace) -> ExperimentConfig:
     values: dict[str, Any] = read_config_file(args.config) if getattr(args, "config", None) else {}
-    for name in ExperimentConfig.model_fields:
-        value = getattr(args, name, None)
-        if value is not None:
-            values[name] = value
+    values.update(given(args, [name for name, _ in flat_fields()]))
     return make_config(values)
 
 

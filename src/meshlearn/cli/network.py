@@ -6,25 +6,18 @@ import argparse
 import signal
 from pathlib import Path
 
+from meshlearn.cli.flags import add_flags, given
 from meshlearn.errors import UserInputError
+from meshlearn.network.bootstrap import BootstrapSettings
+from meshlearn.network.provider import ProviderSettings
+from meshlearn.network.task import TaskRequest
 
-REQUEST_FLAGS = {  # flag -> (type, help); defaults live in network.task.TaskRequest
-    "model": (str, "built-in model name (default simplecnn)"),
-    "epochs": (float, "epochs over each provider's partition (default 10)"),
-    "batch_size": (float, "mini-batch size (default 16)"),
-    "lr": (float, "learning rate (default 0.01)"),
-    "momentum": (float, "SGD momentum in [0, 1) (default 0)"),
-    "providers": (int, "providers to train on (default 4)"),
-    "device": (str, "preferred device: any | gpu | mps | cpu (default any)"),
-    "location": (str, "only providers declaring this location"),
-    "algorithm": (str, "leader | dpsgd | gossip (default leader)"),
-    "aggregate_every": (str, "aggregate every N batches, or 'epoch' (default epoch)"),
-    "seed": (int, "seed of partitions and initial model (default 90)"),
-    "partition": (str, "iid | shards:K | dirichlet:ALPHA (default iid)"),
-    "eval_samples": (int, "evaluate on the first N test samples only (default all)"),
-    "peer_timeout": (float, "seconds of silence before a provider counts as gone (default 20)"),
-    "weights": (str, "safetensors file of initial weights for the model (default: a fresh model from --seed)"),
-}
+# The request flags; their defaults live in TaskRequest. epochs and batch size are read as
+# numbers, so that a value the rules correct (2.6 epochs) is corrected with a warning.
+REQUEST_FLAGS = [name for name in TaskRequest.model_fields
+                 if name not in ("data", "data_on_providers", "gossip", "leader", "warnings")]
+REQUEST_TYPES = {"epochs": float, "batch_size": float}
+PROVIDER_FLAGS = {"ram_gb": "ram", "provider_id": "id"}  # field -> flag, where they differ
 
 
 def _secret_flags(parser: argparse.ArgumentParser) -> None:
@@ -45,34 +38,34 @@ def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
+    from meshlearn.network.bootstrap import Bootstrap
 
-    if args.ttl <= 0:
-        raise UserInputError("--ttl must be more than 0 seconds")
-    service = Bootstrap(BootstrapSettings(args.host, _port(args.port), args.state, args.ttl), _secret(args))
+    settings = BootstrapSettings(**given(args, BootstrapSettings.model_fields))
+    _port(settings.port)
+    service = Bootstrap(settings, _secret(args))
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
-    print(f"bootstrap on {args.host}:{args.port}, registry {args.state}, heartbeat TTL {args.ttl:g} s", flush=True)
+    print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "
+          f"{settings.ttl:g} s", flush=True)
     try:
         service.run()
     except KeyboardInterrupt:
         pass
-    print("bootstrap stopped; the registry is kept in " + args.state, flush=True)
+    print("bootstrap stopped; the registry is kept in " + settings.state, flush=True)
     return 0
 
 
 def cmd_provider(args: argparse.Namespace) -> int:
-    from meshlearn.network.provider import Provider, ProviderSettings
+    from meshlearn.network.provider import Provider
     from meshlearn.network.rpc import parse_address
 
-    if args.device not in ("auto", "cpu", "cuda", "mps") and not args.device.startswith("cuda:"):
-        raise UserInputError(f"--device {args.device!r} is not auto, cpu, cuda, cuda:N or mps")
-    if args.data_root and not Path(args.data_root).is_dir():
-        raise UserInputError(f"--data-root {args.data_root} is not a folder")
-    settings = ProviderSettings(
-        bootstrap=parse_address(args.bootstrap, "--bootstrap"), host=args.host, port=_port(args.port, allow_zero=True),
-        location=args.location or "", ram_gb=args.ram, cores=args.cores, device=args.device,
-        workdir=args.workdir or "", data_root=args.data_root, models_module=args.models_module,
-        provider_id=args.id or "")
+    values = given(args, ProviderSettings.model_fields)
+    values["bootstrap"] = parse_address(args.bootstrap, "--bootstrap")
+    settings = ProviderSettings(**values)
+    _port(settings.port, allow_zero=True)
+    if settings.device not in ("auto", "cpu", "cuda", "mps") and not settings.device.startswith("cuda:"):
+        raise UserInputError(f"--device {settings.device!r} is not auto, cpu, cuda, cuda:N or mps")
+    if settings.data_root and not Path(settings.data_root).is_dir():
+        raise UserInputError(f"--data-root {settings.data_root} is not a folder")
     provider = Provider(settings, _secret(args))
 
     def interrupted(signum, frame):
@@ -81,8 +74,12 @@ def cmd_provider(args: argparse.Namespace) -> int:
             provider.stop()
         else:
             provider.leave()
+
+    def terminated(signum, frame):  # a process manager's stop: now, whatever the task's state
+        print(f"provider {provider.id}: stopping (SIGTERM)", flush=True)
+        provider.stop()
     signal.signal(signal.SIGINT, interrupted)
-    signal.signal(signal.SIGTERM, interrupted)
+    signal.signal(signal.SIGTERM, terminated)
     provider.run()
     return 0
 
@@ -100,9 +97,7 @@ def _request_values(args: argparse.Namespace) -> dict:
     from meshlearn.config import read_config_file
 
     values = read_config_file(args.config) if args.config else {}
-    for name in REQUEST_FLAGS:
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+    values.update(given(args, REQUEST_FLAGS))
     values["data"] = args.data or values.get("data")
     if args.data_on_providers:
         values["data_on_providers"] = args.data_on_providers
@@ -148,25 +143,14 @@ def cmd_results(args: argparse.Namespace) -> int:
 def add_network_commands(sub) -> None:
     """Add bootstrap, provider, request, results and leave to the `meshlearn` parser."""
     boot = sub.add_parser("bootstrap", help="run the network's entry point and provider registry")
-    boot.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
-    boot.add_argument("--port", type=int, default=8080, help="port to listen on (default 8080)")
-    boot.add_argument("--state", default="meshlearn-bootstrap.sqlite", help="SQLite file of the registry")
-    boot.add_argument("--ttl", type=float, default=30.0, help="seconds without a heartbeat before a provider is dropped")
+    add_flags(boot, [(n, f) for n, f in BootstrapSettings.model_fields.items() if n != "max_message_bytes"])
     _secret_flags(boot)
     boot.set_defaults(func=cmd_bootstrap)
 
     prov = sub.add_parser("provider", help="lend this machine to the network")
     prov.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
-    prov.add_argument("--host", default="127.0.0.1", help="address to listen on and announce")
-    prov.add_argument("--port", type=int, default=0, help="port to listen on (in use or 0: a free one)")
-    prov.add_argument("--location", help="where this machine is (requesters may filter on it)")
-    prov.add_argument("--ram", type=float, help="GB of RAM to declare (default: detected)")
-    prov.add_argument("--cores", type=int, help="cores to declare (default: detected)")
-    prov.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N | mps (falls back to cpu)")
-    prov.add_argument("--id", help="provider id (default: host name and a random suffix)")
-    prov.add_argument("--workdir", help="where tasks' data and results are kept")
-    prov.add_argument("--data-root", help="folder whose datasets tasks may name with --data-on-providers")
-    prov.add_argument("--models-module", help="local .py file registering custom models (never from the network)")
+    add_flags(prov, [(n, f) for n, f in ProviderSettings.model_fields.items() if n != "bootstrap"],
+              flag_names=PROVIDER_FLAGS)
     _secret_flags(prov)
     prov.set_defaults(func=cmd_provider)
 
@@ -178,8 +162,7 @@ def add_network_commands(sub) -> None:
     req.add_argument("--output", help="results folder (default runs/task-<time>)")
     req.add_argument("--host", default="127.0.0.1", help="address providers fetch the data from")
     req.add_argument("--port", type=int, default=0, help="port to serve the data on (0: a free one)")
-    for name, (kind, text) in REQUEST_FLAGS.items():
-        req.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None, help=text)
+    add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)
     req.set_defaults(func=cmd_request)
 

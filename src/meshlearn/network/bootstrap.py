@@ -5,33 +5,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from meshlearn.network.envelope import BadMessage, Envelope, field_of
+from pydantic import Field
+
+from meshlearn.clock import SYSTEM, Clock
+from meshlearn.errors import BadMessage
+from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.rpc import RpcServer
+from meshlearn.settings import Settings
 
 log = logging.getLogger(__name__)
+SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
 
 
-@dataclass
-class BootstrapSettings:
+class BootstrapSettings(Settings):
     """Where the bootstrap listens, where it keeps its registry, and how long a heartbeat lasts."""
 
-    host: str = "127.0.0.1"
-    port: int = 8080
-    state: str = "meshlearn-bootstrap.sqlite"
-    ttl: float = 30.0
-    max_message_bytes: int = 1024 * 1024
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all)")
+    port: int = Field(8080, ge=0, le=65535, description="port to listen on")
+    state: str = Field("meshlearn-bootstrap.sqlite", description="SQLite file of the registry")
+    ttl: float = Field(30.0, gt=0, description="seconds without a heartbeat before a provider is dropped")
+    max_message_bytes: int = Field(1024 * 1024, gt=0, description="largest request accepted")
 
 
 class Bootstrap:
     """Serves registration, heartbeats, discovery and atomic claims; expires silent providers."""
 
-    def __init__(self, settings: BootstrapSettings, secret: bytes):
+    def __init__(self, settings: BootstrapSettings, secret: bytes, clock: Clock = SYSTEM):
         self.settings = settings
-        self.registry = Registry(settings.state)
+        self.clock = clock
+        self.registry = Registry(settings.state, clock)
         self.server = RpcServer("bootstrap", settings.host, settings.port, secret, {
             "ping": lambda req: {"service": "bootstrap"},
             "register": self._register,
@@ -55,7 +60,7 @@ class Bootstrap:
                      self.server.address, self.settings.state, len(self.registry.providers()))
             if ready is not None:
                 ready.set()
-            while not self._stop.wait(1.0):
+            while not self.clock.wait(self._stop, SWEEP_EVERY):
                 for gone in self.registry.expire(self.settings.ttl):
                     log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
         finally:
@@ -108,8 +113,11 @@ class Bootstrap:
         return {"providers": [p.public() for p in taken]}
 
     def _release(self, req: Envelope) -> dict:
+        lost = field_of(req.body, "lost", list, [], max_len=256)
+        if not all(isinstance(p, str) and len(p) <= 64 for p in lost):
+            raise BadMessage("lost must list provider ids")
         self.registry.release(field_of(req.body, "task", str, max_len=64),
-                              field_of(req.body, "status", str, "done", max_len=32))
+                              field_of(req.body, "status", str, "done", max_len=32), lost)
         return {"released": True}
 
     def _task(self, req: Envelope) -> dict:
@@ -124,12 +132,3 @@ def _status(value: str) -> str:
         raise BadMessage(f"status {value!r} is not free, busy or leaving")
     return value
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    """Poll ``predicate`` until true or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

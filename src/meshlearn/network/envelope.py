@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from meshlearn.errors import MeshlearnError, UserInputError
+from meshlearn.errors import AuthError, BadMessage, NetworkError, UserInputError
 from meshlearn.wire.auth import frames_mac, mac_matches
 
 VERSION = 1
@@ -24,18 +24,7 @@ MAX_HEADER_BYTES = 1024 * 1024
 MAX_BLOBS = 4096
 MAX_CLOCK_SKEW = 600.0
 SECRET_ENV = "MESHLEARN_SECRET"
-
-
-class NetworkError(MeshlearnError):
-    """A network-service failure: an unreachable peer, a refused request, a bad message."""
-
-
-class AuthError(NetworkError):
-    """A message that is not signed with this network's secret."""
-
-
-class BadMessage(NetworkError):
-    """A message that is malformed, too big, or of an unknown version or kind."""
+__all__ = ["AuthError", "BadMessage", "Envelope", "NetworkError", "field_of", "resolve_secret", "seal", "unseal"]
 
 
 @dataclass

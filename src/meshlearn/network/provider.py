@@ -7,42 +7,46 @@ import logging
 import os
 import socket
 import threading
-import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from meshlearn.errors import PortInUseError, UserInputError
-from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
+from pydantic import Field
+
+from meshlearn.clock import SYSTEM, Clock
+from meshlearn.errors import BadMessage, NetworkError, PortInUseError, UserInputError
+from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.task import MAX_TASK_PEERS, TaskSpec
-from meshlearn.network.taskrun import ProviderContext, TaskRun
+from meshlearn.network.task import TaskSpec
+from meshlearn.settings import Settings
+
+if TYPE_CHECKING:
+    from meshlearn.network.taskrun import TaskRun
 
 log = logging.getLogger(__name__)
 
-# The leader's first aggregation cycle holds each follower's push until all are in, so the pool
-# must outnumber the largest task's followers, with threads to spare for status and pings
-# (a thread pool only starts the threads it needs).
-HANDLER_THREADS = MAX_TASK_PEERS + 16
+# Handlers never wait for other providers (held pushes live in the engine's hub, final models are
+# recorded at once), so a small pool serves any task size.
+HANDLER_THREADS = 16
 
 
-@dataclass
-class ProviderSettings:
+class ProviderSettings(Settings):
     """How a provider joins: its bootstrap, where it listens, what it declares, where it keeps tasks."""
 
-    bootstrap: str
-    host: str = "127.0.0.1"
-    port: int = 0
-    location: str = ""
-    ram_gb: float | None = None
-    cores: int | None = None
-    device: str = "auto"
-    workdir: str = ""
-    data_root: str | None = None
-    models_module: str | None = None
-    provider_id: str = ""
-    max_message_mb: float = 512.0
+    bootstrap: str = Field(description="HOST:PORT of the bootstrap")
+    host: str = Field("127.0.0.1", description="address to listen on and announce")
+    port: int = Field(0, ge=0, le=65535, description="port to listen on (in use or 0: a free one)")
+    location: str = Field("", description="where this machine is (requesters may filter on it)")
+    ram_gb: float | None = Field(None, ge=0, description="GB of RAM to declare (default: detected)")
+    cores: int | None = Field(None, ge=1, description="cores to declare (default: detected)")
+    device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps (falls back to cpu)")
+    workdir: str = Field("", description="where tasks' data and results are kept (default ~/.meshlearn/provider-ID)")
+    data_root: str | None = Field(None, description="folder whose datasets tasks may name with --data-on-providers")
+    models_module: str | None = Field(None, description="local .py file registering custom models (never from "
+                                                        "the network)")
+    provider_id: str = Field("", description="provider id (default: host name and a random suffix)")
+    max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
 
 
 def detect_device(requested: str) -> tuple[str, str | None]:
@@ -83,9 +87,10 @@ def load_models_module(path: str) -> None:
 class Provider:
     """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
 
-    def __init__(self, settings: ProviderSettings, secret: bytes):
+    def __init__(self, settings: ProviderSettings, secret: bytes, clock: Clock = SYSTEM):
         self.settings = settings
         self.secret = secret
+        self.clock = clock
         self.id = settings.provider_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.workdir = Path(settings.workdir or Path.home() / ".meshlearn" / f"provider-{self.id}")
         self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, {
@@ -138,10 +143,13 @@ class Provider:
                 self._heartbeat()
                 if self.leaving.is_set() and not self._busy():
                     break
-                self._wake.wait(1.0 if self.leaving.is_set() else self._ttl / 3)
+                self.clock.wait(self._wake, 1.0 if self.leaving.is_set() else self._ttl / 3)
                 self._wake.clear()
         finally:
-            self._say_goodbye()
+            stopping = self._stop.is_set()
+            if stopping and self._busy():
+                self.current.cancel()
+            self._say_goodbye(attempts=1 if stopping else 3)
             self.server.stop()
 
     def leave(self) -> None:
@@ -153,12 +161,16 @@ class Provider:
             self._wake.set()
 
     def stop(self) -> None:
-        """Stop at once (a second Ctrl-C)."""
+        """Stop now (SIGTERM, a second Ctrl-C): the current task is cancelled, the provider leaves."""
         self._stop.set()
         self._wake.set()
 
     def _busy(self) -> bool:
-        return self.current is not None and self.current.state in ("preparing", "ready", "training", "finishing")
+        return self.current is not None and self.current.state.active
+
+    def _run_changed(self, run: TaskRun) -> None:
+        """A task run changed state: tell the bootstrap now (a provider is free the moment its part ends)."""
+        self._wake.set()
 
     def _info(self) -> dict:
         s = self.settings
@@ -180,7 +192,7 @@ class Provider:
             except NetworkError as exc:
                 if attempt == 1:
                     log.warning("cannot register with %s yet (%s); retrying", self.settings.bootstrap, exc)
-                if self._stop.wait(min(5.0, 0.5 * attempt)):
+                if self.clock.wait(self._stop, min(5.0, 0.5 * attempt)):
                     return
 
     def _heartbeat(self) -> None:
@@ -192,15 +204,17 @@ class Provider:
         except NetworkError as exc:  # a bootstrap restart must not disturb running tasks
             log.warning("heartbeat to %s failed: %s", self.settings.bootstrap, exc)
 
-    def _say_goodbye(self) -> None:
-        for attempt in range(1, 4):
+    def _say_goodbye(self, attempts: int) -> None:
+        for attempt in range(1, attempts + 1):
             try:
-                call(self.settings.bootstrap, "leave", {"id": self.id}, self.secret, timeout=5, sender=self.id)
+                call(self.settings.bootstrap, "leave", {"id": self.id}, self.secret, timeout=5 if attempts > 1 else 2,
+                     sender=self.id)
                 print(f"provider {self.id} left the network (confirmed by {self.settings.bootstrap})", flush=True)
                 return
             except NetworkError as exc:
                 log.warning("leave attempt %d failed: %s", attempt, exc)
-                time.sleep(0.5 * attempt)
+                if attempt < attempts:
+                    self.clock.sleep(0.5 * attempt)
         print(f"provider {self.id}: the bootstrap did not confirm; it forgets this provider after its TTL", flush=True)
 
     # ---- handlers --------------------------------------------------------------------------
@@ -213,6 +227,8 @@ class Provider:
         return run
 
     def _assign(self, req: Envelope) -> dict:
+        from meshlearn.network.taskrun import ProviderContext, TaskRun  # loads torch: not before a first task
+
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
         with self._lock:
             if self.leaving.is_set():
@@ -223,8 +239,8 @@ class Provider:
                 return self.runs[spec.task_id].status()
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
-                                  int(self.settings.max_message_mb * 2 ** 20))
-            run = TaskRun(spec, ctx)
+                                  int(self.settings.max_message_mb * 2 ** 20), self.clock)
+            run = TaskRun(spec, ctx, on_change=self._run_changed)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()
         log.info("task %s accepted (provider %d of %d)", spec.task_id, run.index + 1, len(spec.peers))

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from meshlearn.clock import SYSTEM, Clock
 
 DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}
 CLAIM_GRACE = 300.0
@@ -50,8 +51,9 @@ class ProviderInfo:
 class Registry:
     """Providers (with resources and heartbeats) and claimed tasks, persisted in one SQLite file."""
 
-    def __init__(self, path: str | Path = ":memory:"):
+    def __init__(self, path: str | Path = ":memory:", clock: Clock = SYSTEM):
         self.path = str(path)
+        self.clock = clock  # wall time: timestamps are stored and outlive a restart
         self._lock = threading.Lock()
         self._db: sqlite3.Connection | None = None
 
@@ -81,7 +83,7 @@ class Registry:
 
     def register(self, info: ProviderInfo) -> None:
         """Add or refresh a provider (a re-registration keeps a task it still runs)."""
-        now = time.time()
+        now = self.clock.time()
         self._run(lambda db: db.execute(
             "INSERT INTO providers VALUES (?,?,?,?,?,?,?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET "
             "address=excluded.address, ram_gb=excluded.ram_gb, cores=excluded.cores, device=excluded.device, "
@@ -101,10 +103,10 @@ class Registry:
             new_status, new_task = status, task
             held, claimed, claimed_at = row[0] == "busy", row[1], row[2] or 0.0
             if held and status == "free" and claimed and claimed != last_task \
-                    and time.time() - claimed_at < CLAIM_GRACE:
+                    and self.clock.time() - claimed_at < CLAIM_GRACE:
                 new_status, new_task = "busy", claimed  # claimed, the requester has not assigned it yet
             db.execute("UPDATE providers SET last_seen=?, status=?, task=? WHERE id=?",
-                       (time.time(), new_status, new_task, provider_id))
+                       (self.clock.time(), new_status, new_task, provider_id))
             return True
         return self._run(beat)
 
@@ -114,7 +116,7 @@ class Registry:
 
     def expire(self, ttl: float) -> list[str]:
         """Remove providers without a heartbeat for ``ttl`` seconds; return their ids."""
-        cutoff = time.time() - ttl
+        cutoff = self.clock.time() - ttl
 
         def sweep(db):
             gone = [r[0] for r in db.execute("SELECT id FROM providers WHERE last_seen < ?", (cutoff,))]
@@ -147,18 +149,21 @@ class Registry:
             taken = free[:count]
             for p in taken:
                 db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
-                           (task_id, time.time(), p.id))
+                           (task_id, self.clock.time(), p.id))
                 p.status, p.task = "busy", task_id
             if taken:
                 db.execute("INSERT INTO tasks VALUES (?,?,?,?,?)", (
                     task_id, requester, json.dumps([{"id": p.id, "address": p.address} for p in taken]),
-                    time.time(), "running"))
+                    self.clock.time(), "running"))
             return taken
         return self._run(take)
 
-    def release(self, task_id: str, status: str = "done") -> None:
-        """Free the providers of a task and record how it ended."""
+    def release(self, task_id: str, status: str = "done", lost: list[str] = ()) -> None:
+        """Free the providers of a task and record how it ended; forget those the task lost (a
+        provider still alive registers again with its next heartbeat)."""
         def free(db):
+            for provider_id in lost:
+                db.execute("DELETE FROM providers WHERE id=? AND task=?", (provider_id, task_id))
             db.execute("UPDATE providers SET status='free', task=NULL WHERE task=? AND status='busy'", (task_id,))
             db.execute("UPDATE tasks SET status=? WHERE id=?", (status, task_id))
         self._run(free)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import tempfile
 import time
@@ -14,21 +13,31 @@ import yaml
 from safetensors.torch import load as load_safetensors
 
 from meshlearn.data import Dataset, load_dataset, partition
-from meshlearn.errors import MeshlearnError, UserInputError
+from meshlearn.errors import (
+    NetworkError,
+    RemoteError,
+    TaskFailed,
+    Unreachable,
+    UserInputError,
+)
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
-from meshlearn.network.envelope import NetworkError
 from meshlearn.network.results import write_results
-from meshlearn.network.rpc import RemoteError, RpcServer, Unreachable, call
-from meshlearn.network.task import WEIGHTS_FILE, TaskRequest, TaskSpec, dataset_spec, new_task_id
+from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.task import (
+    WEIGHTS_FILE,
+    TaskRequest,
+    TaskSpec,
+    dataset_spec,
+    new_task_id,
+)
 
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
+SETTLE_EXTRA = 10.0  # seconds beyond the peer timeout that providers get to end their part after the result
+ENDED = ("done", "failed", "cancelled")
 Say = Callable[[str], None]
-
-
-class TaskFailed(MeshlearnError):
-    """The task could not finish: every provider failed or vanished."""
+__all__ = ["Requester", "TaskFailed", "fetch_results", "results_of_task", "summary_line"]
 
 
 class Requester:
@@ -45,6 +54,7 @@ class Requester:
         self.say = say
         self.task_id = new_task_id()
         self.sender = f"requester-{self.task_id}"
+        self.gone: set[str] = set()  # providers that stopped answering
 
     def run(self) -> dict:
         """Run the task to the end; return its metrics (the result is written into ``output``)."""
@@ -83,15 +93,16 @@ class Requester:
                     algorithm=req.algorithm, aggregate_every=req.aggregate_every, seed=req.seed,
                     partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
-                    weights=weights, requester=self.sender)
+                    weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
                 self._write_config(spec)
                 self._start(spec)
                 metrics = self._follow(spec)
+                self._settle(spec)
             except BaseException:
                 self._cancel(claimed)
                 self._release("failed")
                 raise
-        self._release("done")
+        self._release("done", lost=set(metrics.get("lost", [])))
         return metrics
 
     # ---- steps -----------------------------------------------------------------------------
@@ -157,21 +168,24 @@ class Requester:
             self._call(peer, "task.start", {"engines": engines})
         self.say(f"task {self.task_id}: started on {len(peers)} provider(s)")
 
+    def _statuses(self, spec: TaskSpec) -> list[tuple[dict, dict]]:
+        """(provider, status) of every provider still answering; the others join ``gone``."""
+        states = []
+        for peer in (p.model_dump() for p in spec.peers):
+            if peer["id"] in self.gone:
+                continue
+            try:
+                states.append((peer, self._call(peer, "task.status", {}, timeout=5).body))
+            except (Unreachable, RemoteError):
+                self.gone.add(peer["id"])
+                self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
+        return states
+
     def _follow(self, spec: TaskSpec) -> dict:
-        peers = [p.model_dump() for p in spec.peers]
-        last_line, gone = "", set()
+        last_line = ""
         while True:
-            states = []
-            for peer in peers:
-                if peer["id"] in gone:
-                    continue
-                try:
-                    status = self._call(peer, "task.status", {}, timeout=5).body
-                except (Unreachable, RemoteError):
-                    gone.add(peer["id"])
-                    self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
-                    continue
-                states.append((peer, status))
+            states = self._statuses(spec)
+            for peer, status in states:
                 if status.get("results"):
                     metrics = fetch_results(self.task_id, [peer], self.secret, self.output)
                     if metrics is not None:
@@ -195,9 +209,20 @@ class Requester:
             except NetworkError:
                 pass
 
-    def _release(self, status: str) -> None:
+    def _settle(self, spec: TaskSpec) -> None:
+        """Wait (a little) until every provider still answering has ended its part of the task,
+        so none is shown busy once the result is in."""
+        deadline = time.monotonic() + spec.peer_timeout + SETTLE_EXTRA
+        while time.monotonic() < deadline:
+            if all(status["state"] in ENDED for _, status in self._statuses(spec)):
+                return
+            time.sleep(0.2)
+        log.warning("task %s: some providers did not end their part in time", self.task_id)
+
+    def _release(self, status: str, lost: set[str] = frozenset()) -> None:
         try:
-            call(self.bootstrap, "release", {"task": self.task_id, "status": status}, self.secret,
+            call(self.bootstrap, "release", {"task": self.task_id, "status": status,
+                                             "lost": sorted(set(lost) | self.gone)}, self.secret,
                  timeout=5, sender=self.sender)
         except NetworkError as exc:
             log.warning("could not tell the bootstrap that task %s ended: %s", self.task_id, exc)

@@ -11,25 +11,26 @@ import logging
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Callable
 
 import zmq
 
-from meshlearn.errors import PortInUseError
-from meshlearn.network.envelope import AuthError, BadMessage, Envelope, NetworkError, seal, unseal
+from meshlearn.errors import (
+    AuthError,
+    BadMessage,
+    NetworkError,
+    PortInUseError,
+    RemoteError,
+    Unreachable,
+    UserInputError,
+)
+from meshlearn.network.envelope import Envelope, seal, unseal
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+__all__ = ["RemoteError", "RpcServer", "Unreachable", "call", "parse_address"]
 Handler = Callable[[Envelope], tuple[dict, list] | dict]
-
-
-class RemoteError(NetworkError):
-    """The peer understood the request and refused it; the message says why."""
-
-
-class Unreachable(NetworkError):
-    """No reply from the peer before the deadline."""
 
 
 class RpcServer:
@@ -200,8 +201,6 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
 
 def parse_address(text: str, what: str = "address") -> str:
     """``host:port`` checked (port within 1..65535); raises UserInputError with a fix."""
-    from meshlearn.errors import UserInputError
-
     host, sep, port = text.rpartition(":")
     if not sep or not host:
         raise UserInputError(f"{what} {text!r} is not HOST:PORT (e.g. 127.0.0.1:8080)")

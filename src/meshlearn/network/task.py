@@ -4,45 +4,53 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field
 
-from meshlearn.errors import UserInputError
-from meshlearn.network.envelope import BadMessage
+from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
+from meshlearn.config import ExperimentConfig
+from meshlearn.errors import BadMessage, ConfigError, UserInputError
+from meshlearn.settings import Settings
+from meshlearn.transport.settings import TcpSettings
 
 MAX_EPOCHS = 1000
-DEFAULT_BATCH = 16
-DEFAULT_LR = 0.001
+DEFAULT_LR = 0.001  # what a learning rate <= 0 becomes
 MAX_TASK_PEERS = 256
+MAX_PEER_TIMEOUT = 3600.0
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
 
 
-@dataclass
-class TaskRequest:
-    """What the user asked for, after the corrections the rules allow (see ``validate_request``)."""
+class TaskRequest(Settings):
+    """What a requester asks of the network (``meshlearn request``: its flags, or the keys of a
+    ``--config`` task file), after the corrections ``validate_request`` allows."""
 
-    data: str
-    model: str = "simplecnn"
-    epochs: int = 10
-    batch_size: int = DEFAULT_BATCH
-    lr: float = 0.01
-    momentum: float = 0.0
-    providers: int = 4
-    device: str = "any"
-    location: str | None = None
-    algorithm: str = "leader"
-    aggregate_every: int | Literal["epoch"] = "epoch"
-    data_on_providers: str | None = None
-    seed: int = 90
-    partition: str = "iid"
-    eval_samples: int = 0
-    peer_timeout: float = 20.0
-    weights: str | None = None  # a local safetensors file of initial weights
-    warnings: list[str] = field(default_factory=list)
+    data: str = Field("", description="folder with train/ and test/, CIFAR-10's archive, or a dataset spec "
+                                      "(digits, cifar10:PATH, ...)")
+    data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
+                                                            "--data-root")
+    model: str = Field("simplecnn", description="built-in model name")
+    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition")
+    batch_size: int = Field(16, ge=1, description="mini-batch size")
+    lr: float = Field(0.01, gt=0, description="learning rate")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum in [0, 1)")
+    providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
+    device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
+    location: str | None = Field(None, description="only providers declaring this location")
+    algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
+    aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
+    seed: int = Field(90, ge=0, description="seed of partitions and initial model")
+    partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
+    eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
+                                description="seconds of silence before a provider counts as gone")
+    weights: str | None = Field(None, description="safetensors file of initial weights for the model "
+                                                  "(default: a fresh model from the seed)")
+    gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
+    leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
+    warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
 
 def dataset_spec(data: str) -> str:
@@ -66,61 +74,47 @@ def dataset_spec(data: str) -> str:
 def validate_request(values: dict[str, Any], train_samples: int | None = None) -> TaskRequest:
     """Check and correct a request before anything starts; corrections are listed in ``warnings``.
 
-    Batch size outside [1, n] becomes 16, a learning rate <= 0 becomes 0.001, epochs are rounded
-    and clipped to 1..MAX_EPOCHS. Anything that cannot be corrected raises UserInputError.
+    Batch size outside [1, n] becomes the default, a learning rate <= 0 becomes 0.001, epochs are
+    rounded and clipped to 1..MAX_EPOCHS. Anything that cannot be corrected raises UserInputError.
     """
-    req = TaskRequest(data=str(values.get("data") or values.get("data_on_providers") or ""))
-    if not req.data:
+    defaults = {name: field.default for name, field in TaskRequest.model_fields.items()}
+    values = {k: v for k, v in values.items() if v is not None}
+    values["data"] = str(values.get("data") or values.get("data_on_providers") or "")
+    if not values["data"]:
         raise UserInputError("no data: pass --data PATH (a folder with train/ and test/), a dataset such as "
                              "digits, or --data-on-providers SPEC")
-    warnings = req.warnings
-    for key in ("model", "algorithm", "device", "location", "data_on_providers", "partition"):
-        if values.get(key) is not None:
-            setattr(req, key, str(values[key]))
-    if req.algorithm not in ("leader", "dpsgd", "gossip"):
-        raise UserInputError(f"algorithm {req.algorithm!r} is not leader, dpsgd or gossip")
-    if req.device not in ("any", "gpu", "cuda", "mps", "cpu"):
-        raise UserInputError(f"device {req.device!r} is not any, gpu, mps or cpu")
+    warnings: list[str] = []
     if values.get("weights"):
-        req.weights = check_weights_file(str(values["weights"]))
-    req.seed = _integer(values.get("seed", req.seed), "seed", minimum=0)
-    req.providers = _integer(values.get("providers", req.providers), "providers", minimum=1)
-    req.eval_samples = _integer(values.get("eval_samples", 0), "eval samples", minimum=0)
-    req.peer_timeout = _number(values.get("peer_timeout", req.peer_timeout), "peer timeout")
-    if req.peer_timeout <= 0:
-        raise UserInputError("peer timeout must be more than 0 seconds")
+        values["weights"] = check_weights_file(str(values["weights"]))
+    for key in ("seed", "providers", "eval_samples"):
+        if key in values:
+            values[key] = _integer(values[key], key.replace("_", " "), minimum=0 if key != "providers" else 1)
 
-    epochs = _number(values.get("epochs", req.epochs), "epochs")
+    epochs = _number(values.get("epochs", defaults["epochs"]), "epochs")
     if not math.isfinite(epochs):
         raise UserInputError("epochs must be a finite number")
     rounded = min(MAX_EPOCHS, max(1, round(epochs)))
     if rounded != epochs:
         warnings.append(f"epochs {epochs:g} became {rounded} (a whole number in 1..{MAX_EPOCHS})")
-    req.epochs = rounded
+    values["epochs"] = rounded
 
-    batch = _number(values.get("batch_size", req.batch_size), "batch size")
+    batch = _number(values.get("batch_size", defaults["batch_size"]), "batch size")
     upper = train_samples if train_samples else math.inf
     if batch != int(batch) or not 1 <= batch <= upper:
-        warnings.append(f"batch size {batch:g} is outside [1, {upper}]: using {DEFAULT_BATCH}")
-        batch = DEFAULT_BATCH
-    req.batch_size = int(batch)
+        warnings.append(f"batch size {batch:g} is outside [1, {upper}]: using {defaults['batch_size']}")
+        batch = defaults["batch_size"]
+    values["batch_size"] = int(batch)
 
-    lr = _number(values.get("lr", req.lr), "learning rate")
+    lr = _number(values.get("lr", defaults["lr"]), "learning rate")
     if not lr > 0 or not math.isfinite(lr):
         warnings.append(f"learning rate {lr:g} must be more than 0: using {DEFAULT_LR}")
         lr = DEFAULT_LR
-    req.lr = lr
-
-    req.momentum = _number(values.get("momentum", req.momentum), "momentum")
-    if not 0 <= req.momentum < 1:
-        raise UserInputError(f"momentum must be in [0, 1) (got {req.momentum:g})")
+    values["lr"] = lr
 
     every = values.get("aggregate_every", "epoch")
-    if str(every) == "epoch":
-        req.aggregate_every = "epoch"
-    else:
-        req.aggregate_every = _integer(every, "aggregate-every (a number of batches, or epoch)", minimum=1)
-    return req
+    values["aggregate_every"] = "epoch" if str(every) == "epoch" else \
+        _integer(every, "aggregate-every (a number of batches, or epoch)", minimum=1)
+    return TaskRequest(**values, warnings=warnings)
 
 
 def check_weights_file(path: str) -> str:
@@ -158,27 +152,24 @@ def new_task_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
-class Peer(BaseModel):
+class Peer(Settings):
     """A provider of the task, in leader-election order (index 0 leads first)."""
 
-    model_config = ConfigDict(extra="forbid")
     id: str = Field(max_length=64)
     address: str = Field(max_length=256)
 
 
-class ServedFile(BaseModel):
+class ServedFile(Settings):
     """A file the requester serves (initial weights): where to fetch it, its size and SHA-256."""
 
-    model_config = ConfigDict(extra="forbid")
     address: str = Field(max_length=256)
     size: int = Field(ge=1, le=1 << 36)
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
-class TaskSpec(BaseModel):
+class TaskSpec(Settings):
     """Everything a provider needs to run its part of a task; sent as JSON, validated on arrival."""
 
-    model_config = ConfigDict(extra="forbid")
     task_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     model: str = Field(max_length=64)
     epochs: int = Field(ge=1, le=MAX_EPOCHS)
@@ -190,20 +181,42 @@ class TaskSpec(BaseModel):
     seed: int = Field(ge=0)
     partition: str = Field(max_length=64)
     eval_samples: int = Field(ge=0)
-    peer_timeout: float = Field(gt=0, le=3600)
+    peer_timeout: float = Field(gt=0, le=MAX_PEER_TIMEOUT)
     peers: list[Peer] = Field(min_length=1, max_length=MAX_TASK_PEERS)
     data: dict[str, Any]  # {"mode": "served", "address", "files"} or {"mode": "local", "dataset"}
     meta: dict[str, Any] | None = None  # classes and normalization (served mode)
     weights: ServedFile | None = None  # initial weights, served by the requester
     requester: str = Field("", max_length=256)
+    gossip: GossipSettings = GossipSettings()
+    leader: LeaderSettings = LeaderSettings()
 
     @classmethod
     def parse(cls, body: dict) -> "TaskSpec":
         """Validate a spec from the network; BadMessage names the first problem."""
+        if not isinstance(body, dict):
+            raise BadMessage("task spec is not a JSON object of settings")
         try:
-            return cls(**body)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            raise BadMessage(f"task spec: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-        except TypeError:
-            raise BadMessage("task spec is not a JSON object of settings") from None
+            return cls(**{str(k): v for k, v in body.items()})
+        except ConfigError as exc:
+            raise BadMessage(f"task spec: {exc}") from None
+
+    def schedule(self, samples: int) -> tuple[int, int]:
+        """(local steps per aggregation cycle, cycles) for a provider holding ``samples`` samples."""
+        batches_per_epoch = math.ceil(samples / min(self.batch_size, samples))
+        every = batches_per_epoch if self.aggregate_every == "epoch" else self.aggregate_every
+        return every, math.ceil(self.epochs * batches_per_epoch / every)
+
+    def experiment_config(self, samples: int, host: str, device: str, max_message_mb: float) -> ExperimentConfig:
+        """The engine's configuration for one provider's part: the task's algorithm over a full
+        graph of the task's providers (local training when there is only one), with the peer
+        timeout as every deadline's base."""
+        rounds, iterations = self.schedule(samples)
+        alone = len(self.peers) == 1  # one provider has no one to exchange with
+        return ExperimentConfig(
+            nodes=max(2, len(self.peers)), algorithm="local" if alone else self.algorithm, topology="full",
+            rounds=rounds,
+            iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
+            test_after=iterations, eval_samples=self.eval_samples, eval_nodes=1, host=host, device=device,
+            tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
+                            max_message_mb=max_message_mb),
+            gossip=self.gossip, leader=self.leader)

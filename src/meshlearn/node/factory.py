@@ -6,16 +6,17 @@ from pathlib import Path
 
 import torch
 
+from meshlearn.algorithms import algorithm_class
 from meshlearn.config import ExperimentConfig
-from meshlearn.errors import ConfigError
 from meshlearn.data import load_dataset, partition
+from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
-from meshlearn.netem import NetemSpec
 from meshlearn.node.node import Node
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint, TcpTransport, Unconnected
+from meshlearn.transport.hub import HubEndpoint
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 
@@ -24,47 +25,32 @@ def make_transport(
     config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None,
     secret: bytes | None = None,
 ) -> Endpoint:
-    """The endpoint the configuration names, for node ``rank`` and its state layout (not yet bound).
-
-    With ``secret`` every message is signed and unsigned ones are dropped (TCP and gossip only).
-    """
+    """The endpoint the configuration's algorithm needs, for node ``rank`` and its state layout
+    (not yet bound). With ``secret`` every message is signed and unsigned ones are dropped
+    (not over UDP, which refuses a secret)."""
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
-    if config.algorithm == "local":
+    kind = algorithm_class(config.algorithm).endpoint
+    if kind == "none":
         return Unconnected(rank)
-    if config.algorithm == "gossip":
-        if config.transport != "tcp":
-            raise ConfigError("gossip fetches peers' states over TCP: use transport tcp")
-        return PullEndpoint(rank, host, port, max_message_bytes=config.max_message_bytes, secret=secret)
-    netem = NetemSpec.parse(config.net)
+    if kind == "pull":
+        return PullEndpoint(rank, host, port, settings=config.tcp, secret=secret)
+    if kind == "hub":
+        return HubEndpoint(rank, host, port, settings=config.tcp, secret=secret)
+    netem = config.net
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
     if config.transport == "udp":
         if secret:
             raise ConfigError("the UDP transport does not sign datagrams: use transport tcp with a network secret")
-        return UdpTransport(
-            rank, host, port,
-            layout=StateLayout(flat.ranges, flat.state.dtype),
+        udp = config.udp
+        if not udp.chunk_bytes and config.loss_mode == "kernel":
             # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
-            chunk_bytes=config.chunk_bytes or (ETHERNET_CHUNK if config.loss_mode == "kernel" else 0),
-            mode=config.udp_mode,
-            late=config.late_chunks == "use",
-            max_message_bytes=config.max_message_bytes,
-            handshake_timeout=config.handshake_timeout,
-            rate_bytes_per_s=config.udp_rate_gbps * 1e9,
-            netem=netem,
-            seed=config.seed,
-        )
-    return TcpTransport(
-        rank, host, port,
-        max_message_bytes=config.max_message_bytes,
-        handshake_timeout=config.handshake_timeout,
-        bye_timeout=config.wait_timeout,
-        netem=netem,
-        seed=config.seed,
-        secret=secret,
-    )
+            udp = udp.model_copy(update={"chunk_bytes": ETHERNET_CHUNK})
+        return UdpTransport(rank, host, port, layout=StateLayout(flat.ranges, flat.state.dtype), settings=udp,
+                            netem=netem, seed=config.seed)
+    return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret)
 
 
 def build_node(

@@ -93,13 +93,20 @@ class Node:
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=config.seed * 1000 + rank)
         self.transport = make_transport(self.flat)
         transport = self.transport
-        self.algorithm: Algorithm = make_algorithm(
-            config.algorithm, AlgorithmContext(rank, self.flat, transport, graph, config)
-        )
+        self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
+            rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
+            samples=len(self.loader.indices), iterations=config.iterations))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.loss_fn = nn.CrossEntropyLoss()
         self.slowdown = config.slowdown_of(rank)
+
+    def contacts(self, book: Mapping[int, str]) -> dict[int, str]:
+        """The addresses, from everyone's ``book``, that this node talks to: its neighbours, or
+        every other node for an algorithm whose group is the whole run (leader aggregation)."""
+        if self.algorithm.talks_to == "everyone":
+            return {j: address for j, address in book.items() if j != self.rank}
+        return {j: book[j] for j in self.graph.neighbours(self.rank)}
 
     def train_step(self) -> float:
         """One mini-batch SGD step on the local shard; returns the loss."""

@@ -97,9 +97,9 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
 def run_experiment(experiment: Experiment, progress: bool = True, log=print) -> Path:
     """Run every run of an experiment in turn, then write the comparison report; returns its folder."""
     for index, (name, config) in enumerate(experiment.runs, start=1):
-        log(f"[{index}/{len(experiment.runs)}] {name}: {config.transport}"
-            f"{'/' + config.udp_mode if config.transport == 'udp' else ''}"
-            f"{' net ' + config.net if config.net else ''}")
+        log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
+            f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
+            f"{' net ' + config.net.describe() if config.net.active else ''}")
         simulate(config, progress=progress)
     output = Path(experiment.runs[0][1].output).parent
     write_comparison(experiment, output)

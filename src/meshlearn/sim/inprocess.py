@@ -20,7 +20,7 @@ def run_threads(nodes: Sequence[Node], timeout: float | None = None) -> dict[int
 
     def target(node: Node) -> None:
         try:
-            results[node.rank] = node.run({j: book[j] for j in node.graph.neighbours(node.rank)})
+            results[node.rank] = node.run(node.contacts(book))
         except BaseException as exc:  # surfaced to the caller below
             errors[node.rank] = exc
 

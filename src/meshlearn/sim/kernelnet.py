@@ -26,7 +26,6 @@ from pathlib import Path
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError, MeshlearnError
-from meshlearn.netem import NetemSpec
 
 log = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
@@ -51,7 +50,7 @@ def resolve_loss_mode(config: ExperimentConfig) -> ExperimentConfig:
     auto: TCP loss in the kernel where possible (user space can only model it); UDP loss in user
     space, which draws correlated loss exactly, per datagram. Without loss nothing changes.
     """
-    spec = NetemSpec.parse(config.net)
+    spec = config.net
     if not spec.loss:
         return config.model_copy(update={"loss_mode": "user"}) if config.loss_mode == "auto" else config
     reason = kernel_loss_unavailable()
@@ -75,7 +74,7 @@ def resolve_loss_mode(config: ExperimentConfig) -> ExperimentConfig:
 
 def needs_namespace(config: ExperimentConfig) -> bool:
     """Whether this (resolved) run must move into a lossy namespace first."""
-    return config.loss_mode == "kernel" and bool(NetemSpec.parse(config.net).loss) and not os.environ.get(INSIDE)
+    return config.loss_mode == "kernel" and bool(config.net.loss) and not os.environ.get(INSIDE)
 
 
 def _unshare_network() -> None:
@@ -159,11 +158,11 @@ def _child_main(config_json: str, progress: str, error_fd: str) -> int:
         try:
             config = ExperimentConfig(**json.loads(config_json))
             _loopback_up()
-            install_drop_rule(NetemSpec.parse(config.net).loss)
+            install_drop_rule(config.net.loss)
             result = simulate(config, progress=progress == "1")
             seen, dropped = drop_counts()
             (result.output / "kernel_loss.json").write_text(json.dumps({
-                "configured_loss": NetemSpec.parse(config.net).loss, "packets_on_lo": seen,
+                "configured_loss": config.net.loss, "packets_on_lo": seen,
                 "packets_dropped": dropped, "measured_loss": dropped / seen if seen else None,
             }, indent=2))
         except MeshlearnError as exc:

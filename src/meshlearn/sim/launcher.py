@@ -84,7 +84,7 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
             if book is None:
                 return
             node.hooks.append(lambda _node, iteration, _record: events.put(("progress", rank, iteration + 1)))
-            summary = node.run({j: book[j] for j in graph.neighbours(rank)})
+            summary = node.run(node.contacts(book))
         finally:
             transport.close()
         events.put(("done", rank, summary))
@@ -217,7 +217,11 @@ class _Launcher:
 
 def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResult:
     """Run a whole experiment of ``config.nodes`` local node processes; write its results folder."""
-    from meshlearn.sim.kernelnet import needs_namespace, resolve_loss_mode, run_in_namespace
+    from meshlearn.sim.kernelnet import (
+        needs_namespace,
+        resolve_loss_mode,
+        run_in_namespace,
+    )
     from meshlearn.sim.report import write_report
 
     config = resolve_loss_mode(config)

@@ -10,6 +10,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
 from meshlearn.sim.launcher import prepare_run
 from meshlearn.sim.report import write_report
+from meshlearn.transport import Transport
 
 
 def read_address_file(path: str | Path, config: ExperimentConfig) -> dict[int, tuple[str, int]]:
@@ -56,7 +57,7 @@ def run_node(config: ExperimentConfig, address_file: str | Path, rank: int) -> d
     host, port = book[rank]
     node = build_node(config, rank, graph, output / "logs", host=host, port=port)
     node.transport.bind()
-    peers = {j: f"{config.transport}://{book[j][0]}:{book[j][1]}" for j in graph.neighbours(rank)}
-    summary = node.run(peers)
+    scheme = "udp" if isinstance(node.transport, Transport) and node.transport.lossy else "tcp"
+    summary = node.run(node.contacts({j: f"{scheme}://{host}:{port}" for j, (host, port) in book.items()}))
     write_report(output)
     return summary

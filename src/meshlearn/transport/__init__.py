@@ -1,6 +1,12 @@
-"""Transports: how messages travel between nodes (push: TCP over ZeroMQ, UDP; pull: gossip)."""
+"""Transports: how messages travel between nodes (push: TCP over ZeroMQ, UDP; pull: gossip; the
+leader's hub), and their settings (``transport.settings``, which loads neither torch nor ZeroMQ).
 
-from meshlearn.transport.base import Endpoint, Transport, TransportStats, Unconnected
-from meshlearn.transport.tcp import TcpTransport
+Names are imported on first use, so reading settings does not load the transports."""
 
-__all__ = ["Endpoint", "TcpTransport", "Transport", "TransportStats", "Unconnected"]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {"Endpoint": "base", "Transport": "base", "TransportStats": "base", "Unconnected": "base",
+          "TcpTransport": "tcp", "TcpSettings": "settings", "UdpSettings": "settings", "LinkSettings": "settings"}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections import defaultdict
-from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Iterable, Mapping
 
 from meshlearn.wire import Kind, Message
+
+SILENT_AFTER = 3  # deadlines a peer misses in a row before gather stops waiting for it
 
 
 class Receipt:
@@ -36,10 +39,17 @@ class TransportStats:
     unknown_sender_dropped: int = 0
     send_dropped: int = 0
     gather_timeouts: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add to counters from any thread (a plain ``+=`` is safe only from one thread per counter)."""
+        with self._lock:
+            for name, value in counts.items():
+                setattr(self, name, getattr(self, name) + value)
 
     def as_dict(self) -> dict[str, int]:
         """The counters as a plain dict (for JSON logs)."""
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
 
 
 class Endpoint(ABC):
@@ -92,12 +102,23 @@ class Transport(Endpoint):
 
     ``connect(peers)`` completes a HELLO handshake with every neighbour, raising TransportError
     naming the ones that never answer; then ``send``/``broadcast``/``recv``/``gather``; ``close()``
-    says BYE.
+    says BYE. A transport says what it is, so algorithms never ask for its name: ``lossy``
+    (models may arrive with chunks missing, ``msg.chunks`` says which) and ``gather_timeout``
+    (how long ``gather`` waits by default).
     """
+
+    lossy: ClassVar[bool] = False
 
     def __init__(self, node_id: int):
         super().__init__(node_id)
         self._pending: dict[int, dict[int, Message]] = defaultdict(dict)
+        self.silent: set[int] = set()  # peers not waited for until heard again (see gather)
+        self._missed: dict[int, int] = {}  # deadlines missed in a row, by peer
+
+    @property
+    @abstractmethod
+    def gather_timeout(self) -> float:
+        """Seconds ``gather`` waits for the neighbours' models unless told otherwise."""
 
     @abstractmethod
     def connect(self, peers: Mapping[int, str]) -> None:
@@ -124,13 +145,17 @@ class Transport(Endpoint):
     def recycle(self, messages: Iterable[Message]) -> None:
         """Hand back gathered messages whose tensors the caller no longer reads (buffer reuse)."""
 
-    def gather(self, iteration: int, peers: Iterable[int], timeout: float) -> dict[int, Message]:
+    def gather(self, iteration: int, peers: Iterable[int], timeout: float | None = None) -> dict[int, Message]:
         """Collect the MODEL message of each peer for ``iteration``.
 
-        Returns as soon as every live peer's message is in, or after ``timeout`` seconds with
-        what arrived (a timeout is counted, not raised). Messages for later iterations are
-        kept for later calls; ones for earlier iterations are dropped and counted as stale.
+        Returns as soon as every live peer's message is in, or after ``timeout`` seconds
+        (default ``gather_timeout``) with what arrived (a timeout is counted, not raised).
+        Messages for later iterations are kept for later calls; ones for earlier iterations are
+        dropped and counted as stale. A peer that missed ``SILENT_AFTER`` deadlines in a row (a
+        dead process says no BYE) is not waited for until it is heard again, so a dead neighbour
+        costs a few timeouts, not one per iteration.
         """
+        timeout = self.gather_timeout if timeout is None else timeout
         wanted = set(peers)
         got: dict[int, Message] = {}
         for sender in list(self._pending.get(iteration, {})):
@@ -140,14 +165,21 @@ class Transport(Endpoint):
         for old in [it for it in self._pending if it < iteration]:
             self.stats.stale_dropped += len(self._pending.pop(old))
         deadline = time.monotonic() + timeout
-        while wanted - got.keys() - self.departed:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+        while True:
+            waiting = wanted - got.keys() - self.departed - self.silent
+            remaining = deadline - time.monotonic() if waiting else 0.0
+            if waiting and remaining <= 0:
                 self.stats.gather_timeouts += 1
                 break
-            msg = self.recv(remaining)
-            if msg is None or msg.kind != Kind.MODEL:
+            msg = self.recv(max(0.0, remaining))  # with no one to wait for: what has already come
+            if msg is None:
+                if waiting:
+                    continue
+                break
+            if msg.kind != Kind.MODEL:
                 continue
+            self.silent.discard(msg.sender)  # heard again: waited for from now on
+            self._missed.pop(msg.sender, None)
             if msg.iteration < iteration:
                 self.stats.stale_dropped += 1
             elif msg.iteration > iteration:
@@ -156,6 +188,12 @@ class Transport(Endpoint):
                 self.stats.duplicates_dropped += 1
             elif msg.sender in wanted:
                 got[msg.sender] = msg
+        for peer in wanted - got.keys() - self.departed:
+            self._missed[peer] = self._missed.get(peer, 0) + 1
+            if self._missed[peer] >= SILENT_AFTER:
+                self.silent.add(peer)
+        for peer in got:
+            self._missed.pop(peer, None)
         return got
 
     def _keep(self, msg: Message) -> None:

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import heapq
 import logging
 import struct
 import time
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import zmq
 
 from meshlearn.errors import TransportError, WireError
-from meshlearn.netem import Emulator, NetemSpec
+from meshlearn.netem import DelayLine, Emulator, NetemSpec
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
+from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
-from meshlearn.wire import DEFAULT_MAX_BYTES, Kind, Message, decode, encode
+from meshlearn.wire import Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
@@ -39,31 +39,20 @@ class TcpTransport(Transport):
     (bounded by ``linger``) without touching other nodes hosted in the same process.
     """
 
-    def __init__(
-        self,
-        node_id: int,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        max_message_bytes: int = DEFAULT_MAX_BYTES,
-        handshake_timeout: float = 30.0,
-        bye_timeout: float = 10.0,
-        linger: float = 5.0,
-        netem: NetemSpec | None = None,
-        seed: int = 0,
-        secret: bytes | None = None,
-    ):
+    def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, settings: TcpSettings | None = None,
+                 netem: NetemSpec | None = None, seed: int = 0, secret: bytes | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(node_id)
+        self.settings = settings = settings or TcpSettings()
         self.secret = secret
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
-        self._held: list[tuple[float, int, Message]] = []
-        self._held_seq = 0
-        self._last_due = 0.0
+        self.clock = clock  # when emulated delays fall due (tests may drive it)
+        self._held = DelayLine(keep_order=True)  # messages under emulated delay: TCP never reorders
         self.host, self.port = host, port
-        self.max_message_bytes = max_message_bytes
-        self.handshake_timeout = handshake_timeout
-        self.bye_timeout = bye_timeout
-        self.linger = linger
+        self.max_message_bytes = settings.max_message_bytes
+        self.handshake_timeout = settings.handshake_timeout
+        self.bye_timeout = settings.wait_timeout
+        self.linger = settings.linger
         self.address = ""
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
@@ -85,6 +74,10 @@ class TcpTransport(Transport):
         self._poller.register(router, zmq.POLLIN)
         self.address = router.getsockopt_string(zmq.LAST_ENDPOINT)
         return self.address
+
+    @property
+    def gather_timeout(self) -> float:
+        return self.settings.wait_timeout
 
     def connect(self, peers: Mapping[int, str]) -> None:
         if self._router is None:
@@ -153,12 +146,14 @@ class TcpTransport(Transport):
     def recv(self, timeout: float) -> Message | None:
         deadline = time.monotonic() + timeout
         while True:
-            now = time.monotonic()
-            if self._held and self._held[0][0] <= now:
-                return self._deliver(heapq.heappop(self._held)[2])
-            until = min(deadline, self._held[0][0]) if self._held else deadline
-            if not self._poller.poll(max(0, int((until - now) * 1000))):
-                if time.monotonic() >= deadline and not (self._held and self._held[0][0] <= deadline):
+            due = self._held.pop_next(self.clock())
+            if due is not None:
+                return self._deliver(due)
+            remaining = deadline - time.monotonic()
+            if self._held:
+                remaining = min(remaining, self._held.next_due() - self.clock())
+            if not self._poller.poll(max(0, int(remaining * 1000))):
+                if time.monotonic() >= deadline and not (self._held and self._held.next_due() <= self.clock()):
                     return None
                 continue
             msg = self._accept(self._router.recv_multipart(copy=False))
@@ -168,10 +163,7 @@ class TcpTransport(Transport):
                 sum(t.numel() * t.element_size() for t in msg.tensors.values()))
             if delay <= 0 and not self._held:
                 return self._deliver(msg)
-            # Emulated delay per message; never reorder, as TCP would not.
-            self._last_due = max(self._last_due, time.monotonic() + delay)
-            self._held_seq += 1
-            heapq.heappush(self._held, (self._last_due, self._held_seq, msg))
+            self._held.push(msg, self.clock() + delay)  # emulated delay per message, in order
 
     def _deliver(self, msg: Message) -> Message:
         if msg.kind == Kind.BYE:

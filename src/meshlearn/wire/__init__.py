@@ -1,5 +1,12 @@
-"""The wire format: versioned binary messages of raw tensor frames, strictly decoded."""
+"""The wire format: versioned binary messages of raw tensor frames, strictly decoded.
 
-from meshlearn.wire.codec import DEFAULT_MAX_BYTES, DTYPES, Chunks, Kind, Message, decode, encode, meta_number
+Names are imported on first use: ``wire.auth`` (used by every signed control message) loads
+without torch."""
 
-__all__ = ["Chunks", "DEFAULT_MAX_BYTES", "DTYPES", "Kind", "Message", "decode", "encode", "meta_number"]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {name: "codec" for name in ("Chunks", "DEFAULT_MAX_BYTES", "DTYPES", "Kind", "Message", "decode", "encode",
+                                      "meta_number")}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

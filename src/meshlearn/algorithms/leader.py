@@ -1,0 +1,166 @@
+"""Leader aggregation (CloudMesh's design): every member pushes its model to a leader after its
+local steps and trains on from the aggregate the leader answers with at once.
+
+Asynchronous: the leader keeps every member's latest model (``LeaderState``) and answers each
+push with the aggregate of those, weighted by samples and staleness. Only the first cycle waits
+for everyone (so that all start from one model) and the final push waits for every member's
+final model (so that all end with the same one). The leader is the lowest-ranked member alive
+(``Election``): a member whose push finds no leader marks it dead and pushes to the next, and
+that member leads from then on. While training, each member pings the leader every quarter of the
+peer timeout, so the leader knows who lives (a member silent for the timeout is lost and left
+out) and members notice a dead leader between pushes. The group is this node and every peer it
+was connected to (in a simulation every node of the run, whatever the topology); the peer
+timeout is the transport's ``wait_timeout``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.algorithms.election import Election
+from meshlearn.algorithms.leaderstate import LeaderState
+from meshlearn.algorithms.settings import LeaderSettings
+from meshlearn.errors import ConfigError, WireError
+from meshlearn.transport.hub import Answer, HubEndpoint
+from meshlearn.transport.served import Caller
+from meshlearn.wire import Message, meta_number
+
+RETRY = 0.2  # seconds before asking again a member that says it does not lead (yet)
+PING_TIMEOUT = 3.0
+
+
+@register_algorithm
+class Leader(Algorithm):
+    """Asynchronous leader aggregation with fail-over (see the module docstring)."""
+
+    name = "leader"
+    endpoint = "hub"
+    talks_to = "everyone"
+
+    def __init__(self, ctx: AlgorithmContext):
+        super().__init__(ctx)
+        if not isinstance(ctx.transport, HubEndpoint):
+            raise ConfigError("leader aggregation needs a hub endpoint (transport: tcp)")
+        self.hub: HubEndpoint = ctx.transport
+        self.settings = ctx.settings or LeaderSettings()
+        self.timeout = self.hub.settings.wait_timeout
+        self.election: Election | None = None  # from start(), once the group is known
+        self.state: LeaderState | None = None  # while this member leads
+        self.updates = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._callers = threading.local()  # each thread calls through its own sockets
+        self._watcher: threading.Thread | None = None
+        self.hub.serve(self)
+
+    # --- the training thread ------------------------------------------------------------------
+
+    def start(self) -> None:
+        members = {self.ctx.rank, *self.hub.peers}
+        self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost)
+        if self.election.leader == self.ctx.rank:
+            self._lead(first=self.settings.first_barrier)
+        self._watcher = threading.Thread(target=self.election.watch, args=(self._stop, max(0.2, self.timeout / 4)),
+                                         name=f"leader-watch-{self.ctx.rank}", daemon=True)
+        self._watcher.start()
+
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        ctx = self.ctx
+        final = iteration + 1 == ctx.iterations
+        t0 = time.perf_counter()
+        aggregate = self._exchange(ctx.flat.state.detach().to("cpu", copy=True), final)
+        t1 = time.perf_counter()
+        ctx.flat.state.copy_(aggregate)
+        self.updates += 1
+        return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.election is not None:
+            self.election.poke()
+        if self._watcher is not None:
+            self._watcher.join(timeout=PING_TIMEOUT + 2)
+
+    def _exchange(self, state: torch.Tensor, final: bool) -> torch.Tensor:
+        """Give the leader this member's state and take its aggregate back, following fail-over."""
+        ctx = self.ctx
+        while True:
+            leader = self.election.leader
+            if leader == ctx.rank:
+                book = self._lead()
+                book.submit(ctx.rank, state, ctx.samples, final, copy=False)
+                self.hub.poke()  # held pushes may be answerable now
+                return book.wait(ctx.rank)
+            reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(state),
+                                        {"op": "push", "samples": ctx.samples, "final": final},
+                                        patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
+            if reply is None:  # no answer: the leader is gone
+                self.election.mark_dead(leader)
+                self.election.resolve()
+            elif reply.meta.get("status") == "ok" and ctx.flat.check_compatible(reply.tensors) is None:
+                return torch.cat([reply.tensors[name] for name in ctx.flat.ranges])
+            else:  # it does not lead (yet), or is closing: ask again shortly
+                time.sleep(RETRY)
+                self.election.resolve()
+
+    def _lead(self, first: bool = False) -> LeaderState:
+        with self._lock:
+            if self.state is None:
+                alive = [m for m in self.election.members if not self.election.is_dead(m)]
+                self.state = LeaderState(alive, self.ctx.rank, self.timeout, first, self.settings.weighting)
+            return self.state
+
+    # --- calls to other members (from the training and the watcher thread) ----------------------
+
+    def _ping(self, rank: int) -> bool:
+        reply = self._caller().call(rank, min(PING_TIMEOUT, self.timeout / 2), meta={"op": "ping"})
+        return reply is not None
+
+    def _caller(self) -> Caller:
+        caller = getattr(self._callers, "caller", None)
+        if caller is None:
+            caller = self._callers.caller = self.hub.caller()
+        return caller
+
+    def _lost(self, rank: int) -> None:
+        if self.state is not None:
+            self.state.mark_lost(rank)
+
+    # --- the hub's serving thread -------------------------------------------------------------
+
+    def respond(self, request: Message) -> Answer | None:
+        """A ping is answered at once; a push is recorded, and answered when the book allows."""
+        op, sender, election = request.meta.get("op"), request.sender, self.election
+        if op == "ping":
+            if self.state is not None:
+                self.state.touch(sender)
+            return Answer(meta={"status": "alive"})
+        if op != "push":
+            raise WireError(f"unknown leader request {op!r}")
+        if election is None or election.leader != self.ctx.rank:
+            if election is not None:
+                election.poke()  # a member pushes here: perhaps the leader this one knows is gone
+            return Answer(meta={"status": "not-leader"})
+        samples, final = meta_number(request.meta, "samples"), request.meta.get("final")
+        problem = self.ctx.flat.check_compatible(request.tensors)
+        if problem or samples is None or not isinstance(final, bool):
+            raise WireError(f"a push that does not fit this run: {problem or 'bad samples or final'}")
+        vector = torch.cat([request.tensors[name] for name in self.ctx.flat.ranges])
+        book = self._lead()
+        book.submit(sender, vector, int(samples), final, copy=False)
+        return self._answer(book) if book.can_answer(sender) else None
+
+    def release(self, held: list[int]) -> dict[int, Answer]:
+        book = self.state
+        ready = book.answerable(held) if book is not None else []
+        if not ready:
+            return {}
+        answer = self._answer(book)
+        return {sender: answer for sender in ready}
+
+    def _answer(self, book: LeaderState) -> Answer:
+        return Answer(self.ctx.flat.segments_of(book.aggregate()), {"status": "ok"})

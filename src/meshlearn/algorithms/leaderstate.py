@@ -1,0 +1,168 @@
+"""The leader's book: every member's latest model and contribution, and when a push may be answered.
+
+CloudMesh's design, finished. A member pushes its model every aggregation cycle and gets the
+aggregate back at once; only the very first cycle waits (up to the peer timeout) for everyone, so
+that all start from one model, and final models wait for every member's final model (or its
+loss), so that all end with the same one. A member silent for longer than the peer timeout is
+counted lost and left out of the aggregate, so a dead member never blocks the leader. How much a
+model counts is a weighting from ``meshlearn.aggregation.weights`` (by default sample- and
+staleness-weighted), and the aggregate is an ``aggregation`` rule (by default the mean).
+
+Nothing here blocks except ``wait``, which only the leader's own training thread calls: pushes
+from other members are recorded by the serving thread of the leader's endpoint, and the ones that
+must wait are held there, not parked in threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from meshlearn.aggregation import by_samples, by_staleness, equal, get_rule
+from meshlearn.clock import SYSTEM, Clock
+
+Weighting = Literal["staleness", "samples", "equal"]
+
+
+@dataclass
+class Contribution:
+    """What one member gave: samples in its shard, models pushed, and how it stands."""
+
+    samples: int = 0
+    updates: int = 0
+    finished: bool = False
+    lost: bool = False
+    last_seen: float = 0.0
+    stored_at: int = 0  # the book's clock when its latest model came
+    waiting_final: bool = False  # its latest push was final and waits for the others
+
+
+class LeaderState:
+    """The leader's view of the group, by member rank (thread-safe)."""
+
+    def __init__(self, members: list[int], me: int, peer_timeout: float, first_barrier: bool,
+                 weighting: Weighting = "staleness", rule: str = "mean", clock: Clock = SYSTEM):
+        self.me = me
+        self.peer_timeout = peer_timeout
+        self.weighting = weighting
+        self.rule = get_rule(rule)
+        self.clock = clock
+        self.latest: dict[int, torch.Tensor] = {}
+        self.pushes = 0  # models received so far: the staleness clock
+        now = clock.monotonic()
+        self.contributions = {i: Contribution(last_seen=now) for i in members}
+        self._started = now
+        self._first_open = first_barrier
+        self._cond = threading.Condition()
+
+    # --- what members do ----------------------------------------------------------------------
+
+    def touch(self, member: int) -> None:
+        """A sign of life from ``member`` (a push or a ping)."""
+        with self._cond:
+            self._member(member).last_seen = self.clock.monotonic()
+
+    def mark_lost(self, member: int) -> None:
+        with self._cond:
+            self._member(member).lost = True
+            self._cond.notify_all()
+
+    def submit(self, member: int, state: torch.Tensor, samples: int, final: bool, copy: bool = True,
+               updates: int | None = None) -> None:
+        """Record ``member``'s latest model (a flat state vector); ``updates`` says how many models
+        it has made in all, where those did not all come here (else this one is counted)."""
+        with self._cond:
+            contribution = self._member(member)
+            contribution.samples = samples
+            contribution.updates = contribution.updates + 1 if updates is None else updates
+            contribution.finished = contribution.finished or final
+            contribution.waiting_final = final
+            contribution.lost = False
+            contribution.last_seen = self.clock.monotonic()
+            self.latest[member] = state.detach().to("cpu", copy=True) if copy else state
+            self.pushes += 1
+            contribution.stored_at = self.pushes
+            self._cond.notify_all()
+
+    # --- when answers may go ------------------------------------------------------------------
+
+    def can_answer(self, member: int) -> bool:
+        """Whether ``member``'s latest push may have its answer now: not while the first cycle
+        waits for everyone, and a final push not before every member is final or lost."""
+        with self._cond:
+            return self._can_answer(member)
+
+    def answerable(self, members: list[int]) -> list[int]:
+        """Those of ``members`` whose pushes may have their answer now."""
+        with self._cond:
+            return [m for m in members if self._can_answer(m)]
+
+    def wait(self, member: int, poll: float = 0.05) -> torch.Tensor:
+        """Block until ``member``'s push may be answered, then return the aggregate (the leader's
+        own training thread only)."""
+        with self._cond:
+            while not self._can_answer(member):
+                self._cond.wait(timeout=poll)
+            return self._aggregate()
+
+    def aggregate(self) -> torch.Tensor:
+        """The aggregate of the latest models of every member not lost."""
+        with self._cond:
+            return self._aggregate()
+
+    def all_final(self) -> bool:
+        """Whether every member has pushed its final model or is lost."""
+        with self._cond:
+            self._sweep()
+            return all(c.finished or c.lost for c in self.contributions.values())
+
+    def has_final(self, member: int) -> bool:
+        with self._cond:
+            return member in self.contributions and self.contributions[member].finished
+
+    def report(self, names: list[str]) -> dict[str, dict]:
+        """Per-member contribution, by member name (``names[rank]``)."""
+        with self._cond:
+            self._sweep()
+            return {names[i]: {"samples": c.samples, "updates": c.updates,
+                               "status": "lost" if c.lost else ("finished" if c.finished else "running")}
+                    for i, c in sorted(self.contributions.items())}
+
+    # --- inside the lock ------------------------------------------------------------------------
+
+    def _member(self, member: int) -> Contribution:
+        return self.contributions.setdefault(member, Contribution(last_seen=self.clock.monotonic()))
+
+    def _sweep(self) -> None:
+        now = self.clock.monotonic()
+        for member, c in self.contributions.items():
+            if member != self.me and not c.finished and now - c.last_seen > self.peer_timeout:
+                c.lost = True
+
+    def _can_answer(self, member: int) -> bool:
+        self._sweep()
+        contribution = self.contributions.get(member)
+        if contribution is not None and contribution.waiting_final:
+            return all(c.finished or c.lost for c in self.contributions.values())
+        if self._first_open:
+            everyone_in = all(i in self.latest or c.lost for i, c in self.contributions.items())
+            if not everyone_in and self.clock.monotonic() < self._started + self.peer_timeout:
+                return False
+            self._first_open = False
+        return True
+
+    def _aggregate(self) -> torch.Tensor:
+        self._sweep()
+        members = [i for i in sorted(self.latest) if not self.contributions[i].lost]
+        samples = [self.contributions[i].samples for i in members]
+        if self.weighting == "staleness":
+            behind = [(self.pushes - self.contributions[i].stored_at) / len(members) for i in members]
+            weights = by_staleness(samples, behind)
+        elif self.weighting == "samples":
+            weights = by_samples(samples)
+        else:
+            weights = equal(len(members))
+        return self.rule([self.latest[i] for i in members], weights)

@@ -1,0 +1,50 @@
+"""The algorithms' settings. Kept apart from the algorithms (no torch here), so a configuration is
+validated, and the command line answers, without loading them."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from meshlearn.settings import Settings
+
+
+class DpsgdSettings(Settings):
+    """D-PSGD's settings."""
+
+    missing_chunks: Literal["per-chunk", "fill-local"] = Field(
+        "per-chunk", description="over a lossy transport (UDP), how chunks that did not arrive are averaged: "
+        "per-chunk (Metropolis-Hastings weights renormalised over who delivered each chunk) or fill-local "
+        "(the UDP study's rule: a lost chunk counts as the node's own values)")
+
+
+class GossipSettings(Settings):
+    """dpwa's knobs: how often to fetch, how long to wait, and how much of the peer to take.
+    (Flat names in experiment files: ``fetch_timeout``, ``interpolation_value``, ``fetch_fresh``;
+    dpwa's YAML names them ``timeout_ms``, ``constant`` and meshlearn's ``fresh``.)"""
+
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"timeout": "fetch_timeout", "value": "interpolation_value",
+                                            "fresh": "fetch_fresh"}
+
+    fetch_probability: float = Field(1.0, ge=0, le=1, description="chance of fetching a peer each step")
+    timeout: float = Field(2.5, gt=0, description="seconds to wait for a fetch (dpwa's timeout_ms / 1000)")
+    interpolation: Literal["constant", "clock", "loss"] = Field(
+        "constant", description="how much of the peer to take: constant (value), clock (peer_clock / "
+        "(clock + peer_clock)) or loss (loss / (loss + peer_loss))")
+    value: float = Field(0.5, ge=0, le=1, description="the constant interpolation factor")
+    divergence_threshold: float = Field(0.0, ge=0, description="below this loss take less of peers (0 = off)")
+    fresh: bool = Field(True, description="ask a peer for the state it finishes while this node trains "
+                                          "(false: the one it already has, as dpwa)")
+
+
+class LeaderSettings(Settings):
+    """Leader aggregation's settings (flat names: ``leader_first_barrier``, ``leader_weighting``)."""
+
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"first_barrier": "leader_first_barrier", "weighting": "leader_weighting"}
+
+    first_barrier: bool = Field(True, description="the first cycle waits (up to the peer timeout) for every "
+                                                  "member, so that all start from one model")
+    weighting: Literal["staleness", "samples", "equal"] = Field(
+        "staleness", description="how much each member's latest model counts: samples / (1 + cycles behind) "
+        "(staleness), samples, or equal")

@@ -1,0 +1,228 @@
+"""The end of a task on one provider, whatever the algorithm: one result for the requester.
+
+Final models go to the task's leader, the lowest-indexed provider alive (an ``Election`` whose
+pings are RPC calls, made outside any lock), which aggregates them (sample-weighted mean, over
+the providers not lost), evaluates the result, copies it to every other provider and keeps it.
+While training, every provider pings the leader every quarter of the peer timeout, so the leader
+knows who lives and a follower learns of a dead leader early. A follower whose leader dies pushes
+its final model to the next one; one whose leader already holds the result fetches it from there.
+
+RPC handlers (``on_push``, ``on_ping``, ``on_results``) never block: a final push is recorded
+and answered at once, and only the leader's own run thread waits for the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from meshlearn.algorithms import Election, LeaderState
+from meshlearn.errors import BadMessage, RemoteError, Unreachable
+from meshlearn.network.envelope import Envelope, field_of
+from meshlearn.network.results import write_results
+from meshlearn.network.rpc import call
+from meshlearn.network.task import TaskSpec
+from meshlearn.node import Node, evaluate_model
+from meshlearn.wire import Kind, Message, decode, encode
+
+log = logging.getLogger(__name__)
+
+COPY_TIMEOUT = 10.0
+RETRY = 0.5
+
+
+class Finisher:
+    """One provider's side of the task's end (see the module docstring)."""
+
+    def __init__(self, spec: TaskSpec, context, index: int):
+        self.spec = spec
+        self.ctx = context  # the ProviderContext: id, secret, folders, clock
+        self.index = index
+        self.ids = [p.id for p in spec.peers]
+        self.election = Election(range(len(self.ids)), index, self._alive, on_dead=self._on_dead)
+        self.results_ready = threading.Event()
+        self.book: LeaderState | None = None  # the leader's record of final models
+        self.node: Node | None = None
+        self.samples = 0
+        self.started_at = 0.0
+        self._final_sent_to: int | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, node: Node, samples: int) -> None:
+        """The node whose final model this provider gives (once it is built)."""
+        self.node, self.samples = node, samples
+
+    # --- this provider's run thread ---------------------------------------------------------
+
+    def finish(self, updates: int, check_cancelled) -> None:
+        """Give the final model, and end holding the task's result (leader or not)."""
+        while not self.results_ready.is_set():
+            check_cancelled()
+            leader = self.election.resolve()
+            if leader == self.index:
+                self._lead(updates, check_cancelled)
+                return
+            if self._final_sent_to != leader:
+                try:
+                    self._push_final(leader, updates)
+                except Unreachable:
+                    self.election.mark_dead(leader)
+                    continue
+                except RemoteError as exc:  # not leading (yet), or not ready: ask again shortly
+                    log.info("task %s: final model not taken by %s: %s", self.spec.task_id, self.ids[leader], exc)
+                    self.ctx.clock.sleep(RETRY)
+                    continue
+            self._await_result(leader, check_cancelled)
+
+    def _push_final(self, leader: int, updates: int) -> None:
+        flat = self.node.flat
+        blobs = encode(Message(Kind.MODEL, self.index, 1, 0, flat.segments_of(flat.state.detach().cpu())))
+        reply = call(self._address(leader), "agg.push",
+                     {"task": self.spec.task_id, "index": self.index, "samples": self.samples, "updates": updates},
+                     self.ctx.secret, blobs=blobs, timeout=2 * self.spec.peer_timeout + 5, sender=self.ctx.id,
+                     max_bytes=self.ctx.max_message_bytes)
+        self._final_sent_to = leader
+        if reply.body.get("results"):  # it finished before this model came: its result is the task's
+            self._fetch_result(leader)
+
+    def _await_result(self, leader: int, check_cancelled) -> None:
+        """Wait for the leader's result, while it answers; fetch it from there once it holds one."""
+        while not self.results_ready.wait(RETRY):
+            check_cancelled()
+            status = self._status_of(leader)
+            if status is None:
+                self.election.mark_dead(leader)
+                return
+            if status.get("results"):
+                self._fetch_result(leader)
+                return
+
+    def _lead(self, updates: int, check_cancelled) -> None:
+        book = self._book()
+        if not book.has_final(self.index):
+            book.submit(self.index, self.node.flat.state, self.samples, final=True, updates=updates)
+        while not book.all_final():
+            check_cancelled()
+            self.ctx.clock.sleep(0.05)
+        self._publish(book.aggregate(), book)
+
+    def _book(self) -> LeaderState:
+        with self._lock:
+            if self.book is None:
+                self.book = LeaderState(list(range(len(self.ids))), self.index, self.spec.peer_timeout,
+                                        first_barrier=False, weighting="samples", clock=self.ctx.clock)
+                for dead in self.election.dead:  # known gone: reported lost, never waited for
+                    self.book.mark_lost(dead)
+                if self.index != 0:
+                    log.warning("task %s: %s takes over as leader", self.spec.task_id, self.ctx.id)
+            return self.book
+
+    def _publish(self, average: torch.Tensor, book: LeaderState) -> None:
+        """Evaluate the final average, copy the result to every living provider, then keep it."""
+        node, spec = self.node, self.spec
+        node.flat.state.copy_(average)
+        evaluation = evaluate_model(node.model, node.dataset, node.device, spec.eval_samples, full=True)
+        contributions = book.report(self.ids)
+        dead = self.election.dead
+        metrics = {
+            "task": spec.task_id, "algorithm": spec.algorithm, "model": spec.model, "epochs": spec.epochs,
+            "batch_size": spec.batch_size, "lr": spec.lr, "test_samples": spec.eval_samples or len(node.dataset.test_y),
+            "loss": evaluation.loss, "accuracy": evaluation.accuracy, "precision": evaluation.precision,
+            "recall": evaluation.recall, "f1": evaluation.f1, "confusion": evaluation.confusion,
+            "class_names": list(node.dataset.class_names),
+            "training_time": self.ctx.clock.monotonic() - self.started_at,
+            "leader": self.ctx.id, "leaders_lost": [self.ids[i] for i in sorted(dead) if i < self.index],
+            "providers": contributions,
+            "lost": sorted(pid for pid, c in contributions.items() if c["status"] == "lost"),
+        }
+        model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items()})
+        for i in range(len(self.ids)):  # copies first: a provider told "done" then has its copy
+            if i != self.index and i not in dead and contributions.get(self.ids[i], {}).get("status") != "lost":
+                try:
+                    call(self._address(i), "agg.results", {"task": spec.task_id, "metrics": metrics},
+                         self.ctx.secret, blobs=[model_bytes], timeout=COPY_TIMEOUT, sender=self.ctx.id,
+                         max_bytes=self.ctx.max_message_bytes)
+                except (Unreachable, RemoteError) as exc:
+                    log.warning("task %s: result not copied to %s: %s", spec.task_id, self.ids[i], exc)
+        self._keep(metrics, model_bytes)
+
+    def _fetch_result(self, leader: int) -> None:
+        reply = call(self._address(leader), "task.results", {"task": self.spec.task_id}, self.ctx.secret,
+                     timeout=30, sender=self.ctx.id, max_bytes=self.ctx.max_message_bytes)
+        self._take_result(reply)
+
+    def _keep(self, metrics: dict, model_bytes: bytes) -> None:
+        write_results(self.ctx.workdir / "tasks" / self.spec.task_id / "result", metrics, model_bytes)
+        self.results_ready.set()
+
+    # --- other providers' calls ---------------------------------------------------------------
+
+    def on_push(self, req: Envelope) -> dict:
+        """A follower's final model: recorded if this provider leads (it never waits here)."""
+        index = field_of(req.body, "index", int, min_value=0)
+        if index >= len(self.ids) or index == self.index:
+            raise BadMessage(f"provider index {index} is not another provider of this task")
+        if self.results_ready.is_set():
+            return {"results": True}
+        if self.node is None:
+            raise BadMessage(f"{self.ctx.id} is not ready for models yet")
+        if self.election.leader != self.index:
+            self.election.poke()  # perhaps the leader this provider knows is gone
+            raise BadMessage(f"{self.ctx.id} is not the leader: {self.ids[self.election.leader]} is")
+        msg = decode(req.blobs, self.ctx.max_message_bytes)
+        problem = self.node.flat.check_compatible(msg.tensors)
+        if problem:
+            raise BadMessage(f"model does not fit this task: {problem}")
+        vector = torch.cat([msg.tensors[name] for name in self.node.flat.ranges])
+        self._book().submit(index, vector, field_of(req.body, "samples", int, min_value=0), final=True, copy=False,
+                            updates=field_of(req.body, "updates", int, 0, min_value=0))
+        return {"accepted": True}
+
+    def on_ping(self, req: Envelope) -> dict:
+        index = field_of(req.body, "index", int, min_value=0)
+        if self.book is not None and index < len(self.ids):
+            self.book.touch(index)
+        return {"results": self.results_ready.is_set()}
+
+    def on_results(self, req: Envelope) -> dict:
+        """A copy of the final result from the leader: checked against this task's model, then kept."""
+        self._take_result(req)
+        return {"kept": True}
+
+    def _take_result(self, reply: Envelope) -> None:
+        metrics = field_of(reply.body, "metrics", dict, max_len=1_000_000)
+        if len(reply.blobs) != 1:
+            raise BadMessage("a result carries exactly one model")
+        try:
+            tensors = load_safetensors(bytes(reply.blobs[0]))
+        except Exception:
+            raise BadMessage("the result's model is not a valid safetensors file") from None
+        mine = self.node.model.state_dict() if self.node is not None else {}
+        if mine and ({k: tuple(v.shape) for k, v in tensors.items()} != {k: tuple(v.shape) for k, v in mine.items()}):
+            raise BadMessage("the result's model does not match this task's model")
+        self._keep(json.loads(json.dumps(metrics)), bytes(reply.blobs[0]))
+
+    # --- liveness -------------------------------------------------------------------------------
+
+    def _address(self, index: int) -> str:
+        return self.spec.peers[index].address
+
+    def _status_of(self, index: int) -> dict | None:
+        try:
+            return call(self._address(index), "agg.ping", {"task": self.spec.task_id, "index": self.index},
+                        self.ctx.secret, timeout=min(3.0, self.spec.peer_timeout / 2), sender=self.ctx.id).body
+        except (Unreachable, RemoteError):
+            return None
+
+    def _alive(self, index: int) -> bool:
+        return self._status_of(index) is not None
+
+    def _on_dead(self, index: int) -> None:
+        log.warning("task %s: provider %s is gone", self.spec.task_id, self.ids[index])
+        if self.book is not None:
+            self.book.mark_lost(index)

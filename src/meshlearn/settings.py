@@ -1,0 +1,65 @@
+"""The base of every component's typed settings, and one clear line for any invalid value.
+
+Each component (a transport, an algorithm, the network emulation, a network service) owns a
+``Settings`` subclass that holds its knobs, their defaults and their documentation in one place.
+Larger configurations (an experiment, a dpwa adapter group, a network task) compose them.
+Constructing any of them with a bad value raises ``ConfigError`` with one line that names the
+setting, never a pydantic traceback.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from meshlearn.errors import ConfigError
+
+
+def describe_error(exc: ValidationError, rename: Callable[[tuple], str] | None = None) -> str:
+    """One line naming the first invalid setting, what is wrong, and what was given.
+
+    ``rename`` turns an error location into the name the user wrote (e.g. ``udp.mode`` ->
+    ``udp_mode`` when settings were given flat); by default the location is dotted.
+    """
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
+    where = (rename(loc) if rename and loc else ".".join(str(p) for p in loc)) or "config"
+    got = err.get("input")
+    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+    extra = "" if len(exc.errors()) == 1 else f" (and {len(exc.errors()) - 1} more problem(s))"
+    if err["type"] == "extra_forbidden":
+        return f"unknown setting {where!r}: remove it or check its spelling{extra}"
+    message = err["msg"].removeprefix("Value error, ")
+    if not loc:  # a rule across settings
+        return message + extra
+    return f"setting {where!r}: {message}{shown}{extra}"
+
+
+class Settings(BaseModel):
+    """Immutable, validated settings; unknown keys are refused. Bad values raise ConfigError."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Where a composed configuration is written flat (an experiment file, a CLI flag), a field may
+    # go by a longer name there: UdpSettings.mode is ``udp_mode``. Fields not listed keep their name.
+    FLAT_NAMES: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, **values: Any):
+        try:
+            super().__init__(**values)
+        except ValidationError as exc:
+            raise ConfigError(describe_error(exc, rename=self.setting_name)) from None
+
+    # Tell pydantic this __init__ only wraps BaseModel's: settings nested in other settings are then
+    # validated as part of their parent, so one error names the whole path (udp.mode), not a part.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    @classmethod
+    def setting_name(cls, loc: tuple) -> str:
+        """What to call the setting at an error location in a one-line error (dotted by default)."""
+        return ".".join(str(p) for p in loc)
+
+    @classmethod
+    def flat_names(cls) -> dict[str, str]:
+        """Flat name -> field name, for every field."""
+        return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}

@@ -1,0 +1,347 @@
+"""The UDP transport: a socket, a HELLO handshake, and two thin threads around the pure cores.
+
+The receive thread drains the socket all the time into the ``Reassembler`` (so datagrams do not
+pile up in the kernel while the node trains: the cause of the self-inflicted loss measured in
+the UDP study), reading each datagram's payload straight into the slot of the chunk that most
+likely comes next (the one after the last received; a wrong guess lands in a slot not yet
+filled and is moved, so the kernel's copy is the only one). The delay thread, started only under
+emulated delay, releases the ``DatagramSender``'s delayed datagrams when they fall due.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import select
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from typing import Iterable, Mapping
+
+from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.netem import Emulator, NetemSpec
+from meshlearn.transport.base import DONE, Receipt, Transport
+from meshlearn.transport.settings import UdpSettings, default_chunk_bytes
+from meshlearn.transport.udp.reassembly import Reassembler, StateLayout
+from meshlearn.transport.udp.sender import DatagramSender
+from meshlearn.wire import Kind, Message
+from meshlearn.wire.datagram import (
+    FLAG_HEARD,
+    FLAG_REPLY,
+    HEADER_SIZE,
+    MAX_DATAGRAM,
+    ChunkHeader,
+    check_payload,
+    parse_header,
+)
+
+log = logging.getLogger(__name__)
+SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
+HELLO_EVERY = 0.1
+POLL_MS = 100
+
+
+class UdpTransport(Transport):
+    """Sends each message as checksummed datagrams; tolerates their loss (see ``transport.udp``)."""
+
+    lossy = True
+
+    def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, layout: StateLayout,
+                 settings: UdpSettings | None = None, netem: NetemSpec | None = None, seed: int = 0):
+        super().__init__(node_id)
+        self.settings = settings = settings or UdpSettings()
+        self.host, self.port = host, port
+        self.layout = layout
+        self.chunk_bytes = settings.chunk_bytes or default_chunk_bytes(host)
+        self.mode = settings.mode
+        self.max_message_bytes = settings.max_message_bytes
+        netem = netem or NetemSpec()
+        self.sender = DatagramSender(node_id, self._sendmsg, self.chunk_bytes, settings.rate_gbps * 1e9,
+                                     Emulator(netem, seed * 7919 + node_id),
+                                     Emulator(netem, seed * 7919 + node_id + 104_729), self.stats)
+        self.reassembler = Reassembler(layout, self.chunk_bytes, self.stats,
+                                       late=settings.late_chunks == "use" and settings.mode == "sync")
+        self.address = ""
+        self.datagrams_received = 0
+        self.rcvbuf_drops = 0
+        self._sock: socket.socket | None = None
+        self._addrs: dict[int, tuple[str, int]] = {}
+        self._cond = threading.Condition()  # guards the reassembler and the handshake and control state
+        self._control: deque[Message] = deque()
+        self._heard: set[int] = set()
+        self._acked: set[int] = set()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        # While a slot is armed for the receive thread (see the module docstring) its message must
+        # stay in the reassembler; gather sets _taking and waits for the receive thread to disarm.
+        self._armed: tuple[object, int, memoryview] | None = None
+        self._taking = False
+
+    @property
+    def gather_timeout(self) -> float:
+        return self.settings.timeout
+
+    @property
+    def emulator(self) -> Emulator:
+        return self.sender.emulator
+
+    # --- set-up ---------------------------------------------------------------------------
+
+    def bind(self) -> str:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self._size_receive_buffer(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 1024 * 1024)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
+        except OSError:
+            pass
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as exc:
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(f"UDP port {self.port} on {self.host} is in use: choose another port") from None
+            raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{self.port}: {exc}") from None
+        sock.setblocking(False)  # the receive thread polls; see _receive_loop
+        self._sock = sock
+        host, port = sock.getsockname()
+        self.address = f"udp://{host}:{port}"
+        return self.address
+
+    def _size_receive_buffer(self, sock: socket.socket) -> None:
+        """Ask for ``rcvbuf_mb``: forced when root, else capped by net.core.rmem_max (warned)."""
+        wanted = int(self.settings.rcvbuf_mb * 1024 * 1024)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, wanted)
+            return
+        except OSError:
+            pass
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wanted)
+        granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
+        if granted < wanted:
+            log.warning("node %d: UDP receive buffer capped at %d bytes by net.core.rmem_max (asked %d); raise it "
+                        "(sysctl -w net.core.rmem_max=%d) or run as root to avoid self-inflicted loss",
+                        self.node_id, granted, wanted, wanted)
+
+    def connect(self, peers: Mapping[int, str]) -> None:
+        if self._sock is None:
+            raise TransportError("bind() must be called before connect()")
+        self.peers = dict(peers)
+        for peer, address in self.peers.items():
+            host, _, port = address.removeprefix("udp://").rpartition(":")
+            self._addrs[peer] = (host, int(port))
+        self._start_thread(self._receive_loop, "udp-recv")
+        if self.sender.emulator.spec.delay or self.sender.emulator.spec.jitter:
+            self._start_thread(self._delay_loop, "udp-delay")
+        deadline = time.monotonic() + self.settings.handshake_timeout
+        while True:
+            with self._cond:
+                waiting = self.peers.keys() - self._acked - self.departed
+                if not waiting:
+                    return
+                heard = set(self._heard)
+            if time.monotonic() > deadline:
+                where = ", ".join(f"{p} at {self.peers[p]}" for p in sorted(waiting))
+                raise TransportError(f"node {self.node_id}: neighbour(s) {where} did not answer the handshake "
+                                     f"within {self.settings.handshake_timeout:g} s")
+            for peer in waiting:
+                self.sender.send_control(Kind.HELLO, self._addrs[peer], FLAG_HEARD if peer in heard else 0)
+            with self._cond:
+                self._cond.wait(HELLO_EVERY)
+
+    def _start_thread(self, target, name: str) -> None:
+        thread = threading.Thread(target=target, name=f"{name}-{self.node_id}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    # --- sending --------------------------------------------------------------------------
+
+    def _sendmsg(self, pieces: list, addr: tuple[str, int]) -> None:
+        self._sock.sendmsg(pieces, [], 0, addr)
+
+    def send(self, peer: int, msg: Message) -> None:
+        self.broadcast([peer], msg)
+
+    def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
+        """Send a message to each peer as datagrams; returns once they are handed to the kernel
+        (or copied into the delay line), so the tensors may be reused at once."""
+        total = sum(t.numel() * t.element_size() for t in msg.tensors.values())
+        if msg.tensors and total != self.layout.nbytes:
+            raise TransportError(f"node {self.node_id}: a {total}-byte message does not match the "
+                                 f"{self.layout.nbytes}-byte state layout")
+        self.sender.send_model(msg, [self._addrs[peer] for peer in peers], total)
+        return DONE
+
+    def _delay_loop(self) -> None:
+        while not self._stop.is_set():
+            self.sender.release_due(wait=POLL_MS / 1000)
+
+    # --- receiving ------------------------------------------------------------------------
+
+    def _receive_loop(self) -> None:
+        head = memoryview(bytearray(HEADER_SIZE))
+        spill = memoryview(bytearray(MAX_DATAGRAM + 1))
+        joined = memoryview(bytearray(MAX_DATAGRAM + 1))
+        ancillary = socket.CMSG_SPACE(4)
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        while not self._stop.is_set():
+            armed = self._armed
+            try:
+                size, ancdata, _, _ = self._sock.recvmsg_into([head, armed[2], spill] if armed else [head, spill],
+                                                              ancillary)
+            except BlockingIOError:
+                if armed is not None:
+                    self._disarm()
+                poller.poll(POLL_MS)
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            for level, kind, data in ancdata:
+                if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
+                    self.rcvbuf_drops = struct.unpack("<I", data[:4])[0]
+            self.stats.bytes_received += size
+            try:
+                if size < HEADER_SIZE:
+                    raise WireError(f"datagram of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
+                header, checksum = parse_header(head, self.max_message_bytes)
+                payload, in_place = _payload(size - HEADER_SIZE, armed, spill, joined)
+                check_payload(head, header, checksum, payload)
+                in_place = in_place and armed[0].header.sender == header.sender and \
+                    armed[0].header.iteration == header.iteration and armed[1] == header.index
+                self._accept(header, payload, in_place)
+            except WireError as exc:
+                self.stats.malformed_dropped += 1
+                log.debug("node %d: dropped a malformed datagram: %s", self.node_id, exc)
+
+    def _disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+            if self._taking:
+                self._cond.notify_all()
+
+    def _accept(self, header: ChunkHeader, payload: memoryview, in_place: bool = False) -> None:
+        if header.sender not in self.peers:
+            self.stats.unknown_sender_dropped += 1
+            self._disarm()
+            return
+        self.datagrams_received += 1
+        with self._cond:
+            self._armed = None
+            if header.kind == Kind.MODEL:
+                complete = self.reassembler.add(header, payload, in_place)
+                if complete:
+                    self.stats.messages_received += 1
+                elif not self._taking:
+                    self._armed = self.reassembler.slot_after(header)
+                if complete or self._taking:  # wake a waiting gather only when a model completes
+                    self._cond.notify_all()
+                return
+            if header.kind == Kind.HELLO:
+                self._heard.add(header.sender)
+                if header.flags & FLAG_HEARD:
+                    self._acked.add(header.sender)
+                if not header.flags & FLAG_REPLY:  # a peer still sending HELLO wants to know we heard it
+                    self.sender.send_control(Kind.HELLO, self._addrs[header.sender], FLAG_HEARD | FLAG_REPLY)
+            elif header.kind == Kind.BYE:
+                self.departed.add(header.sender)
+            else:
+                self._control.append(Message(header.kind, header.sender, header.iteration, header.degree))
+            self._cond.notify_all()
+
+    def recv(self, timeout: float) -> Message | None:
+        """The next control message (not HELLO, BYE or MODEL: those are handled by the transport)."""
+        with self._cond:
+            if not self._control:
+                self._cond.wait(timeout)
+            return self._control.popleft() if self._control else None
+
+    def gather(self, iteration: int, peers: Iterable[int], timeout: float | None = None) -> dict[int, Message]:
+        """``sync``: wait until every neighbour's model of ``iteration`` is complete, or the
+        timeout; ``async``: take each neighbour's newest model at once (see ``transport.udp``)."""
+        timeout = self.gather_timeout if timeout is None else timeout
+        wanted = list(peers)
+        with self._cond:
+            if self.mode == "sync":
+                deadline = time.monotonic() + timeout
+                while not all(self.reassembler.complete(p, iteration) or p in self.departed for p in wanted):
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self.stats.gather_timeouts += 1
+                        break
+                    self._cond.wait(remaining)
+            self._taking = True
+            try:
+                while self._armed is not None:  # the receive thread disarms within one non-blocking read
+                    self._cond.wait(0.005)
+                taken = self.reassembler.take(iteration, wanted, newest=self.mode == "async")
+            finally:
+                self._taking = False
+        result, spare = self.reassembler.assemble(taken, self.departed)
+        with self._cond:
+            self.reassembler.recycle(spare, len(self.peers))
+        return result
+
+    def recycle(self, messages: Iterable[Message]) -> None:
+        """Take back the buffers of gathered models the caller no longer uses (saves page faults)."""
+        with self._cond:
+            self.reassembler.recycle([msg.chunks.vector for msg in messages if msg.chunks is not None],
+                                     len(self.peers))
+
+    # --- shutdown -------------------------------------------------------------------------
+
+    def extra_stats(self) -> dict[str, int]:
+        """UDP counters for the run log: datagrams, chunks lost, emulated and buffer drops."""
+        return {
+            "datagrams_sent": self.sender.datagrams_sent, "datagrams_received": self.datagrams_received,
+            "chunks_lost": self.reassembler.chunks_lost, "late_chunks_used": self.reassembler.late_chunks_used,
+            "emulated_drops": self.sender.emulated_drops, "rcvbuf_drops": self.rcvbuf_drops,
+        }
+
+    def close(self) -> None:
+        if self._closed or self._sock is None:
+            return
+        self._closed = True
+        try:
+            for addr in self._addrs.values():
+                for _ in range(3):  # BYE may be lost too; it only spares the neighbours a timeout
+                    self.sender.send_control(Kind.BYE, addr)
+            deadline = time.monotonic() + 2.0
+            while self.sender.pending and time.monotonic() < deadline:  # let delayed datagrams go out
+                time.sleep(0.01)
+        finally:
+            self._stop.set()
+            with self._cond:
+                self._cond.notify_all()
+            with self.sender.cond:
+                self.sender.cond.notify_all()
+            for thread in self._threads:
+                thread.join(timeout=2.0)
+            self._sock.close()
+
+
+def _payload(size: int, armed, spill: memoryview, joined: memoryview) -> tuple[memoryview, bool]:
+    """Where a received payload of ``size`` bytes lies, and whether it is all in the armed slot."""
+    if armed is None:
+        return spill[:size], False
+    slot = armed[2]
+    if size <= len(slot):
+        return slot[:size], size == len(slot)
+    joined[:len(slot)] = slot  # longer than the slot guessed for it: the rest went to spill
+    joined[len(slot):size] = spill[:size - len(slot)]
+    return joined[:size], False
+
+
+def rcvbuf_errors() -> int:
+    """The kernel's UDP RcvbufErrors counter for this network namespace (/proc/net/snmp)."""
+    try:
+        lines = [line.split() for line in open("/proc/net/snmp") if line.startswith("Udp:")]
+        return int(lines[1][lines[0].index("RcvbufErrors")])
+    except (OSError, ValueError, IndexError):
+        return -1

@@ -1,0 +1,228 @@
+"""Leader aggregation: the rules, the leader's book, the election, the hub, and runs on digits."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+from helpers.waiting import wait_until
+
+from meshlearn.aggregation import by_samples, by_staleness, equal, get_rule, mean
+from meshlearn.algorithms import Election, LeaderState
+from meshlearn.clock import FakeClock
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.node import build_node
+from meshlearn.sim import simulate
+from meshlearn.sim.inprocess import run_threads
+from meshlearn.topology import build_topology
+from meshlearn.transport.hub import Answer, HubEndpoint
+from meshlearn.transport.settings import TcpSettings
+
+# --- aggregation rules ------------------------------------------------------------------------
+
+
+def test_mean_by_hand_and_weightings():
+    models = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([5.0, -4.0])]
+    assert torch.allclose(mean(models, equal(3)), torch.tensor([3.0, 4 / 3]))
+    assert torch.allclose(mean(models, [1.0, 0.0, 3.0]), torch.tensor([(1 + 15) / 4, (2 - 12) / 4]))
+    assert by_samples([100, 0, 50]) == [100.0, 1.0, 50.0]  # a model of no samples still counts a little
+    assert by_staleness([100, 100], [0.0, 1.0]) == [100.0, 50.0]  # one round behind: half
+    assert get_rule("mean") is mean
+    with pytest.raises(ConfigError, match="unknown aggregation rule 'median'.*mean"):
+        get_rule("median")
+    with pytest.raises(ValueError, match="one weight per model"):
+        mean(models, [1.0])
+    with pytest.raises(ValueError, match="non-negative"):
+        mean(models, [1.0, -1.0, 1.0])
+
+
+def test_mean_is_invariant_to_the_order_of_the_models():
+    generator = torch.Generator().manual_seed(5)
+    models = [torch.randn(100, generator=generator) for _ in range(5)]
+    weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+    order = [3, 0, 4, 1, 2]
+    assert torch.allclose(mean(models, weights), mean([models[i] for i in order], [weights[i] for i in order]),
+                          atol=1e-6)
+
+
+# --- the leader's book --------------------------------------------------------------------------
+
+
+def _state(value: float) -> torch.Tensor:
+    return torch.full((4,), value)
+
+
+def test_the_first_cycle_waits_for_everyone_then_pushes_are_answered_at_once():
+    clock = FakeClock()
+    book = LeaderState([0, 1, 2], me=0, peer_timeout=10.0, first_barrier=True, weighting="samples", clock=clock)
+    book.submit(1, _state(1.0), samples=10, final=False)
+    assert not book.can_answer(1)  # 0 and 2 are not in yet
+    book.submit(0, _state(2.0), samples=10, final=False)
+    assert book.answerable([0, 1]) == []
+    book.submit(2, _state(3.0), samples=20, final=False)
+    assert book.answerable([0, 1, 2]) == [0, 1, 2]
+    assert torch.allclose(book.aggregate(), _state((10 * 1 + 10 * 2 + 20 * 3) / 40))
+    book.submit(1, _state(5.0), samples=10, final=False)
+    assert book.can_answer(1)  # the barrier is the first cycle's only
+
+
+def test_the_first_cycle_waits_no_longer_than_the_peer_timeout():
+    clock = FakeClock()
+    book = LeaderState([0, 1, 2], me=0, peer_timeout=10.0, first_barrier=True, clock=clock)
+    book.submit(0, _state(1.0), samples=10, final=False)
+    clock.advance(9.9)
+    assert not book.can_answer(0)
+    clock.advance(0.2)
+    assert book.can_answer(0)
+
+
+def test_a_silent_member_is_lost_and_left_out_until_it_pushes_again():
+    clock = FakeClock()
+    book = LeaderState([0, 1], me=0, peer_timeout=5.0, first_barrier=False, weighting="equal", clock=clock)
+    book.submit(0, _state(0.0), samples=1, final=False)
+    book.submit(1, _state(10.0), samples=1, final=False)
+    assert torch.allclose(book.aggregate(), _state(5.0))
+    clock.advance(4.0)
+    book.touch(1)  # a ping keeps it
+    clock.advance(4.0)
+    assert book.report(["a", "b"])["b"]["status"] == "running"
+    clock.advance(1.5)
+    assert book.report(["a", "b"])["b"]["status"] == "lost"
+    assert torch.allclose(book.aggregate(), _state(0.0))  # the leader itself is never lost
+    book.submit(1, _state(4.0), samples=1, final=False)
+    assert torch.allclose(book.aggregate(), _state(2.0))
+
+
+def test_final_pushes_wait_for_every_final_model_or_its_loss():
+    clock = FakeClock()
+    book = LeaderState([0, 1, 2], me=0, peer_timeout=5.0, first_barrier=False, weighting="equal", clock=clock)
+    for member, value in ((0, 1.0), (1, 2.0), (2, 3.0)):
+        book.submit(member, _state(value), samples=1, final=False)
+    book.submit(1, _state(6.0), samples=1, final=True)
+    assert not book.can_answer(1) and book.can_answer(2)  # 2's push is not final: answered at once
+    book.submit(0, _state(0.0), samples=1, final=True)
+    assert book.answerable([0, 1]) == []
+    clock.advance(6.0)  # 2 goes silent: lost, and the finals are released without it
+    assert book.answerable([0, 1]) == [0, 1] and book.all_final()
+    assert torch.allclose(book.aggregate(), _state(3.0))
+
+
+def test_staleness_discounts_a_member_that_fell_behind():
+    book = LeaderState([0, 1], me=0, peer_timeout=60.0, first_barrier=False, weighting="staleness")
+    book.submit(1, _state(10.0), samples=10, final=False)
+    for _ in range(4):
+        book.submit(0, _state(0.0), samples=10, final=False)
+    # 1 is 4 pushes (2 rounds of 2 members) behind: weight 10 / (1 + 2) against 0's 10
+    assert torch.allclose(book.aggregate(), _state(10.0 * (10 / 3) / (10 + 10 / 3)))
+
+
+# --- the election -----------------------------------------------------------------------------
+
+
+def test_the_lowest_living_member_leads_and_pings_block_no_one():
+    alive = {0: False, 1: True, 2: True}
+    answering = threading.Event()
+    lost = []
+
+    def ping(rank):
+        answering.wait(10)  # a slow ping: the dead leader's timeout
+        return alive[rank]
+    election = Election([0, 1, 2, 3], me=2, ping=ping, on_dead=lost.append)
+    assert election.leader == 0
+    resolving = threading.Thread(target=election.resolve)
+    resolving.start()
+    try:
+        started = time.monotonic()
+        assert election.leader == 0 and not election.is_dead(0)  # read at once while the ping waits
+        assert time.monotonic() - started < 1.0
+    finally:
+        answering.set()
+        resolving.join(10)
+    assert election.leader == 1 and election.dead == {0} and lost == [0]
+    alive[1] = False
+    assert election.resolve() == 2 and lost == [0, 1]  # no one below answers: this member leads
+    assert not election.mark_dead(2)  # never itself
+
+
+# --- the hub --------------------------------------------------------------------------------
+
+
+class _Holder:
+    """A responder that holds every push until released, and answers pings at once."""
+
+    def __init__(self):
+        self.pushed, self.released = set(), threading.Event()
+
+    def respond(self, request):
+        if request.meta.get("op") == "ping":
+            return Answer(meta={"status": "alive"})
+        self.pushed.add(request.sender)
+        return None
+
+    def release(self, held):
+        return {s: Answer({"w": torch.full((3,), 7.0)}, {"status": "ok"}) for s in held} if self.released.is_set() \
+            else {}
+
+
+def test_a_hub_holds_many_pushes_without_a_thread_each_and_still_answers_pings():
+    followers = 40  # more than the RPC servers' handler pools
+    settings = TcpSettings(wait_timeout=30)
+    hub = HubEndpoint(0, settings=settings)
+    holder = _Holder()
+    hub.serve(holder)
+    members = [HubEndpoint(i, settings=settings) for i in range(1, followers + 1)]
+    try:
+        address = hub.bind()
+        hub.connect({m.node_id: m.bind() for m in members})
+        for member in members:
+            member.connect({0: address})
+        threads_before = threading.active_count()
+        replies = {}
+
+        def push(member):
+            replies[member.node_id] = member.caller().call(0, 30.0, {"w": torch.ones(3)}, {"op": "push"})
+        pushers = [threading.Thread(target=push, args=(m,)) for m in members]
+        for thread in pushers:
+            thread.start()
+        assert wait_until(lambda: len(holder.pushed) == followers, timeout=30)
+        assert threading.active_count() == threads_before + followers  # the pushers' own, none in the hub
+        assert members[0].caller().call(0, 10.0, meta={"op": "ping"}).meta == {"status": "alive"}
+        assert not replies  # every push is still held
+        holder.released.set()
+        hub.poke()
+        for thread in pushers:
+            thread.join(30)
+        assert sorted(replies) == list(range(1, followers + 1))
+        assert all(torch.equal(r.tensors["w"], torch.full((3,), 7.0)) for r in replies.values())
+    finally:
+        for endpoint in [hub, *members]:
+            endpoint.close()
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+
+def test_leader_aggregation_in_threads_ends_with_one_model_that_learns():
+    config = make_config({"nodes": 4, "algorithm": "leader", "topology": "ring", "rounds": 5, "iterations": 20,
+                          "test_after": 20, "batch_size": 16, "lr": 0.05, "seed": 3})
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    nodes = [build_node(config, rank, graph) for rank in range(config.nodes)]
+    summaries = run_threads(nodes, timeout=300)
+    states = torch.stack([node.flat.state for node in nodes])
+    assert torch.equal(states, states[0].expand_as(states))  # the final barrier: one model for all
+    assert all(summaries[r]["metrics"]["accuracy"] > 0.6 for r in range(4))
+
+
+def test_simulate_runs_leader_aggregation_into_the_usual_results_folder(tmp_path):
+    config = make_config({"nodes": 4, "algorithm": "leader", "dataset": "digits", "model": "mlp", "rounds": 5,
+                          "batch_size": 16, "lr": 0.05, "iterations": 30, "test_after": 10, "seed": 7,
+                          "output": str(tmp_path / "run")})
+    result = simulate(config, progress=False)
+    summary = json.loads((result.output / "summary.json").read_text())
+    assert summary["nodes_finished"] == 4 and summary["final"]["accuracy"] > 0.85
+    assert summary["final"]["accuracy_std"] == 0.0  # every node ends with the leader's final aggregate
+    for name in ("config.yaml", "graph.txt", "summary.csv", "accuracy.png", "loss.png"):
+        assert (result.output / name).is_file()
+    assert "algorithm: leader" in (result.output / "config.yaml").read_text()

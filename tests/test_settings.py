@@ -1,0 +1,109 @@
+"""Typed settings owned by each component, composed by the experiment config, the adapter config and
+the task spec; flat names, flags and files that worked before keep working."""
+
+import pytest
+import yaml
+
+from meshlearn.adapter import load_gossip_config
+from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
+from meshlearn.cli.main import _resolve, build_parser
+from meshlearn.config import ExperimentConfig, make_config
+from meshlearn.errors import BadMessage, ConfigError
+from meshlearn.netem import NetemSpec
+from meshlearn.network.task import TaskSpec
+from meshlearn.transport.settings import TcpSettings, UdpSettings
+
+# Every setting an experiment file or flag could name before the settings were split by component.
+FLAT_BEFORE = {
+    "nodes": 5, "topology": "ring", "dataset": "digits", "partition": "shards:2", "model": "lenet",
+    "algorithm": "dpsgd", "transport": "udp", "udp_mode": "async", "udp_timeout": 0.7, "chunk_bytes": 4000,
+    "missing_chunks": "fill-local", "late_chunks": "drop", "udp_rate_gbps": 1.5, "net": "loss=10%,delay=5ms",
+    "loss_mode": "user", "fetch_probability": 0.5, "fetch_timeout": 1.5, "interpolation": "clock",
+    "interpolation_value": 0.3, "divergence_threshold": 0.1, "fetch_fresh": False, "slowdown": "0:3", "rounds": 2,
+    "batch_size": 8, "lr": 0.01, "momentum": 0.9, "weight_decay": 1e-4, "iterations": 7, "test_after": 3,
+    "eval_nodes": 2, "eval_samples": 50, "seed": 4, "wait_timeout": 30.0, "handshake_timeout": 20.0,
+    "max_message_mb": 64.0, "host": "127.0.0.1", "base_port": 0, "device": "cpu", "threads": 1, "output": "runs/x",
+}
+
+
+def _check_every_setting(config: ExperimentConfig) -> None:
+    assert (config.nodes, config.topology, config.transport, config.rounds, config.momentum) == (5, "ring", "udp", 2, 0.9)
+    assert config.udp == UdpSettings(mode="async", timeout=0.7, chunk_bytes=4000, late_chunks="drop", rate_gbps=1.5,
+                                     handshake_timeout=20.0, max_message_mb=64.0)
+    assert config.tcp == TcpSettings(wait_timeout=30.0, handshake_timeout=20.0, max_message_mb=64.0)
+    assert config.dpsgd.missing_chunks == "fill-local"
+    assert config.gossip == GossipSettings(fetch_probability=0.5, timeout=1.5, interpolation="clock", value=0.3,
+                                           divergence_threshold=0.1, fresh=False)
+    assert config.net == NetemSpec(loss=0.1, delay=0.005)
+
+
+def test_every_flat_setting_of_before_still_loads_into_its_component():
+    _check_every_setting(make_config(FLAT_BEFORE))
+
+
+def test_every_flag_of_before_still_works():
+    argv = ["simulate"]
+    for name, value in FLAT_BEFORE.items():
+        argv += [f"--{name.replace('_', '-')}", str(value).lower() if isinstance(value, bool) else str(value)]
+    _check_every_setting(_resolve(build_parser().parse_args(argv)))
+
+
+def test_sections_and_flat_names_compose_and_the_resolved_config_reads_back(tmp_path):
+    nested = make_config({"udp": {"mode": "async"}, "leader": {"weighting": "equal"}, "transport": "udp"})
+    assert nested.udp.mode == "async" and nested.leader == LeaderSettings(weighting="equal")
+    assert make_config({"udp": {"mode": "async", "timeout": 2}, "udp_mode": "sync"}).udp == UdpSettings(timeout=2)
+    config = make_config(FLAT_BEFORE)
+    written = yaml.safe_load(config.to_yaml())
+    assert written["udp"]["mode"] == "async" and written["net"] == "loss=10%,corr=0%,delay=5ms,jitter=0ms"
+    assert make_config(written) == config  # a run's config.yaml is a valid config file
+
+
+@pytest.mark.parametrize("values, text", [
+    ({"udp_mode": "fast"}, "setting 'udp_mode'"),
+    ({"udp": {"mode": "fast"}}, "setting 'udp_mode'"),
+    ({"wait_timeout": -1}, "setting 'wait_timeout'"),
+    ({"batch_sise": 8}, "unknown setting 'batch_sise'"),
+    ({"udp": {"speed": 3}}, "unknown setting 'speed'"),
+    ({"net": "loss=120%"}, "share like 20%"),
+    ({"algorithm": "leader", "transport": "udp"}, "leader exchanges models by request and answer over TCP"),
+])
+def test_a_bad_setting_is_one_clear_line(values, text):
+    with pytest.raises(ConfigError, match=text) as info:
+        make_config(values)
+    assert "\n" not in str(info.value)
+
+
+def test_components_validate_their_own_settings_with_one_line():
+    with pytest.raises(ConfigError, match="setting 'chunk_bytes'.*multiple of 8"):
+        UdpSettings(chunk_bytes=7)
+    with pytest.raises(ConfigError, match="setting 'weighting'"):
+        LeaderSettings(weighting="loudest")
+    assert NetemSpec.parse("loss=20%,corr=25%") == NetemSpec(loss=0.2, corr=0.25) == NetemSpec.model_validate(
+        {"loss": 0.2, "corr": 0.25})
+
+
+def test_the_adapter_config_maps_dpwa_names_onto_gossip_settings():
+    dpwa = [{"nodes": [{"name": "w1", "host": "localhost", "port": 45000}]}, {"timeout_ms": 800},
+            {"constant": {"value": 0.25}}, {"interpolation": "loss"}, {"clock": 0}, {"loss": 0}]
+    assert load_gossip_config(dpwa).settings() == GossipSettings(timeout=0.8, value=0.25, interpolation="loss")
+    mine = {"nodes": [{"name": "w1", "host": "localhost", "port": 45000}], "gossip": {"timeout": 0.8, "fresh": False}}
+    assert load_gossip_config(mine).settings() == GossipSettings(timeout=0.8, fresh=False)
+    with pytest.raises(ConfigError, match="setting 'timeout_ms'"):  # named as the dpwa file names it
+        load_gossip_config([{"nodes": [{"name": "w1", "host": "h", "port": 1}]}, {"timeout_ms": -5}])
+
+
+def test_a_task_spec_composes_gossip_and_leader_settings_and_builds_a_typed_engine_config():
+    spec = TaskSpec.parse({
+        "task_id": "t1", "model": "mlp", "epochs": 2, "batch_size": 10, "lr": 0.1, "algorithm": "leader",
+        "aggregate_every": 4, "seed": 3, "partition": "iid", "eval_samples": 0, "peer_timeout": 7,
+        "peers": [{"id": "p0", "address": "a:1"}, {"id": "p1", "address": "b:2"}], "data": {"mode": "local"},
+        "leader": {"weighting": "samples"}})
+    config = spec.experiment_config(samples=95, host="127.0.0.1", device="cpu", max_message_mb=32)
+    assert spec.schedule(95) == (4, 5)  # 10 batches an epoch, 2 epochs, a cycle every 4 batches
+    assert (config.algorithm, config.rounds, config.iterations, config.nodes) == ("leader", 4, 5, 2)
+    assert config.tcp == TcpSettings(wait_timeout=7, handshake_timeout=21, max_message_mb=32)
+    assert config.leader.weighting == "samples" and config.gossip == GossipSettings()
+    alone = TaskSpec.parse({**spec.model_dump(), "peers": [{"id": "p0", "address": "a:1"}]})
+    assert alone.experiment_config(95, "127.0.0.1", "cpu", 32).algorithm == "local"  # no one to exchange with
+    with pytest.raises(BadMessage, match="task spec: setting 'leader.weighting'"):
+        TaskSpec.parse({**spec.model_dump(), "leader": {"weighting": "loudest"}})
