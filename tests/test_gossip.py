@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 import zmq
+from helpers.waiting import wait_until
 from torch import nn
 
 from meshlearn.adapter import DpwaPyTorchAdapter, GossipAdapter, load_gossip_config
@@ -278,10 +279,7 @@ def _pair(b_knows=None):
 
 
 def _wait_until(condition, seconds=10.0):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+    assert wait_until(condition, seconds), "condition not reached"
 
 
 def _value(message):

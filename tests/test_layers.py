@@ -1,4 +1,6 @@
-"""The layering rule: lower packages never import from higher ones."""
+"""The layering rule of docs/architecture.md: lower packages never import from higher ones, the
+three services (sim, network, adapter) never import each other, and the wire format imports no
+model code. Absolute and relative imports are both checked."""
 
 import ast
 from pathlib import Path
@@ -6,35 +8,74 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
-# Higher number = higher layer. Shared modules (config, errors, ...) are layer 0 and may be used by any.
-LAYERS = {"wire": 1, "transport": 2, "algorithms": 3, "aggregation": 3, "config": 4, "node": 4, "sim": 5, "adapter": 5,
-          "network": 5, "cli": 6}
-SHARED = {"errors": 0, "settings": 0, "clock": 0, "lazy": 0, "flat": 0, "netem": 0, "metrics": 0, "runlog": 0, "topology": 0, "data": 0, "models": 0}
+# Higher number = higher layer. Shared modules are layer 0: any layer may use them, they use only each other.
+LAYERS = {"wire": 1, "transport": 2, "algorithms": 3, "aggregation": 3, "config": 4, "node": 4, "sim": 5,
+          "adapter": 5, "network": 5, "cli": 6}
+SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "runlog", "topology", "data", "models"}
+SIBLINGS = {"sim", "network", "adapter"}  # services built on the engine, side by side
+MODEL_CODE = {"torch.nn", "meshlearn.models", "meshlearn.data", "meshlearn.topology", "meshlearn.flat"}
+MODULES = sorted(SRC.rglob("*.py"))
 
 
-def _layer(module: str) -> int | None:
-    parts = module.split(".")
-    if parts[0] != "meshlearn" or len(parts) < 2:
-        return None
-    return LAYERS.get(parts[1], SHARED.get(parts[1]))
+def _module_name(path: Path) -> str:
+    parts = ("meshlearn",) + path.relative_to(SRC).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-@pytest.mark.parametrize("path", sorted(SRC.rglob("*.py")), ids=lambda p: str(p.relative_to(SRC)))
-def test_imports_point_down(path):
-    own = ".".join(("meshlearn",) + path.relative_to(SRC).with_suffix("").parts)
-    own_layer = _layer(own)
-    if own_layer is None:
-        return
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        names = []
+def _imports(path: Path) -> list[str]:
+    """Every module ``path`` imports, relative imports resolved."""
+    own = _module_name(path)
+    return _imports_of(path.read_text(), own if path.name == "__init__.py" else own.rpartition(".")[0])
+
+
+def _imports_of(source: str, package: str) -> list[str]:
+    """Every module ``source`` (a module of ``package``) imports, relative imports resolved."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module]
-        for name in names:
-            layer = _layer(name)
-            if layer is not None and own_layer in SHARED.values() and own.split(".")[1] in SHARED:
-                assert layer == 0, f"{own} (shared) imports {name} from a layer"
-            elif layer is not None:
-                assert layer <= own_layer, f"{own} (layer {own_layer}) imports {name} (layer {layer})"
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]  # from pkg import submodule
+    return names
+
+
+def _top(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "meshlearn" and len(parts) > 1 else None
+
+
+def _layer(top: str | None) -> int | None:
+    return 0 if top in SHARED else LAYERS.get(top)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_follow_the_drawing(path):
+    own = _top(_module_name(path))
+    if _layer(own) is None:  # the package's entry points (meshlearn, __main__)
+        return
+    for name in _imports(path):
+        other = _top(name)
+        if other is None or other == own or _layer(other) is None:
+            continue
+        if own in SHARED:
+            assert other in SHARED, f"{path.name} is shared but imports {name} from a layer"
+        assert _layer(other) <= _layer(own), f"{own} (layer {_layer(own)}) imports {name} (layer {_layer(other)})"
+        assert not (own in SIBLINGS and other in SIBLINGS), f"{own} imports its sibling {other} ({name})"
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "wire").rglob("*.py")), ids=lambda p: p.name)
+def test_the_wire_format_imports_no_model_code(path):
+    for name in _imports(path):
+        assert not any(name == m or name.startswith(m + ".") for m in MODEL_CODE), f"{path.name} imports {name}"
+
+
+def test_relative_imports_are_resolved():
+    names = _imports_of("from ..base import Endpoint\nfrom . import sender\nfrom ...cli import main\n",
+                        "meshlearn.transport.udp")
+    assert {"meshlearn.transport.base", "meshlearn.transport.udp.sender", "meshlearn.cli.main"} <= set(names)

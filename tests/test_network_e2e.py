@@ -8,6 +8,7 @@ import signal
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 
 from helpers.netproc import SECRET, Processes, free_port, start_network
@@ -175,3 +176,27 @@ def test_request_refuses_bad_input_in_one_line(procs, tmp_path):
         assert proc.wait(timeout=60) == 2, procs.log(name)
         out = procs.log(name).strip()
         assert text in out and len(out.splitlines()) == 1 and "Traceback" not in out
+
+
+def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partitions_and_seed(network, tmp_path):
+    """`meshlearn simulate --algorithm leader` runs CloudMesh's scheme as the providers do: same
+    shards, initial model and batch order; asynchrony moves the result by a few tenths of a point."""
+    from meshlearn.config import make_config
+    from meshlearn.network.task import TaskSpec
+    from meshlearn.sim import simulate
+
+    procs, bootstrap, ids = network
+    epochs, every, seed = 20, 5, 11
+    code, out = _request(procs, "req-leader-vs-sim", bootstrap, *TASK, "--algorithm", "leader", "--epochs",
+                         str(epochs), "--aggregate-every", str(every), "--providers", "3", "--seed", str(seed))
+    assert code == 0, out
+    network_accuracy = json.loads((procs.folder / "req-leader-vs-sim" / "metrics.json").read_text())["accuracy"]
+    task = yaml.safe_load((procs.folder / "req-leader-vs-sim" / "task.yaml").read_text())["task"]
+    spec = TaskSpec.parse({**task, "data": {"mode": "served"}})  # the spec the providers ran
+    rounds, iterations = spec.schedule(len(load_dataset("digits").train_y) // 3)
+    config = make_config({"nodes": 3, "algorithm": "leader", "topology": "full", "dataset": "digits", "model": "mlp",
+                          "lr": 0.05, "batch_size": 16, "rounds": rounds, "iterations": iterations, "test_after": iterations,
+                          "seed": seed, "output": str(tmp_path / "sim")})
+    result = simulate(config, progress=False)
+    simulated = json.loads((result.output / "summary.json").read_text())["final"]["accuracy"]
+    assert network_accuracy > 0.9 and abs(simulated - network_accuracy) <= 0.01, (simulated, network_accuracy)

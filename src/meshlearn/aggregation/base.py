@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
-from meshlearn.errors import ConfigError
+from meshlearn.plugins import Registry
 
 
 class AggregationRule(Protocol):
@@ -16,25 +16,9 @@ class AggregationRule(Protocol):
     def __call__(self, models: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor: ...
 
 
-RULES: dict[str, AggregationRule] = {}
-
-
-def register_rule(name: str) -> Callable[[AggregationRule], AggregationRule]:
-    """Decorator adding a rule to the registry under ``name``."""
-
-    def decorate(rule: AggregationRule) -> AggregationRule:
-        RULES[name] = rule
-        return rule
-
-    return decorate
-
-
-def get_rule(name: str) -> AggregationRule:
-    """The rule registered under ``name``; ConfigError lists the known ones otherwise."""
-    rule = RULES.get(name)
-    if rule is None:
-        raise ConfigError(f"unknown aggregation rule {name!r}: choose one of {', '.join(sorted(RULES))}")
-    return rule
+RULES: Registry[AggregationRule] = Registry("aggregation rule")
+register_rule = RULES.register  # decorator: @register_rule("name")
+get_rule = RULES.get  # the rule registered under a name; ConfigError lists the known ones otherwise
 
 
 def check_inputs(models: Sequence[torch.Tensor], weights: Sequence[float]) -> None:

@@ -9,11 +9,10 @@ from typing import ClassVar, Literal
 
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.plugins import Registry
 from meshlearn.settings import Settings
 from meshlearn.topology import Graph
-from meshlearn.transport.base import Endpoint
-
-EndpointKind = Literal["push", "pull", "hub", "none"]
+from meshlearn.transport.base import Endpoint, Unconnected
 
 
 @dataclass
@@ -38,16 +37,19 @@ class Algorithm(ABC):
     ``after_step`` around each step (gossip exchanges there), and ``after_local_steps`` after
     them; it returns timings and counters for the run log. Algorithms that work alongside training
     (gossip, the leader's watcher) start their helpers in ``start`` and stop them in ``stop``.
-    ``endpoint`` names the kind of endpoint the algorithm needs, which the node factory builds:
-    ``push`` (a ``Transport``: TCP or UDP), ``pull`` (gossip's ``PullEndpoint``), ``hub`` (the
-    leader's ``HubEndpoint``) or ``none``.
+    ``endpoint`` is the class of endpoint the algorithm needs, which the node factory builds (a
+    ``Transport`` means TCP or UDP, as configured); ``talks_to`` says whether it exchanges with
+    its neighbours in the topology or with everyone.
     """
 
     name: ClassVar[str]
-    endpoint: ClassVar[EndpointKind] = "none"
+    endpoint: ClassVar[type[Endpoint]] = Unconnected
     talks_to: ClassVar[Literal["neighbours", "everyone"]] = "neighbours"
 
     def __init__(self, ctx: AlgorithmContext):
+        if not isinstance(ctx.transport, self.endpoint):
+            raise ConfigError(f"the {self.name} algorithm needs a {self.endpoint.__name__}, not a "
+                              f"{type(ctx.transport).__name__}")
         self.ctx = ctx
 
     def start(self) -> None:
@@ -70,9 +72,16 @@ class Algorithm(ABC):
         """Called once after the last iteration, before the transport closes."""
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {}
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
+BUILT_IN = ("dpsgd", "gossip", "leader")  # modules of meshlearn.algorithms that register algorithms
 
 
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator adding an algorithm to the registry under ``cls.name``."""
+    return ALGORITHMS.add(cls.name, cls)
+
+
+@register_algorithm
 class LocalOnly(Algorithm):
     """No exchange: each node trains alone (a baseline)."""
 
@@ -82,26 +91,11 @@ class LocalOnly(Algorithm):
         return {}
 
 
-def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator adding an algorithm to the registry under ``cls.name``."""
-    ALGORITHMS[cls.name] = cls
-    return cls
-
-
-register_algorithm(LocalOnly)
-
-
-BUILT_IN = ("dpsgd", "gossip", "leader")  # modules of meshlearn.algorithms that register algorithms
-
-
 def algorithm_class(name: str) -> type[Algorithm]:
     """The algorithm registered under ``name`` (the built-in ones are loaded first)."""
     for module in BUILT_IN:
         importlib.import_module(f"meshlearn.algorithms.{module}")
-    cls = ALGORITHMS.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown algorithm {name!r}: choose one of {', '.join(sorted(ALGORITHMS))}")
-    return cls
+    return ALGORITHMS.get(name)
 
 
 def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:

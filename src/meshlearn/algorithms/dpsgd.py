@@ -13,7 +13,6 @@ from meshlearn.algorithms.averaging import (
 )
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.settings import DpsgdSettings
-from meshlearn.errors import ConfigError
 from meshlearn.topology import mh_row
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
@@ -31,12 +30,10 @@ class DPSGD(Algorithm):
     """
 
     name = "dpsgd"
-    endpoint = "push"
+    endpoint = Transport
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
-        if not isinstance(ctx.transport, Transport):
-            raise ConfigError("D-PSGD needs a push transport (tcp or udp)")
         settings = ctx.settings or DpsgdSettings()
         row = mh_row(ctx.graph, ctx.rank)
         self.neighbours = ctx.graph.neighbours(ctx.rank)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterable
 
+from meshlearn.clock import SYSTEM, Clock
+
 
 class Election:
     """The group's view of its leader, as this member sees it. Thread-safe."""
@@ -66,12 +68,12 @@ class Election:
             self.mark_dead(rank)
         return self._set(self.me)
 
-    def watch(self, stop: threading.Event, interval: float) -> None:
+    def watch(self, stop: threading.Event, interval: float, clock: Clock = SYSTEM) -> None:
         """Until ``stop`` is set (then ``poke``), ping the leader every ``interval`` seconds, or at
         once when poked: a silent leader is marked dead and its successor found. A member that
         watches is known by the leader to live, and learns of a dead leader between its own calls."""
         while not stop.is_set():
-            self._wake.wait(interval)
+            clock.wait(self._wake, interval)
             self._wake.clear()
             leader = self.leader
             if not stop.is_set() and leader != self.me and not self._ping(leader):

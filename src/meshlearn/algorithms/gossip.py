@@ -36,7 +36,6 @@ from typing import Iterable
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.settings import GossipSettings
-from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import meta_number
@@ -167,12 +166,10 @@ class Gossip(Algorithm):
     exchange around every local step, as dpwa's adapter does around every batch."""
 
     name = "gossip"
-    endpoint = "pull"
+    endpoint = PullEndpoint
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
-        if not isinstance(ctx.transport, PullEndpoint):
-            raise ConfigError("the gossip algorithm needs a pull endpoint (transport: tcp)")
         self.settings = ctx.settings or GossipSettings()
         self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
                                        seed=ctx.seed * 7919 + ctx.rank)

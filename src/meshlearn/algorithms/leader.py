@@ -24,7 +24,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algo
 from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
-from meshlearn.errors import ConfigError, WireError
+from meshlearn.errors import WireError
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller
 from meshlearn.wire import Message, meta_number
@@ -38,19 +38,16 @@ class Leader(Algorithm):
     """Asynchronous leader aggregation with fail-over (see the module docstring)."""
 
     name = "leader"
-    endpoint = "hub"
+    endpoint = HubEndpoint
     talks_to = "everyone"
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
-        if not isinstance(ctx.transport, HubEndpoint):
-            raise ConfigError("leader aggregation needs a hub endpoint (transport: tcp)")
         self.hub: HubEndpoint = ctx.transport
         self.settings = ctx.settings or LeaderSettings()
         self.timeout = self.hub.settings.wait_timeout
         self.election: Election | None = None  # from start(), once the group is known
         self.state: LeaderState | None = None  # while this member leads
-        self.updates = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._callers = threading.local()  # each thread calls through its own sockets
@@ -75,7 +72,6 @@ class Leader(Algorithm):
         aggregate = self._exchange(ctx.flat.state.detach().to("cpu", copy=True), final)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
-        self.updates += 1
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
 
     def stop(self) -> None:

@@ -118,6 +118,8 @@ class Provider:
 
     def run(self, ready: threading.Event | None = None) -> None:
         """Join, serve until asked to leave, finish the current task, then leave the network."""
+        from meshlearn.network import taskrun  # noqa: F401 - the task machinery loads now, not at the first task
+
         s = self.settings
         if s.models_module:
             load_models_module(s.models_module)

@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 import yaml
 from safetensors.torch import load as load_safetensors
 
+from meshlearn.clock import SYSTEM, Clock
 from meshlearn.data import Dataset, load_dataset, partition
 from meshlearn.errors import (
     NetworkError,
@@ -34,6 +34,7 @@ from meshlearn.network.task import (
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
+POLL = 0.25  # seconds between looks at the providers' status
 SETTLE_EXTRA = 10.0  # seconds beyond the peer timeout that providers get to end their part after the result
 ENDED = ("done", "failed", "cancelled")
 Say = Callable[[str], None]
@@ -44,7 +45,8 @@ class Requester:
     """Claims providers, serves them the data, starts the task, follows it and collects the result."""
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
-                 host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None):
+                 host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
+                 clock: Clock = SYSTEM):
         self.request = request
         self.dataset = dataset  # the task's data, if the caller has loaded it already
         self.bootstrap = bootstrap
@@ -55,6 +57,7 @@ class Requester:
         self.task_id = new_task_id()
         self.sender = f"requester-{self.task_id}"
         self.gone: set[str] = set()  # providers that stopped answering
+        self.clock = clock
 
     def run(self) -> dict:
         """Run the task to the end; return its metrics (the result is written into ``output``)."""
@@ -152,7 +155,7 @@ class Requester:
         peers = [p.model_dump() for p in spec.peers]
         for peer in peers:
             self._call(peer, "task.assign", {"spec": spec.model_dump()}, timeout=30)
-        deadline = time.monotonic() + READY_TIMEOUT
+        deadline = self.clock.monotonic() + READY_TIMEOUT
         engines: dict[str, str] = {}
         while len(engines) < len(peers):
             for i, peer in enumerate(peers):
@@ -161,9 +164,9 @@ class Requester:
                     raise TaskFailed(f"provider {peer['id']} could not prepare the task: {status['error']}")
                 if status["state"] != "preparing":
                     engines[str(i)] = status["engine"]
-            if time.monotonic() > deadline:
+            if self.clock.monotonic() > deadline:
                 raise TaskFailed("providers did not get ready in time (data download or model build)")
-            time.sleep(0.2)
+            self.clock.sleep(POLL)
         for peer in peers:
             self._call(peer, "task.start", {"engines": engines})
         self.say(f"task {self.task_id}: started on {len(peers)} provider(s)")
@@ -199,7 +202,7 @@ class Requester:
             if line != last_line:
                 self.say(f"task {self.task_id}: {line}")
                 last_line = line
-            time.sleep(1.0)
+            self.clock.sleep(2 * POLL)
 
     def _cancel(self, peers: list[dict]) -> None:
         """Tell every provider to drop the task (best effort), so none stays busy with it."""
@@ -212,11 +215,11 @@ class Requester:
     def _settle(self, spec: TaskSpec) -> None:
         """Wait (a little) until every provider still answering has ended its part of the task,
         so none is shown busy once the result is in."""
-        deadline = time.monotonic() + spec.peer_timeout + SETTLE_EXTRA
-        while time.monotonic() < deadline:
+        deadline = self.clock.monotonic() + spec.peer_timeout + SETTLE_EXTRA
+        while self.clock.monotonic() < deadline:
             if all(status["state"] in ENDED for _, status in self._statuses(spec)):
                 return
-            time.sleep(0.2)
+            self.clock.sleep(POLL)
         log.warning("task %s: some providers did not end their part in time", self.task_id)
 
     def _release(self, status: str, lost: set[str] = frozenset()) -> None:

@@ -11,14 +11,15 @@ METRICS_FILE = "metrics.json"
 CONFUSION_FILE = "confusion.png"
 
 
-def write_results(folder: Path, metrics: dict, model_bytes: bytes) -> None:
-    """Write the three files; the model last-but-atomically so a reader never sees half of it."""
+def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True) -> None:
+    """Write the model, the metrics and (``plot``) the confusion matrix; the model atomically so a
+    reader never sees half of it. Providers keep no plot: the requester draws its own."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model_bytes)
     os.replace(tmp, folder / MODEL_FILE)
     (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
-    if metrics.get("confusion"):
+    if plot and metrics.get("confusion"):
         plot_confusion(metrics["confusion"], metrics.get("class_names") or [], folder / CONFUSION_FILE)
 
 

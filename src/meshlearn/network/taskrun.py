@@ -134,8 +134,8 @@ class TaskRun:
             self._move(RunState.TRAINING)
             self.finisher.started_at = self.ctx.clock.monotonic()
             election = self.finisher.election
-            threading.Thread(target=election.watch, args=(stop_watching, max(0.2, self.spec.peer_timeout / 4)),
-                             name=f"task-watch-{self.spec.task_id}", daemon=True).start()
+            threading.Thread(target=election.watch, name=f"task-watch-{self.spec.task_id}", daemon=True,
+                             args=(stop_watching, max(0.2, self.spec.peer_timeout / 4), self.ctx.clock)).start()
             self.node.run(self._book)
             self._move(RunState.FINISHING)
             self.finisher.finish(self.progress.get("iteration", 0), self._check_cancelled)

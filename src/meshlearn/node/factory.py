@@ -31,13 +31,11 @@ def make_transport(
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
-    kind = algorithm_class(config.algorithm).endpoint
-    if kind == "none":
+    needed = algorithm_class(config.algorithm).endpoint
+    if needed is Unconnected:
         return Unconnected(rank)
-    if kind == "pull":
-        return PullEndpoint(rank, host, port, settings=config.tcp, secret=secret)
-    if kind == "hub":
-        return HubEndpoint(rank, host, port, settings=config.tcp, secret=secret)
+    if needed in (PullEndpoint, HubEndpoint):  # request and answer, over TCP
+        return needed(rank, host, port, settings=config.tcp, secret=secret)
     netem = config.net
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
