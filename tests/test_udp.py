@@ -544,3 +544,18 @@ def test_a_sender_paces_to_its_rate_with_the_clock_it_is_given():
     assert len(sent) == 20 and sender.datagrams_sent == 20 and sender.stats.messages_sent == 2
     wire_bytes = 20 * (1000 + HEADER_SIZE)
     assert sum(sleeps) == pytest.approx(wire_bytes / 1e6, abs=0.003)  # 1 MB/s: never more than 2 ms ahead
+
+
+def test_the_handshake_completes_both_ways_and_never_answers_an_answer():
+    from meshlearn.transport.udp.handshake import Handshake
+    from meshlearn.wire.datagram import FLAG_HEARD, FLAG_REPLY
+
+    a, b = Handshake(), Handshake()  # nodes 0 and 1
+    assert a.hello_flags(1) == 0  # a has not heard b yet
+    answer = b.on_hello(0, a.hello_flags(1))
+    assert answer == FLAG_HEARD | FLAG_REPLY and b.waiting([0], set()) == {0}
+    assert a.on_hello(1, answer) is None  # an answer is never answered: no ping-pong
+    assert a.waiting([1], set()) == set()  # b said it heard a
+    assert a.hello_flags(1) == FLAG_HEARD
+    b.on_hello(0, a.hello_flags(1))  # a's next HELLO says it heard b
+    assert b.waiting([0], set()) == set() and b.waiting([0, 2], {2}) == set()  # 2 left: not waited for

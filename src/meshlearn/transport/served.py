@@ -206,6 +206,9 @@ class ServedEndpoint(Endpoint):
         except WireError as exc:  # a request whose metadata does not make sense
             self.stats.add(malformed_dropped=1)
             log.debug("node %d: dropped a malformed request from %d: %s", self.node_id, request.sender, exc)
+        except Exception:  # noqa: BLE001 - one bad request must not end the serving thread
+            self.stats.add(malformed_dropped=1)
+            log.exception("node %d: a request from %d could not be answered", self.node_id, request.sender)
         return True
 
     def _reply(self, routing_id: Any, request_id: int, tensors: Mapping[str, torch.Tensor] | None = None,

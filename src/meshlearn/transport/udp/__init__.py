@@ -6,8 +6,10 @@ Three parts, each with one job:
   received chunks into per-(sender, iteration) models and hands them out per gather;
 - ``sender``: the ``DatagramSender``, which cuts messages into datagrams, paces them and applies
   the emulated loss and delay (clock injectable);
-- ``transport``: ``UdpTransport``, the socket, the HELLO handshake and two thin threads (receive,
-  and release of delayed datagrams) around those cores.
+- ``handshake``: the HELLO handshake as state (who was heard, who heard this node);
+- ``sockets``: the socket's set-up (a receive buffer large enough not to drop while training);
+- ``transport``: ``UdpTransport``, two thin threads (receive, and release of delayed datagrams)
+  and ``gather`` around those cores.
 
 ``gather`` differs by mode:
 
@@ -24,10 +26,11 @@ Messages with tensors must follow the state layout given to the transport (a Fla
 segments); each arrives with ``msg.chunks`` saying which chunks made it.
 """
 
+from meshlearn.transport.settings import ETHERNET_CHUNK, LOOPBACK_CHUNK, UdpSettings, default_chunk_bytes
 from meshlearn.transport.udp.reassembly import Partial, Reassembler, StateLayout
 from meshlearn.transport.udp.sender import DatagramSender
-from meshlearn.transport.settings import ETHERNET_CHUNK, LOOPBACK_CHUNK, UdpSettings, default_chunk_bytes
-from meshlearn.transport.udp.transport import SO_RCVBUFFORCE, UdpTransport, rcvbuf_errors
+from meshlearn.transport.udp.sockets import SO_RCVBUFFORCE, rcvbuf_errors
+from meshlearn.transport.udp.transport import UdpTransport
 
 __all__ = [
     "DatagramSender", "ETHERNET_CHUNK", "LOOPBACK_CHUNK", "Partial", "Reassembler", "SO_RCVBUFFORCE", "StateLayout",

@@ -10,36 +10,31 @@ emulated delay, releases the ``DatagramSender``'s delayed datagrams when they fa
 
 from __future__ import annotations
 
-import errno
 import logging
 import select
 import socket
-import struct
 import threading
 import time
 from collections import deque
 from typing import Iterable, Mapping
 
-from meshlearn.errors import PortInUseError, TransportError, WireError
+from meshlearn.errors import TransportError, WireError
 from meshlearn.netem import Emulator, NetemSpec
 from meshlearn.transport.base import DONE, Receipt, Transport
 from meshlearn.transport.settings import UdpSettings, default_chunk_bytes
+from meshlearn.transport.udp.handshake import Handshake
 from meshlearn.transport.udp.reassembly import Reassembler, StateLayout
 from meshlearn.transport.udp.sender import DatagramSender
+from meshlearn.transport.udp.sockets import DatagramReader, open_socket
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.datagram import (
-    FLAG_HEARD,
-    FLAG_REPLY,
     HEADER_SIZE,
-    MAX_DATAGRAM,
     ChunkHeader,
     check_payload,
     parse_header,
 )
 
 log = logging.getLogger(__name__)
-SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
-SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 HELLO_EVERY = 0.1
 POLL_MS = 100
 
@@ -71,8 +66,7 @@ class UdpTransport(Transport):
         self._addrs: dict[int, tuple[str, int]] = {}
         self._cond = threading.Condition()  # guards the reassembler and the handshake and control state
         self._control: deque[Message] = deque()
-        self._heard: set[int] = set()
-        self._acked: set[int] = set()
+        self.handshake = Handshake()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -92,40 +86,11 @@ class UdpTransport(Transport):
     # --- set-up ---------------------------------------------------------------------------
 
     def bind(self) -> str:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self._size_receive_buffer(sock)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 * 1024 * 1024)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, SO_RXQ_OVFL, 1)
-        except OSError:
-            pass
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as exc:
-            sock.close()
-            if exc.errno == errno.EADDRINUSE:
-                raise PortInUseError(f"UDP port {self.port} on {self.host} is in use: choose another port") from None
-            raise TransportError(f"node {self.node_id}: cannot listen on {self.host}:{self.port}: {exc}") from None
-        sock.setblocking(False)  # the receive thread polls; see _receive_loop
-        self._sock = sock
-        host, port = sock.getsockname()
+        # non-blocking: the receive thread polls (see _receive_loop)
+        self._sock = open_socket(self.host, self.port, int(self.settings.rcvbuf_mb * 1024 * 1024), self.node_id)
+        host, port = self._sock.getsockname()
         self.address = f"udp://{host}:{port}"
         return self.address
-
-    def _size_receive_buffer(self, sock: socket.socket) -> None:
-        """Ask for ``rcvbuf_mb``: forced when root, else capped by net.core.rmem_max (warned)."""
-        wanted = int(self.settings.rcvbuf_mb * 1024 * 1024)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, wanted)
-            return
-        except OSError:
-            pass
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, wanted)
-        granted = sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2
-        if granted < wanted:
-            log.warning("node %d: UDP receive buffer capped at %d bytes by net.core.rmem_max (asked %d); raise it "
-                        "(sysctl -w net.core.rmem_max=%d) or run as root to avoid self-inflicted loss",
-                        self.node_id, granted, wanted, wanted)
 
     def connect(self, peers: Mapping[int, str]) -> None:
         if self._sock is None:
@@ -140,16 +105,16 @@ class UdpTransport(Transport):
         deadline = time.monotonic() + self.settings.handshake_timeout
         while True:
             with self._cond:
-                waiting = self.peers.keys() - self._acked - self.departed
+                waiting = self.handshake.waiting(self.peers, self.departed)
                 if not waiting:
                     return
-                heard = set(self._heard)
+                flags = {peer: self.handshake.hello_flags(peer) for peer in waiting}
             if time.monotonic() > deadline:
                 where = ", ".join(f"{p} at {self.peers[p]}" for p in sorted(waiting))
                 raise TransportError(f"node {self.node_id}: neighbour(s) {where} did not answer the handshake "
                                      f"within {self.settings.handshake_timeout:g} s")
-            for peer in waiting:
-                self.sender.send_control(Kind.HELLO, self._addrs[peer], FLAG_HEARD if peer in heard else 0)
+            for peer, flag in flags.items():
+                self.sender.send_control(Kind.HELLO, self._addrs[peer], flag)
             with self._cond:
                 self._cond.wait(HELLO_EVERY)
 
@@ -183,17 +148,13 @@ class UdpTransport(Transport):
     # --- receiving ------------------------------------------------------------------------
 
     def _receive_loop(self) -> None:
-        head = memoryview(bytearray(HEADER_SIZE))
-        spill = memoryview(bytearray(MAX_DATAGRAM + 1))
-        joined = memoryview(bytearray(MAX_DATAGRAM + 1))
-        ancillary = socket.CMSG_SPACE(4)
+        reader = DatagramReader(self._sock)
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
         while not self._stop.is_set():
             armed = self._armed
             try:
-                size, ancdata, _, _ = self._sock.recvmsg_into([head, armed[2], spill] if armed else [head, spill],
-                                                              ancillary)
+                size, payload, filled = reader.read(armed[2] if armed else None)
             except BlockingIOError:
                 if armed is not None:
                     self._disarm()
@@ -203,17 +164,14 @@ class UdpTransport(Transport):
                 if self._stop.is_set():
                     return
                 continue
-            for level, kind, data in ancdata:
-                if level == socket.SOL_SOCKET and kind == SO_RXQ_OVFL and len(data) >= 4:
-                    self.rcvbuf_drops = struct.unpack("<I", data[:4])[0]
+            self.rcvbuf_drops = reader.rcvbuf_drops
             self.stats.bytes_received += size
             try:
                 if size < HEADER_SIZE:
                     raise WireError(f"datagram of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
-                header, checksum = parse_header(head, self.max_message_bytes)
-                payload, in_place = _payload(size - HEADER_SIZE, armed, spill, joined)
-                check_payload(head, header, checksum, payload)
-                in_place = in_place and armed[0].header.sender == header.sender and \
+                header, checksum = parse_header(reader.head, self.max_message_bytes)
+                check_payload(reader.head, header, checksum, payload)
+                in_place = filled and armed[0].header.sender == header.sender and \
                     armed[0].header.iteration == header.iteration and armed[1] == header.index
                 self._accept(header, payload, in_place)
             except WireError as exc:
@@ -244,11 +202,9 @@ class UdpTransport(Transport):
                     self._cond.notify_all()
                 return
             if header.kind == Kind.HELLO:
-                self._heard.add(header.sender)
-                if header.flags & FLAG_HEARD:
-                    self._acked.add(header.sender)
-                if not header.flags & FLAG_REPLY:  # a peer still sending HELLO wants to know we heard it
-                    self.sender.send_control(Kind.HELLO, self._addrs[header.sender], FLAG_HEARD | FLAG_REPLY)
+                answer = self.handshake.on_hello(header.sender, header.flags)
+                if answer is not None:  # a peer still sending HELLO wants to know we heard it
+                    self.sender.send_control(Kind.HELLO, self._addrs[header.sender], answer)
             elif header.kind == Kind.BYE:
                 self.departed.add(header.sender)
             else:
@@ -325,23 +281,3 @@ class UdpTransport(Transport):
                 thread.join(timeout=2.0)
             self._sock.close()
 
-
-def _payload(size: int, armed, spill: memoryview, joined: memoryview) -> tuple[memoryview, bool]:
-    """Where a received payload of ``size`` bytes lies, and whether it is all in the armed slot."""
-    if armed is None:
-        return spill[:size], False
-    slot = armed[2]
-    if size <= len(slot):
-        return slot[:size], size == len(slot)
-    joined[:len(slot)] = slot  # longer than the slot guessed for it: the rest went to spill
-    joined[len(slot):size] = spill[:size - len(slot)]
-    return joined[:size], False
-
-
-def rcvbuf_errors() -> int:
-    """The kernel's UDP RcvbufErrors counter for this network namespace (/proc/net/snmp)."""
-    try:
-        lines = [line.split() for line in open("/proc/net/snmp") if line.startswith("Udp:")]
-        return int(lines[1][lines[0].index("RcvbufErrors")])
-    except (OSError, ValueError, IndexError):
-        return -1
