@@ -65,6 +65,7 @@ class Outcome:
 def run_trial(folder: Path, trial: Trial, timeout: float = 300.0) -> Outcome:
     """Run one trial in ``folder`` (logs stay there); always leaves no process behind."""
     outcome, started = Outcome(trial), time.monotonic()
+    folder.mkdir(parents=True, exist_ok=True)
     procs = Processes(folder)
     try:
         bootstrap, ids = start_network(procs, trial.providers)
