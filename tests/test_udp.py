@@ -500,7 +500,7 @@ def test_a_reassembler_fed_out_of_order_and_duplicated_chunks_rebuilds_each_mode
     reassembler = Reassembler(layout, chunk_bytes=16)
     first, second = torch.arange(12.0), -torch.arange(12.0)
     chunks = list(_chunks_of(first, sender=1, iteration=0)) + list(_chunks_of(second, sender=2, iteration=0))
-    completed = [reassembler.add(header, payload) for header, payload in reversed(chunks + chunks[:2])]
+    completed = [reassembler.add(header, payload)[0] for header, payload in reversed(chunks + chunks[:2])]
     assert completed.count(True) == 2  # each model completes once; duplicates change nothing
     assert reassembler.complete(1, 0) and reassembler.complete(2, 0)
     got, spare = reassembler.assemble(reassembler.take(0, [1, 2]))

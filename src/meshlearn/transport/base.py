@@ -165,8 +165,11 @@ class Transport(Endpoint):
         for old in [it for it in self._pending if it < iteration]:
             self.stats.stale_dropped += len(self._pending.pop(old))
         deadline = time.monotonic() + timeout
+        listen = bool(wanted & self.silent)  # read what silent peers sent, even with no one to wait for
         while True:
             waiting = wanted - got.keys() - self.departed - self.silent
+            if not waiting and not listen:
+                break
             remaining = deadline - time.monotonic() if waiting else 0.0
             if waiting and remaining <= 0:
                 self.stats.gather_timeouts += 1

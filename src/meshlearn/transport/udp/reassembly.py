@@ -104,6 +104,9 @@ class Partial:
                        chunks=Chunks(self.header.chunk_bytes, present, self.vector))
 
 
+Slot = tuple[Partial, int, memoryview]  # where the next datagram most likely goes
+
+
 @dataclass
 class Taken:
     """What one take removed: this iteration's message per sender (None if nothing came) and,
@@ -131,29 +134,27 @@ class Reassembler:
 
     # --- feeding -----------------------------------------------------------------------------
 
-    def add(self, header: ChunkHeader, payload: memoryview, in_place: bool = False) -> bool:
-        """Store one model chunk; returns whether it completed its message. A chunk of a
-        stale iteration is dropped and counted; one that does not fit the layout raises WireError."""
+    def add(self, header: ChunkHeader, payload: memoryview, in_place: bool = False) -> tuple[bool, Slot | None]:
+        """Store one model chunk. Returns whether it completed its message and, if not, the slot
+        of the chunk after it when that one is still missing (its message, index and bytes): the
+        receive thread reads the next datagram straight there. A chunk of a stale iteration is
+        dropped and counted; one that does not fit the layout raises WireError."""
         if header.total != self.layout.nbytes:
             raise WireError(f"a {header.total}-byte model does not match the {self.layout.nbytes}-byte layout")
         if header.iteration < self.floor - self.late:  # one iteration late is kept
             self.stats.stale_dropped += 1
-            return False
+            return False, None
         key = (header.sender, header.iteration)
         part = self.parts.get(key)
         if part is None:
             vector = self._free.pop() if self._free else torch.empty(self.layout.numel, dtype=self.layout.dtype)
             part = self.parts[key] = Partial(header, vector)
-        return part.add(header, payload, in_place)
-
-    def slot_after(self, header: ChunkHeader) -> tuple[Partial, int, memoryview] | None:
-        """Where the chunk after ``header``'s most likely goes (its message, index and bytes), if
-        that chunk is still missing: the receive thread reads the next datagram straight there."""
-        part = self.parts.get((header.sender, header.iteration))
+        if part.add(header, payload, in_place):
+            return True, None
         following = header.index + 1
-        if part is None or following >= header.count or part.present[following]:
-            return None
-        return part, following, part.slot(following)
+        if following >= header.count or part.present[following]:
+            return False, None
+        return False, (part, following, part.slot(following))
 
     def complete(self, sender: int, iteration: int) -> bool:
         part = self.parts.get((sender, iteration))

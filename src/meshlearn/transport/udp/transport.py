@@ -193,11 +193,11 @@ class UdpTransport(Transport):
         with self._cond:
             self._armed = None
             if header.kind == Kind.MODEL:
-                complete = self.reassembler.add(header, payload, in_place)
+                complete, following = self.reassembler.add(header, payload, in_place)
                 if complete:
                     self.stats.messages_received += 1
                 elif not self._taking:
-                    self._armed = self.reassembler.slot_after(header)
+                    self._armed = following
                 if complete or self._taking:  # wake a waiting gather only when a model completes
                     self._cond.notify_all()
                 return
