@@ -70,3 +70,88 @@ def test_simulate_from_yaml_with_flag_override(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "test accuracy" in result.stdout
     assert "iterations: 6" in (tmp_path / "o" / "config.yaml").read_text()
+
+
+# --- caught before anything starts (issue 15) -----------------------------------------------
+
+SECRET_ENV = {"MESHLEARN_SECRET": "cli-test-secret-0123456789abcdef"}
+
+
+def _run_env(*args, env_extra=None, timeout=120):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "meshlearn", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env_extra or SECRET_ENV)})
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--model", "nope"], ["unknown model 'nope'", "--models-module"]),
+    (["--seed", str(2**64 + 1)], ["'seed'", "less than or equal to"]),
+    (["--peer-timeout", "5000"], ["'peer_timeout'"]),
+])
+def test_a_request_that_cannot_run_is_refused_before_any_provider_is_claimed(args, fragments):
+    # the bootstrap address answers nothing: these errors must come before it is ever asked
+    result = _run_env("request", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--data", "digits", *args)
+    _one_line_error(result, 2, *fragments)
+
+
+def test_request_weights_that_do_not_fit_the_model_are_refused_first(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(3)}, str(tmp_path / "w.safetensors"))
+    result = _run_env("request", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--data", "digits", "--model", "mlp",
+                      "--weights", str(tmp_path / "w.safetensors"))
+    _one_line_error(result, 2, "weights file does not fit the model")
+
+
+def test_a_provider_models_module_with_a_syntax_error_is_one_line(tmp_path):
+    (tmp_path / "models.py").write_text("def broken(:\n")
+    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--models-module",
+                      str(tmp_path / "models.py"), timeout=60)
+    _one_line_error(result, 2, "failed to load (line 1)", "SyntaxError")
+
+
+@pytest.mark.parametrize("state, fragment", [("not-a-db.sqlite", "cannot be used"), ("a-file/sub.db", "cannot make")])
+def test_a_bootstrap_state_that_is_not_a_registry_is_one_line(tmp_path, state, fragment):
+    (tmp_path / "not-a-db.sqlite").write_text("not a database, just text\n" * 50)
+    (tmp_path / "a-file").write_text("x")
+    result = _run_env("bootstrap", "--state", str(tmp_path / state), "--port", str(_dead_port()), timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert fragment in result.stderr
+
+
+def test_simulate_checks_names_before_torch_loads():
+    """A wrong model, dataset or topology is reported by the launcher before any heavy import or process."""
+    code = ("import sys\n"
+            "from meshlearn.config import make_config\n"
+            "from meshlearn.errors import MeshlearnError\n"
+            "from meshlearn.sim.checks import check_before_start\n"
+            "for bad in ({'model': 'nope'}, {'dataset': 'nope'}, {'topology': 'nope'}):\n"
+            "    try:\n"
+            "        check_before_start(make_config(bad))\n"
+            "        sys.exit('not refused: %r' % bad)\n"
+            "    except MeshlearnError:\n"
+            "        pass\n"
+            "sys.exit('torch was imported' if 'torch' in sys.modules else 0)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_zoo_registers_exactly_the_built_in_model_names():
+    from meshlearn.models import BUILT_IN, MODELS, build_model
+
+    build_model("mlp", (1, 8, 8), 10)  # imports the zoo
+    assert set(MODELS._items) >= set(BUILT_IN) and set(MODELS.names()) == set(BUILT_IN) | set(MODELS._items)
+
+
+@pytest.mark.parametrize("flag, value, fragment", [("--ram", "-5", "'ram_gb'"), ("--cores", "0", "'cores'")])
+def test_provider_resources_that_make_no_sense_are_one_line_not_retried_or_replaced(flag, value, fragment):
+    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{_dead_port()}", flag, value, timeout=60)
+    _one_line_error(result, 2, fragment)

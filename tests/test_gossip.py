@@ -451,3 +451,186 @@ def test_slowdown_settings():
     for bad in ("0:0.5", "x:3", "0:+abc", "0"):
         with pytest.raises(ConfigError, match="slowdown"):
             make_config({"slowdown": bad})
+
+
+# --- hostile or odd input (issue 15) --------------------------------------------------------
+
+def test_a_hung_peer_sits_out_more_picks_after_each_failure_in_a_row():
+    import random
+
+    scores = PeerScores([0, 1], random.Random(5))
+    picks_of_hung = 0
+    for _ in range(2000):  # peer 1 accepts connections but never answers: every pick of it fails
+        peer = scores.pick()
+        if peer == 1:
+            picks_of_hung += 1
+            scores.no_answer(1)
+        elif peer == 0:
+            scores.success(0)
+    assert picks_of_hung <= 2000 / PeerScores.MAX_BACKOFF + 10  # dpwa's scores alone: about 6% (~120)
+    scores.success(1)  # it answers again: back in play at once
+    assert scores.sitting_out[1] == 0 and scores.failures[1] == 0
+
+
+def test_every_peer_sitting_out_means_no_fetch_this_step():
+    import random
+
+    scores = PeerScores([0], random.Random(1))
+    scores.no_answer(0)
+    scores.no_answer(0)
+    assert scores.pick() == 0  # two misses: still tried
+    scores.no_answer(0)
+    assert [scores.pick() for _ in range(3)] == [None, None, 0]
+
+
+def test_the_loss_rule_counts_negative_losses_as_zero():
+    by_loss = GossipSettings(interpolation="loss")
+    assert interpolation_factor(by_loss, 1, 1, -2.0, -1.0) == pytest.approx(0.5)
+    assert interpolation_factor(by_loss, 1, 1, 1.0, -3.0) == pytest.approx(1.0)  # the peer fits better: take it
+
+
+@pytest.mark.parametrize("interpolation", ["constant", "clock", "loss"])
+def test_negative_losses_still_merge(interpolation):
+    """A loss below zero (a log-likelihood objective) used to make every fetch count as failed."""
+    config = _group(_free_ports(2), timeout_ms=1000, interpolation=interpolation)
+    torch.manual_seed(0)
+    a, b = (GossipAdapter(nn.Linear(4, 2), f"w{i}", config, seed=i) for i in range(2))
+    try:
+        a.start(), b.start()
+        b.update_send(-1.5)
+        b.update_wait(-1.5)
+        merged = 0
+        for _ in range(5):
+            a.update_send(-2.0)
+            record = a.update_wait(-2.0)
+            merged += record["fetched"] == 1 and not record.get("failed")
+        assert merged == 5
+    finally:
+        a.close(), b.close()
+
+
+def test_a_diverged_peer_is_not_merged_and_a_diverged_worker_takes_its_peer():
+    config = _group(_free_ports(2), timeout_ms=1000, interpolation="loss")
+    torch.manual_seed(0)
+    a, b = (GossipAdapter(nn.Linear(4, 2), f"w{i}", config, seed=i) for i in range(2))
+    try:
+        a.start(), b.start()
+        b.update_send(float("inf"))
+        b.update_wait(float("inf"))  # b diverged: publishes its loss as unknown
+        before = [p.detach().clone() for p in a.model.parameters()]
+        a.update_send(1.0)
+        record = a.update_wait(1.0)
+        assert record.get("diverged") == 1 and record["factor"] == 0.0  # an infinite loss no longer looks perfect
+        assert all(torch.equal(x, y) for x, y in zip(before, a.model.parameters()))
+        b.update_send(float("nan"))
+        record = b.update_wait(float("nan"))  # a's loss is 1.0: the diverged worker takes a's state whole
+        assert record["factor"] == pytest.approx(1.0)
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    finally:
+        a.close(), b.close()
+
+
+def test_dpwa_keyword_names_are_accepted():
+    config = _group(_free_ports(2))
+    adapter = DpwaPyTorchAdapter(net=nn.Linear(2, 2), name="w0", config_file=config)
+    adapter.close()
+    with pytest.raises(TypeError, match="not both"):
+        GossipAdapter(nn.Linear(2, 2), "w0", config, net=nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.to(torch.float16)])
+def test_a_model_converted_after_the_adapter_was_built_is_a_clear_error(convert):
+    from meshlearn.errors import ModelError
+
+    model = nn.Linear(3, 2)
+    adapter = GossipAdapter(model, "w0", _group(_free_ports(2), timeout_ms=100))
+    try:
+        adapter.update_send(1.0)
+        adapter.update_wait(1.0)
+        convert(model)
+        with pytest.raises(ModelError, match="converted or moved"):
+            adapter.update_send(1.0)
+    finally:
+        adapter.close()
+
+
+def test_a_serving_thread_that_dies_is_raised_in_the_nodes_own_thread(monkeypatch):
+    """It used to die silently: its neighbours then timed out on every fetch and the run said success."""
+    from meshlearn.errors import ThreadFailed
+
+    a, b = _pair()
+    try:
+        def broken(held, closing):
+            raise RuntimeError("a bug in the serving loop")
+
+        monkeypatch.setattr(b, "_answer_held", broken)
+        b.poke()
+        _wait_until(lambda: b._server.failure is not None)
+        with pytest.raises(ThreadFailed, match="PullEndpoint-1 thread failed .RuntimeError: a bug"):
+            b.check()
+        a.check()  # the other endpoint is fine
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_crashing_request_shape_is_dropped_and_the_server_keeps_serving():
+    from helpers.frames import empty_tensor_with_a_huge_dimension
+
+    a, b = _pair()
+    try:
+        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as rogue:
+            rogue.setsockopt(zmq.LINGER, 0)
+            rogue.connect(b.address)
+            rogue.send_multipart(empty_tensor_with_a_huge_dimension(kind=Kind.REQUEST, sender=0))
+            _wait_until(lambda: b.stats.malformed_dropped == 1)
+        b.publish({"w": torch.tensor([4.0])}, {})
+        assert _value(a.fetch(1, timeout=5).result(timeout=10)) == 4.0
+        b.check()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_tcp_self_connect_is_dropped_so_the_peer_can_take_its_port():
+    """dpwa-style ports lie in the ephemeral range: a reconnect to a peer not up yet can get the
+    peer's port as its own source port. Forced here with ZeroMQ's source-address syntax."""
+    from meshlearn.errors import PortInUseError
+
+    port = _free_ports(1)[0]
+    a = PullEndpoint(0)
+    a.bind()
+    a.connect({1: f"tcp://127.0.0.1:{port};127.0.0.1:{port}"})
+    caller = a.caller()
+    late = PullEndpoint(1, "127.0.0.1", port)
+    try:
+        _wait_until(lambda: caller.call(1, 0.2) is None and caller.self_connects == 1)
+        late.bind()  # the port is free again: without the check, PortInUseError for good
+    except PortInUseError:
+        pytest.fail("the self-connected socket kept the peer's port")
+    finally:
+        late.close()
+        a.close()
+
+
+def test_the_adapter_listens_from_its_constructor_as_dpwa_does():
+    ports = _free_ports(2)
+    config = _group(ports, timeout_ms=2000)
+    torch.manual_seed(0)
+    a = GossipAdapter(nn.Linear(4, 2), "w0", config)  # built, never called
+    b = GossipAdapter(nn.Linear(4, 2), "w1", config)
+    try:
+        a.averager._publish(1.0)  # what a first update_send would do, minus the fetch
+        b.update_send(1.0)
+        record = b.update_wait(1.0)
+        assert record["fetched"] == 0 and not record.get("failed")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_extra_keys_on_a_node_are_a_warning_not_an_error():
+    """dpwa's users' files may carry per-node extras such as ``gpu: 0``; dpwa ignores them."""
+    with pytest.warns(UserWarning, match="node 'w2': unknown key 'gpu' ignored"):
+        config = load_gossip_config(yaml.safe_load(DPWA_SAMPLE.replace("port: 45001}", "port: 45001, gpu: 0}")))
+    assert [node.port for node in config.nodes] == [45000, 45001]

@@ -1,9 +1,14 @@
 """The process launcher: a node that dies stops the whole run, names the node, and leaks nothing."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+from helpers.waiting import wait_until
 
 from meshlearn.config import make_config
 from meshlearn.sim.launcher import NodeFailure, _Launcher, prepare_run
@@ -34,3 +39,53 @@ def test_killed_node_stops_every_process_and_is_named(tmp_path):
     assert isinstance(outcome.get("error"), NodeFailure)
     assert "node 2" in str(outcome["error"])
     assert all(not proc.is_alive() for proc in launcher.procs.values())
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc: ppid chains)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_sigkilled_launcher_leaves_no_node_forkserver_or_tracker_behind(tmp_path):
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "meshlearn", "simulate", "--nodes", "3", "--topology", "ring", "--iterations", "100000",
+         "--test-after", "100000", "--output", str(tmp_path / "run"), "--quiet"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children: set[int] = set()
+    try:
+        started = wait_until(lambda: (tmp_path / "run" / "logs" / "node_2.jsonl").is_file() or launcher.poll() is not None,
+                             120)
+        assert started and launcher.poll() is None, f"nodes never started: {launcher.stderr.read() if started else ''}"
+        children = _descendants(launcher.pid)
+        assert len(children) >= 4  # three nodes, the forkserver (and the resource tracker)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        assert wait_until(lambda: not any(_alive(pid) for pid in children), 20), \
+            f"left running: {sorted(pid for pid in children if _alive(pid))}"
+    finally:
+        for pid in children | {launcher.pid}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        launcher.wait(timeout=10)

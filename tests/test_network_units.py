@@ -115,6 +115,41 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
     assert echo_server.rejected == 4
 
 
+def test_a_replayed_request_is_refused_and_a_nan_timestamp_is_outside_the_window(echo_server):
+    """A captured request sent again (a claim, a leave, a results fetch) must not act twice."""
+    captured = seal(Envelope("echo", {"n": 1}, sender="someone"), SECRET)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{echo_server.address}")
+    try:
+        replies = []
+        for _ in range(2):
+            sock.send_multipart(captured)
+            assert sock.poll(5000), "no reply"
+            replies.append(unseal(sock.recv_multipart(), SECRET, 1 << 20))
+    finally:
+        sock.close(0)
+    assert replies[0].kind == "ok" and replies[0].body == {"n": 1}
+    assert replies[1].kind == "error" and "replay" in replies[1].body["error"]
+    with pytest.raises(BadMessage, match="timestamp"):
+        unseal(seal(Envelope("echo", {}, sent_at=float("nan")), SECRET), SECRET, 1 << 20)
+
+
+def test_engine_messages_are_signed_for_one_task_only():
+    import torch
+
+    from meshlearn.errors import WireError
+    from meshlearn.wire import Kind, Message, decode, encode
+    from meshlearn.wire.auth import derive_key
+
+    first, second = derive_key(SECRET, "engine of task a"), derive_key(SECRET, "engine of task b")
+    assert len({first, second, SECRET}) == 3 and len(first) == 32
+    frames = [bytes(memoryview(f)) for f in encode(Message(Kind.REQUEST, 1, 7, 0, {"w": torch.ones(2)}), first)]
+    assert decode(frames, secret=first).sender == 1
+    with pytest.raises(WireError, match="not signed"):  # captured in task a, replayed into task b
+        decode(frames, secret=second)
+
+
 def test_parse_address_refuses_bad_ports():
     assert parse_address("127.0.0.1:8080") == "127.0.0.1:8080"
     for bad, text in [("127.0.0.1:0", "outside"), ("h:70000", "outside"), ("h:http", "not a number"), ("h", "HOST:PORT")]:
@@ -397,3 +432,84 @@ def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
         allowed_local("cifar10:cifar", None)
     with pytest.raises(BadMessage, match="does not list this provider"):
         TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"))
+
+
+def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
+    """Providers used to keep every task run's model, data and buffers for good (11 MB per digits task)."""
+    import gc
+    import weakref
+
+    from meshlearn.network.results import read_results
+    from meshlearn.network.taskrun import ProviderContext, RunState, TaskRun
+
+    spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
+                    peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
+    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"))
+    thread = threading.Thread(target=run.run, daemon=True)
+    thread.start()
+    assert wait_until(lambda: run.state is not RunState.PREPARING, timeout=60)
+    assert run.state is RunState.READY, run.error
+    model = weakref.ref(run.node.model)
+    run.start({})
+    thread.join(timeout=120)
+    assert run.state is RunState.DONE, run.error
+    assert run.node is None and run.finisher.node is None and run.finisher.book is None
+    gc.collect()
+    assert model() is None  # nothing else holds it
+    assert read_results(tmp_path / "work" / "tasks" / "t1" / "result") is not None  # what `results` serves
+
+
+def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_already_finished(tmp_path):
+    """The leader died after copying the result to some providers only; one without the copy pushed
+    its final model to the next leader, which had finished its own run: it used to accept the push,
+    never publish, and leave that provider busy (and deaf to SIGTERM) for good."""
+    import socket
+    import types
+
+    import torch
+    from safetensors.torch import save as save_safetensors
+    from torch import nn
+
+    from meshlearn.flat import FlatState
+    from meshlearn.network.finish import Finisher
+    from meshlearn.network.results import read_results
+    from meshlearn.network.taskrun import ProviderContext
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # the first leader: gone
+    servers = {i: RpcServer(f"p{i}", "127.0.0.1", 0, SECRET, {}) for i in (1, 2)}
+    for server in servers.values():
+        server.bind()
+    peers = [{"id": "p0", "address": f"127.0.0.1:{dead}"}] + \
+        [{"id": f"p{i}", "address": servers[i].address} for i in (1, 2)]
+    spec = TaskSpec(task_id="t9", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=2,
+                    peers=peers, data={"mode": "local", "dataset": "digits"})
+    finishers = {i: Finisher(spec, ProviderContext(f"p{i}", "127.0.0.1", SECRET, tmp_path / f"w{i}"), i) for i in (1, 2)}
+    for i, server in servers.items():
+        workdir = tmp_path / f"w{i}"
+        server.handlers.update({
+            "agg.push": finishers[i].on_push, "agg.ping": finishers[i].on_ping, "agg.results": finishers[i].on_results,
+            "task.results": lambda req, w=workdir: (lambda found: ({"metrics": found[0]}, [found[1]]))(
+                read_results(w / "tasks" / "t9" / "result")),
+        })
+        server.start()
+    try:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2)
+        result_model = save_safetensors({k: v.detach().clone() for k, v in model.state_dict().items()})
+        finishers[1]._keep({"task": "t9", "accuracy": 0.5}, result_model)  # p1 got the copy, then ended
+        finishers[1].release()
+        follower = finishers[2]
+        follower.attach(types.SimpleNamespace(flat=FlatState(nn.Linear(4, 2)), model=nn.Linear(4, 2)), samples=10)
+        done = threading.Thread(target=follower.finish, args=(3, lambda: None), daemon=True)
+        done.start()
+        done.join(timeout=60)
+        assert not done.is_alive(), "the provider without the copy is stuck finishing"
+        metrics, _ = read_results(tmp_path / "w2" / "tasks" / "t9" / "result")
+        assert metrics == {"task": "t9", "accuracy": 0.5}
+    finally:
+        for server in servers.values():
+            server.stop()

@@ -559,3 +559,23 @@ def test_the_handshake_completes_both_ways_and_never_answers_an_answer():
     assert a.hello_flags(1) == FLAG_HEARD
     b.on_hello(0, a.hello_flags(1))  # a's next HELLO says it heard b
     assert b.waiting([0], set()) == set() and b.waiting([0, 2], {2}) == set()  # 2 left: not waited for
+
+
+def test_a_flood_of_new_iterations_from_one_sender_holds_a_few_models_not_one_each():
+    """Spoofed datagrams of far iterations used to cost a whole model buffer each."""
+    from meshlearn.transport.base import MAX_PENDING_PER_SENDER
+
+    layout = StateLayout({"all": (0, 12)}, torch.float32)
+    reassembler = Reassembler(layout, chunk_bytes=16)
+    first_chunk = next(_chunks_of(torch.zeros(12), 1, 0))[1]
+    for iteration in range(100_000, 104_000):
+        reassembler.add(ChunkHeader(Kind.MODEL, 1, iteration, 0, 3, 16, 2, 48), first_chunk)
+    assert len(reassembler.parts) == MAX_PENDING_PER_SENDER
+    assert reassembler.stats.overflow_dropped == 4000 - MAX_PENDING_PER_SENDER
+    genuine = torch.arange(12.0)
+    for header, payload in _chunks_of(genuine, 1, 0):  # the genuine next model still gets in
+        reassembler.add(header, payload)
+    got, _ = reassembler.assemble(reassembler.take(0, [1]))
+    assert torch.equal(got[1].chunks.vector, genuine)
+    for header, payload in _chunks_of(genuine, 2, 0):  # and so does every other sender's
+        assert reassembler.add(header, payload)[0] is (header.index == 2)

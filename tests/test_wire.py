@@ -4,6 +4,7 @@ import struct
 
 import pytest
 import torch
+from helpers.frames import raw_message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -182,3 +183,25 @@ def test_signed_messages_round_trip_and_refuse_the_wrong_secret():
         decode([bytes(memoryview(f)) for f in encode(msg)], secret=b"network-secret")
     with pytest.raises(WireError):  # a signed message where none is expected
         decode(frames)
+
+
+@pytest.mark.parametrize("dims", [[0, 2**64 - 1], [2**64 - 1, 0], [0, 2**63], [0, 2**63 - 1], [2**40, 0, 2**40]])
+def test_an_empty_tensor_with_a_huge_dimension_is_a_wire_error(dims):
+    with pytest.raises(WireError, match="dimension"):
+        decode(raw_message([(1, dims, 0)]))
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_fuzz_shapes_dims_and_counts_only_raise_wire_error(data):
+    dim = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1), st.sampled_from([2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1]))
+    table = data.draw(st.lists(st.tuples(st.sampled_from(sorted(DTYPES) + [0, 255]),
+                                         st.lists(dim, max_size=9),
+                                         st.one_of(st.integers(0, 64), st.integers(0, 2**64 - 1))), max_size=4))
+    count = data.draw(st.one_of(st.none(), st.integers(0, 2**16 - 1)))
+    try:
+        out = decode(raw_message(table, count), max_bytes=1_000_000)
+    except WireError:
+        return
+    for tensor in out.tensors.values():
+        tensor.sum()

@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
-from meshlearn.settings import Settings
+from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
@@ -71,7 +71,7 @@ class ExperimentConfig(Settings):
     test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
     eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
     eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
-    seed: int = Field(90, ge=0, description="same seed, same partitions, graph and initial model")
+    seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
     host: str = Field("127.0.0.1", description="address nodes listen on")
     base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")
     device: str = Field("cpu", description="torch device for training: cpu | cuda | cuda:N | mps")

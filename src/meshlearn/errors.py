@@ -45,6 +45,10 @@ class TransportError(MeshlearnError):
     """A transport failure: a port in use, a neighbour that never answered the handshake."""
 
 
+class ThreadFailed(TransportError):
+    """A background thread a node depends on (serving, receiving, watching) died of an exception."""
+
+
 class PortInUseError(UserInputError):
     """A port the user asked for is taken by another process."""
 

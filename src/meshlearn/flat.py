@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -56,6 +56,7 @@ class FlatState:
                 raise ValueError(f"{name} is {tensor.dtype}; all parameters and float buffers must share {dtype}")
         self.state = torch.empty(sum(t.numel() for _, t in named), dtype=dtype, device=device)
         self.slots: list[Slot] = []
+        self._bound: list[tuple[str, Callable[[], torch.Tensor | None], int]] = []  # name, where it is now, where it must be
         offset = 0
         for index, (name, tensor) in enumerate(named):
             view = self.state[offset:offset + tensor.numel()].view_as(tensor)
@@ -63,9 +64,12 @@ class FlatState:
                 view.copy_(tensor)
             if index < len(params):
                 tensor.data = view
+                self._bound.append((name, lambda p=tensor: p, view.data_ptr()))
             else:
                 owner_name, _, attr = name.rpartition(".")
-                (model.get_submodule(owner_name) if owner_name else model)._buffers[attr] = view
+                owner = model.get_submodule(owner_name) if owner_name else model
+                owner._buffers[attr] = view
+                self._bound.append((name, lambda o=owner, a=attr: o._buffers.get(a), view.data_ptr()))
             self.slots.append(Slot(name, offset, tuple(tensor.shape)))
             offset += tensor.numel()
         n_params = sum(p.numel() for _, p in params)
@@ -74,6 +78,15 @@ class FlatState:
         self.ranges = _segment_ranges(self.state.numel(), self.state.element_size())
         self._segments = {name: self.state[a:b] for name, (a, b) in self.ranges.items()}
         self._pool: list[tuple[torch.Tensor, Receipt | None]] = []
+
+    def unbound(self) -> str | None:
+        """The name of the first parameter or buffer that no longer lives in ``state`` (the model was
+        converted or moved after this was built: ``.double()``, ``.to()``, ``.cuda()``), else None."""
+        for name, current, pointer in self._bound:
+            tensor = current()
+            if tensor is None or tensor.data_ptr() != pointer:
+                return name
+        return None
 
     @property
     def nbytes(self) -> int:

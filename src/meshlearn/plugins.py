@@ -7,7 +7,8 @@ the network.
 
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+import importlib
+from typing import Callable, Generic, Mapping, TypeVar
 
 from meshlearn.errors import ConfigError, MeshlearnError
 
@@ -15,12 +16,17 @@ T = TypeVar("T")
 
 
 class Registry(Generic[T]):
-    """Named extensions of one kind; an unknown name is one clear error listing the known ones."""
+    """Named extensions of one kind; an unknown name is one clear error listing the known ones.
 
-    def __init__(self, kind: str, error: type[MeshlearnError] = ConfigError):
+    ``built_in`` names meshlearn's own extensions and the module that registers each; a module is
+    imported when one of its names is first used, so a name can be checked before torch loads.
+    """
+
+    def __init__(self, kind: str, error: type[MeshlearnError] = ConfigError, built_in: Mapping[str, str] | None = None):
         self.kind = kind
         self.error = error
         self._items: dict[str, T] = {}
+        self._built_in = dict(built_in or {})
 
     def add(self, name: str, item: T) -> T:
         """Register ``item`` under ``name`` (a later one replaces an earlier one)."""
@@ -31,14 +37,20 @@ class Registry(Generic[T]):
         """Decorator form of ``add``."""
         return lambda item: self.add(name, item)
 
+    def check(self, name: str) -> None:
+        """Raise the registry's error if ``name`` is unknown (imports nothing)."""
+        if name not in self:
+            raise self.error(f"unknown {self.kind} {name!r}: choose one of {', '.join(self.names())}")
+
     def get(self, name: str) -> T:
         """The extension named ``name``."""
+        self.check(name)
         if name not in self._items:
-            raise self.error(f"unknown {self.kind} {name!r}: choose one of {', '.join(self.names())}")
+            importlib.import_module(self._built_in[name])
         return self._items[name]
 
     def names(self) -> list[str]:
-        return sorted(self._items)
+        return sorted(set(self._items) | set(self._built_in))
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return name in self._items or name in self._built_in

@@ -36,6 +36,9 @@ def describe_error(exc: ValidationError, rename: Callable[[tuple], str] | None =
     return f"setting {where!r}: {message}{shown}{extra}"
 
 
+
+MAX_SEED = 2**32 - 1  # every seed a run takes: fits numpy's, torch's and Python's generators with room for offsets
+
 class Settings(BaseModel):
     """Immutable, validated settings; unknown keys are refused. Bad values raise ConfigError."""
 

@@ -13,6 +13,7 @@ travel in meshlearn's wire format (see ``meshlearn.transport.pull``).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -20,21 +21,29 @@ from torch import nn
 
 from meshlearn.adapter.config import GossipConfig, PeerAddress, load_gossip_config
 from meshlearn.algorithms.gossip import GossipAverager
+from meshlearn.errors import ModelError, PortInUseError
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
+
+BIND_PATIENCE = 10.0  # seconds a worker retries a port in use before giving up
 
 
 class GossipAdapter:
     """Wraps one worker's ``nn.Module``: its parameters (and float buffers) are averaged with the
     other workers' of the config by gossip while the worker trains as usual.
 
-    The constructor only reads the config and flattens the model's state in place (optimizers
-    built before or after keep working). The endpoint starts on the first ``update_send`` (or
-    ``start()``); ``close()`` (or leaving a ``with`` block) stops it.
+    The constructor reads the config, flattens the model's state in place (optimizers built
+    before or after keep working) and, as dpwa's does, starts listening, so peers that start
+    later find it; ``close()`` (or leaving a ``with`` block) stops it. Accepts dpwa's keyword
+    names (``net=``, ``config_file=``) too.
     """
 
-    def __init__(self, model: nn.Module, name: str, config: str | Path | dict | list | GossipConfig,
-                 seed: int | None = None):
+    def __init__(self, model: nn.Module | None = None, name: str | None = None,
+                 config: str | Path | dict | list | GossipConfig | None = None, seed: int | None = None, *,
+                 net: nn.Module | None = None, config_file: str | Path | None = None):
+        model, config = _dpwa_names(model, net, "model", "net"), _dpwa_names(config, config_file, "config", "config_file")
+        if model is None or name is None or config is None:
+            raise TypeError("GossipAdapter needs a model (or dpwa's net=), a name and a config (or dpwa's config_file=)")
         self.config = load_gossip_config(config)
         self.name = name
         self.rank = self.config.rank_of(name)
@@ -46,12 +55,24 @@ class GossipAdapter:
         self.averager = GossipAverager(self.flat, self.endpoint, peers, self.config.settings(),
                                        seed=self.rank if seed is None else seed)
         self._started = False
+        self.start()  # as dpwa does: peers starting later find this worker listening
 
     def start(self) -> None:
-        """Open the endpoint and start serving this worker's state to the others."""
+        """Open the endpoint and start serving this worker's state to the others (the constructor
+        does; calling it again does nothing)."""
         if self._started:
             return
-        self.endpoint.bind()
+        deadline = time.monotonic() + BIND_PATIENCE
+        while True:
+            try:
+                self.endpoint.bind()
+                break
+            except PortInUseError:
+                # Perhaps a peer's reconnect holds the port as a TCP self-connect for a moment
+                # (it notices and lets go, see transport.served.Caller): wait a little first.
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
         self.endpoint.connect({rank: f"tcp://{_ip(node.host)}:{node.port}"
                                for rank, node in enumerate(self.config.nodes) if rank != self.rank})
         self._started = True
@@ -59,14 +80,24 @@ class GossipAdapter:
     def update_send(self, loss: float | torch.Tensor | None = None) -> None:
         """Maybe start fetching one peer's parameters (and publish this worker's on the first call). Never blocks."""
         self.start()
+        self._check()
         self.averager.update_send(_as_float(loss))
 
     def update_wait(self, loss: float | torch.Tensor | None = None) -> dict[str, float]:
         """Count one batch and publish the trained parameters; wait for the fetch begun by
         ``update_send`` (at most ``timeout_ms``) and interpolate with the peer's parameters.
         Returns what happened (peer, factor, wait)."""
+        self._check()
         with torch.no_grad():
             return self.averager.update_wait(_as_float(loss))
+
+    def _check(self) -> None:
+        moved = self.flat.unbound()
+        if moved is not None:
+            raise ModelError(f"the model's {moved} is no longer the tensor this adapter averages: the model "
+                             f"was converted or moved (.double(), .to(), .cuda()) after the adapter was built; "
+                             f"convert or move it first, then build the adapter")
+        self.endpoint.check()
 
     @property
     def clock(self) -> float:
@@ -90,6 +121,13 @@ class GossipAdapter:
 
 
 DpwaPyTorchAdapter = GossipAdapter
+
+
+def _dpwa_names(value, dpwa_value, name: str, dpwa_name: str):
+    """One argument given under meshlearn's name or dpwa's keyword, not both."""
+    if value is not None and dpwa_value is not None:
+        raise TypeError(f"give {name} or {dpwa_name}, not both")
+    return value if value is not None else dpwa_value
 
 
 def _as_float(loss: float | torch.Tensor | None) -> float | None:

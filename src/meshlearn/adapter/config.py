@@ -19,6 +19,7 @@ while this worker trains (see ``meshlearn.algorithms.gossip``).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -57,6 +58,8 @@ class GossipConfig(Settings):
         if not isinstance(values, dict):
             return values
         values = {k: v for k, v in values.items() if k not in DPWA_SECTIONS}
+        if isinstance(values.get("nodes"), list):
+            values["nodes"] = [_known_node_keys(node) for node in values["nodes"]]
         gossip = dict(values.pop("gossip", None) or {})
         for dpwa, engine in DPWA_NAMES.items():
             if dpwa not in values:
@@ -96,6 +99,17 @@ class GossipConfig(Settings):
             if node.name == name:
                 return rank
         raise ConfigError(f"no node named {name!r} in the config (nodes: {', '.join(n.name for n in self.nodes)})")
+
+
+def _known_node_keys(node: Any) -> Any:
+    """A node entry without keys dpwa would ignore (``gpu: 0``, ...), with a warning for each."""
+    if not isinstance(node, dict):
+        return node
+    extra = sorted(set(node) - set(PeerAddress.model_fields), key=str)
+    for key in extra:
+        warnings.warn(f"gossip config: node {node.get('name', '?')!r}: unknown key {key!r} ignored "
+                      f"(a node has name, host and port)", UserWarning, stacklevel=3)
+    return {k: v for k, v in node.items() if k not in extra}
 
 
 def load_gossip_config(source: str | Path | dict | list | GossipConfig) -> GossipConfig:

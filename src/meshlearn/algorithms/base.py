@@ -71,6 +71,11 @@ class Algorithm(ABC):
     def stop(self) -> None:
         """Called once after the last iteration, before the transport closes."""
 
+    def check(self) -> None:
+        """Raise ``ThreadFailed`` if a background thread the algorithm or its endpoint depends on
+        has died (the node calls this after each iteration)."""
+        self.ctx.transport.check()
+
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
 BUILT_IN = ("dpsgd", "gossip", "leader")  # modules of meshlearn.algorithms that register algorithms

@@ -38,7 +38,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algo
 from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
-from meshlearn.wire import meta_number
+from meshlearn.wire import meta_number, meta_real
 
 
 def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: float, loss: float,
@@ -47,7 +47,8 @@ def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: flo
 
     constant: ``value``; clock: ``peer_clock / (clock + peer_clock)`` (the more the peer has
     trained, the more of it); loss: ``loss / (loss + peer_loss)`` (the worse my loss, the more I
-    take). Both ratios are 0.5 when numerator and denominator are 0. With a non-zero
+    take; negative losses count as 0, so use ``clock`` or ``constant`` for objectives that go
+    negative). Both ratios are 0.5 when numerator and denominator are 0. With a non-zero
     ``divergence_threshold`` and my loss below it, the factor is scaled by ``loss / threshold``,
     so a node that already fits its data well takes little from others.
     """
@@ -55,10 +56,10 @@ def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: flo
         factor = settings.value
     elif settings.interpolation == "clock":
         factor = _share(peer_clock, clock)
-    else:
-        factor = _share(loss, peer_loss)
+    else:  # the ratio needs losses >= 0 (cross-entropy, MSE): a negative loss counts as 0
+        factor = _share(max(loss, 0.0), max(peer_loss, 0.0))
     if settings.divergence_threshold and loss < settings.divergence_threshold:
-        factor *= loss / settings.divergence_threshold
+        factor *= max(loss, 0.0) / settings.divergence_threshold
     return min(1.0, max(0.0, factor))
 
 
@@ -70,23 +71,45 @@ class PeerScores:
     """Flow control: every peer starts at 1000; +10 after a fetch that worked, -100 after one
     that failed, kept within 10..1000. ``pick`` takes the highest score plus a uniform random
     term of up to ``NOISE``, so a peer that keeps failing is chosen rarely but still retried
-    (and climbs back once it answers)."""
+    (and climbs back once it answers). On top of dpwa's scores, a peer that gave no answer
+    ``n >= 3`` times in a row sits out the next ``2 ** (n - 2)`` picks (at most ``MAX_BACKOFF``): a peer
+    that accepts connections but never answers costs a whole timeout each time it is picked,
+    and this makes its share of the picks 1.6% instead of 6.2% (two neighbours)."""
 
     START, REWARD, PENALTY, LOW, HIGH = 1000.0, 10.0, 100.0, 10.0, 1000.0
     NOISE = 1500.0
+    MAX_BACKOFF = 64
 
     def __init__(self, peers: Iterable[int], rng: random.Random):
         self.score = {peer: self.START for peer in peers}
         self.rng = rng
+        self.failures = {peer: 0 for peer in self.score}  # in a row
+        self.sitting_out = {peer: 0 for peer in self.score}  # picks left before it may be chosen again
 
-    def pick(self) -> int:
-        return max(self.score, key=lambda peer: self.score[peer] + self.rng.uniform(0.0, self.NOISE))
+    def pick(self) -> int | None:
+        """The peer to fetch from next, or None when every peer is sitting out."""
+        ready = [peer for peer, left in self.sitting_out.items() if not left]
+        for peer, left in self.sitting_out.items():
+            if left:
+                self.sitting_out[peer] = left - 1
+        if not ready:
+            return None
+        return max(ready, key=lambda peer: self.score[peer] + self.rng.uniform(0.0, self.NOISE))
 
     def success(self, peer: int) -> None:
         self.score[peer] = min(self.HIGH, self.score[peer] + self.REWARD)
+        self.failures[peer] = self.sitting_out[peer] = 0
 
     def failure(self, peer: int) -> None:
+        """A fetch that got an answer that could not be used."""
         self.score[peer] = max(self.LOW, self.score[peer] - self.PENALTY)
+
+    def no_answer(self, peer: int) -> None:
+        """A fetch that got no answer at all (the costly kind: it may have waited a whole timeout)."""
+        self.failure(peer)
+        self.failures[peer] += 1
+        if self.failures[peer] >= 3:
+            self.sitting_out[peer] = min(self.MAX_BACKOFF, 2 ** (self.failures[peer] - 2))
 
 
 class GossipAverager:
@@ -112,8 +135,8 @@ class GossipAverager:
         if not self._trained_published:
             self._publish(loss)
         self._trained_published = False
-        if self._pending is None and self.scores.score and self.rng.random() < self.settings.fetch_probability:
-            peer = self.scores.pick()
+        if self._pending is None and self.scores.score and self.rng.random() < self.settings.fetch_probability \
+                and (peer := self.scores.pick()) is not None:
             wait = min(self._step_seconds, self.settings.timeout / 2) if self.settings.fresh else 0.0
             self._pending = (peer, self.endpoint.fetch(peer, self.settings.timeout, wait),
                              time.monotonic() + self.settings.timeout)
@@ -122,7 +145,8 @@ class GossipAverager:
     def _publish(self, loss: float | None) -> None:
         state = self.flat.segments_of(self.flat.state.detach().to("cpu", copy=True))
         loss = float(loss or 0.0)
-        self.endpoint.publish(state, {"clock": self.clock, "loss": loss if math.isfinite(loss) else 0.0})
+        # A loss that is not finite (a diverged worker) is published as null: peers take nothing from it.
+        self.endpoint.publish(state, {"clock": self.clock, "loss": loss if math.isfinite(loss) else None})
 
     def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
         """Count ``steps`` trained and publish the trained state; wait for the fetch started by
@@ -145,13 +169,21 @@ class GossipAverager:
         except FutureTimeout:  # the fetch thread ends it at its own deadline; stop waiting here
             reply = None
         waited = time.monotonic() - started
-        peer_meta = {} if reply is None else {key: meta_number(reply.meta, key) for key in ("clock", "loss")}
-        if reply is None or self.flat.check_compatible(reply.tensors) is not None or None in peer_meta.values():
-            self.scores.failure(peer)  # no answer, another model, or numbers that are not numbers
+        peer_clock = None if reply is None else meta_number(reply.meta, "clock")
+        peer_loss = None if reply is None else meta_real(reply.meta, "loss")
+        if reply is None:
+            self.scores.no_answer(peer)
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
+        if self.flat.check_compatible(reply.tensors) is not None or peer_clock is None:
+            self.scores.failure(peer)  # another model, or a clock that is not a clock
+            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
+        if peer_loss is None:  # a diverged peer (null loss) or a loss that is not a number: not merged
+            self.scores.failure(peer)
+            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1, "diverged": 1}
         self.scores.success(peer)
-        peer_clock = peer_meta["clock"]
-        factor = interpolation_factor(self.settings, self.clock, peer_clock, float(loss or 0.0), peer_meta["loss"])
+        own_loss = float(loss or 0.0)
+        factor = 1.0 if not math.isfinite(own_loss) else \
+            interpolation_factor(self.settings, self.clock, peer_clock, own_loss, peer_loss)
         t0 = time.monotonic()
         for name, target in self.flat.tensors().items():
             target.lerp_(reply.tensors[name].to(target.device), factor)

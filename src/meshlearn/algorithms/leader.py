@@ -25,6 +25,7 @@ from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
 from meshlearn.errors import WireError
+from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller
 from meshlearn.wire import Message, meta_number
@@ -51,7 +52,7 @@ class Leader(Algorithm):
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._callers = threading.local()  # each thread calls through its own sockets
-        self._watcher: threading.Thread | None = None
+        self._watcher: GuardedThread | None = None
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------
@@ -61,8 +62,8 @@ class Leader(Algorithm):
         self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost)
         if self.election.leader == self.ctx.rank:
             self._lead(first=self.settings.first_barrier)
-        self._watcher = threading.Thread(target=self.election.watch, args=(self._stop, max(0.2, self.timeout / 4)),
-                                         name=f"leader-watch-{self.ctx.rank}", daemon=True)
+        self._watcher = GuardedThread(self.election.watch, f"leader-watch-{self.ctx.rank}",
+                                      (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
@@ -73,6 +74,11 @@ class Leader(Algorithm):
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
+
+    def check(self) -> None:
+        super().check()
+        if self._watcher is not None:
+            self._watcher.raise_if_failed()
 
     def stop(self) -> None:
         self._stop.set()

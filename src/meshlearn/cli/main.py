@@ -53,6 +53,9 @@ def _resolve(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def _run_simulation(config: ExperimentConfig, quiet: bool) -> dict:
+    from meshlearn.sim.checks import check_before_start
+
+    check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
     from meshlearn.sim import format_summary, simulate, write_report
 
     result = simulate(config, progress=not quiet)

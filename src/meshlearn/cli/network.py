@@ -121,12 +121,29 @@ def cmd_request(args: argparse.Namespace) -> int:
 
         dataset = load_dataset(dataset_spec(str(values["data"])))
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
+    _check_model(request, dataset, args.models_module)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")
     return 0
+
+
+def _check_model(request, dataset, models_module: str | None) -> None:
+    """The model is one this requester knows, and the weights fit it, before any provider is claimed."""
+    from meshlearn.models import build_model, load_weights, model_names
+    from meshlearn.network.provider import load_models_module
+
+    if models_module:
+        load_models_module(models_module)
+    if request.model not in model_names():
+        raise UserInputError(f"unknown model {request.model!r}: choose one of {', '.join(model_names())} (a custom "
+                             "model needs its module here too: --models-module FILE)")
+    if dataset is not None:
+        model = build_model(request.model, dataset.input_shape, dataset.num_classes)
+        if request.weights:
+            load_weights(model, request.weights)
 
 
 def cmd_results(args: argparse.Namespace) -> int:
@@ -162,6 +179,7 @@ def add_network_commands(sub) -> None:
     req.add_argument("--output", help="results folder (default runs/task-<time>)")
     req.add_argument("--host", default="127.0.0.1", help="address providers fetch the data from")
     req.add_argument("--port", type=int, default=0, help="port to serve the data on (0: a free one)")
+    req.add_argument("--models-module", help="local .py file registering the custom model the task names")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)
     req.set_defaults(func=cmd_request)

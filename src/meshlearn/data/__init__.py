@@ -1,12 +1,15 @@
-"""Data: datasets, seeded partitioners, per-node batch loaders."""
+"""Data: dataset specs, datasets, seeded partitioners, per-node batch loaders.
 
-from meshlearn.data.datasets import (
-    Dataset, load_cifar10, load_dataset, load_digits, load_idx, load_imagefolder,
-)
-from meshlearn.data.loader import ShardLoader
-from meshlearn.data.partition import partition
+Names are imported on first use: ``data.specs`` checks a dataset spec without loading torch."""
 
-__all__ = [
-    "Dataset", "ShardLoader", "load_cifar10", "load_dataset", "load_digits", "load_idx", "load_imagefolder",
-    "partition",
-]
+from meshlearn.data.partition import partition  # eager: the function shares its module's name (numpy only)
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {
+    **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_dataset", "load_digits", "load_idx",
+                                      "load_imagefolder")},
+    "ShardLoader": "loader", "parse_spec": "specs",
+}
+__all__ = sorted(_WHERE) + ["partition"]
+
+__getattr__ = lazy_exports(__name__, _WHERE)

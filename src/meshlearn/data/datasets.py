@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshlearn.data.specs import parse_spec, require_path
 from meshlearn.errors import DatasetError
 
-SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR"
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
 
 
@@ -133,9 +133,7 @@ def _find_idx(root: Path, stem: str) -> Path:
 def load_idx(path: str | Path, name: str = "fashion-mnist") -> Dataset:
     """MNIST or Fashion-MNIST from a folder of the standard (gzipped) IDX files."""
     root = Path(path)
-    if not root.is_dir():
-        raise DatasetError(f"dataset path {root} does not exist: give the folder holding train-images-idx3-ubyte.gz "
-                           "and the other IDX files")
+    require_path(root, name)
     parts = {}
     for split, prefix in (("train", "train"), ("test", "t10k")):
         images = _read_idx(_find_idx(root, f"{prefix}-images-idx3-ubyte"), 3)
@@ -220,9 +218,7 @@ def _find_tree(root: Path) -> Path:
 def load_cifar10(path: str | Path) -> Dataset:
     """CIFAR-10 from the official python batches, an ImageFolder tree, or a .tar.gz of either."""
     root = Path(path)
-    if not root.exists():
-        raise DatasetError(f"dataset path {root} does not exist: give the folder of the CIFAR-10 python batches, "
-                           "an ImageFolder tree (train/<class>/, test/<class>/) or its .tar.gz")
+    require_path(root, "cifar10")
     if root.is_file() and root.name.endswith((".tar.gz", ".tgz", ".tar")):
         root = _extract_once(root)
     if (root / "data_batch_1").is_file():
@@ -320,24 +316,18 @@ _CACHE: dict[str, Dataset] = {}
 
 
 def load_dataset(spec: str) -> Dataset:
-    """The dataset a spec names (see SPECS), loaded once per process."""
-    name, _, path = spec.partition(":")
-    name = name.strip().lower()
-    key = f"{name}:{Path(path).expanduser().resolve()}" if path else name
+    """The dataset a spec names (see ``data.specs``), loaded once per process."""
+    kind, path = parse_spec(spec)
+    key = f"{kind}:{path.resolve()}" if path else kind
     if key in _CACHE:
         return _CACHE[key]
-    path_obj = Path(path).expanduser()
-    if name == "digits" and not path:
+    if kind == "digits":
         dataset = load_digits()
-    elif name in ("fashion-mnist", "fmnist", "fashion_mnist") and path:
-        dataset = load_idx(path_obj, "fashion-mnist")
-    elif name == "mnist" and path:
-        dataset = load_idx(path_obj, "mnist")
-    elif name in ("cifar10", "cifar-10") and path:
-        dataset = load_cifar10(path_obj)
-    elif name == "imagefolder" and path:
-        dataset = load_imagefolder(path_obj)
+    elif kind in ("fashion-mnist", "mnist"):
+        dataset = load_idx(path, kind)
+    elif kind == "cifar10":
+        dataset = load_cifar10(path)
     else:
-        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}")
+        dataset = load_imagefolder(path)
     _CACHE[key] = dataset
     return dataset

@@ -1,6 +1,12 @@
-"""Models: the built-in zoo and the registry that selects them by name."""
+"""Models: the built-in zoo and the registry that selects them by name.
 
-from meshlearn.models import zoo  # noqa: F401  (registers the built-ins)
-from meshlearn.models.registry import MODELS, build_model, load_weights, model_names, register_model
+The registry loads without torch (a model name can be checked at once); the zoo is imported when
+a built-in model is first built."""
 
-__all__ = ["MODELS", "build_model", "load_weights", "model_names", "register_model"]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {name: "registry" for name in ("BUILT_IN", "MODELS", "build_model", "load_weights", "model_names",
+                                         "register_model")}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

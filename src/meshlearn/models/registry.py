@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Callable
-
-from torch import nn
+from typing import TYPE_CHECKING, Callable
 
 from meshlearn.errors import ModelError
 from meshlearn.plugins import Registry
 
-ModelFactory = Callable[[tuple[int, int, int], int], nn.Module]
-MODELS: Registry[ModelFactory] = Registry("model", ModelError)
+if TYPE_CHECKING:
+    from torch import nn
+
+ModelFactory = Callable[[tuple[int, int, int], int], "nn.Module"]
+BUILT_IN = ("lenet", "mlp", "resnet18", "simplecnn")  # registered by meshlearn.models.zoo
+MODELS: Registry[ModelFactory] = Registry("model", ModelError, built_in={name: "meshlearn.models.zoo" for name in BUILT_IN})
 
 
 def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage
+from meshlearn.errors import BadMessage, UserInputError
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.rpc import RpcServer
@@ -50,7 +50,13 @@ class Bootstrap:
 
     def run(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()``: open the registry, bind, sweep expired providers every second."""
-        Path(self.settings.state).parent.mkdir(parents=True, exist_ok=True) if self.settings.state != ":memory:" else None
+        if self.settings.state != ":memory:":
+            folder = Path(self.settings.state).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserInputError(f"--state {self.settings.state}: cannot make its folder {folder} "
+                                     f"({exc.strerror}): give a path in a folder you can write") from None
         self.registry.open()
         try:
             self.server.bind()
@@ -60,6 +66,7 @@ class Bootstrap:
             if ready is not None:
                 ready.set()
             while not self.clock.wait(self._stop, SWEEP_EVERY):
+                self.server.check()
                 for gone in self.registry.expire(self.settings.ttl):
                     log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
         finally:

@@ -9,12 +9,13 @@ before its header is even parsed.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from meshlearn.errors import AuthError, BadMessage, NetworkError, UserInputError
 from meshlearn.wire.auth import frames_mac, mac_matches
@@ -82,7 +83,7 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
         raise BadMessage(f"header of {len(views[0])} bytes is over the {MAX_HEADER_BYTES}-byte cap")
     try:
         header = json.loads(bytes(views[0]))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise BadMessage("header is not valid JSON") from None
     if not isinstance(header, dict):
         raise BadMessage("header is not a JSON object")
@@ -93,12 +94,36 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
     if not isinstance(kind, str) or not isinstance(body, dict) or not isinstance(sender, str) \
             or not isinstance(msg_id, str) or not isinstance(sent_at, (int, float)) or not isinstance(sizes, list):
         raise BadMessage("header lacks kind, body, from, id, ts or blobs, or has them of the wrong type")
-    if abs(time.time() - sent_at) > MAX_CLOCK_SKEW:
+    if isinstance(sent_at, bool) or not math.isfinite(sent_at) or abs(time.time() - sent_at) > MAX_CLOCK_SKEW:
         raise BadMessage(f"message timestamp is {time.time() - sent_at:.0f} s off: replayed, or clocks far apart")
     blobs = views[1:-1]
     if sizes != [len(b) for b in blobs]:
         raise BadMessage("blob sizes in the header do not match the frames received")
     return Envelope(kind, body, list(blobs), sender, msg_id, float(sent_at))
+
+
+class ReplayGuard:
+    """Makes each signed request single-use: a message id seen before, within the timestamp window,
+    is a replay (``unseal`` refuses what is outside the window). Ids are forgotten once their
+    timestamp leaves the window, so memory is bounded by the rate of genuine requests."""
+
+    def __init__(self, window: float = MAX_CLOCK_SKEW, clock: Callable[[], float] = time.time):
+        self.window = window
+        self.clock = clock
+        self._seen: dict[str, float] = {}
+        self._next_sweep = 0.0
+        self.replays = 0
+
+    def check(self, envelope: Envelope) -> None:
+        """Raise BadMessage if ``envelope``'s id was already accepted; remember it otherwise."""
+        now = self.clock()
+        if now >= self._next_sweep:
+            self._seen = {msg_id: ts for msg_id, ts in self._seen.items() if abs(now - ts) <= self.window}
+            self._next_sweep = now + self.window / 10
+        if envelope.msg_id in self._seen:
+            self.replays += 1
+            raise BadMessage(f"message {envelope.msg_id[:12]} was already received: a replay")
+        self._seen[envelope.msg_id] = envelope.sent_at
 
 
 def field_of(body: dict, key: str, kind: type | tuple[type, ...], default: Any = ..., *,

@@ -189,8 +189,18 @@ class Finisher:
             self.book.touch(index)
         return {"results": self.results_ready.is_set()}
 
+    def release(self) -> None:
+        """Drop the model and the leader's book once the run has ended: what peers and the
+        requester still ask for (the result) is on disk."""
+        self.node = None
+        self.book = None
+
     def on_results(self, req: Envelope) -> dict:
         """A copy of the final result from the leader: checked against this task's model, then kept."""
+        if self.results_ready.is_set():
+            return {"kept": True}
+        if self.node is None:
+            raise BadMessage(f"{self.ctx.id} cannot check a result for task {self.spec.task_id}: its run is not on")
         self._take_result(req)
         return {"kept": True}
 

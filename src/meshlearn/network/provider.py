@@ -81,7 +81,11 @@ def load_models_module(path: str) -> None:
         raise UserInputError(f"models module {file} does not exist: give a local .py file that registers models")
     spec = importlib.util.spec_from_file_location(f"meshlearn_user_models_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the operator's own file: say where it fails, in one line
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise UserInputError(f"models module {file} failed to load{where}: {type(exc).__name__}: {exc}") from None
 
 
 class Provider:
@@ -142,6 +146,7 @@ class Provider:
             ready.set()
         try:
             while not self._stop.is_set():
+                self.server.check()
                 self._heartbeat()
                 if self.leaving.is_set() and not self._busy():
                     break

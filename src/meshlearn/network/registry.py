@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshlearn.clock import SYSTEM, Clock
+from meshlearn.errors import UserInputError
 
 DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}
 CLAIM_GRACE = 300.0
@@ -59,9 +60,14 @@ class Registry:
 
     def open(self) -> "Registry":
         """Open (creating if needed) the database."""
-        self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            self.close()
+            raise UserInputError(f"registry {self.path} cannot be used ({exc}): give the file a bootstrap "
+                                 "wrote, or a new file name") from None
         return self
 
     def close(self) -> None:

@@ -24,11 +24,13 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
-from meshlearn.network.envelope import Envelope, seal, unseal
+from meshlearn.network.envelope import Envelope, ReplayGuard, seal, unseal
+from meshlearn.threads import GuardedThread
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
+RECEIVE_QUEUE = 8  # whole messages ZeroMQ holds per connection before it stops reading that socket
 __all__ = ["RemoteError", "RpcServer", "Unreachable", "call", "parse_address"]
 Handler = Callable[[Envelope], tuple[dict, list] | dict]
 
@@ -49,12 +51,13 @@ class RpcServer:
         self.max_bytes = max_bytes
         self.workers = workers
         self.rejected = 0
+        self._replays = ReplayGuard()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_address = f"inproc://rpc-wake-{id(self)}"
         self._local = threading.local()
         self._stop = threading.Event()
         self._socket: zmq.Socket | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: GuardedThread | None = None
 
     def bind(self) -> int:
         """Bind the socket (port 0 picks a free one) and return the port."""
@@ -62,6 +65,7 @@ class RpcServer:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         try:
             if self.port:
                 sock.bind(f"tcp://{self.host}:{self.port}")
@@ -83,8 +87,13 @@ class RpcServer:
         """Serve in a background thread (binding first if needed)."""
         if self._socket is None:
             self.bind()
-        self._thread = threading.Thread(target=self.serve, name=f"rpc-{self.name}", daemon=True)
+        self._thread = GuardedThread(self.serve, f"rpc-{self.name}")
         self._thread.start()
+
+    def check(self) -> None:
+        """Raise ``ThreadFailed`` if the serving thread died (the service must end, not run on deaf)."""
+        if self._thread is not None:
+            self._thread.raise_if_failed()
 
     def serve(self) -> None:
         """Serve until ``stop()``; the socket is used by this thread only."""
@@ -112,7 +121,9 @@ class RpcServer:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        pool.submit(self._handle, frames[0].bytes, frames[1:])
+                        request = self._admit(sock, frames[0].bytes, frames[1:])
+                        if request is not None:
+                            pool.submit(self._handle, frames[0].bytes, request)
                 while True:
                     try:
                         identity, reply = self._replies.get_nowait()
@@ -133,15 +144,26 @@ class RpcServer:
         waker.connect(self._wake_address)
         self._local.waker = waker
 
-    def _handle(self, identity: bytes, frames: list) -> None:
+    def _admit(self, sock: zmq.Socket, identity: bytes, frames: list) -> Envelope | None:
+        """The request, if it is signed, well formed and not a replay (checked here, in the serving
+        thread, so nothing unsigned waits in the handlers' queue); else a refusal is sent."""
         try:
             request = unseal(frames, self.secret, self.max_bytes)
+            self._replays.check(request)
+            return request
         except (AuthError, BadMessage) as exc:
             self.rejected += 1
             log.warning("%s: rejected a request: %s", self.name, exc)
             # the request's id is unknown: an empty id tells the caller (one socket per call) it was refused
-            self._reply(identity, Envelope("error", {"error": f"{self.name} rejected the request: {exc}"}, msg_id=""))
-            return
+            refusal = Envelope("error", {"error": f"{self.name} rejected the request: {exc}"}, msg_id="",
+                               sender=self.name)
+            try:
+                sock.send_multipart([identity, *seal(refusal, self.secret)], copy=False)
+            except zmq.ZMQError as send_error:
+                log.debug("%s: refusal not sent: %s", self.name, send_error)
+            return None
+
+    def _handle(self, identity: bytes, request: Envelope) -> None:
         handler = self.handlers.get(request.kind)
         if handler is None:
             self.rejected += 1

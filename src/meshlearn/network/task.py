@@ -12,7 +12,7 @@ from pydantic import Field
 from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
-from meshlearn.settings import Settings
+from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings
 
 MAX_EPOCHS = 1000
@@ -41,7 +41,7 @@ class TaskRequest(Settings):
     location: str | None = Field(None, description="only providers declaring this location")
     algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
     aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
-    seed: int = Field(90, ge=0, description="seed of partitions and initial model")
+    seed: int = Field(90, ge=0, le=MAX_SEED, description="seed of partitions and initial model")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
     peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
@@ -178,7 +178,7 @@ class TaskSpec(Settings):
     momentum: float = Field(0.0, ge=0, lt=1)
     algorithm: Literal["leader", "dpsgd", "gossip"]
     aggregate_every: int | Literal["epoch"]
-    seed: int = Field(ge=0)
+    seed: int = Field(ge=0, le=MAX_SEED)
     partition: str = Field(max_length=64)
     eval_samples: int = Field(ge=0)
     peer_timeout: float = Field(gt=0, le=MAX_PEER_TIMEOUT)

@@ -30,6 +30,7 @@ from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.node import Node, make_transport
 from meshlearn.topology import build_topology
+from meshlearn.wire.auth import derive_key
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ class TaskRun:
         finally:
             stop_watching.set()
             self.finisher.election.poke()
+            self.node = None  # model, data and buffers: the result is on disk (a provider runs many tasks)
+            self.finisher.release()
             self._ended.set()
 
     def _end(self, state: RunState) -> None:
@@ -172,7 +175,8 @@ class TaskRun:
                             ctx.secret, sender=ctx.id, before_chunk=self._check_cancelled)
             load_weights(model, str(path))
         self.node = Node(self.index, config, graph, dataset, indices, model,
-                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0, ctx.secret))
+                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0,
+                                                     derive_key(ctx.secret, f"engine of task {spec.task_id}")))
         self.engine_address = self.node.transport.bind()
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations

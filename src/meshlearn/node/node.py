@@ -161,6 +161,7 @@ class Node:
                     self.algorithm.after_step(losses[-1])
                 train_loss = sum(losses) / len(losses) if losses else None
                 record = self.algorithm.after_local_steps(iteration, train_loss)
+                self.algorithm.check()
                 record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss)
                 done = iteration + 1
                 if evaluates and (done % config.test_after == 0 or done == config.iterations):

@@ -1,6 +1,14 @@
-"""Simulation: run many nodes on one machine and report on the run."""
+"""Simulation: run many nodes on one machine and report on the run.
 
-from meshlearn.sim.launcher import NodeFailure, SimulationResult, prepare_run, simulate
-from meshlearn.sim.report import format_summary, write_report
+Names are imported on first use: ``sim.checks`` looks at a config before torch loads."""
 
-__all__ = ["NodeFailure", "SimulationResult", "format_summary", "prepare_run", "simulate", "write_report"]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {
+    **{name: "launcher" for name in ("NodeFailure", "SimulationResult", "prepare_run", "simulate")},
+    **{name: "report" for name in ("format_summary", "write_report")},
+    "check_before_start": "checks",
+}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

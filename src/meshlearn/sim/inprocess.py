@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Callable, Sequence
 
 from meshlearn.errors import MeshlearnError
 from meshlearn.node import Node
 
 
-def run_threads(nodes: Sequence[Node], timeout: float | None = None) -> dict[int, dict]:
+def run_threads(nodes: Sequence[Node], timeout: float | None = None,
+                on_bound: Callable[[dict[int, str]], None] | None = None) -> dict[int, dict]:
     """Bind every node's endpoint, give each its neighbours' addresses, and run them all.
 
-    Returns each node's final summary by rank; re-raises the first node's exception.
+    ``on_bound`` is called with the address book once every endpoint is bound, before any node
+    connects. Returns each node's final summary by rank; re-raises the first node's exception.
     """
     book = {node.rank: node.transport.bind() for node in nodes}
+    if on_bound is not None:
+        on_bound(book)
     results: dict[int, dict] = {}
     errors: dict[int, BaseException] = {}
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -23,10 +26,11 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition
 from meshlearn.errors import MeshlearnError, TransportError
 from meshlearn.models import build_model
-from meshlearn.topology import Graph, build_topology, write_graph_file
-from meshlearn.transport.ports import ensure_port_free
+from meshlearn.sim.checks import check_before_start
+from meshlearn.topology import Graph, write_graph_file
 
 STARTUP_TIMEOUT = 300.0
+ORPHANED_EXIT = 3  # a node's exit code when its launcher died
 
 
 class NodeFailure(MeshlearnError):
@@ -51,10 +55,7 @@ def prepare_run(config: ExperimentConfig) -> tuple[Graph, Path]:
 
     Loading the dataset here also fills the on-disk decode cache the node processes share.
     """
-    graph = build_topology(config.topology, config.nodes, config.seed)
-    if config.base_port:
-        for rank in range(config.nodes):
-            ensure_port_free(config.host, config.base_port + rank)
+    graph = check_before_start(config)
     dataset = load_dataset(config.dataset)
     partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
@@ -65,9 +66,24 @@ def prepare_run(config: ExperimentConfig) -> tuple[Graph, Path]:
     return graph, output
 
 
+def _exit_with_launcher() -> None:
+    """End this node process the moment its launcher is gone: a SIGKILLed launcher runs no
+    clean-up, and a node left behind would hold its port and CPU for good."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        mp.connection.wait([parent.sentinel])  # readable once the launcher's end is closed
+        os._exit(ORPHANED_EXIT)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+
+
 def _node_process(rank: int, config_values: dict, edges: list, events, book_conn, log_dir: str) -> None:
     """Entry point of one node process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone handles Ctrl-C
+    _exit_with_launcher()
     import torch
 
     from meshlearn.node import build_node

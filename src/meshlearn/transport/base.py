@@ -5,13 +5,17 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import defaultdict
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Mapping
 
+from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
 
 SILENT_AFTER = 3  # deadlines a peer misses in a row before gather stops waiting for it
+# Messages (or UDP partial models) kept per sender for iterations not yet gathered. A synchronous
+# neighbour is at most an iteration or two ahead; the cap bounds what a peer, or a stranger
+# claiming to be one, can make a node hold. Over the cap the furthest iteration is dropped.
+MAX_PENDING_PER_SENDER = 4
 
 
 class Receipt:
@@ -37,6 +41,7 @@ class TransportStats:
     duplicates_dropped: int = 0
     malformed_dropped: int = 0
     unknown_sender_dropped: int = 0
+    overflow_dropped: int = 0  # kept for a later iteration, then dropped for a newer one (cap per sender)
     send_dropped: int = 0
     gather_timeouts: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -65,6 +70,20 @@ class Endpoint(ABC):
         self.stats = TransportStats()
         self.peers: dict[int, str] = {}
         self.departed: set[int] = set()
+        self._threads: list[GuardedThread] = []
+
+    def start_thread(self, target, name: str, *args) -> GuardedThread:
+        """Start one of this endpoint's background threads (its failure is raised by ``check``)."""
+        thread = GuardedThread(target, f"{name}-{self.node_id}", args)
+        thread.start()
+        self._threads.append(thread)
+        return thread
+
+    def check(self) -> None:
+        """Raise ``ThreadFailed`` if a thread this endpoint depends on has died (called by the node
+        between iterations, so a node never runs on unable to serve or receive)."""
+        for thread in self._threads:
+            thread.raise_if_failed()
 
     @abstractmethod
     def bind(self) -> str:
@@ -111,7 +130,7 @@ class Transport(Endpoint):
 
     def __init__(self, node_id: int):
         super().__init__(node_id)
-        self._pending: dict[int, dict[int, Message]] = defaultdict(dict)
+        self._pending: dict[int, dict[int, Message]] = {}  # iteration -> sender -> message kept for it
         self.silent: set[int] = set()  # peers not waited for until heard again (see gather)
         self._missed: dict[int, int] = {}  # deadlines missed in a row, by peer
 
@@ -200,7 +219,18 @@ class Transport(Endpoint):
         return got
 
     def _keep(self, msg: Message) -> None:
-        slot = self._pending[msg.iteration]
+        slot = self._pending.get(msg.iteration, {})
         if msg.sender in slot:
             self.stats.duplicates_dropped += 1
+        else:
+            kept = [it for it, senders in self._pending.items() if msg.sender in senders]
+            if len(kept) >= MAX_PENDING_PER_SENDER:  # the furthest iteration is needed last: drop it
+                self.stats.overflow_dropped += 1
+                furthest = max(kept)
+                if furthest < msg.iteration:
+                    return
+                del self._pending[furthest][msg.sender]
+                if not self._pending[furthest]:
+                    del self._pending[furthest]
         slot[msg.sender] = msg
+        self._pending[msg.iteration] = slot

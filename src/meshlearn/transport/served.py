@@ -32,18 +32,21 @@ from typing import Any, Callable, Mapping
 
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from meshlearn.errors import TransportError, WireError
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Endpoint
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
+from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
 POLL_MS = 100
 CONNECT_WAIT = 0.2  # seconds a call waits for a connection to a peer before giving up on it
+RECONNECT_MAX_MS = 2000  # reconnects to a peer that is not up back off from 100 ms to this
 LINGER_MS = 200  # on close, time for the last answers to leave
 CLOSE_GRACE = 0.25  # seconds a closing server goes on answering requests, at once
 MAX_REQUESTS_PER_WAKE = 64  # then the held requests get their turn, even under a flood
@@ -78,7 +81,7 @@ class ServedEndpoint(Endpoint):
         self._wake: tuple[socket.socket, socket.socket] | None = None  # any thread -> serving thread
         self._wake_lock = threading.Lock()
         self._stop = threading.Event()
-        self._server: threading.Thread | None = None
+        self._server: GuardedThread | None = None
         self._callers: list[Caller] = []
 
     # --- life cycle -------------------------------------------------------------------------
@@ -104,9 +107,7 @@ class ServedEndpoint(Endpoint):
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
         if self._server is None:
-            self._server = threading.Thread(target=self._serve, name=f"{type(self).__name__}-{self.node_id}",
-                                            daemon=True)
-            self._server.start()
+            self._server = self.start_thread(self._serve, type(self).__name__)
 
     def caller(self) -> "Caller":
         """A new caller for one thread's requests to the peers (closed with the endpoint)."""
@@ -236,7 +237,9 @@ class Caller:
         self.calls = 0
         self.failures = 0  # calls that got no answer: timeout, refused or dead peer
         self._dealers: dict[int, zmq.Socket] = {}
+        self._monitors: dict[int, zmq.Socket] = {}
         self._request_id = 0
+        self.self_connects = 0
 
     def call(self, peer: int, timeout: float, tensors: Mapping[str, torch.Tensor] | None = None,
              meta: Mapping[str, Any] | None = None, patience: Callable[[], bool] | None = None) -> Message | None:
@@ -248,6 +251,9 @@ class Caller:
             return None
         self.calls += 1
         self._request_id += 1
+        if self._connected_to_itself(peer):
+            self.failures += 1
+            return None
         fresh = peer not in self._dealers
         dealer = self._dealer(peer)
         deadline = time.monotonic() + timeout
@@ -299,14 +305,51 @@ class Caller:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.IMMEDIATE, 1)  # no live connection: sending is refused, not queued
             dealer.setsockopt(zmq.MAXMSGSIZE, endpoint.max_message_bytes)
+            dealer.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_MAX_MS)
+            self._monitors[peer] = dealer.get_monitor_socket(zmq.EVENT_CONNECTED)
             dealer.connect(endpoint.peers[peer])
             self._dealers[peer] = dealer
         return dealer
 
-    def close(self) -> None:
-        for dealer in self._dealers.values():
+    def _connected_to_itself(self, peer: int) -> bool:
+        """Whether the connection to ``peer`` turned out to be a TCP self-connect; if so it is
+        dropped (a new one is made on the next call).
+
+        Connecting again and again to a loopback port nobody listens on yet (a peer still
+        starting) can, once in tens of thousands of tries, get that very port as its own source
+        port: the kernel then connects the socket to itself, and the peer can never bind its port.
+        dpwa-style ports (45000+) lie in Linux's ephemeral range, so this happens in practice.
+        """
+        monitor = self._monitors.get(peer)
+        while monitor is not None:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            try:
+                with socket.socket(fileno=os.dup(event["value"])) as conn:
+                    itself = conn.getsockname() == conn.getpeername()
+            except OSError:  # already closed again: nothing to check
+                continue
+            if itself:
+                self.self_connects += 1
+                log.warning("node %d: the connection to %d at %s was a TCP self-connect; dropped it",
+                            self.endpoint.node_id, peer, self.endpoint.peers[peer])
+                self._drop(peer)
+                return True
+        return False
+
+    def _drop(self, peer: int) -> None:
+        dealer, monitor = self._dealers.pop(peer, None), self._monitors.pop(peer, None)
+        if dealer is not None:
+            dealer.disable_monitor()
             dealer.close(linger=0)
-        self._dealers.clear()
+        if monitor is not None:
+            monitor.close(linger=0)
+
+    def close(self) -> None:
+        for peer in list(self._dealers):
+            self._drop(peer)
 
 
 def _drain(sock: socket.socket) -> None:

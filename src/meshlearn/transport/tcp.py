@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import struct
 import time
 from typing import Callable, Iterable, Mapping
@@ -19,6 +20,9 @@ from meshlearn.wire import Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
+# Whole messages ZeroMQ holds per connection before it stops reading that socket (the sender then
+# waits, or drops and counts): a neighbour is at most a few iterations ahead, a stranger gets no more.
+RECEIVE_QUEUE = 16
 
 
 class _Trackers(Receipt):
@@ -57,6 +61,7 @@ class TcpTransport(Transport):
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._dealers: dict[int, zmq.Socket] = {}
+        self._routes: dict[bytes, int] = {}  # connection (ZeroMQ routing id) -> the neighbour it said HELLO as
         self._poller = zmq.Poller()
         self._closed = False
 
@@ -65,7 +70,7 @@ class TcpTransport(Transport):
         self._ctx = zmq.Context()
         try:
             router = bind_router(self._ctx, self.node_id, self.host, self.port, self.max_message_bytes,
-                                 {zmq.ROUTER_HANDOVER: 1, zmq.RCVHWM: 0})
+                                 {zmq.RCVHWM: RECEIVE_QUEUE})
         except Exception:
             self._ctx.term()
             self._ctx = None
@@ -86,7 +91,9 @@ class TcpTransport(Transport):
         hello = encode(Message(Kind.HELLO, self.node_id), self.secret)
         for peer, address in self.peers.items():
             dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id))
+            # A random routing id: a stranger cannot take over (or squat) a neighbour's connection
+            # by claiming its id, since the id says nothing about who sends (see _accept).
+            dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id) + os.urandom(8))
             dealer.setsockopt(zmq.LINGER, int(self.linger * 1000))
             dealer.setsockopt(zmq.SNDHWM, 64)
             dealer.connect(address)
@@ -179,8 +186,12 @@ class TcpTransport(Transport):
             self.stats.malformed_dropped += 1
             log.warning("node %d: dropped a malformed message: %s", self.node_id, exc)
             return None
-        identity = frames[0].bytes
-        if identity != _IDENTITY.pack(msg.sender) or (self.peers and msg.sender not in self.peers):
+        route = frames[0].bytes
+        if msg.kind == Kind.HELLO and msg.sender in self.peers:
+            # The handshake binds a connection to the neighbour it names (signed, with a secret);
+            # every later message must come over a connection bound to its sender.
+            self._routes.setdefault(route, msg.sender)
+        if self._routes.get(route) != msg.sender:
             self.stats.unknown_sender_dropped += 1
             return None
         self.stats.messages_received += 1

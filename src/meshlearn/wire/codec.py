@@ -245,6 +245,9 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
         if ndim > MAX_NDIM:
             raise WireError(f"tensor {name!r}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
         shape = tuple(reader.take(_U64, f"tensor {name!r} shape")[0] for _ in range(ndim))
+        if any(dim > max_bytes for dim in shape):
+            # No real tensor of this message could have such a dimension (an empty one need not).
+            raise WireError(f"tensor {name!r}: a dimension of {list(shape)} exceeds the message size cap {max_bytes}")
         (nbytes,) = reader.take(_U64, f"tensor {name!r} byte length")
         expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if nbytes != expected:
@@ -252,7 +255,10 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
         frame = views[index + 1]
         if frame.nbytes != nbytes:
             raise WireError(f"tensor {name!r}: frame holds {frame.nbytes} bytes, header says {nbytes}")
-        tensors[name] = _as_tensor(frame, dtype, shape)
+        try:
+            tensors[name] = _as_tensor(frame, dtype, shape)
+        except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+            raise WireError(f"tensor {name!r}: torch cannot lay out {dtype} x {list(shape)} ({type(exc).__name__})") from None
 
     meta: dict[str, Any] = {}
     if meta_len:
@@ -271,7 +277,14 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
 def meta_number(meta: dict[str, Any], key: str, default: float = 0.0) -> float | None:
     """The non-negative finite number a message's metadata holds under ``key`` (``default`` when
     absent), or None when it holds anything else: metadata comes from peers, so check it."""
+    value = meta_real(meta, key, default)
+    return None if value is None or value < 0 else value
+
+
+def meta_real(meta: dict[str, Any], key: str, default: float = 0.0) -> float | None:
+    """The finite number (of either sign) a message's metadata holds under ``key`` (``default``
+    when absent), or None when it holds anything else (null, a string, a bool, NaN)."""
     value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return None
     return float(value)

@@ -21,7 +21,7 @@ from typing import Iterable
 import torch
 
 from meshlearn.errors import WireError
-from meshlearn.transport.base import TransportStats
+from meshlearn.transport.base import MAX_PENDING_PER_SENDER, TransportStats
 from meshlearn.wire import Chunks, Kind, Message
 from meshlearn.wire.datagram import ChunkHeader, chunk_count
 
@@ -147,6 +147,8 @@ class Reassembler:
         key = (header.sender, header.iteration)
         part = self.parts.get(key)
         if part is None:
+            if not self._make_room(header):
+                return False, None
             vector = self._free.pop() if self._free else torch.empty(self.layout.numel, dtype=self.layout.dtype)
             part = self.parts[key] = Partial(header, vector)
         if part.add(header, payload, in_place):
@@ -206,6 +208,19 @@ class Reassembler:
         """Pool reassembly vectors for reuse, ``pool_size`` per neighbour at most."""
         room = self.pool_size * max(1, peers) - len(self._free)
         self._free.extend(list(vectors)[:max(0, room)])
+
+    def _make_room(self, header: ChunkHeader) -> bool:
+        """Whether a new partial model of the header's sender may be started: each sender has at
+        most ``MAX_PENDING_PER_SENDER``; over that the furthest iteration is dropped (and counted)."""
+        kept = [key[1] for key in self.parts if key[0] == header.sender]
+        if len(kept) < MAX_PENDING_PER_SENDER:
+            return True
+        self.stats.overflow_dropped += 1
+        furthest = max(kept)
+        if furthest < header.iteration:
+            return False
+        del self.parts[(header.sender, furthest)]
+        return True
 
     def _pop_newest(self, sender: int, iteration: int) -> Partial | None:
         keys = [k for k in self.parts if k[0] == sender and k[1] <= iteration]

@@ -37,6 +37,7 @@ from meshlearn.wire.datagram import (
 log = logging.getLogger(__name__)
 HELLO_EVERY = 0.1
 POLL_MS = 100
+MAX_CONTROL = 64  # control messages kept for recv() (REQUEST, REPLY over UDP): no algorithm reads them today
 
 
 class UdpTransport(Transport):
@@ -68,7 +69,6 @@ class UdpTransport(Transport):
         self._control: deque[Message] = deque()
         self.handshake = Handshake()
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
         self._closed = False
         # While a slot is armed for the receive thread (see the module docstring) its message must
         # stay in the reassembler; gather sets _taking and waits for the receive thread to disarm.
@@ -99,9 +99,9 @@ class UdpTransport(Transport):
         for peer, address in self.peers.items():
             host, _, port = address.removeprefix("udp://").rpartition(":")
             self._addrs[peer] = (host, int(port))
-        self._start_thread(self._receive_loop, "udp-recv")
+        self.start_thread(self._receive_loop, "udp-recv")
         if self.sender.emulator.spec.delay or self.sender.emulator.spec.jitter:
-            self._start_thread(self._delay_loop, "udp-delay")
+            self.start_thread(self._delay_loop, "udp-delay")
         deadline = time.monotonic() + self.settings.handshake_timeout
         while True:
             with self._cond:
@@ -117,11 +117,6 @@ class UdpTransport(Transport):
                 self.sender.send_control(Kind.HELLO, self._addrs[peer], flag)
             with self._cond:
                 self._cond.wait(HELLO_EVERY)
-
-    def _start_thread(self, target, name: str) -> None:
-        thread = threading.Thread(target=target, name=f"{name}-{self.node_id}", daemon=True)
-        thread.start()
-        self._threads.append(thread)
 
     # --- sending --------------------------------------------------------------------------
 
@@ -177,6 +172,9 @@ class UdpTransport(Transport):
             except WireError as exc:
                 self.stats.malformed_dropped += 1
                 log.debug("node %d: dropped a malformed datagram: %s", self.node_id, exc)
+            except Exception:  # noqa: BLE001 - one datagram must not end reception
+                self.stats.malformed_dropped += 1
+                log.exception("node %d: a datagram could not be handled", self.node_id)
 
     def _disarm(self) -> None:
         with self._cond:
@@ -207,8 +205,10 @@ class UdpTransport(Transport):
                     self.sender.send_control(Kind.HELLO, self._addrs[header.sender], answer)
             elif header.kind == Kind.BYE:
                 self.departed.add(header.sender)
-            else:
+            elif len(self._control) < MAX_CONTROL:
                 self._control.append(Message(header.kind, header.sender, header.iteration, header.degree))
+            else:  # nobody reads control messages of other kinds: a peer must not fill memory with them
+                self.stats.overflow_dropped += 1
             self._cond.notify_all()
 
     def recv(self, timeout: float) -> Message | None:

@@ -1,0 +1,39 @@
+"""Dataset specs (``digits``, ``cifar10:PATH``, ...): parsed and checked without loading anything,
+so a wrong name or path is reported before a run starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlearn.errors import DatasetError
+
+SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR"
+# The name a spec starts with -> the dataset it means (and whether it needs a path)
+KINDS = {"digits": ("digits", False), "fashion-mnist": ("fashion-mnist", True), "fmnist": ("fashion-mnist", True),
+         "fashion_mnist": ("fashion-mnist", True), "mnist": ("mnist", True), "cifar10": ("cifar10", True),
+         "cifar-10": ("cifar10", True), "imagefolder": ("imagefolder", True)}
+
+_IDX = "the folder holding train-images-idx3-ubyte.gz and the other IDX files"
+WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
+        "cifar10": "the folder of the CIFAR-10 python batches, an ImageFolder tree (train/<class>/, test/<class>/) "
+                   "or its .tar.gz",
+        "imagefolder": "a folder with train/<class>/ and test/<class>/"}
+
+
+def parse_spec(spec: str) -> tuple[str, Path | None]:
+    """The dataset a spec names and its path; DatasetError for an unknown name or a missing path."""
+    name, _, path = spec.partition(":")
+    kind = KINDS.get(name.strip().lower())
+    if kind is None or kind[1] != bool(path):
+        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}")
+    if not path:
+        return kind[0], None
+    where = Path(path).expanduser()
+    require_path(where, kind[0])
+    return kind[0], where
+
+
+def require_path(root: Path, kind: str) -> None:
+    """DatasetError saying what to give when a dataset's path does not exist."""
+    if not root.exists():
+        raise DatasetError(f"dataset path {root} does not exist: give {WHAT[kind]}")

@@ -1,0 +1,21 @@
+"""What a user can get wrong in a run's config, checked before torch or any data loads: a wrong
+name or a port in use is one line in well under a second, not after the node processes start."""
+
+from __future__ import annotations
+
+from meshlearn.config import ExperimentConfig
+from meshlearn.data.specs import parse_spec
+from meshlearn.models.registry import MODELS
+from meshlearn.topology import Graph, build_topology
+from meshlearn.transport.ports import ensure_port_free
+
+
+def check_before_start(config: ExperimentConfig) -> Graph:
+    """The run's graph, once its topology, dataset spec, model name and fixed ports check out."""
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    parse_spec(config.dataset)
+    MODELS.check(config.model)
+    if config.base_port:
+        for rank in range(config.nodes):
+            ensure_port_free(config.host, config.base_port + rank)
+    return graph
