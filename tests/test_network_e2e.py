@@ -71,10 +71,16 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert score_result(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
 
 
-def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network):
+def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network, tmp_path):
     procs, bootstrap, ids = network
+    # A custom model the requester registers but the providers do not: it passes the requester's
+    # checks and fails where the task is prepared (unknown names fail before any claim, see test_cli)
+    module = tmp_path / "requester_models.py"
+    module.write_text("from torch import nn\nfrom meshlearn.models import register_model\n\n"
+                      "@register_model('no-such-model')\ndef build(shape, classes):\n"
+                      "    return nn.Sequential(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], classes))\n")
     code, out = _request(procs, "req-bad-model", bootstrap, "--data", "digits", "--model", "no-such-model",
-                         "--providers", "3")
+                         "--providers", "3", "--models-module", str(module))
     assert code == 1 and "could not prepare the task" in out and "unknown model 'no-such-model'" in out, out
     assert "Traceback" not in out
     free = call(bootstrap, "discover", {"count": 10}, SECRET.encode(), timeout=5).body["providers"]
@@ -113,7 +119,9 @@ def test_a_requester_supplied_weights_file_is_where_training_starts(network, tmp
     save_file(build_model("lenet", (3, 32, 32), 10).state_dict(), str(tmp_path / "lenet.safetensors"))
     code, out = _request(procs, "req-misfit", bootstrap, *TASK, "--providers", "3",
                          "--weights", str(tmp_path / "lenet.safetensors"))
-    assert code == 1 and "weights file does not fit the model" in out and "Traceback" not in out, out
+    # refused by the requester itself now, before any provider is claimed (issue 15)
+    assert code == 2 and "weights file does not fit the model" in out and "Traceback" not in out, out
+    assert "provider" not in out.split("weights file")[0], out
 
 
 def test_a_wrong_secret_can_neither_register_nor_read_results(network):

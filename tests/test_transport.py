@@ -171,7 +171,9 @@ def _connect_error(transport: TcpTransport, peers: dict) -> str:
     return ""
 
 
-def _pair_in_process():
+@pytest.fixture
+def pair():
+    """Nodes 0 and 1 in this process, handshake done; closed after the test."""
     import threading
 
     a, b = (TcpTransport(i, settings=TcpSettings(handshake_timeout=20, wait_timeout=5, linger=1)) for i in range(2))
@@ -180,62 +182,49 @@ def _pair_in_process():
     thread.start()
     a.connect({1: b.address})
     thread.join()
-    return a, b
+    yield a, b
+    b.bye_timeout = a.bye_timeout = 0.5
+    a.close()
+    b.close()
 
 
-def test_a_connection_claiming_a_neighbours_identity_neither_silences_nor_speaks_for_it():
-    a, b = _pair_in_process()
-    try:
-        with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as rogue:
-            rogue.setsockopt(zmq.ROUTING_ID, b"\x01\x00\x00\x00")  # node 1's id, when ids were node numbers
-            rogue.setsockopt(zmq.LINGER, 0)
-            rogue.connect(a.address)
-            rogue.send_multipart(encode(Message(Kind.MODEL, 1, 0, 1, {"p": torch.zeros(3)})))  # no HELLO first
-            _until(lambda: a.stats.unknown_sender_dropped == 1, a)
-            for iteration in range(3):  # node 1's own connection still works
-                b.send(0, Message(Kind.MODEL, 1, iteration, 1, {"p": torch.full((3,), float(iteration))}))
-                assert torch.equal(a.gather(iteration, [1], timeout=10)[1].tensors["p"],
-                                   torch.full((3,), float(iteration)))
-    finally:
-        b.bye_timeout = a.bye_timeout = 0.5
-        a.close()
-        b.close()
+def test_a_connection_claiming_a_neighbours_identity_neither_silences_nor_speaks_for_it(pair):
+    a, b = pair
+    with zmq.Context() as ctx, ctx.socket(zmq.DEALER) as rogue:
+        rogue.setsockopt(zmq.ROUTING_ID, b"\x01\x00\x00\x00")  # node 1's id, when ids were node numbers
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(a.address)
+        rogue.send_multipart(encode(Message(Kind.MODEL, 1, 0, 1, {"p": torch.zeros(3)})))  # no HELLO first
+        _until(lambda: a.stats.unknown_sender_dropped == 1, a)
+        for iteration in range(3):  # node 1's own connection still works
+            b.send(0, Message(Kind.MODEL, 1, iteration, 1, {"p": torch.full((3,), float(iteration))}))
+            assert torch.equal(a.gather(iteration, [1], timeout=10)[1].tensors["p"], torch.full((3,), float(iteration)))
 
 
-def test_messages_kept_for_later_iterations_are_capped_per_sender():
+def test_messages_kept_for_later_iterations_are_capped_per_sender(pair):
     from meshlearn.transport.base import MAX_PENDING_PER_SENDER
 
-    a, b = _pair_in_process()
-    try:
-        for iteration in range(1000, 1030):  # far ahead: a peer (or one claiming to be it) floods
-            b.send(0, Message(Kind.MODEL, 1, iteration, 1, {"p": torch.zeros(3)}))
-        b.send(0, Message(Kind.MODEL, 1, 0, 1, {"p": torch.ones(3)}))
-        b.send(0, Message(Kind.MODEL, 1, 1, 1, {"p": torch.ones(3)}))
-        assert torch.equal(a.gather(0, [1], timeout=10)[1].tensors["p"], torch.ones(3))
-        assert sorted(a._pending) == list(range(1000, 1000 + MAX_PENDING_PER_SENDER))  # the nearest kept
-        assert a.stats.overflow_dropped == 30 - MAX_PENDING_PER_SENDER
-        assert torch.equal(a.gather(1, [1], timeout=10)[1].tensors["p"], torch.ones(3))
-    finally:
-        b.bye_timeout = a.bye_timeout = 0.5
-        a.close()
-        b.close()
+    a, b = pair
+    for iteration in range(1000, 1030):  # far ahead: a peer (or one claiming to be it) floods
+        b.send(0, Message(Kind.MODEL, 1, iteration, 1, {"p": torch.zeros(3)}))
+    b.send(0, Message(Kind.MODEL, 1, 0, 1, {"p": torch.ones(3)}))
+    b.send(0, Message(Kind.MODEL, 1, 1, 1, {"p": torch.ones(3)}))
+    assert torch.equal(a.gather(0, [1], timeout=10)[1].tensors["p"], torch.ones(3))
+    assert sorted(a._pending) == list(range(1000, 1000 + MAX_PENDING_PER_SENDER))  # the nearest kept
+    assert a.stats.overflow_dropped == 30 - MAX_PENDING_PER_SENDER
+    assert torch.equal(a.gather(1, [1], timeout=10)[1].tensors["p"], torch.ones(3))
 
 
-def test_a_neighbour_that_missed_three_deadlines_is_not_waited_for_until_heard_again():
+def test_a_neighbour_that_missed_three_deadlines_is_not_waited_for_until_heard_again(pair):
     """A dead D-PSGD neighbour (SIGKILL says no BYE) used to cost a whole timeout every iteration."""
     from meshlearn.transport.base import SILENT_AFTER
 
-    a, b = _pair_in_process()
-    try:
-        for iteration in range(SILENT_AFTER + 5):  # b has gone quiet
-            assert a.gather(iteration, [1], timeout=0.2) == {}
-        assert a.silent == {1}
-        assert a.stats.gather_timeouts == SILENT_AFTER  # then it stopped waiting (and timing out)
-        b.send(0, Message(Kind.MODEL, 1, 20, 1, {"p": torch.ones(3)}))  # back: read as soon as it is there
-        assert wait_until(lambda: 1 in a.gather(20, [1], timeout=0.2), timeout=10)
-        assert a.silent == set()
-        assert a.gather(21, [1], timeout=0.2) == {} and a.stats.gather_timeouts == SILENT_AFTER + 1  # waited for again
-    finally:
-        b.bye_timeout = a.bye_timeout = 0.5
-        a.close()
-        b.close()
+    a, b = pair
+    for iteration in range(SILENT_AFTER + 5):  # b has gone quiet
+        assert a.gather(iteration, [1], timeout=0.2) == {}
+    assert a.silent == {1}
+    assert a.stats.gather_timeouts == SILENT_AFTER  # then it stopped waiting (and timing out)
+    b.send(0, Message(Kind.MODEL, 1, 20, 1, {"p": torch.ones(3)}))  # back: read as soon as it is there
+    assert wait_until(lambda: 1 in a.gather(20, [1], timeout=0.2), timeout=10)
+    assert a.silent == set()
+    assert a.gather(21, [1], timeout=0.2) == {} and a.stats.gather_timeouts == SILENT_AFTER + 1  # waited for again

@@ -13,9 +13,9 @@ from meshlearn.wire import Kind, Message
 
 SILENT_AFTER = 3  # deadlines a peer misses in a row before gather stops waiting for it
 # Messages (or UDP partial models) kept per sender for iterations not yet gathered. A synchronous
-# neighbour is at most an iteration or two ahead; the cap bounds what a peer, or a stranger
-# claiming to be one, can make a node hold. Over the cap the furthest iteration is dropped.
-MAX_PENDING_PER_SENDER = 4
+# neighbour is at most an iteration or two ahead (8 leaves room for bursts); the cap bounds what a
+# peer, or a stranger claiming to be one, can make a node hold. Over it the furthest is dropped.
+MAX_PENDING_PER_SENDER = 8
 
 
 class Receipt:

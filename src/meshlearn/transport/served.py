@@ -251,9 +251,6 @@ class Caller:
             return None
         self.calls += 1
         self._request_id += 1
-        if self._connected_to_itself(peer):
-            self.failures += 1
-            return None
         fresh = peer not in self._dealers
         dealer = self._dealer(peer)
         deadline = time.monotonic() + timeout
@@ -277,6 +274,7 @@ class Caller:
         except zmq.ZMQError as exc:
             log.debug("node %d: request to %d failed: %s", endpoint.node_id, peer, exc)
         self.failures += 1
+        self._connected_to_itself(peer)  # checked on failures only: it costs more than a fetch's own work
         return None
 
     def _receive(self, dealer: zmq.Socket, peer: int) -> Message | None:
@@ -312,8 +310,9 @@ class Caller:
         return dealer
 
     def _connected_to_itself(self, peer: int) -> bool:
-        """Whether the connection to ``peer`` turned out to be a TCP self-connect; if so it is
-        dropped (a new one is made on the next call).
+        """Whether the connection to ``peer`` turned out to be a TCP self-connect (then every call
+        to it fails: it gets its own request back); if so it is dropped, and a new one is made on
+        the next call.
 
         Connecting again and again to a loopback port nobody listens on yet (a peer still
         starting) can, once in tens of thousands of tries, get that very port as its own source
