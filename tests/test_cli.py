@@ -155,3 +155,76 @@ def test_the_zoo_registers_exactly_the_built_in_model_names():
 def test_provider_resources_that_make_no_sense_are_one_line_not_retried_or_replaced(flag, value, fragment):
     result = _run_env("provider", "--bootstrap", f"127.0.0.1:{_dead_port()}", flag, value, timeout=60)
     _one_line_error(result, 2, fragment)
+
+
+# --- what a new user trips on (issue 16) ----------------------------------------------------
+
+def _summary_nodes(folder) -> int:
+    import csv
+
+    with (folder / "summary.csv").open() as handle:
+        return int(list(csv.DictReader(handle))[-1]["nodes"])
+
+
+def test_a_second_run_into_the_same_folder_starts_clean(tmp_path):
+    out = tmp_path / "run"
+    for nodes in (3, 2):  # a 2-node run into a 3-node run's folder used to report 3 nodes, mixed
+        result = _run("simulate", "--nodes", str(nodes), "--topology", "full", "--iterations", "2",
+                      "--test-after", "2", "--output", str(out), "--quiet", timeout=300)
+        assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in (out / "logs").glob("node_*.jsonl")) == ["node_0.jsonl", "node_1.jsonl"]
+    assert "held an earlier run" in result.stderr
+    assert _summary_nodes(out) == 2
+
+
+def test_a_bootstrap_on_a_busy_port_says_so_first_and_creates_nothing(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _run_env("bootstrap", "--port", str(port), "--state", str(tmp_path / "new" / "registry.sqlite"),
+                          timeout=60)
+    _one_line_error(result, 2, f"port {port}", "in use")
+    assert "bootstrap on" not in result.stdout
+    assert not (tmp_path / "new").exists()
+
+
+def test_meshlearn_node_uses_its_threads_and_every_rank_shares_one_folder(tmp_path):
+    import json
+
+    with socket.socket() as a, socket.socket() as b:
+        a.bind(("127.0.0.1", 0)), b.bind(("127.0.0.1", 0))
+        ports = [a.getsockname()[1], b.getsockname()[1]]
+    (tmp_path / "pair.yaml").write_text(f"0: 127.0.0.1:{ports[0]}\n1: 127.0.0.1:{ports[1]}\n")
+    (tmp_path / "exp.yaml").write_text("nodes: 2\ntopology: full\niterations: 3\ntest_after: 3\nthreads: 1\n")
+    import os
+
+    procs = [subprocess.Popen([sys.executable, "-m", "meshlearn", "node", "--config", "exp.yaml", "--addresses",
+                               "pair.yaml", "--rank", str(rank)], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=os.environ.copy()) for rank in (0, 1)]
+    try:
+        for proc in procs:
+            _, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    logs = sorted((tmp_path / "runs" / "pair" / "logs").glob("node_*.jsonl"))
+    assert [p.name for p in logs] == ["node_0.jsonl", "node_1.jsonl"]
+    for path in logs:
+        start = json.loads(path.read_text().splitlines()[0])
+        assert start["event"] == "start" and start["threads"] == 1
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--device", "cuda"], "CUDA is not available"),
+    (["--dataset", "mnist"], "mnist needs a folder: mnist:DIR"),
+])
+def test_a_device_or_dataset_this_machine_lacks_is_one_line(tmp_path, args, fragment):
+    if "cuda" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    _one_line_error(_run("simulate", *args, "--output", str(tmp_path / "o")), 2, fragment)

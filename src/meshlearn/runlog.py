@@ -1,4 +1,4 @@
-"""Append-only JSONL event logs: what every node writes and every report reads."""
+"""JSONL event logs: what every node writes and every report reads."""
 
 from __future__ import annotations
 
@@ -8,17 +8,20 @@ from typing import Any, Iterator
 
 
 class JsonlLog:
-    """Appends one JSON object per line to a file, flushed as it goes so a crash loses little."""
+    """One JSON object per line, flushed as it goes so a crash loses little. The first write of a
+    log starts the file afresh (a rerun into the same folder must not append to the last run)."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self._file = None
+        self._opened = False
 
     def write(self, event: dict[str, Any]) -> None:
-        """Append one event."""
+        """Add one event."""
         if self._file is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            self._file = self.path.open("a" if self._opened else "w", encoding="utf-8")
+            self._opened = True
         self._file.write(json.dumps(event, separators=(",", ":")) + "\n")
         self._file.flush()
 

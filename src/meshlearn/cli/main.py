@@ -85,7 +85,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_node(args: argparse.Namespace) -> int:
     from meshlearn.sim.multimachine import run_node
 
-    summary = run_node(_resolve(args), args.addresses, args.rank)
+    config = _resolve(args)
+    if not config.output:  # every rank on this machine writes into one folder, not one per start time
+        config = config.model_copy(update={"output": str(Path("runs") / Path(args.addresses).stem)})
+    summary = run_node(config, args.addresses, args.rank)
     metrics = summary.get("metrics")
     if metrics:
         print(f"node {args.rank}: test accuracy {metrics['accuracy']:.4f}, F1 {metrics['f1']:.4f}")
@@ -129,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")
     node.add_argument("--addresses", required=True, help="YAML file mapping rank -> host or host:port")
     node.add_argument("--rank", required=True, type=int, help="this node's rank")
+    # --output (from the config flags) defaults to runs/<addresses file name> for `node`: all ranks share it
     _add_config_flags(node)
     node.set_defaults(func=cmd_node)
     add_network_commands(sub)

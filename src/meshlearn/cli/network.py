@@ -40,8 +40,11 @@ def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from meshlearn.network.bootstrap import Bootstrap
 
+    from meshlearn.transport.ports import ensure_port_free
+
     settings = BootstrapSettings(**given(args, BootstrapSettings.model_fields))
     _port(settings.port)
+    ensure_port_free(settings.host, settings.port)  # before saying anything or creating the state file
     service = Bootstrap(settings, _secret(args))
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "

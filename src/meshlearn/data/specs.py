@@ -24,8 +24,12 @@ def parse_spec(spec: str) -> tuple[str, Path | None]:
     """The dataset a spec names and its path; DatasetError for an unknown name or a missing path."""
     name, _, path = spec.partition(":")
     kind = KINDS.get(name.strip().lower())
-    if kind is None or kind[1] != bool(path):
+    if kind is None:
         raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}")
+    if kind[1] and not path:
+        raise DatasetError(f"{name} needs a folder: {name}:DIR ({WHAT[kind[0]]})")
+    if path and not kind[1]:
+        raise DatasetError(f"{name} is built in and takes no path: write {name}")
     if not path:
         return kind[0], None
     where = Path(path).expanduser()

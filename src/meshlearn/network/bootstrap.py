@@ -49,17 +49,15 @@ class Bootstrap:
         self._stop = threading.Event()
 
     def run(self, ready: threading.Event | None = None) -> None:
-        """Serve until ``stop()``: open the registry, bind, sweep expired providers every second."""
-        if self.settings.state != ":memory:":
-            folder = Path(self.settings.state).parent
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise UserInputError(f"--state {self.settings.state}: cannot make its folder {folder} "
-                                     f"({exc.strerror}): give a path in a folder you can write") from None
-        self.registry.open()
+        """Serve until ``stop()``: bind, open the registry, sweep expired providers every second.
+        Binding comes first, so a port in use leaves nothing behind (no new state file)."""
+        self.server.bind()
         try:
-            self.server.bind()
+            self._open_registry()
+        except BaseException:
+            self.server.stop()
+            raise
+        try:
             self.server.start()
             log.info("bootstrap listening on %s (registry %s, %d provider(s) restored)",
                      self.server.address, self.settings.state, len(self.registry.providers()))
@@ -72,6 +70,16 @@ class Bootstrap:
         finally:
             self.server.stop()
             self.registry.close()
+
+    def _open_registry(self) -> None:
+        if self.settings.state != ":memory:":
+            folder = Path(self.settings.state).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise UserInputError(f"--state {self.settings.state}: cannot make its folder {folder} "
+                                     f"({exc.strerror}): give a path in a folder you can write") from None
+        self.registry.open()
 
     def stop(self) -> None:
         self._stop.set()

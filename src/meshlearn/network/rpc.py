@@ -191,6 +191,9 @@ class RpcServer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        elif self._socket is not None:  # bound, never served
+            self._socket.close(0)
+            self._socket = None
 
 
 def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: list | None = None,

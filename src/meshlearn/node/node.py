@@ -146,7 +146,7 @@ class Node:
             self._write({
                 "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
                 "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
-                "state_bytes": self.flat.nbytes, "time": time.time(),
+                "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
             })
             start = time.perf_counter()
             last: Evaluation | None = None

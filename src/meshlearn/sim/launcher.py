@@ -24,7 +24,7 @@ from typing import Any
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition
-from meshlearn.errors import MeshlearnError, TransportError
+from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.sim.checks import check_before_start
 from meshlearn.topology import Graph, write_graph_file
@@ -50,20 +50,52 @@ def default_output() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_run(config: ExperimentConfig) -> tuple[Graph, Path]:
+def prepare_run(config: ExperimentConfig, keep_logs: bool = False) -> tuple[Graph, Path]:
     """Check everything a user can get wrong before any process starts; write config and graph.
 
-    Loading the dataset here also fills the on-disk decode cache the node processes share.
+    A folder that holds an earlier run's node logs is started clean (they would mix into this
+    run's report), unless ``keep_logs``: the nodes of a `meshlearn node` run share the folder and
+    start at different moments (each truncates only its own log). Loading the dataset here also
+    fills the on-disk decode cache the node processes share.
     """
     graph = check_before_start(config)
+    check_device(config.device)
     dataset = load_dataset(config.dataset)
     partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
     output = Path(config.output) if config.output else default_output()
     output.mkdir(parents=True, exist_ok=True)
+    if not keep_logs:
+        clear_earlier_run(output)
     (output / "config.yaml").write_text(config.model_copy(update={"output": str(output)}).to_yaml())
     write_graph_file(graph, output / "graph.txt")
     return graph, output
+
+
+def check_device(device: str) -> None:
+    """ConfigError, in one line, for a device this machine does not have."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: CUDA is not available here (torch {torch.__version__}); "
+                          "use --device cpu")
+    if device == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device 'mps': Apple's MPS is not available here; use --device cpu")
+    index = device.partition(":")[2] if device.startswith("cuda:") else ""
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {device!r}: this machine has CUDA devices 0..{torch.cuda.device_count() - 1}")
+    if not (device in ("cpu", "mps", "cuda") or device.startswith("cuda:")):
+        raise ConfigError(f"device {device!r} is not cpu, cuda, cuda:N or mps")
+
+
+def clear_earlier_run(output: Path) -> None:
+    """Remove an earlier run's node logs and error files from ``output`` (and say so)."""
+    stale = sorted((output / "logs").glob("node_*.jsonl")) + sorted((output / "logs").glob("node_*.error.txt"))
+    for path in stale:
+        path.unlink()
+    if stale:
+        print(f"{output} held an earlier run: removed its {len(stale)} node log(s) so the runs do not mix",
+              file=sys.stderr, flush=True)
 
 
 def _exit_with_launcher() -> None:

@@ -48,12 +48,15 @@ def read_address_file(path: str | Path, config: ExperimentConfig) -> dict[int, t
 
 def run_node(config: ExperimentConfig, address_file: str | Path, rank: int) -> dict:
     """Run node ``rank`` until the experiment ends; write its log and report into the output folder."""
+    import torch
+
     from meshlearn.node import build_node
 
     if not 0 <= rank < config.nodes:
         raise ConfigError(f"rank {rank} is outside 0..{config.nodes - 1}")
     book = read_address_file(address_file, config)
-    graph, output = prepare_run(config)
+    torch.set_num_threads(config.threads)  # this process is the node's, as a launched node's is
+    graph, output = prepare_run(config, keep_logs=True)
     host, port = book[rank]
     node = build_node(config, rank, graph, output / "logs", host=host, port=port)
     node.transport.bind()
