@@ -197,11 +197,9 @@ def test_meshlearn_node_uses_its_threads_and_every_rank_shares_one_folder(tmp_pa
         ports = [a.getsockname()[1], b.getsockname()[1]]
     (tmp_path / "pair.yaml").write_text(f"0: 127.0.0.1:{ports[0]}\n1: 127.0.0.1:{ports[1]}\n")
     (tmp_path / "exp.yaml").write_text("nodes: 2\ntopology: full\niterations: 3\ntest_after: 3\nthreads: 1\n")
-    import os
-
     procs = [subprocess.Popen([sys.executable, "-m", "meshlearn", "node", "--config", "exp.yaml", "--addresses",
                                "pair.yaml", "--rank", str(rank)], cwd=tmp_path, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=os.environ.copy()) for rank in (0, 1)]
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:
         for proc in procs:
             _, err = proc.communicate(timeout=300)
@@ -210,6 +208,7 @@ def test_meshlearn_node_uses_its_threads_and_every_rank_shares_one_folder(tmp_pa
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
     logs = sorted((tmp_path / "runs" / "pair" / "logs").glob("node_*.jsonl"))
     assert [p.name for p in logs] == ["node_0.jsonl", "node_1.jsonl"]
     for path in logs:
