@@ -227,3 +227,42 @@ def test_a_device_or_dataset_this_machine_lacks_is_one_line(tmp_path, args, frag
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
     _one_line_error(_run("simulate", *args, "--output", str(tmp_path / "o")), 2, fragment)
+
+
+def test_a_provider_with_another_secret_is_refused_once_with_one_line(tmp_path):
+    """It used to retry registration forever, and its Ctrl-C hung for minutes."""
+    import os
+
+    port = _dead_port()
+    bootstrap = subprocess.Popen([sys.executable, "-m", "meshlearn", "bootstrap", "--port", str(port), "--state",
+                                  str(tmp_path / "reg.sqlite")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True, env={**os.environ, **SECRET_ENV})
+    try:
+        assert "bootstrap on" in bootstrap.stdout.readline()
+        result = _run_env("provider", "--bootstrap", f"127.0.0.1:{port}", timeout=60,
+                          env_extra={"MESHLEARN_SECRET": "another-secret-0123456789abcdef"})
+        _one_line_error(result, 2, "uses another network secret")
+    finally:
+        bootstrap.terminate()
+        bootstrap.wait(timeout=30)
+
+
+def test_ctrl_c_stops_a_provider_still_waiting_for_its_bootstrap():
+    import os
+    import signal
+
+    provider = subprocess.Popen([sys.executable, "-m", "meshlearn", "provider", "--bootstrap",
+                                 f"127.0.0.1:{_dead_port()}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, **SECRET_ENV})
+    try:
+        for line in provider.stdout:  # it is up and retrying
+            if "cannot register" in line:
+                break
+        provider.send_signal(signal.SIGINT)
+        out, _ = provider.communicate(timeout=30)
+        assert provider.returncode == 0, out
+        assert "stopped before it could register" in out and "registered with" not in out
+    finally:
+        if provider.poll() is None:
+            provider.kill()
+            provider.wait()

@@ -513,3 +513,20 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
     finally:
         for server in servers.values():
             server.stop()
+
+
+def test_refusals_are_logged_with_their_address_and_not_once_each(echo_server, caplog):
+    import logging
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{echo_server.address}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="meshlearn.network.rpc"):
+            for _ in range(10):
+                sock.send_multipart(seal(Envelope("echo", {}), b"another-secret"))
+            assert wait_until(lambda: echo_server.rejected == 10, timeout=10)
+    finally:
+        sock.close(0)
+    lines = [r.getMessage() for r in caplog.records if "rejected a request" in r.getMessage()]
+    assert len(lines) == 4 and all("from 127.0.0.1" in line for line in lines)  # the 1st, 2nd, 4th and 8th

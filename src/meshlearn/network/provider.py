@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, NetworkError, PortInUseError, UserInputError
+from meshlearn.errors import AuthError, BadMessage, NetworkError, PortInUseError, UserInputError
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
@@ -139,7 +139,15 @@ class Provider:
             log.warning("port %d is in use: listening on %d instead", wanted, self.server.port)
         self.server.start()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._register()
+        try:
+            registered = self._register()
+        except BaseException:
+            self.server.stop()
+            raise
+        if not registered:  # stopped (Ctrl-C, SIGTERM) before the bootstrap ever answered
+            self.server.stop()
+            print(f"provider {self.id}: stopped before it could register with {s.bootstrap}", flush=True)
+            return
         print(f"provider {self.id} listening on {self.server.address} ({self.device}); "
               f"registered with {s.bootstrap}", flush=True)
         if ready is not None:
@@ -190,17 +198,25 @@ class Provider:
         return {"status": status, "task": self.current.spec.task_id if self._busy() else None,
                 "last_task": self.current.spec.task_id if self.current is not None else None}
 
-    def _register(self) -> None:
-        for attempt in range(1, 1_000_000):
+    def _register(self) -> bool:
+        """Register (again); False if the provider was told to stop or leave before it could.
+        A bootstrap that answers with another network secret is a user error, not worth retrying."""
+        attempt = 0
+        while not (self._stop.is_set() or self.leaving.is_set()):
+            attempt += 1
             try:
                 reply = call(self.settings.bootstrap, "register", self._info(), self.secret, timeout=5, sender=self.id)
                 self._ttl = float(reply.body.get("ttl", 30.0))
-                return
+                return True
+            except AuthError:
+                raise UserInputError(f"the bootstrap at {self.settings.bootstrap} uses another network secret: give "
+                                     "this provider the same --secret, --secret-file or MESHLEARN_SECRET") from None
             except NetworkError as exc:
                 if attempt == 1:
                     log.warning("cannot register with %s yet (%s); retrying", self.settings.bootstrap, exc)
-                if self.clock.wait(self._stop, min(5.0, 0.5 * attempt)):
-                    return
+                self.clock.wait(self._wake, min(5.0, 0.5 * attempt))  # Ctrl-C or SIGTERM wakes it
+                self._wake.clear()
+        return False
 
     def _heartbeat(self) -> None:
         try:

@@ -52,6 +52,7 @@ class RpcServer:
         self.workers = workers
         self.rejected = 0
         self._replays = ReplayGuard()
+        self._rejected_from: dict[str, int] = {}  # refusals by peer address (for the log)
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_address = f"inproc://rpc-wake-{id(self)}"
         self._local = threading.local()
@@ -121,7 +122,7 @@ class RpcServer:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        request = self._admit(sock, frames[0].bytes, frames[1:])
+                        request = self._admit(sock, frames[0].bytes, frames[1:], _peer_address(frames[-1]))
                         if request is not None:
                             pool.submit(self._handle, frames[0].bytes, request)
                 while True:
@@ -144,7 +145,7 @@ class RpcServer:
         waker.connect(self._wake_address)
         self._local.waker = waker
 
-    def _admit(self, sock: zmq.Socket, identity: bytes, frames: list) -> Envelope | None:
+    def _admit(self, sock: zmq.Socket, identity: bytes, frames: list, peer: str) -> Envelope | None:
         """The request, if it is signed, well formed and not a replay (checked here, in the serving
         thread, so nothing unsigned waits in the handlers' queue); else a refusal is sent."""
         try:
@@ -153,7 +154,9 @@ class RpcServer:
             return request
         except (AuthError, BadMessage) as exc:
             self.rejected += 1
-            log.warning("%s: rejected a request: %s", self.name, exc)
+            count = self._rejected_from[peer] = self._rejected_from.get(peer, 0) + 1
+            if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... from one address: a retry loop is not a flood
+                log.warning("%s: rejected a request from %s (%d so far from there): %s", self.name, peer, count, exc)
             # the request's id is unknown: an empty id tells the caller (one socket per call) it was refused
             refusal = Envelope("error", {"error": f"{self.name} rejected the request: {exc}"}, msg_id="",
                                sender=self.name)
@@ -236,3 +239,11 @@ def parse_address(text: str, what: str = "address") -> str:
     if not 1 <= number <= 65535:
         raise UserInputError(f"{what} {text!r}: port {number} is outside 1..65535")
     return f"{host}:{number}"
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The address a received message came from (ZeroMQ's metadata), for the log."""
+    try:
+        return frame.get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return "an unknown address"
