@@ -241,7 +241,7 @@ def test_a_provider_with_another_secret_is_refused_once_with_one_line(tmp_path):
         assert "bootstrap on" in bootstrap.stdout.readline()
         result = _run_env("provider", "--bootstrap", f"127.0.0.1:{port}", timeout=60,
                           env_extra={"MESHLEARN_SECRET": "another-secret-0123456789abcdef"})
-        _one_line_error(result, 2, "uses another network secret")
+        _one_line_error(result, 2, "cannot register", "different secret")
     finally:
         bootstrap.terminate()
         bootstrap.wait(timeout=30)

@@ -209,8 +209,9 @@ class Provider:
                 self._ttl = float(reply.body.get("ttl", 30.0))
                 return True
             except AuthError:
-                raise UserInputError(f"the bootstrap at {self.settings.bootstrap} uses another network secret: give "
-                                     "this provider the same --secret, --secret-file or MESHLEARN_SECRET") from None
+                raise UserInputError(f"cannot register with {self.settings.bootstrap}: it uses a different secret; "
+                                     "give this provider the network's --secret, --secret-file or MESHLEARN_SECRET"
+                                     ) from None
             except NetworkError as exc:
                 if attempt == 1:
                     log.warning("cannot register with %s yet (%s); retrying", self.settings.bootstrap, exc)
