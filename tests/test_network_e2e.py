@@ -16,6 +16,7 @@ from helpers.scoring import score_result
 
 from meshlearn.data import load_dataset
 from meshlearn.models import build_model
+from meshlearn.network.addresses import SOME_PUBLIC_ADDRESS, source_address_toward
 from meshlearn.network.rpc import call
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
@@ -37,9 +38,10 @@ def _request(procs: Processes, name: str, bootstrap: str, *args: str, timeout: f
 
 @pytest.fixture(scope="module")
 def network(tmp_path_factory):
+    """Three providers; every service listens on all interfaces, as on real machines (README)."""
     processes = Processes(tmp_path_factory.mktemp("net"))
     try:
-        bootstrap, ids = start_network(processes, 3)
+        bootstrap, ids = start_network(processes, 3, host="0.0.0.0")
         yield processes, bootstrap, ids
     finally:
         processes.stop_all()
@@ -49,7 +51,7 @@ def network(tmp_path_factory):
 def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network, algorithm):
     procs, bootstrap, ids = network
     code, out = _request(procs, f"req-{algorithm}", bootstrap, *TASK, "--algorithm", algorithm,
-                         "--epochs", "4", "--providers", "5", "--aggregate-every", "5")
+                         "--epochs", "4", "--providers", "5", "--aggregate-every", "5", "--host", "0.0.0.0")
     assert code == 0, out
     assert "only 3 provider(s) available of the 5 asked" in out
     folder = procs.folder / f"req-{algorithm}"
@@ -69,6 +71,19 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
                         "--output", str(procs.folder / f"res-{algorithm}"))
     assert again.wait(timeout=60) == 0, procs.log(f"res-{algorithm}")
     assert score_result(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_services_listening_on_every_interface_announce_addresses_peers_can_reach(network):
+    procs, bootstrap, ids = network
+    host = bootstrap.rpartition(":")[0]
+    assert host != "0.0.0.0" and "0.0.0.0" in procs.log("bootstrap")
+    if source_address_toward(*SOME_PUBLIC_ADDRESS) not in (None, "127.0.0.1"):  # a machine with a network
+        assert not host.startswith("127."), procs.log("bootstrap")
+    found = call(bootstrap, "discover", {"free_only": False}, SECRET.encode(), timeout=10).body["providers"]
+    assert sorted(p["id"] for p in found) == ids
+    for provider in found:
+        assert provider["address"].rpartition(":")[0] == host  # one machine: the bootstrap's address
+        assert call(provider["address"], "ping", {}, SECRET.encode(), timeout=10).body["id"] == provider["id"]
 
 
 def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network, tmp_path):

@@ -68,18 +68,23 @@ class Processes:
                 proc.wait(timeout=30)
 
 
-def start_network(procs: Processes, providers: int, ttl: float = 30.0) -> tuple[str, list[str]]:
-    """A bootstrap and ``providers`` providers; returns the bootstrap address and provider ids."""
+def start_network(procs: Processes, providers: int, ttl: float = 30.0,
+                  host: str = "127.0.0.1") -> tuple[str, list[str]]:
+    """A bootstrap and ``providers`` providers, all listening on ``host``; returns the bootstrap
+    address (with host 0.0.0.0, the one the bootstrap tells other machines to use) and provider ids."""
     port = free_port()
     procs.start("bootstrap", "bootstrap", "--port", str(port), "--state", str(procs.folder / "registry.sqlite"),
-                "--ttl", str(ttl))
+                "--ttl", str(ttl), "--host", host)
     procs.wait_for("bootstrap", "bootstrap on")
+    address = f"{host}:{port}"
+    if host == "0.0.0.0":
+        address = procs.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
     ids = []
     for i in range(providers):
         pid = f"p{i}"
-        procs.start(pid, "provider", "--bootstrap", f"127.0.0.1:{port}", "--id", pid,
+        procs.start(pid, "provider", "--bootstrap", address, "--id", pid, "--host", host,
                     "--workdir", str(procs.folder / pid))
         ids.append(pid)
     for pid in ids:
         procs.wait_for(pid, "registered with")
-    return f"127.0.0.1:{port}", ids
+    return address, ids

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from meshlearn.cli.flags import add_flags, given
 from meshlearn.errors import UserInputError
+from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.bootstrap import BootstrapSettings
 from meshlearn.network.provider import ProviderSettings
 from meshlearn.network.task import TaskRequest
@@ -37,6 +38,13 @@ def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
     return value
 
 
+def _advertise(host: str) -> str:
+    if host and is_wildcard(host):
+        raise UserInputError(f"--advertise {host} is not an address others can connect to: give this machine's "
+                             "address or name as the other machines see it")
+    return host
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from meshlearn.network.bootstrap import Bootstrap
 
@@ -49,6 +57,10 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "
           f"{settings.ttl:g} s", flush=True)
+    if is_wildcard(settings.host):
+        hosts = [f"{host}:{settings.port}" for host in reachable_hosts()]
+        print(f"listening on every interface: other machines give --bootstrap {hosts[0]}"
+              + (f" (or {', '.join(hosts[1:])})" if hosts[1:] else ""), flush=True)
     try:
         service.run()
     except KeyboardInterrupt:
@@ -65,6 +77,7 @@ def cmd_provider(args: argparse.Namespace) -> int:
     values["bootstrap"] = parse_address(args.bootstrap, "--bootstrap")
     settings = ProviderSettings(**values)
     _port(settings.port, allow_zero=True)
+    _advertise(settings.advertise)
     if settings.device not in ("auto", "cpu", "cuda", "mps") and not settings.device.startswith("cuda:"):
         raise UserInputError(f"--device {settings.device!r} is not auto, cpu, cuda, cuda:N or mps")
     if settings.data_root and not Path(settings.data_root).is_dir():
@@ -116,6 +129,7 @@ def cmd_request(args: argparse.Namespace) -> int:
 
     bootstrap = parse_address(args.bootstrap, "--bootstrap")
     _port(args.port, allow_zero=True)
+    _advertise(args.advertise)
     secret = _secret(args)
     values = _request_values(args)
     dataset = None
@@ -126,7 +140,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
     _check_model(request, dataset, args.models_module)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset)
+    requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
+                          advertise=args.advertise)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")
@@ -180,8 +195,11 @@ def add_network_commands(sub) -> None:
     req.add_argument("--data-on-providers", help="dataset each provider already holds, under its --data-root")
     req.add_argument("--config", help="YAML task file; flags override it")
     req.add_argument("--output", help="results folder (default runs/task-<time>)")
-    req.add_argument("--host", default="127.0.0.1", help="address providers fetch the data from")
-    req.add_argument("--port", type=int, default=0, help="port to serve the data on (0: a free one)")
+    req.add_argument("--host", default="127.0.0.1",
+                     help="address to serve the data on, 0.0.0.0 for all (default: 127.0.0.1)")
+    req.add_argument("--port", type=int, default=0, help="port to serve the data on (default: 0, a free one)")
+    req.add_argument("--advertise", default="", help="address providers fetch the data from (default: --host; "
+                     "with 0.0.0.0, this machine's address on the route to the bootstrap)")
     req.add_argument("--models-module", help="local .py file registering the custom model the task names")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)

@@ -10,6 +10,7 @@ from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, UserInputError
+from meshlearn.network.addresses import is_wildcard
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.rpc import RpcServer
@@ -95,6 +96,10 @@ class Bootstrap:
             cores=field_of(b, "cores", int, min_value=1), device=device,
             location=field_of(b, "location", str, "", max_len=64),
             status=_status(field_of(b, "status", str, "free")), task=field_of(b, "task", (str, type(None)), None))
+        host, sep, port = info.address.rpartition(":")
+        if not sep or is_wildcard(host) or not port.isdigit():
+            raise BadMessage(f"address {info.address!r} is not one peers can connect to: start the provider "
+                             "with --advertise HOST (the address other machines reach it at)")
         self.registry.register(info)
         log.info("provider %s registered at %s (%s, %d cores, %.1f GB)", info.id, info.address,
                  info.device, info.cores, info.ram_gb)

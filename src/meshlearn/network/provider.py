@@ -15,6 +15,7 @@ from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import AuthError, BadMessage, NetworkError, PortInUseError, UserInputError
+from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
@@ -35,7 +36,9 @@ class ProviderSettings(Settings):
     """How a provider joins: its bootstrap, where it listens, what it declares, where it keeps tasks."""
 
     bootstrap: str = Field(description="HOST:PORT of the bootstrap")
-    host: str = Field("127.0.0.1", description="address to listen on and announce")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all)")
+    advertise: str = Field("", description="address requesters and other providers connect to (default: --host; "
+                           "with 0.0.0.0, this machine's address on the route to the bootstrap)")
     port: int = Field(0, ge=0, le=65535, description="port to listen on (in use or 0: a free one)")
     location: str = Field("", description="where this machine is (requesters may filter on it)")
     ram_gb: float | None = Field(None, ge=0, description="GB of RAM to declare (default: detected)")
@@ -112,6 +115,7 @@ class Provider:
         self.runs: dict[str, TaskRun] = {}
         self.current: TaskRun | None = None
         self.device = "cpu"
+        self.public_host = settings.advertise or settings.host  # settled in run(), once the bootstrap is known
         self.leaving = threading.Event()
         self._stop = threading.Event()
         self._wake = threading.Event()  # cuts the heartbeat wait short (leave, stop)
@@ -138,6 +142,7 @@ class Provider:
             self.server.bind()
             log.warning("port %d is in use: listening on %d instead", wanted, self.server.port)
         self.server.start()
+        self.public_host = announced_host(s.host, s.advertise, s.bootstrap)
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             registered = self._register()
@@ -148,7 +153,8 @@ class Provider:
             self.server.stop()
             print(f"provider {self.id}: stopped before it could register with {s.bootstrap}", flush=True)
             return
-        print(f"provider {self.id} listening on {self.server.address} ({self.device}); "
+        listening = self.server.address + (f", reached at {self.address}" if self.address != self.server.address else "")
+        print(f"provider {self.id} listening on {listening} ({self.device}); "
               f"registered with {s.bootstrap}", flush=True)
         if ready is not None:
             ready.set()
@@ -180,6 +186,11 @@ class Provider:
         self._stop.set()
         self._wake.set()
 
+    @property
+    def address(self) -> str:
+        """HOST:PORT that peers connect to (announced to the bootstrap)."""
+        return f"{self.public_host}:{self.server.port}"
+
     def _busy(self) -> bool:
         return self.current is not None and self.current.state.active
 
@@ -189,7 +200,7 @@ class Provider:
 
     def _info(self) -> dict:
         s = self.settings
-        return {"id": self.id, "address": self.server.address, "ram_gb": round(s.ram_gb or detect_ram_gb(), 2),
+        return {"id": self.id, "address": self.address, "ram_gb": round(s.ram_gb or detect_ram_gb(), 2),
                 "cores": s.cores or os.cpu_count() or 1, "device": self.device, "location": s.location,
                 **self._doing()}
 
@@ -263,7 +274,7 @@ class Provider:
                 return self.runs[spec.task_id].status()
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
-                                  int(self.settings.max_message_mb * 2 ** 20), self.clock)
+                                  int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host)
             run = TaskRun(spec, ctx, on_change=self._run_changed)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()

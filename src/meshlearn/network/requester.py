@@ -20,6 +20,7 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
+from meshlearn.network.addresses import announced_host
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import RpcServer, call
@@ -46,13 +47,14 @@ class Requester:
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
                  host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
-                 clock: Clock = SYSTEM):
+                 clock: Clock = SYSTEM, advertise: str = ""):
         self.request = request
         self.dataset = dataset  # the task's data, if the caller has loaded it already
         self.bootstrap = bootstrap
         self.secret = secret
         self.output = output
         self.host, self.port = host, port
+        self.advertise = advertise
         self.say = say
         self.task_id = new_task_id()
         self.sender = f"requester-{self.task_id}"
@@ -83,13 +85,14 @@ class Requester:
                     server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
                     server.start()
                     cleanup.callback(server.stop)
+                    address = f"{announced_host(self.host, self.advertise, self.bootstrap)}:{server.port}"
                     files = share.manifest()
                     served_weights = files.pop(WEIGHTS_FILE, None)
                     if dataset is not None:
-                        data = {"mode": "served", "address": server.address, "files": files}
+                        data = {"mode": "served", "address": address, "files": files}
                         meta = dataset_meta(dataset)
                     if served_weights is not None:
-                        weights = {"address": server.address, **served_weights}
+                        weights = {"address": address, **served_weights}
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
                     momentum=req.momentum,

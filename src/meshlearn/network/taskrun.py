@@ -73,13 +73,14 @@ class ProviderContext:
     """What a task run may use of its provider: identity, secret, folders, device, limits, clock."""
 
     id: str
-    host: str
+    host: str  # the task engine listens here
     secret: bytes
     workdir: Path
     device: str = "cpu"
     data_root: Path | None = None
     max_message_bytes: int = 512 * 1024 * 1024
     clock: Clock = field(default=SYSTEM)
+    public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
 
 
 class TaskRun:
@@ -177,7 +178,8 @@ class TaskRun:
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0,
                                                      derive_key(ctx.secret, f"engine of task {spec.task_id}")))
-        self.engine_address = self.node.transport.bind()
+        bound = self.node.transport.bind()  # tcp://HOST:PORT, HOST possibly 0.0.0.0
+        self.engine_address = f"tcp://{ctx.public_host or ctx.host}:{bound.rpartition(':')[2]}"
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))
