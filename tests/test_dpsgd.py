@@ -103,3 +103,45 @@ def test_same_seed_same_partitions_and_graph(tmp_path):
     _, first = prepare_run(config)
     _, second = prepare_run(config.model_copy(update={"output": str(tmp_path / "b")}))
     assert (first / "graph.txt").read_text() == (second / "graph.txt").read_text()
+
+
+def _fake_run(folder, nodes=2, evals=(5, 10)):
+    """A run folder with hand-written node logs (no training): what write_report reads."""
+    (folder / "logs").mkdir(parents=True)
+    for rank in range(nodes):
+        events = [{"event": "start", "rank": rank, "samples": 100}]
+        events += [{"event": "eval", "iteration": i, "t": 0.1 * i + rank, "test_loss": 1 / i, "test_acc": 0.05 * i}
+                    for i in evals]
+        events.append({"event": "final", "rank": rank, "elapsed": 2.0, "metrics": None,
+                       "stats": {"bytes_sent": 1, "bytes_received": 1, "gather_timeouts": 0, "stale_dropped": 0,
+                                 "malformed_dropped": 0}})
+        (folder / "logs" / f"node_{rank}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    return folder
+
+
+def test_single_run_plots_name_the_run_and_say_what_the_time_axis_leaves_out(tmp_path):
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from meshlearn.sim import report
+
+    run = _fake_run(tmp_path / "runs" / "demo")
+    assert report.run_title(run) == "demo"
+    (run / "config.yaml").write_text("nodes: 2\nalgorithm: dpsgd\n")
+    assert report.run_title(run) == "demo (dpsgd, 2 nodes)"
+    (run / "config.yaml").write_text("nodes: [unclosed\n")
+    assert report.run_title(run) == "demo"  # a broken config only loses the details
+
+    rows = report.evaluation_table(report.load_logs(run))
+    fig = report.metric_figure(rows, "test_acc", "test accuracy", "demo (dpsgd, 2 nodes)")
+    try:
+        texts = {t.get_text() for t in fig.findobj(Text)}
+        assert "demo (dpsgd, 2 nodes): test accuracy" in texts  # the figure's title
+        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", report.TIME_LABEL]
+        assert "since training started" in report.TIME_LABEL and "start-up not counted" in report.TIME_LABEL
+        assert list(fig.axes[1].lines[0].get_xdata()) == pytest.approx([1.0, 1.5])  # mean of the nodes' t
+    finally:
+        plt.close(fig)
+    report.write_report(run)
+    for name in ("accuracy.png", "loss.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -91,3 +91,25 @@ def test_report_compares_real_runs(tmp_path):
     assert mean["run"] == "tcp" and mean["seeds"] == 2
     assert mean["accuracy"] == pytest.approx(sum(accuracies) / 2) and mean["accuracy_min"] == min(accuracies)
     assert "| tcp-s4 |" in (output / "table.md").read_text() and "Mean over seeds" in (output / "table.md").read_text()
+
+
+def test_comparison_plot_keeps_identical_curves_apart():
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    from meshlearn.sim.experiment import comparison_figure
+    from meshlearn.sim.report import TIME_LABEL
+
+    table = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.01 * i} for i in range(1, 31)]
+    fig = comparison_figure("mini", [("a", table), ("b", list(table)), ("c", list(table))])
+    try:
+        assert "mini" in {t.get_text() for t in fig.findobj(Text)}
+        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", TIME_LABEL]
+        for ax in fig.axes:
+            lines = ax.get_lines()
+            assert [line.get_label() for line in lines] == ["a", "b", "c"]
+            styles = [(line.get_linestyle(), line.get_marker()) for line in lines]
+            assert all(s[0] != t[0] and s[1] != t[1] for i, s in enumerate(styles) for t in styles[i + 1:])
+            assert lines[0].get_markevery() != lines[1].get_markevery()  # markers staggered, not stacked
+    finally:
+        plt.close(fig)

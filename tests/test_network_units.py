@@ -530,3 +530,22 @@ def test_refusals_are_logged_with_their_address_and_not_once_each(echo_server, c
         sock.close(0)
     lines = [r.getMessage() for r in caplog.records if "rejected a request" in r.getMessage()]
     assert len(lines) == 4 and all("from 127.0.0.1" in line for line in lines)  # the 1st, 2nd, 4th and 8th
+
+
+def test_the_confusion_plot_names_its_task_and_labels_every_axis(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from meshlearn.network import results
+
+    fig = results.confusion_figure([[5, 1], [0, 4]], ["cat", "dog"], "task t7")
+    try:
+        ax, bar = fig.axes
+        assert ax.get_title() == "task t7"
+        assert (ax.get_xlabel(), ax.get_ylabel()) == ("predicted class", "true class")
+        assert bar.get_ylabel() == "test samples"
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["cat", "dog"]
+    finally:
+        plt.close(fig)
+    results.write_results(tmp_path / "t7", {"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model")
+    assert (tmp_path / "t7" / results.CONFUSION_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert results.read_results(tmp_path / "t7") == ({"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model")

@@ -252,7 +252,7 @@ def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) 
             continue
         metrics = dict(reply.body.get("metrics") or {})
         metrics["fetched_from"] = peer["id"]
-        write_results(output, metrics, model)
+        write_results(output, metrics, model, title=f"task {task_id}")
         return metrics
     return None
 

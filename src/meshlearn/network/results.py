@@ -11,16 +11,18 @@ METRICS_FILE = "metrics.json"
 CONFUSION_FILE = "confusion.png"
 
 
-def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True) -> None:
-    """Write the model, the metrics and (``plot``) the confusion matrix; the model atomically so a
-    reader never sees half of it. Providers keep no plot: the requester draws its own."""
+def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True, title: str = "") -> None:
+    """Write the model, the metrics and (``plot``) the confusion matrix, titled ``title`` (by default
+    the folder's name); the model atomically so a reader never sees half of it. Providers keep no
+    plot: the requester draws its own."""
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model_bytes)
     os.replace(tmp, folder / MODEL_FILE)
     (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
     if plot and metrics.get("confusion"):
-        plot_confusion(metrics["confusion"], metrics.get("class_names") or [], folder / CONFUSION_FILE)
+        plot_confusion(metrics["confusion"], metrics.get("class_names") or [], folder / CONFUSION_FILE,
+                       title or folder.resolve().name)
 
 
 def read_results(folder: Path) -> tuple[dict, bytes] | None:
@@ -31,8 +33,9 @@ def read_results(folder: Path) -> tuple[dict, bytes] | None:
     return json.loads(metrics.read_text()), model.read_bytes()
 
 
-def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Path) -> None:
-    """The confusion matrix as a labelled heat map."""
+def confusion_figure(confusion: list[list[int]], class_names: list[str], title: str):
+    """The confusion matrix as a labelled heat map (rows true, columns predicted) titled ``title``;
+    the caller saves and closes the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,18 +43,27 @@ def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Pat
 
     n = len(confusion)
     labels = [str(c) for c in class_names] if len(class_names) == n else [str(i) for i in range(n)]
-    fig, ax = plt.subplots(figsize=(1 + 0.55 * n, 1 + 0.5 * n))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.55 * n), max(3.5, 1.2 + 0.5 * n)))
     image = ax.imshow(confusion, cmap="Blues")
     ax.set_xticks(range(n), labels, rotation=45, ha="right")
     ax.set_yticks(range(n), labels)
-    ax.set_xlabel("predicted")
-    ax.set_ylabel("true")
+    ax.set_xlabel("predicted class")
+    ax.set_ylabel("true class")
+    ax.set_title(title)
     top = max(max(row) for row in confusion) or 1
     for i, row in enumerate(confusion):
         for j, value in enumerate(row):
             ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
                     color="white" if value > top / 2 else "black")
-    fig.colorbar(image, ax=ax)
+    fig.colorbar(image, ax=ax, label="test samples")
     fig.tight_layout()
+    return fig
+
+
+def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Path, title: str = "") -> None:
+    """Save the confusion matrix heat map (see :func:`confusion_figure`) as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = confusion_figure(confusion, class_names, title or path.parent.resolve().name)
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -32,7 +32,7 @@ import yaml
 from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.errors import ConfigError
 from meshlearn.sim.launcher import simulate
-from meshlearn.sim.report import evaluation_table, final_summary, load_logs
+from meshlearn.sim.report import TIME_LABEL, evaluation_table, final_summary, load_logs
 
 RUN_KEYS = {"name", "quick", "seeds"}
 
@@ -146,6 +146,37 @@ def _seed_means(groups: dict[str, list[str]], rows: list[dict[str, Any]]) -> lis
     return means
 
 
+LINE_STYLES = ("-", "--", ":", "-.")
+MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
+
+
+def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]):
+    """Mean test accuracy of each run (name, evaluation table) against iteration and against
+    wall-clock time; every run gets its own line style and (hollow) marker, so identical curves
+    stay visible. The caller saves and closes the matplotlib Figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for index, (name, table) in enumerate(curves):
+        every = max(1, len(table) // 12)  # about 12 hollow markers a curve, staggered between runs
+        style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "marker": MARKERS[index % len(MARKERS)],
+                 "ms": 5, "mfc": "none", "markevery": (index % every, every), "label": name}
+        accuracy = [r["test_acc_mean"] for r in table]
+        axes[0].plot([r["iteration"] for r in table], accuracy, **style)
+        axes[1].plot([r["time_mean"] for r in table], accuracy, **style)
+    for ax, label in ((axes[0], "iteration"), (axes[1], TIME_LABEL)):
+        ax.set_xlabel(label)
+        ax.set_ylabel("mean test accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
 def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any]]:
     """comparison.png, iteration_times.png, table.csv/.md and per_node.csv for finished runs."""
     import matplotlib
@@ -184,17 +215,7 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
     (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows, "seed_means": means},
                                                        indent=2))
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for name, table in curves:
-        axes[0].plot([r["iteration"] for r in table], [r["test_acc_mean"] for r in table], marker="o", ms=3, label=name)
-        axes[1].plot([r["time_mean"] for r in table], [r["test_acc_mean"] for r in table], marker="o", ms=3, label=name)
-    for ax, label in ((axes[0], "iteration"), (axes[1], "wall-clock time (s)")):
-        ax.set_xlabel(label)
-        ax.set_ylabel("mean test accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(experiment.name)
-    fig.tight_layout()
+    fig = comparison_figure(experiment.name, curves)
     fig.savefig(output / "comparison.png", dpi=100)
     plt.close(fig)
 

@@ -10,6 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from meshlearn.runlog import read_jsonl
 
 PHASES = ("train", "encode", "comm", "average", "eval")
@@ -100,14 +102,36 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
     }
 
 
-def _plot(rows: list[dict], key: str, label: str, path: Path) -> None:
+# The time axis: a node's ``t`` counts from the start of its first iteration, after loading the data
+# and model, connecting to its neighbours and starting the algorithm (its start-up), and includes its
+# evaluations; the plots show the mean over nodes.
+TIME_LABEL = "wall-clock s since training started (start-up not counted)"
+
+
+def run_title(output: Path) -> str:
+    """A short name for a run's plots: its folder's name, with the algorithm and node count from
+    its config.yaml when that is there (``demo (dpsgd, 6 nodes)``)."""
+    output = Path(output)
+    name = output.resolve().name or str(output)
+    try:
+        config = yaml.safe_load((output / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return name
+    if not isinstance(config, dict) or not config.get("algorithm") or not config.get("nodes"):
+        return name
+    return f"{name} ({config['algorithm']}, {config['nodes']} nodes)"
+
+
+def metric_figure(rows: list[dict], key: str, label: str, title: str):
+    """One metric (``key``: test_acc or test_loss) against iteration and against wall-clock time,
+    mean over nodes ± std, titled ``title``; the caller saves and closes the matplotlib Figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", "wall-clock time (s)")):
+    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", TIME_LABEL)):
         xs = [r[x_key] for r in rows]
         mean = [r[f"{key}_mean"] for r in rows]
         std = [r[f"{key}_std"] for r in rows]
@@ -118,7 +142,15 @@ def _plot(rows: list[dict], key: str, label: str, path: Path) -> None:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend()
+    fig.suptitle(f"{title}: {label}")
     fig.tight_layout()
+    return fig
+
+
+def _plot(rows: list[dict], key: str, label: str, title: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = metric_figure(rows, key, label, title)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -136,8 +168,9 @@ def write_report(output: Path) -> dict[str, Any]:
     summary["iteration_time"] = iteration_times(logs)
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
-        _plot(rows, "test_acc", "test accuracy", output / "accuracy.png")
-        _plot(rows, "test_loss", "test loss", output / "loss.png")
+        title = run_title(output)
+        _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png")
+        _plot(rows, "test_loss", "test loss", title, output / "loss.png")
     return summary
 
 
