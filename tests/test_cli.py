@@ -177,6 +177,24 @@ def test_a_second_run_into_the_same_folder_starts_clean(tmp_path):
     assert _summary_nodes(out) == 2
 
 
+def test_simulate_says_what_start_up_does_and_counts_it_in_the_wall_clock(tmp_path):
+    import json
+
+    result = _run("simulate", "--nodes", "2", "--topology", "full", "--iterations", "2", "--test-after", "2",
+                  "--output", str(tmp_path / "run"), timeout=300)
+    assert result.returncode == 0, result.stderr
+    said = result.stderr
+    for step in ("loading dataset digits", "starting 2 node processes", "nodes started", "2 nodes up in",
+                 "connecting to neighbours and training", "iterations"):
+        assert step in said, said
+    assert said.index("loading dataset") < said.index("starting 2 node") < said.index("nodes up in") \
+        < said.rindex("iterations")
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # start-up (processes, torch, data) is most of a 2-iteration run, and the wall-clock counts it
+    assert summary["wall_clock"] > summary["startup"] > summary["elapsed_max"] > 0
+    assert f"wall-clock          {summary['wall_clock']:.1f} s (start-up" in result.stdout
+
+
 def test_a_bootstrap_on_a_busy_port_says_so_first_and_creates_nothing(tmp_path):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -201,14 +219,21 @@ def test_meshlearn_node_uses_its_threads_and_every_rank_shares_one_folder(tmp_pa
                                "pair.yaml", "--rank", str(rank)], cwd=tmp_path, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:
+        said = []
         for proc in procs:
             _, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err
+            said.append(err)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    for rank, err in enumerate(said):  # it says what it does, not only the result at the end
+        for step in (f"node {rank} of 2: checking the run and loading dataset digits", f"node {rank}: listening on",
+                     f"connecting to neighbours {1 - rank}", f"node {rank}: connected and training",
+                     f"node {rank}: iteration 3/3, train loss", f"node {rank}: finished in"):
+            assert step in err, err
     logs = sorted((tmp_path / "runs" / "pair" / "logs").glob("node_*.jsonl"))
     assert [p.name for p in logs] == ["node_0.jsonl", "node_1.jsonl"]
     for path in logs:

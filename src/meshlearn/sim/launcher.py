@@ -20,17 +20,29 @@ import traceback
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.sim.checks import check_before_start
+from meshlearn.sim.report import RUN_TIMES
 from meshlearn.topology import Graph, write_graph_file
 
 STARTUP_TIMEOUT = 300.0
 ORPHANED_EXIT = 3  # a node's exit code when its launcher died
+
+Say = Callable[[str], None]
+
+
+def say_on_stderr(text: str) -> None:
+    """Progress messages go to stderr, next to the progress bars, away from the results on stdout."""
+    print(text, file=sys.stderr, flush=True)
+
+
+def _silent(text: str) -> None:
+    pass
 
 
 class NodeFailure(MeshlearnError):
@@ -93,6 +105,7 @@ def clear_earlier_run(output: Path) -> None:
     stale = sorted((output / "logs").glob("node_*.jsonl")) + sorted((output / "logs").glob("node_*.error.txt"))
     for path in stale:
         path.unlink()
+    (output / RUN_TIMES).unlink(missing_ok=True)
     if stale:
         print(f"{output} held an earlier run: removed its {len(stale)} node log(s) so the runs do not mix",
               file=sys.stderr, flush=True)
@@ -148,11 +161,12 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
 class _Launcher:
     """Owns the node processes of one simulation and guarantees they are gone at the end."""
 
-    def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool):
+    def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool, say: Say = _silent):
         self.config = config
         self.graph = graph
         self.log_dir = output / "logs"
         self.progress = progress
+        self.say = say
         self.ctx = mp.get_context("forkserver")
         self.ctx.set_forkserver_preload(["torch", "meshlearn.node"])
         self.events = self.ctx.Queue()
@@ -202,19 +216,28 @@ class _Launcher:
                 raise NodeFailure(f"node {rank} died with exit code {proc.exitcode} without reporting why")
 
     def _collect_addresses(self) -> dict[int, str]:
+        from tqdm import tqdm
+
         book: dict[int, str] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        while len(book) < self.config.nodes:
-            if time.monotonic() > deadline:
-                raise TransportError(f"only {len(book)} of {self.config.nodes} nodes started within {STARTUP_TIMEOUT:g} s")
-            event = self._next_event(0.5)
-            if event is None:
-                continue
-            kind, rank, detail = event
-            if kind == "error":
-                raise NodeFailure(f"node {rank} failed: {detail}")
-            if kind == "bound":
-                book[rank] = detail
+        started = time.monotonic()
+        deadline = started + STARTUP_TIMEOUT
+        with tqdm(total=self.config.nodes, desc="nodes started", unit="node", disable=not self.progress,
+                  file=sys.stderr) as bar:
+            while len(book) < self.config.nodes:
+                if time.monotonic() > deadline:
+                    raise TransportError(
+                        f"only {len(book)} of {self.config.nodes} nodes started within {STARTUP_TIMEOUT:g} s")
+                event = self._next_event(0.5)
+                if event is None:
+                    continue
+                kind, rank, detail = event
+                if kind == "error":
+                    raise NodeFailure(f"node {rank} failed: {detail}")
+                if kind == "bound":
+                    book[rank] = detail
+                    bar.update(1)
+        self.say(f"{self.config.nodes} nodes up in {time.monotonic() - started:.1f} s: connecting to neighbours "
+                 "and training")
         return book
 
     def _follow(self) -> dict[int, dict]:
@@ -263,8 +286,10 @@ class _Launcher:
         self.events.join_thread()
 
 
-def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResult:
-    """Run a whole experiment of ``config.nodes`` local node processes; write its results folder."""
+def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = None) -> SimulationResult:
+    """Run a whole experiment of ``config.nodes`` local node processes; write its results folder.
+
+    ``say`` hears what start-up is doing (default: stderr with progress, nothing without)."""
     from meshlearn.sim.kernelnet import (
         needs_namespace,
         resolve_loss_mode,
@@ -272,6 +297,8 @@ def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResul
     )
     from meshlearn.sim.report import write_report
 
+    launched = time.time()
+    say = say or (say_on_stderr if progress else _silent)
     config = resolve_loss_mode(config)
     if needs_namespace(config):
         if not config.output:
@@ -279,7 +306,11 @@ def simulate(config: ExperimentConfig, progress: bool = True) -> SimulationResul
         output = run_in_namespace(config, progress)
         per_node = json.loads((output / "summary.json").read_text())["per_node"]
         return SimulationResult(output, {int(rank): summary for rank, summary in per_node.items()})
+    say(f"checking the run and loading dataset {config.dataset}")
     graph, output = prepare_run(config)
-    summaries = _Launcher(config, graph, output, progress).run()
+    say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
+        f"model {config.model})")
+    summaries = _Launcher(config, graph, output, progress, say).run()
+    (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
     write_report(output)
     return SimulationResult(output, summaries)

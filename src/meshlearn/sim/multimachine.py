@@ -8,7 +8,7 @@ import yaml
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
-from meshlearn.sim.launcher import prepare_run
+from meshlearn.sim.launcher import Say, prepare_run, say_on_stderr
 from meshlearn.sim.report import write_report
 from meshlearn.transport import Transport
 
@@ -46,21 +46,40 @@ def read_address_file(path: str | Path, config: ExperimentConfig) -> dict[int, t
     return book
 
 
-def run_node(config: ExperimentConfig, address_file: str | Path, rank: int) -> dict:
-    """Run node ``rank`` until the experiment ends; write its log and report into the output folder."""
+def run_node(config: ExperimentConfig, address_file: str | Path, rank: int, say: Say = say_on_stderr) -> dict:
+    """Run node ``rank`` until the experiment ends; write its log and report into the output folder.
+    ``say`` hears what it is doing: loading, listening, connecting, and every ``test_after`` iterations."""
+    import time
+
     import torch
 
     from meshlearn.node import build_node
 
+    launched = time.monotonic()
     if not 0 <= rank < config.nodes:
         raise ConfigError(f"rank {rank} is outside 0..{config.nodes - 1}")
     book = read_address_file(address_file, config)
     torch.set_num_threads(config.threads)  # this process is the node's, as a launched node's is
+    say(f"node {rank} of {config.nodes}: checking the run and loading dataset {config.dataset}")
     graph, output = prepare_run(config, keep_logs=True)
     host, port = book[rank]
     node = build_node(config, rank, graph, output / "logs", host=host, port=port)
-    node.transport.bind()
+    address = node.transport.bind()
+    neighbours = graph.neighbours(rank)
+    say(f"node {rank}: listening on {address}; connecting to neighbours {', '.join(map(str, neighbours))}")
+
+    def report_progress(_node, iteration: int, record: dict) -> None:
+        done = iteration + 1
+        if done == 1:
+            say(f"node {rank}: connected and training ({time.monotonic() - launched:.1f} s after start)")
+        if done % config.test_after == 0 or done == config.iterations:
+            loss = record.get("train_loss")
+            say(f"node {rank}: iteration {done}/{config.iterations}"
+                + (f", train loss {loss:.4f}" if loss is not None else ""))
+
+    node.hooks.append(report_progress)
     scheme = "udp" if isinstance(node.transport, Transport) and node.transport.lossy else "tcp"
     summary = node.run(node.contacts({j: f"{scheme}://{host}:{port}" for j, (host, port) in book.items()}))
     write_report(output)
+    say(f"node {rank}: finished in {time.monotonic() - launched:.1f} s with start-up; results in {output}")
     return summary
