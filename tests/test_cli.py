@@ -291,3 +291,34 @@ def test_ctrl_c_stops_a_provider_still_waiting_for_its_bootstrap():
         if provider.poll() is None:
             provider.kill()
             provider.wait()
+
+
+def _subcommands():
+    from meshlearn.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    return sub.choices
+
+
+@pytest.mark.parametrize("command", sorted(_subcommands()))
+def test_every_flag_says_what_it_does_its_choices_and_its_default_once(command):
+    import argparse
+
+    problems = []
+    for action in _subcommands()[command]._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        flag, text = action.option_strings[-1], action.help or ""
+        if len(text.split()) < 3:
+            problems.append(f"{flag}: help {text!r} does not say what it does")
+        if isinstance(action, argparse._StoreAction) and not action.required and text.count("default") != 1:
+            problems.append(f"{flag}: {text!r} should give its default once")
+        if action.choices and action.metavar is not None:
+            problems.append(f"{flag} hides its choices")
+    assert not problems, f"meshlearn {command} --help:\n" + "\n".join(problems)
+
+
+def test_a_global_flag_after_the_command_says_where_it_goes():
+    result = _run("simulate", "-v")
+    _one_line_error(result, 2, "-v goes before the command")

@@ -113,3 +113,13 @@ def test_comparison_plot_keeps_identical_curves_apart():
             assert lines[0].get_markevery() != lines[1].get_markevery()  # markers staggered, not stacked
     finally:
         plt.close(fig)
+
+
+def test_quick_on_a_file_without_a_quick_section_is_refused_not_run_at_full_scale(tmp_path):
+    path = tmp_path / "exp.yaml"
+    path.write_text("runs:\n  - {name: a, nodes: 2}\n")
+    with pytest.raises(ConfigError, match="no 'quick' section.*without --quick"):
+        load_experiment(path, quick=True)
+    assert load_experiment(path, quick=False).runs[0][1].nodes == 2
+    path.write_text("runs:\n  - {name: a, nodes: 4, quick: {nodes: 2}}\n")  # a run's own quick map counts
+    assert load_experiment(path, quick=True).runs[0][1].nodes == 2

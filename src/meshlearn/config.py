@@ -76,7 +76,8 @@ class ExperimentConfig(Settings):
     base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")
     device: str = Field("cpu", description="torch device for training: cpu | cuda | cuda:N | mps")
     threads: int = Field(1, ge=1, description="torch intra-op threads per node process")
-    output: str | None = Field(None, description="results folder (default runs/<timestamp>)")
+    output: str | None = Field(None, description="results folder (default: runs/<timestamp>; meshlearn "
+                                 "node: runs/<address file name>)")
     tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
     udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
     dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")

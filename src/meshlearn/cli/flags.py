@@ -22,8 +22,12 @@ def _kind(annotation: Any) -> tuple[type, list[str] | None]:
     if typing.get_origin(annotation) is typing.Literal:
         return str, [str(a) for a in typing.get_args(annotation)]
     if annotation is bool:
-        return str, None  # true / false, parsed by the model
+        return _true_or_false, ["true", "false"]  # parsed by the model
     return (annotation, None) if annotation in (int, float, str) else (str, None)
+
+
+def _true_or_false(text: str) -> str:
+    return text.lower()
 
 
 def add_flags(group: argparse._ActionsContainer, fields: Iterable[tuple[str, FieldInfo]],
@@ -41,6 +45,8 @@ def add_flags(group: argparse._ActionsContainer, fields: Iterable[tuple[str, Fie
         text = field.description or name.replace("_", " ")
         if default not in (None, "", [], {}):
             text += f" (default: {default})"
+        elif "default" not in text:
+            text += " (default: none)"
         flag = (flag_names or {}).get(name, name).replace("_", "-")
         group.add_argument(f"--{flag}", dest=name, type=kind, default=None, choices=choices,
                            metavar=None if choices else flag.upper().replace("-", "_"),

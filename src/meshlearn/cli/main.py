@@ -38,7 +38,10 @@ class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad flag as one line (exit 2) instead of usage plus error."""
 
     def error(self, message: str) -> typing.NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = f"see {self.prog} --help"
+        if message.startswith("unrecognized arguments") and {"-v", "--verbose"} & set(message.split()):
+            hint = "-v goes before the command: meshlearn -v COMMAND ..."
+        self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -107,25 +110,25 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (before the command: meshlearn -v simulate ...)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about a minute)")
-    demo.add_argument("--output", help="results folder (default runs/demo)")
-    demo.add_argument("--quiet", action="store_true", help="no progress bar")
+    demo.add_argument("--output", help="results folder (default: runs/demo)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     demo.set_defaults(func=cmd_demo)
 
     simulate = sub.add_parser("simulate", help="run N nodes on this machine, one process each")
-    simulate.add_argument("--config", help="YAML experiment file; flags override its settings")
-    simulate.add_argument("--quiet", action="store_true", help="no progress bar")
+    simulate.add_argument("--config", help="YAML experiment file; flags override its settings (default: none)")
+    simulate.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     _add_config_flags(simulate)
     simulate.set_defaults(func=cmd_simulate)
 
     experiment = sub.add_parser("experiment", help="run the runs of an experiment file and compare them")
     experiment.add_argument("file", help="experiment YAML file (see experiments/)")
-    experiment.add_argument("--quick", action="store_true", help="the file's small scale (a 2-core CPU machine)")
-    experiment.add_argument("--output", help="report folder (default runs/<name>[-quick])")
-    experiment.add_argument("--quiet", action="store_true", help="no progress bars")
+    experiment.add_argument("--quick", action="store_true", help="the file's small scale, its 'quick' section (a 2-core CPU machine)")
+    experiment.add_argument("--output", help="report folder (default: runs/<name>, or runs/<name>-quick)")
+    experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     experiment.set_defaults(func=cmd_experiment)
 
     node = sub.add_parser("node", help="run one node of a multi-machine experiment")

@@ -22,8 +22,8 @@ PROVIDER_FLAGS = {"ram_gb": "ram", "provider_id": "id"}  # field -> flag, where 
 
 
 def _secret_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--secret", help="network secret (or set MESHLEARN_SECRET; same on every machine)")
-    parser.add_argument("--secret-file", help="file holding the network secret")
+    parser.add_argument("--secret", help="network secret, the same on every machine (default: $MESHLEARN_SECRET)")
+    parser.add_argument("--secret-file", help="file holding the network secret (default: none, use --secret)")
 
 
 def _secret(args: argparse.Namespace) -> bytes:
@@ -191,16 +191,18 @@ def add_network_commands(sub) -> None:
 
     req = sub.add_parser("request", help="train a model on the network's providers")
     req.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
-    req.add_argument("--data", help="folder with train/ and test/, or a dataset (digits, cifar10:PATH, ...)")
-    req.add_argument("--data-on-providers", help="dataset each provider already holds, under its --data-root")
-    req.add_argument("--config", help="YAML task file; flags override it")
-    req.add_argument("--output", help="results folder (default runs/task-<time>)")
+    req.add_argument("--data", help="folder with train/ and test/, or a dataset (digits, cifar10:PATH, ...) "
+                     "(default: none; this or --data-on-providers)")
+    req.add_argument("--data-on-providers", help="dataset each provider already holds, under its --data-root "
+                     "(default: none, the requester serves --data)")
+    req.add_argument("--config", help="YAML task file; flags override it (default: none)")
+    req.add_argument("--output", help="results folder (default: runs/task-<time>)")
     req.add_argument("--host", default="127.0.0.1",
                      help="address to serve the data on, 0.0.0.0 for all (default: 127.0.0.1)")
     req.add_argument("--port", type=int, default=0, help="port to serve the data on (default: 0, a free one)")
     req.add_argument("--advertise", default="", help="address providers fetch the data from (default: --host; "
                      "with 0.0.0.0, this machine's address on the route to the bootstrap)")
-    req.add_argument("--models-module", help="local .py file registering the custom model the task names")
+    req.add_argument("--models-module", help="local .py file registering the custom model the task names (default: none)")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)
     req.set_defaults(func=cmd_request)
@@ -208,7 +210,7 @@ def add_network_commands(sub) -> None:
     res = sub.add_parser("results", help="fetch a finished task's model and metrics")
     res.add_argument("task_id", help="the id `meshlearn request` printed")
     res.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
-    res.add_argument("--output", help="folder to write into (default runs/task-<id>)")
+    res.add_argument("--output", help="folder to write into (default: runs/task-<id>)")
     _secret_flags(res)
     res.set_defaults(func=cmd_results)
 

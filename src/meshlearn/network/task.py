@@ -31,7 +31,7 @@ class TaskRequest(Settings):
                                       "(digits, cifar10:PATH, ...)")
     data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
                                                             "--data-root")
-    model: str = Field("simplecnn", description="built-in model name")
+    model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18, or one registered by --models-module")
     epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition")
     batch_size: int = Field(16, ge=1, description="mini-batch size")
     lr: float = Field(0.01, gt=0, description="learning rate")

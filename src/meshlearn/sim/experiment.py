@@ -65,6 +65,9 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     out = Path(output) if output else Path("runs") / (name + ("-quick" if quick else ""))
     base = dict(raw.get("base") or {})
     if quick:
+        if not raw.get("quick") and not any(isinstance(r, dict) and r.get("quick") for r in raw["runs"]):
+            raise ConfigError(f"experiment file {path} has no 'quick' section, so --quick would run it at full "
+                              "scale: run it without --quick, or add a 'quick:' map of the settings to shrink")
         base.update(raw.get("quick") or {})
     runs, seen, groups = [], set(), {}
     for index, run in enumerate(raw["runs"]):
