@@ -71,6 +71,9 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
                         "--output", str(procs.folder / f"res-{algorithm}"))
     assert again.wait(timeout=60) == 0, procs.log(f"res-{algorithm}")
     assert score_result(procs.folder / f"res-{algorithm}") == pytest.approx(metrics["accuracy"], abs=1e-9)
+    fetched = yaml.safe_load((procs.folder / f"res-{algorithm}" / "task.yaml").read_text())
+    asked = yaml.safe_load((folder / "task.yaml").read_text())
+    assert fetched["task"] == asked["task"] and fetched["task"]["algorithm"] == algorithm
 
 
 def test_services_listening_on_every_interface_announce_addresses_peers_can_reach(network):

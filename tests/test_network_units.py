@@ -508,7 +508,7 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
         done.start()
         done.join(timeout=60)
         assert not done.is_alive(), "the provider without the copy is stuck finishing"
-        metrics, _ = read_results(tmp_path / "w2" / "tasks" / "t9" / "result")
+        metrics, _, _ = read_results(tmp_path / "w2" / "tasks" / "t9" / "result")
         assert metrics == {"task": "t9", "accuracy": 0.5}
     finally:
         for server in servers.values():
@@ -548,4 +548,4 @@ def test_the_confusion_plot_names_its_task_and_labels_every_axis(tmp_path):
         plt.close(fig)
     results.write_results(tmp_path / "t7", {"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model")
     assert (tmp_path / "t7" / results.CONFUSION_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert results.read_results(tmp_path / "t7") == ({"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model")
+    assert results.read_results(tmp_path / "t7") == ({"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model", None)

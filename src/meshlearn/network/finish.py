@@ -157,7 +157,8 @@ class Finisher:
         self._take_result(reply)
 
     def _keep(self, metrics: dict, model_bytes: bytes) -> None:
-        write_results(self.ctx.workdir / "tasks" / self.spec.task_id / "result", metrics, model_bytes, plot=False)
+        write_results(self.ctx.workdir / "tasks" / self.spec.task_id / "result", metrics, model_bytes, plot=False,
+                      task={"task": self.spec.settings()})
         self.results_ready.set()
 
     # --- other providers' calls ---------------------------------------------------------------

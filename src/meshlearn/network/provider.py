@@ -300,8 +300,8 @@ class Provider:
         found = read_results(self.workdir / "tasks" / task / "result")
         if found is None:
             raise BadMessage(f"{self.id} holds no result for task {task} (yet)")
-        metrics, model = found
-        return {"metrics": metrics}, [model]
+        metrics, model, task = found
+        return {"metrics": metrics, "task": (task or {}).get("task")}, [model]
 
     def _leave_request(self, req: Envelope) -> dict:
         self.leave()

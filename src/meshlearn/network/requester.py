@@ -144,7 +144,7 @@ class Requester:
 
     def _write_config(self, spec: TaskSpec) -> None:
         self.output.mkdir(parents=True, exist_ok=True)
-        resolved = {"task": spec.model_dump(exclude={"data", "meta", "weights"}), "data": self.request.data,
+        resolved = {"task": spec.settings(), "data": self.request.data,
                     "weights": self.request.weights,
                     "data_on_providers": self.request.data_on_providers, "bootstrap": self.bootstrap,
                     "warnings": self.request.warnings}
@@ -252,9 +252,26 @@ def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) 
             continue
         metrics = dict(reply.body.get("metrics") or {})
         metrics["fetched_from"] = peer["id"]
-        write_results(output, metrics, model, title=f"task {task_id}")
+        settings = reply.body.get("task")
+        task = {"task": settings if _is_task_settings(settings) else None, "fetched_from": peer["id"]}
+        write_results(output, metrics, model, title=f"task {task_id}", task=task)
         return metrics
     return None
+
+
+def _is_task_settings(value) -> bool:
+    """A provider's copy of the task settings is kept only if it looks like them: TaskSpec's keys,
+    plain JSON values at most three levels deep (it goes into task.yaml, nothing more)."""
+    def plain(item, depth: int) -> bool:
+        if isinstance(item, (str, int, float, bool, type(None))):
+            return True
+        if depth == 0:
+            return False
+        if isinstance(item, list):
+            return len(item) <= 1024 and all(plain(x, depth - 1) for x in item)
+        return isinstance(item, dict) and len(item) <= 64 and all(
+            isinstance(k, str) and plain(v, depth - 1) for k, v in item.items())
+    return isinstance(value, dict) and set(value) <= set(TaskSpec.model_fields) and plain(value, 3)
 
 
 def results_of_task(task_id: str, bootstrap: str, secret: bytes, output: Path) -> dict:

@@ -1,4 +1,5 @@
-"""A task's result on disk: the model (safetensors), its metrics (JSON) and the confusion matrix (PNG)."""
+"""A task's result on disk: the model (safetensors), its metrics (JSON), the task's settings (YAML)
+and the confusion matrix (PNG)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,22 @@ import json
 import os
 from pathlib import Path
 
+import yaml
+
 MODEL_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
 CONFUSION_FILE = "confusion.png"
+TASK_FILE = "task.yaml"
 
 
-def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True, title: str = "") -> None:
-    """Write the model, the metrics and (``plot``) the confusion matrix, titled ``title`` (by default
-    the folder's name); the model atomically so a reader never sees half of it. Providers keep no
-    plot: the requester draws its own."""
+def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True, title: str = "",
+                  task: dict | None = None) -> None:
+    """Write the model, the metrics, the task's settings (``task``, if given) and (``plot``) the
+    confusion matrix, titled ``title`` (by default the folder's name); the model atomically so a
+    reader never sees half of it. Providers keep no plot: the requester draws its own."""
     folder.mkdir(parents=True, exist_ok=True)
+    if task is not None:
+        (folder / TASK_FILE).write_text(yaml.safe_dump(task, sort_keys=False))
     tmp = folder / (MODEL_FILE + ".tmp")
     tmp.write_bytes(model_bytes)
     os.replace(tmp, folder / MODEL_FILE)
@@ -25,12 +32,13 @@ def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = 
                        title or folder.resolve().name)
 
 
-def read_results(folder: Path) -> tuple[dict, bytes] | None:
-    """(metrics, model bytes) if the folder holds a complete result, else None."""
-    model, metrics = folder / MODEL_FILE, folder / METRICS_FILE
+def read_results(folder: Path) -> tuple[dict, bytes, dict | None] | None:
+    """(metrics, model bytes, task settings or None) if the folder holds a complete result, else None."""
+    model, metrics, task = folder / MODEL_FILE, folder / METRICS_FILE, folder / TASK_FILE
     if not (model.is_file() and metrics.is_file()):
         return None
-    return json.loads(metrics.read_text()), model.read_bytes()
+    settings = yaml.safe_load(task.read_text()) if task.is_file() else None
+    return json.loads(metrics.read_text()), model.read_bytes(), settings if isinstance(settings, dict) else None
 
 
 def confusion_figure(confusion: list[list[int]], class_names: list[str], title: str):

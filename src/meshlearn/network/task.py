@@ -190,6 +190,10 @@ class TaskSpec(Settings):
     gossip: GossipSettings = GossipSettings()
     leader: LeaderSettings = LeaderSettings()
 
+    def settings(self) -> dict:
+        """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
+        return self.model_dump(mode="json", exclude={"data", "meta", "weights"})
+
     @classmethod
     def parse(cls, body: dict) -> "TaskSpec":
         """Validate a spec from the network; BadMessage names the first problem."""
