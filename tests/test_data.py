@@ -189,3 +189,26 @@ def test_shard_loader():
     same = ShardLoader(data, indices, batch_size=16, seed=3)
     assert torch.equal(same.next_batch()[1], ShardLoader(data, indices, batch_size=16, seed=3).next_batch()[1])
     assert ShardLoader(data, indices[:5], batch_size=16, seed=0).next_batch()[0].shape[0] == 5
+
+
+def test_a_registered_dataset_is_named_like_a_built_in_one_and_checked(tmp_path):
+    import numpy as np
+
+    from meshlearn.data import Dataset, load_dataset, make_dataset, parse_spec, register_dataset
+    from meshlearn.errors import DatasetError
+    from meshlearn.plugins import load_user_module
+
+    load_user_module(Path(__file__).resolve().parents[1] / "examples" / "my_models.py")
+    data = load_dataset("templates:20")
+    assert isinstance(data, Dataset) and data.input_shape == (1, 8, 8) and len(data.train_y) == 200
+    assert parse_spec("templates") == ("templates", None)
+    with pytest.raises(DatasetError, match="built in"):
+        register_dataset("digits")
+    register_dataset("not-a-dataset")(lambda path: "oops")
+    with pytest.raises(DatasetError, match="not a Dataset"):
+        load_dataset("not-a-dataset")
+    x = np.zeros((4, 1, 2, 2), dtype=np.float32)
+    with pytest.raises(DatasetError, match="labels must lie in 0..1"):
+        make_dataset("bad", x, [0, 1, 2, 0], x, [0, 0, 0, 0], ["a", "b"])
+    with pytest.raises(DatasetError, match=r"\(N, C, H, W\)"):
+        make_dataset("bad", x[:, 0], [0] * 4, x[:, 0], [0] * 4, ["a"])

@@ -399,7 +399,7 @@ def test_a_device_that_does_not_work_falls_back_to_the_cpu():
 
 def test_custom_models_come_only_from_a_local_module_the_operator_names(tmp_path):
     from meshlearn.models import build_model
-    from meshlearn.network.provider import load_models_module
+    from meshlearn.plugins import load_user_module
 
     module = tmp_path / "my_models.py"
     module.write_text(
@@ -408,10 +408,10 @@ def test_custom_models_come_only_from_a_local_module_the_operator_names(tmp_path
         "@register_model('tiny-operator-model')\n"
         "def tiny(shape, classes):\n"
         "    return nn.Sequential(nn.Flatten(), nn.Linear(shape[0] * shape[1] * shape[2], classes))\n")
-    load_models_module(str(module))
+    load_user_module(str(module))
     assert build_model("tiny-operator-model", (1, 8, 8), 10)[1].out_features == 10
     with pytest.raises(UserInputError, match="does not exist"):
-        load_models_module(str(tmp_path / "missing.py"))
+        load_user_module(str(tmp_path / "missing.py"))
 
 
 def test_local_data_must_lie_under_the_providers_data_root(tmp_path):

@@ -51,6 +51,8 @@ class ExperimentConfig(Settings):
                                                "imagefolder:DIR")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
+    models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
+                                      "(register_model, register_dataset), loaded by every node")
     algorithm: Literal["dpsgd", "gossip", "leader", "local"] = Field(
         "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
         "leader aggregation, CloudMesh) | local (no exchange)")

@@ -8,9 +8,11 @@ the network.
 from __future__ import annotations
 
 import importlib
+import importlib.util
+from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
-from meshlearn.errors import ConfigError, MeshlearnError
+from meshlearn.errors import ConfigError, MeshlearnError, UserInputError
 
 T = TypeVar("T")
 
@@ -54,3 +56,27 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: object) -> bool:
         return name in self._items or name in self._built_in
+
+
+_LOADED: dict[Path, object] = {}
+
+
+def load_user_module(path: str | Path) -> None:
+    """Run a local .py file that registers custom models and datasets (``register_model``,
+    ``register_dataset``): only one its user names on the command line or in a config file, never
+    one named over the network. Loading the same file twice runs it once."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise UserInputError(f"models module {file} does not exist: give a local .py file that registers "
+                             "models or datasets")
+    key = file.resolve()
+    if key in _LOADED:
+        return
+    spec = importlib.util.spec_from_file_location(f"meshlearn_user_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's own file: say where it fails, in one line
+        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
+        raise UserInputError(f"models module {file} failed to load{where}: {type(exc).__name__}: {exc}") from None
+    _LOADED[key] = module

@@ -132,13 +132,17 @@ def cmd_request(args: argparse.Namespace) -> int:
     _advertise(args.advertise)
     secret = _secret(args)
     values = _request_values(args)
+    if args.models_module:  # before the data: the module may register the dataset too
+        from meshlearn.plugins import load_user_module
+
+        load_user_module(args.models_module)
     dataset = None
     if values.get("data") and not values.get("data_on_providers"):
         from meshlearn.data import load_dataset
 
         dataset = load_dataset(dataset_spec(str(values["data"])))
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
-    _check_model(request, dataset, args.models_module)
+    _check_model(request, dataset)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
                           advertise=args.advertise)
@@ -148,13 +152,10 @@ def cmd_request(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_model(request, dataset, models_module: str | None) -> None:
+def _check_model(request, dataset) -> None:
     """The model is one this requester knows, and the weights fit it, before any provider is claimed."""
     from meshlearn.models import build_model, load_weights, model_names
-    from meshlearn.network.provider import load_models_module
 
-    if models_module:
-        load_models_module(models_module)
     if request.model not in model_names():
         raise UserInputError(f"unknown model {request.model!r}: choose one of {', '.join(model_names())} (a custom "
                              "model needs its module here too: --models-module FILE)")
@@ -202,7 +203,8 @@ def add_network_commands(sub) -> None:
     req.add_argument("--port", type=int, default=0, help="port to serve the data on (default: 0, a free one)")
     req.add_argument("--advertise", default="", help="address providers fetch the data from (default: --host; "
                      "with 0.0.0.0, this machine's address on the route to the bootstrap)")
-    req.add_argument("--models-module", help="local .py file registering the custom model the task names (default: none)")
+    req.add_argument("--models-module", help="local .py file registering the custom model (or dataset) the task names "
+                     "(default: none)")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)
     req.set_defaults(func=cmd_request)

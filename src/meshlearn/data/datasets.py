@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshlearn.data.specs import parse_spec, require_path
+from meshlearn.data.specs import DATASETS, parse_spec, require_path
 from meshlearn.errors import DatasetError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
@@ -66,6 +66,22 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def make_dataset(name: str, train_x: np.ndarray, train_y, test_x: np.ndarray, test_y,
+                 class_names: list[str] | tuple[str, ...]) -> Dataset:
+    """A Dataset from arrays: samples (N, C, H, W) as uint8 0..255 or float 0..1, integer labels
+    0..len(class_names)-1. What a registered dataset's factory returns."""
+    train_x, test_x = np.asarray(train_x), np.asarray(test_x)
+    if train_x.ndim != 4 or test_x.shape[1:] != train_x.shape[1:]:
+        raise DatasetError(f"dataset {name}: samples must be (N, C, H, W) arrays of one shape, got "
+                           f"{train_x.shape} and {test_x.shape}")
+    labels = np.concatenate([np.asarray(train_y).ravel(), np.asarray(test_y).ravel()])
+    if len(train_y) != len(train_x) or len(test_y) != len(test_x):
+        raise DatasetError(f"dataset {name}: one label per sample is needed")
+    if labels.size and (labels.min() < 0 or labels.max() >= len(class_names)):
+        raise DatasetError(f"dataset {name}: labels must lie in 0..{len(class_names) - 1} (one per class name)")
+    return _make(name, train_x, train_y, test_x, test_y, class_names)
 
 
 def _make(name, train_x, train_y, test_x, test_y, class_names) -> Dataset:
@@ -321,7 +337,12 @@ def load_dataset(spec: str) -> Dataset:
     key = f"{kind}:{path.resolve()}" if path else kind
     if key in _CACHE:
         return _CACHE[key]
-    if kind == "digits":
+    if kind in DATASETS:
+        dataset = DATASETS.get(kind)(path)
+        if not isinstance(dataset, Dataset):
+            raise DatasetError(f"dataset {kind}: its factory returned {type(dataset).__name__}, not a Dataset "
+                               "(build one with meshlearn.data.make_dataset)")
+    elif kind == "digits":
         dataset = load_digits()
     elif kind in ("fashion-mnist", "mnist"):
         dataset = load_idx(path, kind)

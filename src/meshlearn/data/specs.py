@@ -4,8 +4,17 @@ so a wrong name or path is reported before a run starts."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from meshlearn.errors import DatasetError
+from meshlearn.plugins import Registry
+
+if TYPE_CHECKING:
+    from meshlearn.data.datasets import Dataset
+
+DatasetFactory = Callable[["Path | None"], "Dataset"]
+# Datasets a user's module registers (``register_dataset``); the built-in ones are KINDS below.
+DATASETS: Registry[DatasetFactory] = Registry("dataset", DatasetError)
 
 SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR"
 # The name a spec starts with -> the dataset it means (and whether it needs a path)
@@ -20,12 +29,24 @@ WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
         "imagefolder": "a folder with train/<class>/ and test/<class>/"}
 
 
+def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
+    """Decorator registering ``factory(path) -> Dataset`` as dataset ``name``: the spec ``name``
+    calls it with None, ``name:PATH`` with the path (``meshlearn.data.make_dataset`` builds one)."""
+    if name.strip().lower() in KINDS:
+        raise DatasetError(f"dataset name {name!r} is built in: choose another name")
+    return DATASETS.register(name)
+
+
 def parse_spec(spec: str) -> tuple[str, Path | None]:
     """The dataset a spec names and its path; DatasetError for an unknown name or a missing path."""
     name, _, path = spec.partition(":")
+    if name in DATASETS:  # a user's dataset: its factory checks its own path
+        return name, Path(path).expanduser() if path else None
     kind = KINDS.get(name.strip().lower())
     if kind is None:
-        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}")
+        custom = f"; registered: {', '.join(DATASETS.names())}" if DATASETS.names() else \
+            " (or register your own: --models-module FILE)"
+        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}{custom}")
     if kind[1] and not path:
         raise DatasetError(f"{name} needs a folder: {name}:DIR ({WHAT[kind[0]]})")
     if path and not kind[1]:

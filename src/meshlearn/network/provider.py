@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 import socket
@@ -20,6 +19,7 @@ from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import TaskSpec
+from meshlearn.plugins import load_user_module
 from meshlearn.settings import Settings
 
 if TYPE_CHECKING:
@@ -77,20 +77,6 @@ def detect_ram_gb() -> float:
         return 0.0
 
 
-def load_models_module(path: str) -> None:
-    """Import a local module that registers custom models: only one the operator names on the command line."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserInputError(f"models module {file} does not exist: give a local .py file that registers models")
-    spec = importlib.util.spec_from_file_location(f"meshlearn_user_models_{file.stem}", file)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # noqa: BLE001 - the operator's own file: say where it fails, in one line
-        where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
-        raise UserInputError(f"models module {file} failed to load{where}: {type(exc).__name__}: {exc}") from None
-
-
 class Provider:
     """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
 
@@ -130,7 +116,7 @@ class Provider:
 
         s = self.settings
         if s.models_module:
-            load_models_module(s.models_module)
+            load_user_module(s.models_module)
         self.device, warning = detect_device(s.device)
         if warning:
             log.warning(warning)

@@ -13,6 +13,7 @@ from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
 from meshlearn.node.node import Node
+from meshlearn.plugins import load_user_module
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint, TcpTransport, Unconnected
@@ -64,6 +65,8 @@ def build_node(
     Every node starts from the same initial model (seeded by ``config.seed``), as D-PSGD's
     analysis assumes; shard order is seeded per node.
     """
+    if config.models_module:
+        load_user_module(config.models_module)
     dataset = load_dataset(config.dataset)
     parts = partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
     torch.manual_seed(config.seed)

@@ -1,0 +1,102 @@
+"""The README's shell blocks work as printed: the cheap ones run here, every other one is listed
+with the reason it does not (a new block must be put in one list or the other)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "extending.md"]
+
+# The first line of each block that is not run here, and why.
+NOT_RUN = {
+    "python3 -m pip install torch==2.13.0 -e . && python3 -m meshlearn demo":
+        "installs the package and runs this suite (CI runs exactly this); the demo: test_the_demo_runs (slow)",
+    "meshlearn simulate --nodes 16 --topology regular:3 --dataset cifar10:PATH --model lenet \\":
+        "needs CIFAR-10 and an hour; the same flags on digits run in test_cli and test_dpsgd",
+    "meshlearn experiment experiments/udp-vs-tcp.yaml --quick     # TCP vs UDP sync vs UDP async, no loss":
+        "8 minutes; test_experiment runs small experiment files end to end",
+    "export MESHLEARN_SECRET=change-me-to-something-long                  # the same on every machine":
+        "several machines; test_network_e2e runs these commands on one, every service on 0.0.0.0",
+}
+
+
+def shell_blocks() -> list[tuple[Path, str]]:
+    blocks = []
+    for doc in DOCS:
+        blocks += [(doc, block) for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)]
+    return blocks
+
+
+def _block(first_line: str) -> str:
+    found = [block for _, block in shell_blocks() if block.splitlines()[0].startswith(first_line)]
+    assert len(found) == 1, f"no single block starts with {first_line!r}: the README changed, update this test"
+    return found[0]
+
+
+def _run_block(block: str, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a block with bash in ``cwd`` (examples/ linked in), with this interpreter's python3 and
+    meshlearn first on PATH; its processes are killed if it runs too long."""
+    (cwd / "examples").symlink_to(ROOT / "examples")
+    path = os.pathsep.join([str(Path(sys.executable).parent), sysconfig.get_path("scripts"), os.environ["PATH"]])
+    proc = subprocess.Popen(["bash", "-ec", block], cwd=cwd, env={**os.environ, "PATH": path},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+RUN_HERE = [
+    "python3 examples/gossip_cluster.py --config examples/gossip-4.yaml",
+    "meshlearn node --config examples/two-nodes.yaml --addresses examples/addresses.yaml --rank 0 &",
+    "meshlearn simulate --models-module examples/my_models.py --model tiny-cnn --dataset templates \\",
+]
+
+
+def test_every_shell_block_is_run_here_or_says_why_not():
+    firsts = [block.splitlines()[0] for _, block in shell_blocks()]
+    unclassified = [line for line in firsts if not any(line.startswith(k) for k in [*NOT_RUN, *RUN_HERE])]
+    assert not unclassified, f"classify these README blocks in tests/test_readme.py: {unclassified}"
+
+
+def test_the_gossip_workers_run_as_printed_and_learn(tmp_path):
+    result = _run_block(_block(RUN_HERE[0]), tmp_path)
+    assert result.returncode == 0, result.stdout
+    accuracies = [float(a) for a in re.findall(r"w\d: test accuracy ([\d.]+)", result.stdout)]
+    assert len(accuracies) == 4 and min(accuracies) > 0.8, result.stdout
+
+
+def test_the_multi_machine_node_example_runs_as_printed(tmp_path):
+    result = _run_block(_block(RUN_HERE[1]), tmp_path)
+    assert result.returncode == 0, result.stdout
+    assert sorted(re.findall(r"node (\d): test accuracy", result.stdout)) == ["0", "1"], result.stdout
+    logs = sorted(p.name for p in (tmp_path / "runs" / "addresses" / "logs").glob("node_*.jsonl"))
+    assert logs == ["node_0.jsonl", "node_1.jsonl"]
+
+
+def test_the_custom_model_and_dataset_example_runs_as_printed(tmp_path):
+    result = _run_block(_block(RUN_HERE[2]), tmp_path)
+    assert result.returncode == 0, result.stdout
+    summary = json.loads((tmp_path / "runs" / "custom" / "summary.json").read_text())
+    assert summary["nodes_finished"] == 4 and summary["final"]["accuracy"] > 0.5
+    config = (tmp_path / "runs" / "custom" / "config.yaml").read_text()
+    assert "models_module: examples/my_models.py" in config and "model: tiny-cnn" in config
+
+
+@pytest.mark.slow
+def test_the_demo_runs(tmp_path):
+    result = _run_block("python3 -m meshlearn demo --quiet", tmp_path, timeout=600)
+    assert result.returncode == 0, result.stdout
+    assert float(re.search(r"final mean test accuracy: ([\d.]+)%", result.stdout).group(1)) > 85
