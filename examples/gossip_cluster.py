@@ -73,11 +73,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     workers: dict[str, subprocess.Popen] = {}
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers ...
         for name in names:
             result = ["--result", str(Path(args.results) / f"{name}.json")] if args.results else []
             workers[name] = subprocess.Popen(
-                [sys.executable, str(TRAIN), "--config", args.config, "--name", name, *result, *worker_flags],
-                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+                [sys.executable, str(TRAIN), "--config", args.config, "--name", name, *result, *worker_flags])
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # ... not by this script
         return supervise(workers)
     except KeyboardInterrupt:
         print(f"stopping {len(workers)} workers", file=sys.stderr)

@@ -230,7 +230,7 @@ def test_meshlearn_node_uses_its_threads_and_every_rank_shares_one_folder(tmp_pa
                 proc.kill()
                 proc.wait()
     for rank, err in enumerate(said):  # it says what it does, not only the result at the end
-        for step in (f"node {rank} of 2: checking the run and loading dataset digits", f"node {rank}: listening on",
+        for step in (f"node {rank} of 2: loading dataset digits", f"node {rank}: listening on",
                      f"connecting to neighbours {1 - rank}", f"node {rank}: connected and training",
                      f"node {rank}: iteration 3/3, train loss", f"node {rank}: finished in"):
             assert step in err, err

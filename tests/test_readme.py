@@ -32,7 +32,7 @@ NOT_RUN = {
 def shell_blocks() -> list[tuple[Path, str]]:
     blocks = []
     for doc in DOCS:
-        blocks += [(doc, block) for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.S)]
+        blocks += [(doc, block) for block in re.findall(r"```bash\n(.*?)```", doc.read_text(), re.DOTALL)]
     return blocks
 
 

@@ -47,7 +47,6 @@ def _advertise(host: str) -> str:
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from meshlearn.network.bootstrap import Bootstrap
-
     from meshlearn.transport.ports import ensure_port_free
 
     settings = BootstrapSettings(**given(args, BootstrapSettings.model_fields))

@@ -3,8 +3,9 @@ so a wrong name or path is reported before a run starts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from meshlearn.errors import DatasetError
 from meshlearn.plugins import Registry

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import AuthError, BadMessage, NetworkError, PortInUseError, UserInputError
+from meshlearn.errors import (
+    AuthError,
+    BadMessage,
+    NetworkError,
+    PortInUseError,
+    UserInputError,
+)
 from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import read_results
@@ -248,7 +254,10 @@ class Provider:
         return run
 
     def _assign(self, req: Envelope) -> dict:
-        from meshlearn.network.taskrun import ProviderContext, TaskRun  # loads torch: not before a first task
+        from meshlearn.network.taskrun import (  # loads torch: not before a first task
+            ProviderContext,
+            TaskRun,
+        )
 
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
         with self._lock:

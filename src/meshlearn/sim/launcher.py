@@ -17,10 +17,11 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition
@@ -62,7 +63,7 @@ def default_output() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_run(config: ExperimentConfig, keep_logs: bool = False) -> tuple[Graph, Path]:
+def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _silent) -> tuple[Graph, Path]:
     """Check everything a user can get wrong before any process starts; write config and graph.
 
     A folder that holds an earlier run's node logs is started clean (they would mix into this
@@ -72,6 +73,7 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False) -> tuple[Grap
     """
     graph = check_before_start(config)
     check_device(config.device)
+    say(f"loading dataset {config.dataset}")
     dataset = load_dataset(config.dataset)
     partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
@@ -306,8 +308,7 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
         output = run_in_namespace(config, progress)
         per_node = json.loads((output / "summary.json").read_text())["per_node"]
         return SimulationResult(output, {int(rank): summary for rank, summary in per_node.items()})
-    say(f"checking the run and loading dataset {config.dataset}")
-    graph, output = prepare_run(config)
+    graph, output = prepare_run(config, say=say)
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
         f"model {config.model})")
     summaries = _Launcher(config, graph, output, progress, say).run()

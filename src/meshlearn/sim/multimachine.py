@@ -60,8 +60,7 @@ def run_node(config: ExperimentConfig, address_file: str | Path, rank: int, say:
         raise ConfigError(f"rank {rank} is outside 0..{config.nodes - 1}")
     book = read_address_file(address_file, config)
     torch.set_num_threads(config.threads)  # this process is the node's, as a launched node's is
-    say(f"node {rank} of {config.nodes}: checking the run and loading dataset {config.dataset}")
-    graph, output = prepare_run(config, keep_logs=True)
+    graph, output = prepare_run(config, keep_logs=True, say=lambda text: say(f"node {rank} of {config.nodes}: {text}"))
     host, port = book[rank]
     node = build_node(config, rank, graph, output / "logs", host=host, port=port)
     address = node.transport.bind()
