@@ -295,8 +295,8 @@ class Provider:
         found = read_results(self.workdir / "tasks" / task / "result")
         if found is None:
             raise BadMessage(f"{self.id} holds no result for task {task} (yet)")
-        metrics, model, task = found
-        return {"metrics": metrics, "task": (task or {}).get("task")}, [model]
+        metrics, model, settings = found
+        return {"metrics": metrics, "task": (settings or {}).get("task")}, [model]
 
     def _leave_request(self, req: Envelope) -> dict:
         self.leave()
