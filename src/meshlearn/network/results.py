@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from meshlearn.plots import pyplot
+
 MODEL_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
 CONFUSION_FILE = "confusion.png"
@@ -44,10 +46,7 @@ def read_results(folder: Path) -> tuple[dict, bytes, dict | None] | None:
 def confusion_figure(confusion: list[list[int]], class_names: list[str], title: str):
     """The confusion matrix as a labelled heat map (rows true, columns predicted) titled ``title``;
     the caller saves and closes the matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     n = len(confusion)
     labels = [str(c) for c in class_names] if len(class_names) == n else [str(i) for i in range(n)]
@@ -70,7 +69,7 @@ def confusion_figure(confusion: list[list[int]], class_names: list[str], title: 
 
 def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Path, title: str = "") -> None:
     """Save the confusion matrix heat map (see :func:`confusion_figure`) as a PNG."""
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig = confusion_figure(confusion, class_names, title or path.parent.resolve().name)
     fig.savefig(path, dpi=100)

@@ -31,6 +31,7 @@ import yaml
 
 from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.errors import ConfigError
+from meshlearn.plots import pyplot
 from meshlearn.sim.launcher import simulate
 from meshlearn.sim.report import TIME_LABEL, evaluation_table, final_summary, load_logs
 
@@ -157,10 +158,7 @@ def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]
     """Mean test accuracy of each run (name, evaluation table) against iteration and against
     wall-clock time; every run gets its own line style and (hollow) marker, so identical curves
     stay visible. The caller saves and closes the matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for index, (name, table) in enumerate(curves):
@@ -182,10 +180,7 @@ def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]
 
 def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any]]:
     """comparison.png, iteration_times.png, table.csv/.md and per_node.csv for finished runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows, nodes, boxes, curves = [], [], [], []
     for name, config in experiment.runs:

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from meshlearn.plots import pyplot
 from meshlearn.runlog import read_jsonl
 
 PHASES = ("train", "encode", "comm", "average", "eval")
@@ -126,10 +127,7 @@ def run_title(output: Path) -> str:
 def metric_figure(rows: list[dict], key: str, label: str, title: str):
     """One metric (``key``: test_acc or test_loss) against iteration and against wall-clock time,
     mean over nodes ± std, titled ``title``; the caller saves and closes the matplotlib Figure."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", TIME_LABEL)):
@@ -149,7 +147,7 @@ def metric_figure(rows: list[dict], key: str, label: str, title: str):
 
 
 def _plot(rows: list[dict], key: str, label: str, title: str, path: Path) -> None:
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig = metric_figure(rows, key, label, title)
     fig.savefig(path, dpi=100)
