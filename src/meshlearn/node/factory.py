@@ -20,15 +20,17 @@ from meshlearn.transport import Endpoint, TcpTransport, Unconnected
 from meshlearn.transport.hub import HubEndpoint
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
+from meshlearn.wire.sealed import FrameSeal
 
 
 def make_transport(
     config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None,
-    secret: bytes | None = None,
+    secret: bytes | None = None, seal: FrameSeal | None = None,
 ) -> Endpoint:
     """The endpoint the configuration's algorithm needs, for node ``rank`` and its state layout
     (not yet bound). With ``secret`` every message is signed and unsigned ones are dropped
-    (not over UDP, which refuses a secret)."""
+    (not over UDP, which refuses a secret); with ``seal`` every message is encrypted with a
+    task's key (network tasks; not over UDP either)."""
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
@@ -36,20 +38,22 @@ def make_transport(
     if needed is Unconnected:
         return Unconnected(rank)
     if needed in (PullEndpoint, HubEndpoint):  # request and answer, over TCP
-        return needed(rank, host, port, settings=config.tcp, secret=secret)
+        return needed(rank, host, port, settings=config.tcp, secret=secret, seal=seal)
     netem = config.net
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
     if config.transport == "udp":
-        if secret:
-            raise ConfigError("the UDP transport does not sign datagrams: use transport tcp with a network secret")
+        if secret or seal:
+            raise ConfigError("the UDP transport does not sign or encrypt datagrams: use transport tcp in a network "
+                              "task")
         udp = config.udp
         if not udp.chunk_bytes and config.loss_mode == "kernel":
             # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
             udp = udp.model_copy(update={"chunk_bytes": ETHERNET_CHUNK})
         return UdpTransport(rank, host, port, layout=StateLayout(flat.ranges, flat.state.dtype), settings=udp,
                             netem=netem, seed=config.seed)
-    return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret)
+    return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret,
+                        seal=seal)
 
 
 def build_node(

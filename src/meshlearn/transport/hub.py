@@ -19,6 +19,7 @@ import torch
 from meshlearn.transport.served import Held, ServedEndpoint
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.wire import Message
+from meshlearn.wire.sealed import FrameSeal
 
 
 @dataclass
@@ -46,8 +47,8 @@ class HubEndpoint(ServedEndpoint):
     """A member's endpoint for leader aggregation: serves pushes and pings, makes its own through callers."""
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, settings: TcpSettings | None = None,
-                 secret: bytes | None = None):
-        super().__init__(node_id, host, port, settings=settings, secret=secret)
+                 secret: bytes | None = None, seal: FrameSeal | None = None):
+        super().__init__(node_id, host, port, settings=settings, secret=secret, seal=seal)
         self.responder: Responder | None = None
 
     def serve(self, responder: Responder) -> None:

@@ -28,6 +28,7 @@ from meshlearn.errors import TransportError, WireError
 from meshlearn.transport.served import SMALL_REQUEST_BYTES, Caller, Held, ServedEndpoint
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.wire import Message, meta_number
+from meshlearn.wire.sealed import FrameSeal
 
 MAX_HOLD = 10.0  # seconds a server holds a request for a newer state, whatever the request asks
 
@@ -36,8 +37,9 @@ class PullEndpoint(ServedEndpoint):
     """A node's gossip endpoint: ``publish`` what peers may take, ``fetch`` from one peer."""
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, settings: TcpSettings | None = None,
-                 secret: bytes | None = None):
-        super().__init__(node_id, host, port, settings=settings, secret=secret, max_request_bytes=SMALL_REQUEST_BYTES)
+                 secret: bytes | None = None, seal: FrameSeal | None = None):
+        super().__init__(node_id, host, port, settings=settings, secret=secret, max_request_bytes=SMALL_REQUEST_BYTES,
+                         seal=seal)
         self.requests_held = 0  # requests that asked to wait for a newer state
         self.held_fresh = 0  # held requests answered with a state published while they waited
         self.held_expired = 0  # ... and those answered with an older one when their wait ended

@@ -40,7 +40,8 @@ from meshlearn.transport.base import Endpoint
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
 from meshlearn.threads import GuardedThread
-from meshlearn.wire import Kind, Message, decode, encode
+from meshlearn.wire import Kind, Message
+from meshlearn.wire.sealed import FrameSeal, decode_for, encode_for
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
@@ -67,8 +68,9 @@ class ServedEndpoint(Endpoint):
     """A node endpoint that serves requests from one thread and makes its own through callers."""
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, settings: TcpSettings | None = None,
-                 secret: bytes | None = None, max_request_bytes: int | None = None):
+                 secret: bytes | None = None, max_request_bytes: int | None = None, seal: FrameSeal | None = None):
         super().__init__(node_id)
+        self.seal = seal  # network tasks: every message encrypted with the task's key
         self.settings = settings or TcpSettings()
         self.host, self.port = host, port
         self.max_message_bytes = self.settings.max_message_bytes
@@ -194,7 +196,7 @@ class ServedEndpoint(Endpoint):
             return False
         self.stats.add(bytes_received=sum(len(f) for f in frames))
         try:
-            request = decode(frames[1:], self.max_request_bytes, self.secret)
+            request = decode_for(frames[1:], self.max_request_bytes, self.secret, self.seal)
         except WireError as exc:
             self.stats.add(malformed_dropped=1)
             log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
@@ -215,8 +217,8 @@ class ServedEndpoint(Endpoint):
     def _reply(self, routing_id: Any, request_id: int, tensors: Mapping[str, torch.Tensor] | None = None,
                meta: Mapping[str, Any] | None = None) -> None:
         """Answer one request (serving thread only); encoding only views the tensors."""
-        reply = encode(Message(Kind.REPLY, self.node_id, request_id, 0, dict(tensors or {}), dict(meta or {})),
-                       self.secret)
+        reply = encode_for(Message(Kind.REPLY, self.node_id, request_id, 0, dict(tensors or {}), dict(meta or {})),
+                           self.secret, self.seal)
         self._router.send_multipart([routing_id, *reply], copy=False)
         self.requests_served += 1
         self.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in reply))
@@ -259,8 +261,8 @@ class Caller:
             # is down (gone, restarting) fails at once while ZeroMQ reconnects in the background.
             if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000) if fresh else 0, zmq.POLLOUT):
                 raise zmq.Again()  # no connection to the peer
-            request = encode(Message(Kind.REQUEST, endpoint.node_id, self._request_id, 0, dict(tensors or {}),
-                                     dict(meta or {})), endpoint.secret)
+            request = encode_for(Message(Kind.REQUEST, endpoint.node_id, self._request_id, 0, dict(tensors or {}),
+                                         dict(meta or {})), endpoint.secret, endpoint.seal)
             dealer.send_multipart(request, zmq.NOBLOCK, copy=False)
             endpoint.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in request))
             while True:
@@ -283,7 +285,7 @@ class Caller:
         frames = dealer.recv_multipart(copy=False)
         endpoint.stats.add(bytes_received=sum(len(f) for f in frames))
         try:
-            reply = decode(frames, endpoint.max_message_bytes, endpoint.secret)
+            reply = decode_for(frames, endpoint.max_message_bytes, endpoint.secret, endpoint.seal)
         except WireError as exc:
             endpoint.stats.add(malformed_dropped=1)
             log.warning("node %d: dropped a malformed reply from %d: %s", endpoint.node_id, peer, exc)

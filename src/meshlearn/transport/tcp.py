@@ -16,7 +16,8 @@ from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
-from meshlearn.wire import Kind, Message, decode, encode
+from meshlearn.wire import Kind, Message
+from meshlearn.wire.sealed import FrameSeal, decode_for, encode_for
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
@@ -45,8 +46,9 @@ class TcpTransport(Transport):
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, settings: TcpSettings | None = None,
                  netem: NetemSpec | None = None, seed: int = 0, secret: bytes | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, seal: FrameSeal | None = None):
         super().__init__(node_id)
+        self.seal = seal  # network tasks: every message encrypted with the task's key
         self.settings = settings = settings or TcpSettings()
         self.secret = secret
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
@@ -88,7 +90,7 @@ class TcpTransport(Transport):
         if self._router is None:
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
-        hello = encode(Message(Kind.HELLO, self.node_id), self.secret)
+        hello = encode_for(Message(Kind.HELLO, self.node_id), self.secret, self.seal)
         for peer, address in self.peers.items():
             dealer = self._ctx.socket(zmq.DEALER)
             # A random routing id: a stranger cannot take over (or squat) a neighbour's connection
@@ -119,11 +121,11 @@ class TcpTransport(Transport):
                 self._keep(msg)
 
     def send(self, peer: int, msg: Message) -> None:
-        self._send_frames(peer, encode(msg, self.secret))
+        self._send_frames(peer, encode_for(msg, self.secret, self.seal))
 
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
-        frames = encode(msg, self.secret)
+        frames = encode_for(msg, self.secret, self.seal)
         trackers: list[zmq.MessageTracker] = []
         for peer in peers:
             trackers += self._send_frames(peer, frames)
@@ -181,7 +183,7 @@ class TcpTransport(Transport):
         """Decode one received multipart message; count and drop anything invalid."""
         self.stats.bytes_received += sum(len(f) for f in frames)
         try:
-            msg = decode(frames[1:], self.max_message_bytes, self.secret)
+            msg = decode_for(frames[1:], self.max_message_bytes, self.secret, self.seal)
         except WireError as exc:
             self.stats.malformed_dropped += 1
             log.warning("node %d: dropped a malformed message: %s", self.node_id, exc)
@@ -203,7 +205,7 @@ class TcpTransport(Transport):
         self._closed = True
         try:
             if self._dealers:
-                bye = encode(Message(Kind.BYE, self.node_id), self.secret)
+                bye = encode_for(Message(Kind.BYE, self.node_id), self.secret, self.seal)
                 for peer in self._dealers:
                     self._send_frames(peer, bye)
                 # A neighbour's BYE means it no longer needs anything from us, so our queued

@@ -1,4 +1,4 @@
-"""ZeroMQ set-up shared by the TCP transport and the gossip pull endpoint."""
+"""ZeroMQ set-up shared by the TCP transport, the served endpoints and the network's RPC."""
 
 from __future__ import annotations
 
@@ -29,3 +29,21 @@ def bind_router(ctx: zmq.Context, node_id: int, host: str, port: int, max_frame_
                                  "using it") from None
         raise TransportError(f"node {node_id}: cannot listen on {where}: {exc}") from None
     return router
+
+
+def make_curve_server(sock: zmq.Socket, public: bytes, secret: bytes, zap_domain: str = "") -> None:
+    """Make ``sock`` (before bind) a CurveZMQ server holding this key pair: every connection is
+    encrypted and authenticated, and the ZAP handler of ``zap_domain`` (if any) admits clients by key."""
+    sock.curve_server = True
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    if zap_domain:
+        sock.zap_domain = zap_domain.encode()
+
+
+def make_curve_client(sock: zmq.Socket, public: bytes, secret: bytes, server_key: bytes) -> None:
+    """Make ``sock`` (before connect) a CurveZMQ client that talks only to the holder of ``server_key``."""
+    sock.curve_publickey = public
+    sock.curve_secretkey = secret
+    sock.curve_serverkey = server_key
+

@@ -28,9 +28,3 @@ def mac_matches(secret: bytes, frames: Sequence[Any], mac: Any) -> bool:
     mac = bytes(memoryview(mac).cast("B"))
     return len(mac) == MAC_BYTES and hmac.compare_digest(mac, frames_mac(secret, frames))
 
-
-def derive_key(secret: bytes, purpose: str) -> bytes:
-    """A key for one purpose (say, one task's engine messages) from the network secret: HKDF's
-    expand step with one output block (RFC 5869), so a message signed for one task does not
-    verify in another."""
-    return hmac.new(secret, purpose.encode() + b"\x01", hashlib.sha256).digest()
