@@ -276,8 +276,11 @@ def test_ctrl_c_stops_a_provider_still_waiting_for_its_bootstrap():
     import os
     import signal
 
+    from meshlearn.network.identity import KeyPair
+
+    # pinned: a provider may start before its bootstrap only if it knows the key to expect
     provider = subprocess.Popen([sys.executable, "-m", "meshlearn", "provider", "--bootstrap",
-                                 f"127.0.0.1:{_dead_port()}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 f"127.0.0.1:{_dead_port()}@{KeyPair.generate().text}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, **SECRET_ENV})
     try:
         for line in provider.stdout:  # it is up and retrying

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import zmq
+from helpers.netproc import running_in_thread
 from helpers.waiting import wait_until
 
 from meshlearn.clock import FakeClock
@@ -135,19 +136,33 @@ def test_a_replayed_request_is_refused_and_a_nan_timestamp_is_outside_the_window
         unseal(seal(Envelope("echo", {}, sent_at=float("nan")), SECRET), SECRET, 1 << 20)
 
 
-def test_engine_messages_are_signed_for_one_task_only():
+def test_engine_messages_are_sealed_for_one_task_only_and_every_chunk_is_checked():
     import torch
 
     from meshlearn.errors import WireError
-    from meshlearn.wire import Kind, Message, decode, encode
-    from meshlearn.wire.auth import derive_key
+    from meshlearn.wire import Kind, Message
+    from meshlearn.wire.sealed import CHUNK, FrameSeal, decode_for, encode_for
 
-    first, second = derive_key(SECRET, "engine of task a"), derive_key(SECRET, "engine of task b")
-    assert len({first, second, SECRET}) == 3 and len(first) == 32
-    frames = [bytes(memoryview(f)) for f in encode(Message(Kind.REQUEST, 1, 7, 0, {"w": torch.ones(2)}), first)]
-    assert decode(frames, secret=first).sender == 1
-    with pytest.raises(WireError, match="not signed"):  # captured in task a, replayed into task b
-        decode(frames, secret=second)
+    first, second = FrameSeal(FrameSeal.new_key()), FrameSeal(FrameSeal.new_key())
+    weights = torch.randn(3 * CHUNK // 4 + 5)  # three chunks, the last one short
+    msg = Message(Kind.MODEL, 1, 7, 2, {"w": weights, "empty": torch.zeros(0)}, {"loss": 0.5})
+    frames = [bytes(memoryview(f)) for f in encode_for(msg, None, first)]
+    assert weights.numpy().tobytes()[:64] not in b"".join(frames)  # no plaintext
+    got = decode_for(frames, 1 << 30, None, first)
+    assert torch.equal(got.tensors["w"], weights) and got.tensors["empty"].numel() == 0 and got.meta == {"loss": 0.5}
+    with pytest.raises(WireError, match="not sealed with this task's key"):  # captured in one task, replayed in another
+        decode_for(frames, 1 << 30, None, second)
+    flipped = bytearray(frames[2])
+    flipped[100] ^= 1
+    for bad, text in [(frames[:2] + [bytes(flipped)] + frames[3:], "not sealed"),
+                      (frames[:2] + frames[3:4] + frames[2:3] + frames[4:], "not sealed"),  # chunks swapped
+                      (frames[:-1], "wrong number of chunks"),
+                      ([frames[0][:10]], "truncated"),
+                      ([b"XXXX" + frames[0][4:], *frames[1:]], "bad magic")]:
+        with pytest.raises(WireError, match=text):
+            decode_for(bad, 1 << 30, None, first)
+    with pytest.raises(WireError, match="size cap"):
+        decode_for(frames, 1000, None, first)
 
 
 def test_parse_address_refuses_bad_ports():
@@ -216,15 +231,11 @@ def clock():
 
 @pytest.fixture
 def bootstrap(tmp_path, clock):
-    service = Bootstrap(BootstrapSettings(host="127.0.0.1", port=0, state=str(tmp_path / "b.sqlite"), ttl=1.0), SECRET,
+    service = Bootstrap(BootstrapSettings(host="127.0.0.1", port=0, state=str(tmp_path / "b.sqlite"), ttl=1.0,
+                                          dial_back=False), SECRET,
                         clock=clock)
-    ready = threading.Event()
-    thread = threading.Thread(target=service.run, args=(ready,), daemon=True)
-    thread.start()
-    assert ready.wait(10)
-    yield service
-    service.stop()
-    thread.join(10)
+    with running_in_thread(service):
+        yield service
 
 
 def _register(address: str, i: int) -> None:
@@ -431,7 +442,7 @@ def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
     with pytest.raises(BadMessage, match="--data-root"):
         allowed_local("cifar10:cifar", None)
     with pytest.raises(BadMessage, match="does not list this provider"):
-        TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"))
+        TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32))
 
 
 def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
@@ -445,7 +456,7 @@ def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
     spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
                     peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
-    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"))
+    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32))
     thread = threading.Thread(target=run.run, daemon=True)
     thread.start()
     assert wait_until(lambda: run.state is not RunState.PREPARING, timeout=60)

@@ -58,7 +58,15 @@ class NetworkError(MeshlearnError):
 
 
 class AuthError(NetworkError):
-    """A message that is not signed with this network's secret."""
+    """A message that is not signed with this network's secret, or a key refused."""
+
+
+class KeyMismatch(AuthError):
+    """The service at an address does not prove the key it was pinned to (another one, or a man in the middle)."""
+
+
+class KeyRefused(AuthError):
+    """A service refused this participant's key (revoked, or not admitted)."""
 
 
 class BadMessage(NetworkError):

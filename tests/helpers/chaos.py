@@ -106,8 +106,9 @@ def _kill_mid_training(procs: Processes, trial: Trial, ids: list[str], bootstrap
                    accept=lambda match: int(match.group(1)) >= target)
     procs.kill(victim)
     if trial.kill == "bootstrap":
-        port = bootstrap.rsplit(":", 1)[1]
-        procs.start("bootstrap2", "bootstrap", "--port", port, "--state", str(procs.folder / "registry.sqlite"))
+        port = bootstrap.split("@")[0].rsplit(":", 1)[1]  # the same port and state folder, so the same key
+        procs.start("bootstrap2", "bootstrap", "--port", port, "--state", str(procs.folder / "registry.sqlite"),
+                    "--relay-port", "0")
         procs.wait_for("bootstrap2", "bootstrap on")
 
 

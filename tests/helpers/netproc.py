@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -28,11 +30,14 @@ class Processes:
         self.folder = folder
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str, secret: str = SECRET) -> subprocess.Popen:
-        env = {**os.environ, "MESHLEARN_SECRET": secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    def start(self, name: str, *args: str, secret: str = SECRET, prefix: tuple[str, ...] = (),
+              env: dict | None = None) -> subprocess.Popen:
+        """Start ``meshlearn ARGS`` (after ``prefix``, say ``ip netns exec NS``), its output in NAME.log."""
+        env = {**os.environ, "MESHLEARN_SECRET": secret, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+               **(env or {})}
         log = open(self.folder / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "meshlearn", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "meshlearn", *args], stdout=log,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -68,17 +73,29 @@ class Processes:
                 proc.wait(timeout=30)
 
 
+@contextlib.contextmanager
+def running_in_thread(service):
+    """A service (bootstrap, provider) whose ``run(ready)`` serves in a thread of this process,
+    until the ``with`` block ends; then ``stop()``, and its thread joined."""
+    ready = threading.Event()
+    thread = threading.Thread(target=service.run, args=(ready,), daemon=True)
+    thread.start()
+    assert ready.wait(10), "the service did not start within 10 s"
+    try:
+        yield service
+    finally:
+        service.stop()
+        thread.join(10)
+
+
 def start_network(procs: Processes, providers: int, ttl: float = 30.0,
                   host: str = "127.0.0.1") -> tuple[str, list[str]]:
     """A bootstrap and ``providers`` providers, all listening on ``host``; returns the bootstrap
     address (with host 0.0.0.0, the one the bootstrap tells other machines to use) and provider ids."""
     port = free_port()
     procs.start("bootstrap", "bootstrap", "--port", str(port), "--state", str(procs.folder / "registry.sqlite"),
-                "--ttl", str(ttl), "--host", host)
-    procs.wait_for("bootstrap", "bootstrap on")
-    address = f"{host}:{port}"
-    if host == "0.0.0.0":
-        address = procs.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
+                "--ttl", str(ttl), "--host", host, "--relay-port", "0")
+    address = procs.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
     ids = []
     for i in range(providers):
         pid = f"p{i}"

@@ -1,9 +1,10 @@
-"""The network commands: bootstrap, provider, request, results, leave."""
+"""The network commands: bootstrap, provider, request, results, revoke, leave."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import threading
 from pathlib import Path
 
 from meshlearn.cli.flags import add_flags, given
@@ -32,6 +33,44 @@ def _secret(args: argparse.Namespace) -> bytes:
     return resolve_secret(args.secret, args.secret_file)
 
 
+def _known_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--known-bootstraps", help="file of bootstrap keys trusted on first use (default: "
+                        "known_bootstraps in $MESHLEARN_HOME, else ~/.meshlearn)")
+
+
+def _bootstrap_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--bootstrap", required=True, help="HOST:PORT@KEY of the bootstrap (as it printed at start; "
+                        "without @KEY its key is trusted on first use and recorded in --known-bootstraps)")
+    _known_flag(parser)
+
+
+def _identity(path: Path, role: str, say=print):
+    """This process's key pair (made on first start), said at start with its fingerprint."""
+    from meshlearn.network.identity import load_or_create_key, use_identity
+
+    keys, made = load_or_create_key(path)
+    use_identity(keys)
+    if say is not None:
+        say(_describe(keys, role, path, made))
+    return keys
+
+
+def _describe(keys, role: str, path: Path, made: bool) -> str:
+    return f"{role} {keys.describe()}" + (f" (new key pair, kept in {path})" if made else f" (from {path})")
+
+
+def _requester_key(args: argparse.Namespace) -> Path:
+    from meshlearn.network.identity import state_home
+
+    return Path(args.key).expanduser() if args.key else state_home() / "requester.key"
+
+
+def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print) -> str:
+    from meshlearn.network.pinning import KnownBootstraps, resolve_bootstrap
+
+    return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say)
+
+
 def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
     if not (allow_zero and value == 0) and not 1 <= value <= 65535:
         raise UserInputError(f"{what} {value} is outside 1..65535: choose a port in that range")
@@ -52,16 +91,30 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     settings = BootstrapSettings(**given(args, BootstrapSettings.model_fields))
     _port(settings.port)
     ensure_port_free(settings.host, settings.port)  # before saying anything or creating the state file
-    service = Bootstrap(settings, _secret(args))
+    secret = _secret(args)
+    settings.relay_port_range()  # a bad range is one line, before anything starts
+    keys = _identity(settings.key_file(), "bootstrap", say=None)
+    service = Bootstrap(settings, secret, keys)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "
           f"{settings.ttl:g} s", flush=True)
-    if is_wildcard(settings.host):
-        hosts = [f"{host}:{settings.port}" for host in reachable_hosts()]
-        print(f"listening on every interface: other machines give --bootstrap {hosts[0]}"
-              + (f" (or {', '.join(hosts[1:])})" if hosts[1:] else ""), flush=True)
+    print(f"bootstrap {keys.describe()} (key pair in {settings.key_file()})", flush=True)
+    hosts = [f"{host}:{settings.port}" for host in reachable_hosts()] if is_wildcard(settings.host) \
+        else [f"{settings.public_host()}:{settings.port}"]
+    if settings.advertise:
+        hosts = [f"{settings.advertise}:{settings.port}"]
+    ready = threading.Event()
+
+    def say_where():
+        if ready.wait(60):
+            print(f"relay on port {service.relay.port} (participants behind NAT reach the network through it)",
+                  flush=True)
+            print(f"other machines give --bootstrap {hosts[0]}@{keys.text}"
+                  + (f" (or {', '.join(hosts[1:])} with the same @KEY)" if hosts[1:] else "")
+                  + (" (listening on every interface)" if is_wildcard(settings.host) else ""), flush=True)
+    threading.Thread(target=say_where, daemon=True).start()
     try:
-        service.run()
+        service.run(ready)
     except KeyboardInterrupt:
         pass
     print("bootstrap stopped; the registry is kept in " + settings.state, flush=True)
@@ -70,10 +123,9 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
 
 def cmd_provider(args: argparse.Namespace) -> int:
     from meshlearn.network.provider import Provider
-    from meshlearn.network.rpc import parse_address
 
     values = given(args, ProviderSettings.model_fields)
-    values["bootstrap"] = parse_address(args.bootstrap, "--bootstrap")
+    values["bootstrap"] = args.bootstrap
     settings = ProviderSettings(**values)
     _port(settings.port, allow_zero=True)
     _advertise(settings.advertise)
@@ -81,7 +133,14 @@ def cmd_provider(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device {settings.device!r} is not auto, cpu, cuda, cuda:N or mps")
     if settings.data_root and not Path(settings.data_root).is_dir():
         raise UserInputError(f"--data-root {settings.data_root} is not a folder")
-    provider = Provider(settings, _secret(args))
+    secret = _secret(args)
+    if settings.models_module:  # a broken module is one line before the bootstrap is asked anything
+        from meshlearn.plugins import load_user_module
+
+        load_user_module(settings.models_module)
+    keys = _identity(settings.key_file(), "provider")
+    settings = settings.model_copy(update={"bootstrap": _pinned_bootstrap(args, secret)})
+    provider = Provider(settings, secret, keys)
 
     def interrupted(signum, frame):
         if provider.leaving.is_set():
@@ -100,11 +159,45 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
+    from meshlearn.network.identity import (
+        load_or_create_key,
+        pinned,
+        split_pinned,
+        use_identity,
+    )
     from meshlearn.network.rpc import call, parse_address
 
-    reply = call(parse_address(args.provider, "--provider"), "provider.leave", {}, _secret(args), timeout=10)
+    address, key = split_pinned(args.provider)
+    address = parse_address(address, "--provider")
+    if key is None:  # the provider on this machine: its own key file says which key it proves
+        path = ProviderSettings(bootstrap="-", key=args.key or "", workdir=args.workdir or "").key_file()
+        if not path.is_file():
+            raise UserInputError(f"no provider key file {path}: give --provider HOST:PORT@KEY (the key the provider "
+                                 "printed at start), or its --key / --workdir")
+        keys, _ = load_or_create_key(path)
+        use_identity(keys)
+        key = keys.public
+    reply = call(pinned(address, key), "provider.leave", {}, _secret(args), timeout=10)
     after = reply.body.get("after_task")
     print("provider is leaving" + (f" after task {after} finishes" if after else " now"))
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    from meshlearn.network.identity import key_from_text, key_text
+    from meshlearn.network.registry import Registry
+
+    key = key_text(key_from_text(args.key, "KEY"))
+    if not Path(args.state).is_file():
+        raise UserInputError(f"--state {args.state} does not exist: give the registry file of the bootstrap "
+                             "(its --state)")
+    registry = Registry(args.state).open()
+    try:
+        gone = registry.revoke(key)
+    finally:
+        registry.close()
+    print(f"key {key} revoked: the bootstrap refuses its new connections from now on"
+          + (f"; provider(s) {', '.join(gone)} removed from the registry" if gone else ""))
     return 0
 
 
@@ -122,13 +215,14 @@ def _request_values(args: argparse.Namespace) -> dict:
 def cmd_request(args: argparse.Namespace) -> int:
     import datetime
 
+    from meshlearn.network.identity import split_pinned
     from meshlearn.network.requester import Requester, summary_line
     from meshlearn.network.rpc import parse_address
     from meshlearn.network.task import dataset_spec, validate_request
 
-    bootstrap = parse_address(args.bootstrap, "--bootstrap")
     _port(args.port, allow_zero=True)
     _advertise(args.advertise)
+    parse_address(split_pinned(args.bootstrap)[0], "--bootstrap")  # a typo is one line before any work
     secret = _secret(args)
     values = _request_values(args)
     if args.models_module:  # before the data: the module may register the dataset too
@@ -143,8 +237,10 @@ def cmd_request(args: argparse.Namespace) -> int:
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
     _check_model(request, dataset)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    keys = _identity(_requester_key(args), "requester")
+    bootstrap = _pinned_bootstrap(args, secret)
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
-                          advertise=args.advertise)
+                          advertise=args.advertise, keys=keys)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")
@@ -166,10 +262,11 @@ def _check_model(request, dataset) -> None:
 
 def cmd_results(args: argparse.Namespace) -> int:
     from meshlearn.network.requester import results_of_task, summary_line
-    from meshlearn.network.rpc import parse_address
 
     output = Path(args.output or f"runs/task-{args.task_id}")
-    metrics = results_of_task(args.task_id, parse_address(args.bootstrap, "--bootstrap"), _secret(args), output)
+    secret = _secret(args)
+    _identity(_requester_key(args), "requester", say=None)
+    metrics = results_of_task(args.task_id, _pinned_bootstrap(args, secret), secret, output)
     print(f"task {args.task_id}: {summary_line(metrics)} (from {metrics['fetched_from']})")
     print(f"results: {output}")
     return 0
@@ -183,14 +280,16 @@ def add_network_commands(sub) -> None:
     boot.set_defaults(func=cmd_bootstrap)
 
     prov = sub.add_parser("provider", help="lend this machine to the network")
-    prov.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
+    _bootstrap_flag(prov)
     add_flags(prov, [(n, f) for n, f in ProviderSettings.model_fields.items() if n != "bootstrap"],
               flag_names=PROVIDER_FLAGS)
     _secret_flags(prov)
     prov.set_defaults(func=cmd_provider)
 
     req = sub.add_parser("request", help="train a model on the network's providers")
-    req.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
+    _bootstrap_flag(req)
+    req.add_argument("--key", help="file of this requester's key pair, made on first use (default: requester.key "
+                     "in $MESHLEARN_HOME, else ~/.meshlearn)")
     req.add_argument("--data", help="folder with train/ and test/, or a dataset (digits, cifar10:PATH, ...) "
                      "(default: none; this or --data-on-providers)")
     req.add_argument("--data-on-providers", help="dataset each provider already holds, under its --data-root "
@@ -210,12 +309,25 @@ def add_network_commands(sub) -> None:
 
     res = sub.add_parser("results", help="fetch a finished task's model and metrics")
     res.add_argument("task_id", help="the id `meshlearn request` printed")
-    res.add_argument("--bootstrap", required=True, help="HOST:PORT of the bootstrap")
+    _bootstrap_flag(res)
+    res.add_argument("--key", help="file of this requester's key pair (default: requester.key in $MESHLEARN_HOME, "
+                     "else ~/.meshlearn)")
     res.add_argument("--output", help="folder to write into (default: runs/task-<id>)")
     _secret_flags(res)
     res.set_defaults(func=cmd_results)
 
+    revoke = sub.add_parser("revoke", help="shut a participant's key out of the network (run where the bootstrap "
+                            "keeps its registry)")
+    revoke.add_argument("key", metavar="KEY", help="the public key to refuse, as the participant printed it")
+    revoke.add_argument("--state", default=BootstrapSettings.model_fields["state"].default,
+                        help="the bootstrap's registry file (default: meshlearn-bootstrap.sqlite)")
+    revoke.set_defaults(func=cmd_revoke)
+
     leave = sub.add_parser("leave", help="ask a provider to leave the network after its current task")
-    leave.add_argument("--provider", required=True, help="HOST:PORT of the provider")
+    leave.add_argument("--provider", required=True, help="HOST:PORT of the provider (on another machine: "
+                       "HOST:PORT@KEY, the key it printed at start)")
+    leave.add_argument("--key", help="the provider's key file, if it was started with --key "
+                       "(default: as the provider chose it)")
+    leave.add_argument("--workdir", help="the provider's --workdir, if it was started with one (default: none)")
     _secret_flags(leave)
     leave.set_defaults(func=cmd_leave)

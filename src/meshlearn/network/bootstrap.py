@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from pathlib import Path
 
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, UserInputError
-from meshlearn.network.addresses import is_wildcard
+from meshlearn.errors import BadMessage, NetworkError, UserInputError
+from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.envelope import Envelope, field_of
+from meshlearn.network.identity import KeyPair, key_text, pinned
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
-from meshlearn.network.rpc import RpcServer
+from meshlearn.network.relay import Relay
+from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.sparselog import SparseLog
 from meshlearn.settings import Settings
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
+PROBE_TIMEOUT = 3.0  # seconds the bootstrap waits when it dials a participant back
 
 
 class BootstrapSettings(Settings):
@@ -28,13 +33,42 @@ class BootstrapSettings(Settings):
     state: str = Field("meshlearn-bootstrap.sqlite", description="SQLite file of the registry")
     ttl: float = Field(30.0, gt=0, description="seconds without a heartbeat before a provider is dropped")
     max_message_bytes: int = Field(1024 * 1024, gt=0, description="largest request accepted")
+    key: str = Field("", description="file of this bootstrap's key pair, made on first start (default: "
+                     "bootstrap.key next to --state)")
+    advertise: str = Field("", description="address other machines reach this bootstrap and its relay at "
+                           "(default: --host; with 0.0.0.0, this machine's first non-loopback address)")
+    relay_port: int | None = Field(None, ge=0, le=65535, description="port of the relay, where participants "
+                                   "behind NAT park their connections (default: --port + 1)")
+    dial_back: bool = Field(True, description="dial each registering provider back, and send those it cannot reach "
+                            "through the relay")
+    relay_ports: str = Field("", description="FIRST-LAST: ports the relay may give participants behind NAT, "
+                             "two per provider at work (default: any free port)")
+
+    def key_file(self) -> Path:
+        return Path(self.key) if self.key else Path(self.state).parent / "bootstrap.key"
+
+    def relay_port_range(self) -> range | None:
+        if not self.relay_ports:
+            return None
+        first, sep, last = self.relay_ports.partition("-")
+        if not (sep and first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last) <= 65535):
+            raise UserInputError(f"--relay-ports {self.relay_ports!r} is not FIRST-LAST (e.g. 9000-9099)")
+        return range(int(first), int(last) + 1)
+
+    def public_host(self) -> str:
+        if self.advertise:
+            return self.advertise
+        return reachable_hosts()[0] if is_wildcard(self.host) else self.host
 
 
 class Bootstrap:
     """Serves registration, heartbeats, discovery and atomic claims; expires silent providers."""
 
-    def __init__(self, settings: BootstrapSettings, secret: bytes, clock: Clock = SYSTEM):
+    def __init__(self, settings: BootstrapSettings, secret: bytes, keys: KeyPair | None = None,
+                 clock: Clock = SYSTEM):
         self.settings = settings
+        self.secret = secret
+        self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.clock = clock
         self.registry = Registry(settings.state, clock)
         self.server = RpcServer("bootstrap", settings.host, settings.port, secret, {
@@ -46,22 +80,33 @@ class Bootstrap:
             "claim": self._claim,
             "release": self._release,
             "task": self._task,
-        }, max_bytes=settings.max_message_bytes)
+            "probe": self._probe,
+            "relay.open": self._relay_open,
+            "relay.close": self._relay_close,
+        }, max_bytes=settings.max_message_bytes, keys=keys, admit=self._admit)
+        public_host = settings.public_host()
+        relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
+        self.relay = Relay(settings.host, relay_port, public_host, keys.text if keys else "",
+                           settings.relay_port_range())
         self._stop = threading.Event()
+        self._warn = SparseLog(log)  # refused revoked keys, by key
 
     def run(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()``: bind, open the registry, sweep expired providers every second.
         Binding comes first, so a port in use leaves nothing behind (no new state file)."""
         self.server.bind()
         try:
+            self.relay.bind()
             self._open_registry()
         except BaseException:
             self.server.stop()
+            self.relay.stop()
             raise
         try:
             self.server.start()
-            log.info("bootstrap listening on %s (registry %s, %d provider(s) restored)",
-                     self.server.address, self.settings.state, len(self.registry.providers()))
+            self.relay.start()
+            log.info("bootstrap listening on %s, relay on %s (registry %s, %d provider(s) restored)",
+                     self.server.address, self.relay.port, self.settings.state, len(self.registry.providers()))
             if ready is not None:
                 ready.set()
             while not self.clock.wait(self._stop, SWEEP_EVERY):
@@ -70,7 +115,13 @@ class Bootstrap:
                     log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
         finally:
             self.server.stop()
+            self.relay.stop()
             self.registry.close()
+
+    @property
+    def address(self) -> str:
+        """``HOST:PORT@KEY`` that providers and requesters give as ``--bootstrap``."""
+        return self.server.reached_at(self.relay.public_host)
 
     def _open_registry(self) -> None:
         if self.settings.state != ":memory:":
@@ -81,9 +132,70 @@ class Bootstrap:
                 raise UserInputError(f"--state {self.settings.state}: cannot make its folder {folder} "
                                      f"({exc.strerror}): give a path in a folder you can write") from None
         self.registry.open()
+        dropped = self.registry.drop_unverified(keys_required=self.keys is not None)
+        if dropped:  # their relay allocations died with the last run, or they never proved a key
+            log.info("%d provider(s) of the last run must register again: %s", len(dropped), ", ".join(dropped))
 
     def stop(self) -> None:
         self._stop.set()
+
+    def _admit(self, key: bytes) -> bool:
+        """ZAP's question for each new connection: is this key shut out? (Any other key may ask to
+        register: the network secret it must sign with admits it.)"""
+        if self.registry.is_revoked(key_text(key)):
+            self._warn.warning(key_text(key), "refused a connection from revoked key %s", key_text(key))
+            return False
+        return True
+
+    def _caller_key(self, req: Envelope) -> str:
+        return key_text(req.peer_key) if req.peer_key is not None else ""
+
+    def _same_key(self, req: Envelope, provider_id: str) -> None:
+        """Only the key a provider registered with may speak for it (heartbeats, leaving)."""
+        known = self.registry.key_of(provider_id)
+        if known is not None and known != self._caller_key(req):
+            log.warning("refused %s for provider %s from another key (%s)", req.kind, provider_id,
+                        self._caller_key(req))
+            raise BadMessage(f"provider {provider_id} is registered with another key")
+
+    def _probe(self, req: Envelope) -> dict:
+        """Can this bootstrap dial ``address`` back (the caller's, proving the caller's key)?"""
+        address = field_of(req.body, "address", str, max_len=256)
+        return {"reachable": self._reach(address, req) is not None, "relay": self.relay.address}
+
+    def _reach(self, address: str, req: Envelope) -> str | None:
+        """How peers reach ``address``, announced by the caller of ``req``: "direct" (dialed back,
+        the caller's key answered), "relayed" (a live relay allocation of the caller's), or None.
+        Only the caller's own IP address is dialed: the bootstrap never dials a third party."""
+        host, sep, port = address.rpartition(":")
+        if not sep or is_wildcard(host) or not port.isdigit():
+            raise BadMessage(f"address {address!r} is not one peers can connect to: start it with --advertise HOST "
+                             "(the address other machines reach it at)")
+        owner = self.relay.owner_of(address)
+        if owner is not None:
+            return "relayed" if owner == self._caller_key(req) else None
+        if not self.settings.dial_back:
+            return "direct"
+        if req.peer_address and not _is_host(host, req.peer_address):
+            log.info("%s is not where the request came from (%s): not dialed", address, req.peer_address)
+            return None
+        try:
+            call(pinned(address, req.peer_key), "ping", {}, self.secret, timeout=PROBE_TIMEOUT, sender="bootstrap",
+                 keys=self.keys)
+            return "direct"
+        except NetworkError as exc:
+            log.info("%s cannot be reached from here (%s)", address, exc)
+            return None
+
+    def _relay_open(self, req: Envelope) -> dict:
+        """A relay allocation for the caller (behind NAT): its token and public address."""
+        token, address = self.relay.allocate(self._caller_key(req))
+        log.info("relay: port %s allocated to key %s", address.rpartition(":")[2], self._caller_key(req))
+        return {"token": token, "address": address, "relay": self.relay.address}
+
+    def _relay_close(self, req: Envelope) -> dict:
+        """The caller gives back one of its allocations (a task's engine that ended)."""
+        return {"closed": self.relay.release(field_of(req.body, "token", str, max_len=64), self._caller_key(req))}
 
     def _register(self, req: Envelope) -> dict:
         b = req.body
@@ -96,24 +208,31 @@ class Bootstrap:
             cores=field_of(b, "cores", int, min_value=1), device=device,
             location=field_of(b, "location", str, "", max_len=64),
             status=_status(field_of(b, "status", str, "free")), task=field_of(b, "task", (str, type(None)), None))
-        host, sep, port = info.address.rpartition(":")
-        if not sep or is_wildcard(host) or not port.isdigit():
-            raise BadMessage(f"address {info.address!r} is not one peers can connect to: start the provider "
-                             "with --advertise HOST (the address other machines reach it at)")
+        self._same_key(req, info.id)
+        info.key = self._caller_key(req)
+        reach = self._reach(info.address, req)
+        if reach is None:  # not recorded: it comes back with a relay allocation
+            return {"registered": None, "reachable": False, "relay": self.relay.address, "ttl": self.settings.ttl}
+        info.reachable = reach == "direct"
         self.registry.register(info)
-        log.info("provider %s registered at %s (%s, %d cores, %.1f GB)", info.id, info.address,
-                 info.device, info.cores, info.ram_gb)
-        return {"registered": info.id, "ttl": self.settings.ttl}
+        how = "reachable" if info.reachable else "through the relay"
+        log.info("provider %s registered at %s, %s (%s, %d cores, %.1f GB, key %s)", info.id, info.address, how,
+                 info.device, info.cores, info.ram_gb, info.key or "none")
+        return {"registered": info.id, "reachable": True, "ttl": self.settings.ttl}
 
     def _heartbeat(self, req: Envelope) -> dict:
         b = req.body
-        known = self.registry.heartbeat(field_of(b, "id", str, max_len=64), _status(field_of(b, "status", str)),
+        provider_id = field_of(b, "id", str, max_len=64)
+        self._same_key(req, provider_id)
+        known = self.registry.heartbeat(provider_id, _status(field_of(b, "status", str)),
                                         field_of(b, "task", (str, type(None)), None, max_len=64),
                                         field_of(b, "last_task", (str, type(None)), None, max_len=64))
-        return {"known": known, "ttl": self.settings.ttl}
+        return {"known": known, "ttl": self.settings.ttl, "revoked": self.registry.revoked()}
 
     def _leave(self, req: Envelope) -> dict:
-        return {"left": self.registry.remove(field_of(req.body, "id", str, max_len=64))}
+        provider_id = field_of(req.body, "id", str, max_len=64)
+        self._same_key(req, provider_id)
+        return {"left": self.registry.remove(provider_id)}
 
     def _discover(self, req: Envelope) -> dict:
         b = req.body
@@ -144,6 +263,16 @@ class Bootstrap:
         if record is None:
             raise BadMessage(f"task {req.body.get('task')!r} is unknown to this bootstrap")
         return record
+
+
+def _is_host(host: str, address: str) -> bool:
+    """Whether ``host`` (an address or a name) is ``address``."""
+    if host == address:
+        return True
+    try:
+        return address in {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    except OSError:
+        return False
 
 
 def _status(value: str) -> str:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from meshlearn.data import Dataset
 from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
-from meshlearn.network.rpc import RemoteError, Unreachable, call
+from meshlearn.network.rpc import call
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
             try:
                 reply = call(address, "data.chunk", {"name": name, "offset": offset, "length": chunk_bytes},
                              secret, timeout=timeout, sender=sender)
-            except (Unreachable, RemoteError) as exc:
+            except NetworkError as exc:  # gone, refusing, or its connection dropped mid-handshake
                 failures += 1
                 if failures > retries:
                     raise NetworkError(f"download of {name} from {address} failed at byte {offset} of {size} "

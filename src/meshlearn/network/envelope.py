@@ -38,6 +38,8 @@ class Envelope:
     sender: str = ""
     msg_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     sent_at: float = field(default_factory=time.time)
+    peer_key: bytes | None = None  # the sender's public key, proven by the encrypted channel it came over
+    peer_address: str = ""  # the IP address the request came from, as the server saw it
 
 
 def resolve_secret(secret: str | None = None, secret_file: str | None = None) -> bytes:
@@ -56,19 +58,22 @@ def resolve_secret(secret: str | None = None, secret_file: str | None = None) ->
     return secret.encode()
 
 
-def seal(envelope: Envelope, secret: bytes) -> list[Any]:
-    """Frames for the wire: header, blobs (as given, not copied), signature."""
+def seal(envelope: Envelope, secret: bytes, header_only: bool = False) -> list[Any]:
+    """Frames for the wire: header, blobs (as given, not copied), signature. Over an encrypted,
+    authenticated channel (``header_only``) the signature covers the header alone: it proves the
+    network secret, the channel already guarantees every byte of the blobs."""
     blobs = [memoryview(b).cast("B") for b in envelope.blobs]
     header = json.dumps({
         "v": VERSION, "kind": envelope.kind, "from": envelope.sender, "id": envelope.msg_id,
         "ts": envelope.sent_at, "body": envelope.body, "blobs": [len(b) for b in blobs],
     }, separators=(",", ":")).encode()
     frames: list[Any] = [header, *blobs]
-    return frames + [frames_mac(secret, frames)]
+    return frames + [frames_mac(secret, frames[:1] if header_only else frames)]
 
 
-def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
-    """Verify and decode frames into an Envelope; raise AuthError or BadMessage on anything wrong."""
+def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int, header_only: bool = False) -> Envelope:
+    """Verify and decode frames into an Envelope; raise AuthError or BadMessage on anything wrong
+    (``header_only``: as ``seal``, for frames that came over an encrypted, authenticated channel)."""
     if len(frames) < 2:
         raise BadMessage(f"a message needs a header and a signature, got {len(frames)} frame(s)")
     if len(frames) - 2 > MAX_BLOBS:
@@ -77,7 +82,7 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int) -> Envelope:
     total = sum(len(v) for v in views)
     if total > max_bytes:
         raise BadMessage(f"message of {total} bytes is over the {max_bytes}-byte cap")
-    if not mac_matches(secret, views[:-1], views[-1]):
+    if not mac_matches(secret, views[:1] if header_only else views[:-1], views[-1]):
         raise AuthError("message signature does not match: the sender does not hold this network's secret")
     if len(views[0]) > MAX_HEADER_BYTES:
         raise BadMessage(f"header of {len(views[0])} bytes is over the {MAX_HEADER_BYTES}-byte cap")

@@ -22,7 +22,13 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from meshlearn.algorithms import Election, LeaderState
-from meshlearn.errors import BadMessage, RemoteError, Unreachable
+from meshlearn.errors import (
+    BadMessage,
+    KeyMismatch,
+    NetworkError,
+    RemoteError,
+    Unreachable,
+)
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import call
@@ -70,7 +76,7 @@ class Finisher:
             if self._final_sent_to != leader:
                 try:
                     self._push_final(leader, updates)
-                except Unreachable:
+                except (Unreachable, KeyMismatch):  # a relayed leader that is gone fails its handshake
                     self.election.mark_dead(leader)
                     continue
                 except RemoteError as exc:  # not leading (yet), or not ready: ask again shortly
@@ -147,7 +153,7 @@ class Finisher:
                     call(self._address(i), "agg.results", {"task": spec.task_id, "metrics": metrics},
                          self.ctx.secret, blobs=[model_bytes], timeout=COPY_TIMEOUT, sender=self.ctx.id,
                          max_bytes=self.ctx.max_message_bytes)
-                except (Unreachable, RemoteError) as exc:
+                except NetworkError as exc:  # gone, refusing, or its connection dropped mid-handshake
                     log.warning("task %s: result not copied to %s: %s", spec.task_id, self.ids[i], exc)
         self._keep(metrics, model_bytes)
 
@@ -227,7 +233,7 @@ class Finisher:
         try:
             return call(self._address(index), "agg.ping", {"task": self.spec.task_id, "index": self.index},
                         self.ctx.secret, timeout=min(3.0, self.spec.peer_timeout / 2), sender=self.ctx.id).body
-        except (Unreachable, RemoteError):
+        except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
             return None
 
     def _alive(self, index: int) -> bool:

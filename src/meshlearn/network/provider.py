@@ -7,6 +7,8 @@ import os
 import socket
 import threading
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,14 +18,19 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import (
     AuthError,
     BadMessage,
+    KeyMismatch,
+    KeyRefused,
     NetworkError,
     PortInUseError,
     UserInputError,
 )
-from meshlearn.network.addresses import announced_host
+from meshlearn.network.addresses import announced_host, is_wildcard
 from meshlearn.network.envelope import Envelope, field_of
+from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
+from meshlearn.network.relay import RelayAgent
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.sparselog import SparseLog
 from meshlearn.network.task import TaskSpec
 from meshlearn.plugins import load_user_module
 from meshlearn.settings import Settings
@@ -50,12 +57,20 @@ class ProviderSettings(Settings):
     ram_gb: float | None = Field(None, ge=0, description="GB of RAM to declare (default: detected)")
     cores: int | None = Field(None, ge=1, description="cores to declare (default: detected)")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps (falls back to cpu)")
-    workdir: str = Field("", description="where tasks' data and results are kept (default ~/.meshlearn/provider-ID)")
+    workdir: str = Field("", description="where tasks' data and results are kept (default provider-ID in "
+                         "$MESHLEARN_HOME, else ~/.meshlearn)")
     data_root: str | None = Field(None, description="folder whose datasets tasks may name with --data-on-providers")
     models_module: str | None = Field(None, description="local .py file registering custom models (never from "
                                                         "the network)")
     provider_id: str = Field("", description="provider id (default: host name and a random suffix)")
     max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
+    key: str = Field("", description="file of this provider's key pair, made on first start (default: "
+                     "provider.key in --workdir if given, else $MESHLEARN_HOME or ~/.meshlearn/provider.key)")
+
+    def key_file(self) -> Path:
+        if self.key:
+            return Path(self.key).expanduser()
+        return (Path(self.workdir) if self.workdir else state_home()) / "provider.key"
 
 
 def detect_device(requested: str) -> tuple[str, str | None]:
@@ -83,15 +98,26 @@ def detect_ram_gb() -> float:
         return 0.0
 
 
+@dataclass
+class _Allocation:
+    """A relay allocation this provider holds: its public address, the agent serving it, and
+    what closes both (and tells the relay)."""
+
+    address: str
+    agent: RelayAgent
+    close: Callable[[], None]
+
+
 class Provider:
     """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
 
-    def __init__(self, settings: ProviderSettings, secret: bytes, clock: Clock = SYSTEM):
+    def __init__(self, settings: ProviderSettings, secret: bytes, keys: KeyPair | None = None, clock: Clock = SYSTEM):
         self.settings = settings
         self.secret = secret
+        self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.clock = clock
         self.id = settings.provider_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
-        self.workdir = Path(settings.workdir or Path.home() / ".meshlearn" / f"provider-{self.id}")
+        self.workdir = Path(settings.workdir or state_home() / f"provider-{self.id}")
         self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, {
             "ping": lambda req: {"service": "provider", "id": self.id},
             "task.assign": self._assign,
@@ -103,13 +129,18 @@ class Provider:
             "agg.ping": lambda req: self._run_of(req).on_ping(req),
             "agg.results": lambda req: self._run_of(req).on_results(req),
             "provider.leave": self._leave_request,
-        }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS)
+        }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS, keys=keys,
+            admit=self._admit)
+        self.revoked: frozenset[str] = frozenset()  # keys the bootstrap shut out (told with each heartbeat)
+        self._front: _Allocation | None = None  # its server's relay allocation, if it has one
+        self._relay_agents: dict[str, RelayAgent] = {}  # by relay token: the server's and tasks' engines
         self.runs: dict[str, TaskRun] = {}
         self.current: TaskRun | None = None
         self.device = "cpu"
         self.public_host = settings.advertise or settings.host  # settled in run(), once the bootstrap is known
         self.leaving = threading.Event()
         self._stop = threading.Event()
+        self._warn = SparseLog(log)  # refused revoked keys, by key
         self._wake = threading.Event()  # cuts the heartbeat wait short (leave, stop)
         self._ttl = 30.0
         self._lock = threading.Lock()
@@ -164,6 +195,8 @@ class Provider:
                 self.current.cancel()
             self._say_goodbye(attempts=1 if stopping else 3)
             self.server.stop()
+            for agent in list(self._relay_agents.values()):
+                agent.stop()
 
     def leave(self) -> None:
         """Leave after the current task (Ctrl-C, ``meshlearn leave``): no new task is accepted."""
@@ -179,9 +212,52 @@ class Provider:
         self._wake.set()
 
     @property
+    def relayed(self) -> bool:
+        """Whether peers reach this provider through the bootstrap's relay (it cannot be dialed)."""
+        return self._front is not None
+
+    @property
     def address(self) -> str:
-        """HOST:PORT that peers connect to (announced to the bootstrap)."""
-        return f"{self.public_host}:{self.server.port}"
+        """HOST:PORT that peers connect to (announced to the bootstrap): this machine's, or the relay's."""
+        return self._front.address if self._front is not None else f"{self.public_host}:{self.server.port}"
+
+    def _admit(self, key: bytes) -> bool:
+        if key_text(key) in self.revoked:
+            self._warn.warning(key_text(key), "refused a connection from revoked key %s", key_text(key))
+            return False
+        return True
+
+    def expose(self, port: int) -> tuple[str, Callable[[], None]]:
+        """HOST:PORT where peers reach this machine's ``port`` (a task's engine), and what closes it:
+        this machine's own address, or, behind NAT, a new allocation of the bootstrap's relay."""
+        if not self.relayed:
+            return f"{self.public_host}:{port}", lambda: None
+        allocation = self._allocate(port)
+        return allocation.address, allocation.close
+
+    def _allocate(self, port: int) -> _Allocation:
+        """A relay allocation for this machine's ``port``, served by an agent."""
+        reply = self._ask_bootstrap("relay.open", {}, timeout=10).body
+        token = field_of(reply, "token", str, max_len=64)
+        address, relay = field_of(reply, "address", str, max_len=256), field_of(reply, "relay", str, max_len=256)
+        local = "127.0.0.1" if is_wildcard(self.settings.host) else self.settings.host
+        agent = RelayAgent(relay, token, f"{local}:{port}")
+        agent.start()
+        self._relay_agents[token] = agent
+
+        def close() -> None:
+            agent.stop()
+            self._relay_agents.pop(token, None)
+            try:
+                self._ask_bootstrap("relay.close", {"token": token}, timeout=3)
+            except NetworkError:
+                pass  # the relay closes it on its own once nobody serves it
+        return _Allocation(address, agent, close)
+
+    def _drop_front(self) -> None:
+        if self._front is not None:
+            self._front.close()
+            self._front = None
 
     def _busy(self) -> bool:
         return self.current is not None and self.current.state.active
@@ -201,6 +277,10 @@ class Provider:
         return {"status": status, "task": self.current.spec.task_id if self._busy() else None,
                 "last_task": self.current.spec.task_id if self.current is not None else None}
 
+    def _ask_bootstrap(self, kind: str, body: dict, timeout: float) -> Envelope:
+        """One call to the bootstrap, proving this provider's key (the one it registered with)."""
+        return call(self.settings.bootstrap, kind, body, self.secret, timeout=timeout, sender=self.id, keys=self.keys)
+
     def _register(self) -> bool:
         """Register (again); False if the provider was told to stop or leave before it could.
         A bootstrap that answers with another network secret is a user error, not worth retrying."""
@@ -208,9 +288,19 @@ class Provider:
         while not (self._stop.is_set() or self.leaving.is_set()):
             attempt += 1
             try:
-                reply = call(self.settings.bootstrap, "register", self._info(), self.secret, timeout=5, sender=self.id)
+                reply = self._ask_bootstrap("register", self._info(), timeout=6)  # a dial-back takes up to 3 s
+                if reply.body.get("reachable") is False:  # not dialable, or its relay allocation is gone
+                    self._drop_front()
+                    self._front = self._allocate(self.server.port)
+                    print(f"provider {self.id}: the bootstrap cannot reach {self.public_host}:{self.server.port} "
+                          f"(NAT or a firewall): peers reach it through the relay at {self._front.address}", flush=True)
+                    continue
+                if not reply.body.get("registered"):
+                    raise NetworkError(f"the bootstrap did not register {self.id}")
                 self._ttl = float(reply.body.get("ttl", 30.0))
                 return True
+            except (KeyMismatch, KeyRefused) as exc:
+                raise UserInputError(f"cannot register with the bootstrap: {exc}") from None
             except AuthError:
                 raise UserInputError(f"cannot register with {self.settings.bootstrap}: it uses a different secret; "
                                      "give this provider the network's --secret, --secret-file or MESHLEARN_SECRET"
@@ -223,19 +313,21 @@ class Provider:
         return False
 
     def _heartbeat(self) -> None:
+        front_lost = self._front is not None and self._front.agent.lost.is_set()  # the relay forgot it: restarted
         try:
-            reply = call(self.settings.bootstrap, "heartbeat", {"id": self.id, **self._doing()}, self.secret,
-                         timeout=5, sender=self.id)
-            if not reply.body.get("known", True):
+            reply = self._ask_bootstrap("heartbeat", {"id": self.id, **self._doing()}, timeout=5)
+            if not reply.body.get("known", True) or front_lost:
                 self._register()
+            revoked = reply.body.get("revoked", [])
+            if isinstance(revoked, list) and all(isinstance(k, str) for k in revoked):
+                self.revoked = frozenset(revoked)
         except NetworkError as exc:  # a bootstrap restart must not disturb running tasks
             log.warning("heartbeat to %s failed: %s", self.settings.bootstrap, exc)
 
     def _say_goodbye(self, attempts: int) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                call(self.settings.bootstrap, "leave", {"id": self.id}, self.secret, timeout=5 if attempts > 1 else 2,
-                     sender=self.id)
+                self._ask_bootstrap("leave", {"id": self.id}, timeout=5 if attempts > 1 else 2)
                 print(f"provider {self.id} left the network (confirmed by {self.settings.bootstrap})", flush=True)
                 return
             except NetworkError as exc:
@@ -260,6 +352,7 @@ class Provider:
         )
 
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
+        task_key = peer_key(field_of(req.body, "key", str, max_len=64), "the task's key")
         with self._lock:
             if self.leaving.is_set():
                 raise BadMessage(f"provider {self.id} is leaving the network")
@@ -269,8 +362,9 @@ class Provider:
                 return self.runs[spec.task_id].status()
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
-                                  int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host)
-            run = TaskRun(spec, ctx, on_change=self._run_changed)
+                                  int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
+                                  self.expose)
+            run = TaskRun(spec, ctx, task_key, on_change=self._run_changed)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()
         log.info("task %s accepted (provider %d of %d)", spec.task_id, run.index + 1, len(spec.peers))

@@ -28,7 +28,11 @@ CREATE TABLE IF NOT EXISTS providers (
 CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY, requester TEXT NOT NULL, providers TEXT NOT NULL,
     created REAL NOT NULL, status TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS revoked (key TEXT PRIMARY KEY, at REAL NOT NULL);
 """
+# columns added since the first registry files, with their defaults for rows written before
+_ADDED = {"providers": [("key", "TEXT NOT NULL DEFAULT ''"), ("reachable", "INTEGER NOT NULL DEFAULT 1")]}
+_COLUMNS = "id,address,ram_gb,cores,device,location,status,task,last_seen,key,reachable"
 
 
 @dataclass
@@ -44,9 +48,16 @@ class ProviderInfo:
     status: str = "free"  # free | busy | leaving
     task: str | None = None
     last_seen: float = 0.0
+    key: str = ""  # its public key, proven at registration; peers connect to address@key only
+    reachable: bool = True  # False: its address is an allocation of the bootstrap's relay
 
     def public(self) -> dict:
-        return asdict(self)
+        """What discovery hands out: the address carries the key the bootstrap vouches for."""
+        return {**asdict(self), "address": self.pinned_address, "reachable": bool(self.reachable)}
+
+    @property
+    def pinned_address(self) -> str:
+        return f"{self.address}@{self.key}" if self.key else self.address
 
 
 class Registry:
@@ -64,6 +75,11 @@ class Registry:
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False, timeout=30)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.executescript(_SCHEMA)
+            for table, columns in _ADDED.items():
+                have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+                for name, kind in columns:
+                    if name not in have:
+                        self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
         except sqlite3.Error as exc:
             self.close()
             raise UserInputError(f"registry {self.path} cannot be used ({exc}): give the file a bootstrap "
@@ -91,11 +107,45 @@ class Registry:
         """Add or refresh a provider (a re-registration keeps a task it still runs)."""
         now = self.clock.time()
         self._run(lambda db: db.execute(
-            "INSERT INTO providers VALUES (?,?,?,?,?,?,?,?,?,?,NULL) ON CONFLICT(id) DO UPDATE SET "
+            "INSERT INTO providers (id,address,ram_gb,cores,device,location,status,task,last_seen,registered,"
+            "claimed_at,key,reachable) VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,?) ON CONFLICT(id) DO UPDATE SET "
             "address=excluded.address, ram_gb=excluded.ram_gb, cores=excluded.cores, device=excluded.device, "
-            "location=excluded.location, status=excluded.status, task=excluded.task, last_seen=excluded.last_seen",
+            "location=excluded.location, status=excluded.status, task=excluded.task, last_seen=excluded.last_seen, "
+            "key=excluded.key, reachable=excluded.reachable",
             (info.id, info.address, info.ram_gb, info.cores, info.device, info.location,
-             info.status, info.task, now, now)))
+             info.status, info.task, now, now, info.key, int(info.reachable))))
+
+    def drop_unverified(self, keys_required: bool) -> list[str]:
+        """Forget providers that must register again after a restart: those reached through the
+        relay (its allocations died with the process) and, with ``keys_required``, those that
+        never proved a key (a registry written before keys). Returns their ids."""
+        def drop(db):
+            where = "reachable=0" + (" OR key=''" if keys_required else "")
+            gone = [r[0] for r in db.execute(f"SELECT id FROM providers WHERE {where}")]
+            db.execute(f"DELETE FROM providers WHERE {where}")
+            return gone
+        return self._run(drop)
+
+    def key_of(self, provider_id: str) -> str | None:
+        """The key a provider registered with (None if it is not registered)."""
+        row = self._run(lambda db: db.execute("SELECT key FROM providers WHERE id=?", (provider_id,)).fetchone())
+        return None if row is None else row[0]
+
+    def revoke(self, key: str) -> list[str]:
+        """Shut ``key`` out: refused on every new connection from now on, its providers forgotten."""
+        def shut(db):
+            gone = [r[0] for r in db.execute("SELECT id FROM providers WHERE key=?", (key,))]
+            db.execute("DELETE FROM providers WHERE key=?", (key,))
+            db.execute("INSERT OR REPLACE INTO revoked VALUES (?,?)", (key, self.clock.time()))
+            return gone
+        return self._run(shut)
+
+    def is_revoked(self, key: str) -> bool:
+        return self._run(lambda db: db.execute("SELECT 1 FROM revoked WHERE key=?", (key,)).fetchone()) is not None
+
+    def revoked(self) -> list[str]:
+        """Every revoked key (providers refuse them too, told with each heartbeat)."""
+        return [r[0] for r in self._run(lambda db: db.execute("SELECT key FROM revoked ORDER BY at").fetchall())]
 
     def heartbeat(self, provider_id: str, status: str, task: str | None, last_task: str | None = None) -> bool:
         """Record that a provider is alive and what it is doing; False if it is not registered.
@@ -132,8 +182,7 @@ class Registry:
 
     def providers(self) -> list[ProviderInfo]:
         """Every registered provider."""
-        rows = self._run(lambda db: db.execute(
-            "SELECT id,address,ram_gb,cores,device,location,status,task,last_seen FROM providers").fetchall())
+        rows = self._run(lambda db: db.execute(f"SELECT {_COLUMNS} FROM providers").fetchall())
         return [ProviderInfo(*row) for row in rows]
 
     def discover(self, count: int, device: str = "any", location: str | None = None,
@@ -148,8 +197,7 @@ class Registry:
               location: str | None = None) -> list[ProviderInfo]:
         """Atomically mark up to ``count`` free providers busy with ``task_id`` and record the task."""
         def take(db):
-            rows = db.execute("SELECT id,address,ram_gb,cores,device,location,status,task,last_seen "
-                              "FROM providers WHERE status='free'").fetchall()
+            rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
             free = [ProviderInfo(*r) for r in rows if not location or r[5] == location]
             free.sort(key=lambda p: _preference(p, device))
             taken = free[:count]
@@ -159,7 +207,7 @@ class Registry:
                 p.status, p.task = "busy", task_id
             if taken:
                 db.execute("INSERT INTO tasks VALUES (?,?,?,?,?)", (
-                    task_id, requester, json.dumps([{"id": p.id, "address": p.address} for p in taken]),
+                    task_id, requester, json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken]),
                     self.clock.time(), "running"))
             return taken
         return self._run(take)

@@ -20,8 +20,11 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
-from meshlearn.network.addresses import announced_host
+from meshlearn.network.addresses import announced_host, is_wildcard
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
+from meshlearn.network.envelope import field_of
+from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
+from meshlearn.network.relay import RelayAgent
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import (
@@ -31,6 +34,7 @@ from meshlearn.network.task import (
     dataset_spec,
     new_task_id,
 )
+from meshlearn.wire.sealed import FrameSeal
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +51,9 @@ class Requester:
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
                  host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
-                 clock: Clock = SYSTEM, advertise: str = ""):
+                 clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None):
         self.request = request
+        self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.dataset = dataset  # the task's data, if the caller has loaded it already
         self.bootstrap = bootstrap
         self.secret = secret
@@ -57,6 +62,7 @@ class Requester:
         self.advertise = advertise
         self.say = say
         self.task_id = new_task_id()
+        self.task_key = FrameSeal.new_key()  # seals the providers' engine messages; sent only over CurveZMQ
         self.sender = f"requester-{self.task_id}"
         self.gone: set[str] = set()  # providers that stopped answering
         self.clock = clock
@@ -82,10 +88,13 @@ class Requester:
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
                 if share.files:
-                    server = RpcServer("requester", self.host, self.port, self.secret, share.handlers())
+                    # the task's providers (the keys the bootstrap vouched for) and the bootstrap (its dial-back)
+                    allowed = {split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]}
+                    server = RpcServer("requester", self.host, self.port, self.secret, share.handlers(), keys=self.keys,
+                                       admit=lambda key: key in allowed)
                     server.start()
                     cleanup.callback(server.stop)
-                    address = f"{announced_host(self.host, self.advertise, self.bootstrap)}:{server.port}"
+                    address = pinned(self._reached_at(server.port, cleanup), self.keys.public if self.keys else None)
                     files = share.manifest()
                     served_weights = files.pop(WEIGHTS_FILE, None)
                     if dataset is not None:
@@ -129,6 +138,26 @@ class Requester:
         self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed))
         return claimed
 
+    def _reached_at(self, port: int, cleanup: contextlib.ExitStack) -> str:
+        """HOST:PORT where providers fetch the data: this machine's if the bootstrap can dial it,
+        else an allocation of the bootstrap's relay (this requester is behind NAT)."""
+        address = f"{announced_host(self.host, self.advertise, self.bootstrap)}:{port}"
+        if self.keys is None:
+            return address
+        probe = call(self.bootstrap, "probe", {"address": address}, self.secret, timeout=15, sender=self.sender).body
+        if probe.get("reachable") is not False:
+            return address
+        reply = call(self.bootstrap, "relay.open", {}, self.secret, timeout=10, sender=self.sender).body
+        local = "127.0.0.1" if is_wildcard(self.host) else self.host
+        agent = RelayAgent(field_of(reply, "relay", str, max_len=256), field_of(reply, "token", str, max_len=64),
+                           f"{local}:{port}")
+        agent.start()
+        cleanup.callback(agent.stop)
+        relayed = field_of(reply, "address", str, max_len=256)
+        self.say(f"task {self.task_id}: the bootstrap cannot reach {address} (NAT or a firewall): "
+                 f"providers fetch the data through the relay at {relayed}")
+        return relayed
+
     def _write_shares(self, share: FileShare, dataset, count: int, folder: Path) -> None:
         """Each provider's shard and the test set, written into ``folder`` and offered by ``share``."""
         req = self.request
@@ -157,7 +186,7 @@ class Requester:
     def _start(self, spec: TaskSpec) -> None:
         peers = [p.model_dump() for p in spec.peers]
         for peer in peers:
-            self._call(peer, "task.assign", {"spec": spec.model_dump()}, timeout=30)
+            self._call(peer, "task.assign", {"spec": spec.model_dump(), "key": key_text(self.task_key)}, timeout=30)
         deadline = self.clock.monotonic() + READY_TIMEOUT
         engines: dict[str, str] = {}
         while len(engines) < len(peers):
@@ -182,7 +211,7 @@ class Requester:
                 continue
             try:
                 states.append((peer, self._call(peer, "task.status", {}, timeout=5).body))
-            except (Unreachable, RemoteError):
+            except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
                 self.gone.add(peer["id"])
                 self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
         return states
@@ -240,7 +269,7 @@ def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) 
         try:
             reply = call(peer["address"], "task.results", {"task": task_id}, secret, timeout=30,
                          sender=f"requester-{task_id}", max_bytes=1 << 30)
-        except (Unreachable, RemoteError):
+        except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
             continue
         if len(reply.blobs) != 1:
             continue

@@ -3,6 +3,10 @@
 A server binds one ROUTER socket; handlers run on a small thread pool so a slow handler (the
 leader waiting for the first round of models) never stalls the others. A client opens a fresh
 DEALER per call with a deadline, so a dead peer costs one timeout and leaves nothing behind.
+
+With a key pair the server speaks CurveZMQ only: every connection is encrypted, the client
+proves its key in the handshake (the server's ``admit`` decides, per new connection, through
+ZeroMQ's ZAP), and a client calls ``HOST:PORT@KEY`` to talk only to the holder of ``KEY``.
 """
 
 from __future__ import annotations
@@ -10,14 +14,20 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from meshlearn.errors import (
     AuthError,
     BadMessage,
+    KeyMismatch,
+    KeyRefused,
     NetworkError,
     PortInUseError,
     RemoteError,
@@ -25,7 +35,16 @@ from meshlearn.errors import (
     UserInputError,
 )
 from meshlearn.network.envelope import Envelope, ReplayGuard, seal, unseal
+from meshlearn.network.identity import (
+    KeyPair,
+    key_text,
+    own_identity,
+    peer_key,
+    split_pinned,
+)
+from meshlearn.network.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
+from meshlearn.transport.zmqsock import make_curve_client, make_curve_server
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +52,8 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 RECEIVE_QUEUE = 8  # whole messages ZeroMQ holds per connection before it stops reading that socket
 __all__ = ["RemoteError", "RpcServer", "Unreachable", "call", "parse_address"]
 Handler = Callable[[Envelope], tuple[dict, list] | dict]
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 class RpcServer:
@@ -44,15 +65,19 @@ class RpcServer:
     """
 
     def __init__(self, name: str, host: str, port: int, secret: bytes, handlers: dict[str, Handler],
-                 max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 16):
+                 max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 16, keys: KeyPair | None = None,
+                 admit: Callable[[bytes], bool] | None = None):
         self.name, self.host, self.port = name, host, port
         self.secret = secret
+        self.keys = keys  # None: plain ZeroMQ (loopback tests and benchmarks only)
+        self.admit = admit or (lambda key: True)
         self.handlers = dict(handlers)
         self.max_bytes = max_bytes
         self.workers = workers
         self.rejected = 0
+        self.failed_handshakes = 0
         self._replays = ReplayGuard()
-        self._rejected_from: dict[str, int] = {}  # refusals by peer address (for the log)
+        self._warn = SparseLog(log)  # refusals, by peer address or cause
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._wake_address = f"inproc://rpc-wake-{id(self)}"
         self._local = threading.local()
@@ -67,6 +92,8 @@ class RpcServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        if self.keys is not None:
+            make_curve_server(sock, self.keys.public, self.keys.secret, _zap_domain(self.name, self.admit))
         try:
             if self.port:
                 sock.bind(f"tcp://{self.host}:{self.port}")
@@ -83,6 +110,11 @@ class RpcServer:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    def reached_at(self, host: str) -> str:
+        """``HOST:PORT@KEY`` that clients call (``HOST:PORT`` without a key pair)."""
+        address = f"{host}:{self.port}"
+        return address if self.keys is None else f"{address}@{self.keys.text}"
 
     def start(self) -> None:
         """Serve in a background thread (binding first if needed)."""
@@ -106,6 +138,10 @@ class RpcServer:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
+        handshakes = None
+        if self.keys is not None:  # failed CurveZMQ handshakes are logged: they never reach _admit
+            handshakes = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+            poller.register(handshakes, zmq.POLLIN)
         with ThreadPoolExecutor(self.workers, thread_name_prefix=f"{self.name}-h",
                                 initializer=self._open_waker) as pool:
             while not self._stop.is_set():
@@ -116,6 +152,8 @@ class RpcServer:
                             wake.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                if handshakes is not None and handshakes in events:
+                    self._log_failed_handshake(recv_monitor_message(handshakes))
                 if sock in events:
                     while True:
                         try:
@@ -135,8 +173,17 @@ class RpcServer:
                     except zmq.ZMQError as exc:
                         log.debug("%s: reply not sent: %s", self.name, exc)
         wake.close(0)
+        if handshakes is not None:
+            sock.disable_monitor()
+            handshakes.close(0)
         sock.close(0)
         self._socket = None
+
+    def _log_failed_handshake(self, event: dict) -> None:
+        self.failed_handshakes += 1
+        why = ("its key is refused (revoked)" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
+               "it expected another server key, or replayed, truncated or garbled the handshake")
+        self._warn.warning(f"handshake {why}", "%s: refused a connection: %s", self.name, why)
 
     def _open_waker(self) -> None:
         """Each handler thread gets its own socket to wake the serving loop when a reply is ready."""
@@ -149,19 +196,20 @@ class RpcServer:
         """The request, if it is signed, well formed and not a replay (checked here, in the serving
         thread, so nothing unsigned waits in the handlers' queue); else a refusal is sent."""
         try:
-            request = unseal(frames, self.secret, self.max_bytes)
+            request = unseal(frames, self.secret, self.max_bytes, header_only=self.keys is not None)
             self._replays.check(request)
+            if self.keys is not None:
+                request.peer_key = peer_key(_property(frames[-1], "User-Id"), "the client's key")
+            request.peer_address = _property(frames[-1], "Peer-Address")
             return request
         except (AuthError, BadMessage) as exc:
             self.rejected += 1
-            count = self._rejected_from[peer] = self._rejected_from.get(peer, 0) + 1
-            if count & (count - 1) == 0:  # the 1st, 2nd, 4th, 8th, ... from one address: a retry loop is not a flood
-                log.warning("%s: rejected a request from %s (%d so far from there): %s", self.name, peer, count, exc)
+            self._warn.warning(f"request from {peer}", "%s: rejected a request from %s: %s", self.name, peer, exc)
             # the request's id is unknown: an empty id tells the caller (one socket per call) it was refused
             refusal = Envelope("error", {"error": f"{self.name} rejected the request: {exc}"}, msg_id="",
                                sender=self.name)
             try:
-                sock.send_multipart([identity, *seal(refusal, self.secret)], copy=False)
+                sock.send_multipart([identity, *seal(refusal, self.secret, self.keys is not None)], copy=False)
             except zmq.ZMQError as send_error:
                 log.debug("%s: refusal not sent: %s", self.name, send_error)
             return None
@@ -186,7 +234,7 @@ class RpcServer:
         self._reply(identity, reply)
 
     def _reply(self, identity: bytes, reply: Envelope) -> None:
-        self._replies.put((identity, seal(reply, self.secret)))
+        self._replies.put((identity, seal(reply, self.secret, self.keys is not None)))
         self._local.waker.send(b"", zmq.NOBLOCK)
 
     def stop(self) -> None:
@@ -200,31 +248,98 @@ class RpcServer:
 
 
 def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: list | None = None,
-         timeout: float = 10.0, sender: str = "", max_bytes: int = DEFAULT_MAX_BYTES) -> Envelope:
-    """Send one request to ``host:port`` and return the reply; raise Unreachable, RemoteError or AuthError."""
+         timeout: float = 10.0, sender: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
+         keys: KeyPair | None = None) -> Envelope:
+    """Send one request to ``HOST:PORT@KEY`` (or plain ``HOST:PORT``) and return the reply; raise
+    Unreachable, RemoteError or AuthError (another secret, another key, or this key refused).
+    The call proves ``keys`` (default: this process's, ``own_identity``)."""
     request = Envelope(kind, body or {}, list(blobs or []), sender)
+    where, server_key = split_pinned(address)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    monitor = None
     try:
-        sock.connect(f"tcp://{address}")
-        sock.send_multipart(seal(request, secret), copy=False)
-        deadline_ms = int(timeout * 1000)
-        while sock.poll(deadline_ms, zmq.POLLIN):
+        if server_key is not None:
+            me = keys or own_identity()
+            make_curve_client(sock, me.public, me.secret, server_key)
+            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        sock.connect(f"tcp://{where}")
+        sock.send_multipart(seal(request, secret, server_key is not None), copy=False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        if monitor is not None:
+            poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(int(left * 1000) + 1))
+            if monitor in events:
+                _raise_handshake_failure(recv_monitor_message(monitor), where, server_key, kind, keys or own_identity())
+            if sock not in events:
+                continue
             frames = sock.recv_multipart(copy=False)
             try:
-                reply = unseal(frames, secret, max_bytes)
+                reply = unseal(frames, secret, max_bytes, header_only=server_key is not None)
             except AuthError:
-                raise AuthError(f"{address} answered {kind} without this network's signature: "
+                raise AuthError(f"{where} answered {kind} without this network's signature: "
                                 "it uses a different secret") from None
             if reply.msg_id not in (request.msg_id, ""):
                 continue
             if reply.kind == "error":
                 raise RemoteError(str(reply.body.get("error", "refused")))
             return reply
-        raise Unreachable(f"no reply from {address} to {kind} within {timeout:g} s")
+        raise Unreachable(f"no reply from {where} to {kind} within {timeout:g} s")
     finally:
+        if monitor is not None:
+            sock.disable_monitor()
+            monitor.close(0)
         sock.close(0)
+
+
+def _raise_handshake_failure(event: dict, where: str, server_key: bytes, kind: str, me: KeyPair) -> None:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        raise KeyRefused(f"{where} refused this participant's key ({key_text(me.public)}) for {kind}: "
+                        "it was revoked, or is not admitted to this network")
+    raise KeyMismatch(f"{where} did not complete the encrypted handshake for the key {key_text(server_key)} this "
+                      f"{kind} was sent to: another key answers there (someone may pose as it), or the connection "
+                      "closed during the handshake; nothing was sent")
+
+
+class _ByKey:
+    """ZAP credentials for one server: its ``admit`` decides on each client key."""
+
+    def __init__(self, admit: Callable[[bytes], bool]):
+        self.admit = admit
+
+    def callback(self, domain: str, z85_key: bytes) -> bool:
+        try:
+            return bool(self.admit(zmq.utils.z85.decode(z85_key)))
+        except Exception:  # a failing check admits nobody, and must not stop the ZAP thread
+            log.exception("admission check failed")
+            return False
+
+
+class _Authenticator(ThreadAuthenticator):
+    """ZeroMQ's ZAP handler for this process; a connection's User-Id is the client's key as printed."""
+
+    def curve_user_id(self, client_key: bytes) -> str:
+        return key_text(client_key)
+
+
+_authenticator: _Authenticator | None = None
+_authenticator_lock = threading.Lock()
+
+
+def _zap_domain(name: str, admit: Callable[[bytes], bool]) -> str:
+    """A ZAP domain of its own for one server, served by the process's authenticator thread."""
+    global _authenticator
+    with _authenticator_lock:
+        if _authenticator is None:
+            _authenticator = _Authenticator(zmq.Context.instance(), log=logging.getLogger("meshlearn.zap"))
+            _authenticator.start()
+        domain = f"{name.split()[0]}-{uuid.uuid4().hex[:12]}"
+        _authenticator.configure_curve_callback(domain, credentials_provider=_ByKey(admit))
+    return domain
 
 
 def parse_address(text: str, what: str = "address") -> str:
@@ -242,8 +357,13 @@ def parse_address(text: str, what: str = "address") -> str:
 
 
 def _peer_address(frame: zmq.Frame) -> str:
-    """The address a received message came from (ZeroMQ's metadata), for the log."""
+    """The address a received message came from (ZeroMQ's metadata)."""
+    return _property(frame, "Peer-Address") or "an unknown address"
+
+
+def _property(frame: zmq.Frame, name: str) -> str:
+    """A connection property ZeroMQ attaches to a received frame ("" if it has none)."""
     try:
-        return frame.get("Peer-Address")
+        return frame.get(name) or ""
     except (zmq.ZMQError, AttributeError, TypeError):
-        return "an unknown address"
+        return ""

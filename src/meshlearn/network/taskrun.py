@@ -30,7 +30,7 @@ from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.node import Node, make_transport
 from meshlearn.topology import build_topology
-from meshlearn.wire.auth import derive_key
+from meshlearn.wire.sealed import FrameSeal
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +81,23 @@ class ProviderContext:
     max_message_bytes: int = 512 * 1024 * 1024
     clock: Clock = field(default=SYSTEM)
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
+    expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
+
+    def reach(self, port: int) -> tuple[str, Callable[[], None]]:
+        """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
+        if self.expose is not None:
+            return self.expose(port)
+        return f"{self.public_host or self.host}:{port}", lambda: None
 
 
 class TaskRun:
     """A task on this provider; ``run()`` does the work, the ``on_*`` methods answer its peers."""
 
-    def __init__(self, spec: TaskSpec, ctx: ProviderContext,
+    def __init__(self, spec: TaskSpec, ctx: ProviderContext, task_key: bytes,
                  on_change: Callable[["TaskRun"], None] | None = None):
         self.spec = spec
         self.ctx = ctx
+        self.task_key = task_key  # the requester's, for this task only: seals every engine message
         self.ids = [p.id for p in spec.peers]
         if ctx.id not in self.ids:
             raise BadMessage(f"task {spec.task_id} does not list this provider ({ctx.id})")
@@ -104,6 +112,7 @@ class TaskRun:
         self._state = RunState.PREPARING
         self._on_change = on_change
         self._book: dict[int, str] = {}
+        self._unexpose: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._start = threading.Event()
         self._cancelled = threading.Event()
@@ -153,6 +162,7 @@ class TaskRun:
             stop_watching.set()
             self.finisher.election.poke()
             self.node = None  # model, data and buffers: the result is on disk (a provider runs many tasks)
+            self._unexpose()
             self.finisher.release()
             self._ended.set()
 
@@ -175,11 +185,14 @@ class TaskRun:
             path = download(spec.weights.address, WEIGHTS_FILE, spec.weights.model_dump(), self.folder / "data",
                             ctx.secret, sender=ctx.id, before_chunk=self._check_cancelled)
             load_weights(model, str(path))
+        seal = FrameSeal(self.task_key)
         self.node = Node(self.index, config, graph, dataset, indices, model,
-                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0,
-                                                     derive_key(ctx.secret, f"engine of task {spec.task_id}")))
-        bound = self.node.transport.bind()  # tcp://HOST:PORT, HOST possibly 0.0.0.0
-        self.engine_address = f"tcp://{ctx.public_host or ctx.host}:{bound.rpartition(':')[2]}"
+                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal))
+        bound = self.node.transport.bind()  # tcp://HOST:PORT, HOST possibly 0.0.0.0 ("" for a lone provider)
+        port = bound.rpartition(":")[2]
+        if port.isdigit():
+            reached, self._unexpose = ctx.reach(int(port))
+            self.engine_address = f"tcp://{reached}"
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))
