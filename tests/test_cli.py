@@ -264,6 +264,9 @@ def test_a_provider_with_another_secret_is_refused_once_with_one_line(tmp_path):
                                  text=True, env={**os.environ, **SECRET_ENV})
     try:
         assert "bootstrap on" in bootstrap.stdout.readline()
+        for line in bootstrap.stdout:  # serving (and its relay port announcing its key) once it says where
+            if "other machines give" in line:
+                break
         result = _run_env("provider", "--bootstrap", f"127.0.0.1:{port}", timeout=60,
                           env_extra={"MESHLEARN_SECRET": "another-secret-0123456789abcdef"})
         _one_line_error(result, 2, "cannot register", "different secret")
