@@ -198,3 +198,21 @@ def test_a_key_file_is_made_private_and_one_others_can_read_is_refused(tmp_path)
     path.write_text("garbage\n")
     with pytest.raises(UserInputError, match="not a meshlearn key file"):
         load_or_create_key(path)
+
+
+def test_meshlearn_revoke_shuts_a_key_out_of_a_running_bootstrap(bootstrap):
+    import subprocess
+    import sys
+
+    revoked = KeyPair.generate()
+    use_identity(revoked)
+    _register(bootstrap.address, "p-cli")
+    done = subprocess.run([sys.executable, "-m", "meshlearn", "revoke", revoked.text, "--state",
+                           bootstrap.settings.state], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0 and "p-cli" in done.stdout, done.stdout + done.stderr
+    with pytest.raises(KeyRefused):
+        call(bootstrap.address, "ping", {}, SECRET, timeout=5)
+    assert _ids(bootstrap) == []
+    bad = subprocess.run([sys.executable, "-m", "meshlearn", "revoke", "not-a-key", "--state",
+                          bootstrap.settings.state], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and "not a meshlearn public key" in bad.stderr and "Traceback" not in bad.stderr
