@@ -51,12 +51,8 @@ def _identity(path: Path, role: str, say=print):
     keys, made = load_or_create_key(path)
     use_identity(keys)
     if say is not None:
-        say(_describe(keys, role, path, made))
+        say(f"{role} {keys.describe()}" + (f" (new key pair, kept in {path})" if made else f" (from {path})"))
     return keys
-
-
-def _describe(keys, role: str, path: Path, made: bool) -> str:
-    return f"{role} {keys.describe()}" + (f" (new key pair, kept in {path})" if made else f" (from {path})")
 
 
 def _requester_key(args: argparse.Namespace) -> Path:

@@ -8,7 +8,6 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,10 +23,10 @@ from meshlearn.errors import (
     PortInUseError,
     UserInputError,
 )
-from meshlearn.network.addresses import announced_host, is_wildcard
+from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
-from meshlearn.network.relay import RelayAgent
+from meshlearn.network.relay import Allocation, hold_allocation
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.sparselog import SparseLog
@@ -98,16 +97,6 @@ def detect_ram_gb() -> float:
         return 0.0
 
 
-@dataclass
-class _Allocation:
-    """A relay allocation this provider holds: its public address, the agent serving it, and
-    what closes both (and tells the relay)."""
-
-    address: str
-    agent: RelayAgent
-    close: Callable[[], None]
-
-
 class Provider:
     """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
 
@@ -132,8 +121,8 @@ class Provider:
         }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS, keys=keys,
             admit=self._admit)
         self.revoked: frozenset[str] = frozenset()  # keys the bootstrap shut out (told with each heartbeat)
-        self._front: _Allocation | None = None  # its server's relay allocation, if it has one
-        self._relay_agents: dict[str, RelayAgent] = {}  # by relay token: the server's and tasks' engines
+        self._front: Allocation | None = None  # its server's relay allocation, if it has one
+        self._allocations: list[Allocation] = []  # every one it holds: the server's and tasks' engines
         self.runs: dict[str, TaskRun] = {}
         self.current: TaskRun | None = None
         self.device = "cpu"
@@ -195,8 +184,8 @@ class Provider:
                 self.current.cancel()
             self._say_goodbye(attempts=1 if stopping else 3)
             self.server.stop()
-            for agent in list(self._relay_agents.values()):
-                agent.stop()
+            for allocation in list(self._allocations):
+                allocation.agent.stop()
 
     def leave(self) -> None:
         """Leave after the current task (Ctrl-C, ``meshlearn leave``): no new task is accepted."""
@@ -235,24 +224,19 @@ class Provider:
         allocation = self._allocate(port)
         return allocation.address, allocation.close
 
-    def _allocate(self, port: int) -> _Allocation:
-        """A relay allocation for this machine's ``port``, served by an agent."""
-        reply = self._ask_bootstrap("relay.open", {}, timeout=10).body
-        token = field_of(reply, "token", str, max_len=64)
-        address, relay = field_of(reply, "address", str, max_len=256), field_of(reply, "relay", str, max_len=256)
-        local = "127.0.0.1" if is_wildcard(self.settings.host) else self.settings.host
-        agent = RelayAgent(relay, token, f"{local}:{port}")
-        agent.start()
-        self._relay_agents[token] = agent
+    def _allocate(self, port: int) -> Allocation:
+        """A relay allocation for this machine's ``port``, served by an agent (given back by close)."""
+        allocation = hold_allocation(lambda kind, body: self._ask_bootstrap(kind, body, timeout=10).body,
+                                     self.settings.host, port)
+        self._allocations.append(allocation)
+        close = allocation.close
 
-        def close() -> None:
-            agent.stop()
-            self._relay_agents.pop(token, None)
-            try:
-                self._ask_bootstrap("relay.close", {"token": token}, timeout=3)
-            except NetworkError:
-                pass  # the relay closes it on its own once nobody serves it
-        return _Allocation(address, agent, close)
+        def release() -> None:
+            close()
+            if allocation in self._allocations:
+                self._allocations.remove(allocation)
+        allocation.close = release
+        return allocation
 
     def _drop_front(self) -> None:
         if self._front is not None:

@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshlearn.errors import NetworkError, PortInUseError
+from meshlearn.network.addresses import is_wildcard
+from meshlearn.network.envelope import field_of
 from meshlearn.network.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
@@ -488,6 +490,34 @@ class RelayAgent:
             log.warning("relay %s:%d no longer knows this allocation (restarted, or closed it)", *self.relay)
             self.lost.set()
             self.stop()
+
+
+@dataclass
+class Allocation:
+    """A relay allocation held by this participant: its public address, the agent serving it,
+    and ``close`` (stops the agent and gives the allocation back)."""
+
+    address: str
+    agent: RelayAgent
+    close: Callable[[], None]
+
+
+def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int) -> Allocation:
+    """Ask the bootstrap (``ask(kind, body) -> reply body``) for an allocation, and serve it with
+    an agent for this machine's ``port`` (on ``host``, loopback if that is a wildcard)."""
+    reply = ask("relay.open", {})
+    token = field_of(reply, "token", str, max_len=64)
+    address, relay = field_of(reply, "address", str, max_len=256), field_of(reply, "relay", str, max_len=256)
+    agent = RelayAgent(relay, token, f"{'127.0.0.1' if is_wildcard(host) else host}:{port}")
+    agent.start()
+
+    def close() -> None:
+        agent.stop()
+        try:
+            ask("relay.close", {"token": token})
+        except NetworkError:
+            pass  # the relay closes it on its own once nobody serves it
+    return Allocation(address, agent, close)
 
 
 def fetch_key_line(relay: str, timeout: float = 5.0) -> str:

@@ -20,11 +20,10 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
-from meshlearn.network.addresses import announced_host, is_wildcard
+from meshlearn.network.addresses import announced_host
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
-from meshlearn.network.envelope import field_of
 from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
-from meshlearn.network.relay import RelayAgent
+from meshlearn.network.relay import hold_allocation
 from meshlearn.network.results import write_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import (
@@ -147,16 +146,13 @@ class Requester:
         probe = call(self.bootstrap, "probe", {"address": address}, self.secret, timeout=15, sender=self.sender).body
         if probe.get("reachable") is not False:
             return address
-        reply = call(self.bootstrap, "relay.open", {}, self.secret, timeout=10, sender=self.sender).body
-        local = "127.0.0.1" if is_wildcard(self.host) else self.host
-        agent = RelayAgent(field_of(reply, "relay", str, max_len=256), field_of(reply, "token", str, max_len=64),
-                           f"{local}:{port}")
-        agent.start()
-        cleanup.callback(agent.stop)
-        relayed = field_of(reply, "address", str, max_len=256)
+        allocation = hold_allocation(
+            lambda kind, body: call(self.bootstrap, kind, body, self.secret, timeout=10, sender=self.sender).body,
+            self.host, port)
+        cleanup.callback(allocation.close)
         self.say(f"task {self.task_id}: the bootstrap cannot reach {address} (NAT or a firewall): "
-                 f"providers fetch the data through the relay at {relayed}")
-        return relayed
+                 f"providers fetch the data through the relay at {allocation.address}")
+        return allocation.address
 
     def _write_shares(self, share: FileShare, dataset, count: int, folder: Path) -> None:
         """Each provider's shard and the test set, written into ``folder`` and offered by ``share``."""
