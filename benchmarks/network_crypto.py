@@ -9,7 +9,8 @@ key (AES-256-GCM, ``wire.sealed.FrameSeal``, as network tasks build their engine
 receiver's RelayAgent splicing the relay to the receiver's engine port and the sender connecting
 to the allocation's address. Connections, handshakes and one warm-up message come before timing;
 a time runs from the sender's ``send`` to the receiver's ``gather`` returning the decoded message.
-One more row: FrameSeal's seal + open of the same message in one process, no transfer.
+Row (h) is (a) through the same Relay and RelayAgent: what relaying alone costs, without
+ZeroMQ or encryption. One more row: FrameSeal's seal + open of the same message in one process, no transfer.
 
 Two more rows: the same bytes as one blob of an RPC call (``agg.push``, result downloads and data
 shares travel this way) over CurveZMQ, as the network mode runs it, and over plain ZeroMQ.
@@ -48,6 +49,7 @@ SECRET = b"benchmark-network-secret"
 SETTINGS = TcpSettings(handshake_timeout=30, wait_timeout=30, linger=1)
 HOST = "127.0.0.1"
 RAW, SIGNED, SEALED = "(a) raw TCP socket", "(b) signed (HMAC)", "(c) sealed (AES-GCM task key)"
+RAW_RELAYED = "(h) raw TCP socket, relayed (the relay's own cost)"
 SEALED_RELAYED, SIGNED_RELAYED = "(d) sealed, relayed", "(e) signed, relayed"
 
 
@@ -128,15 +130,38 @@ def transport_times(tensors: dict[str, torch.Tensor], reps: int, signed: bool, s
     return times
 
 
-def raw_times(payload: memoryview, reps: int) -> list[float]:
-    """One-way times of the same bytes over one plain TCP connection (sendall / recv_into)."""
+def _raw_receiver(listener: socket.socket, size: int, reps: int, pipe, relay: tuple[str, str] | None) -> None:
+    agent = None
+    if relay is not None:  # as a NATed receiver: its agent splices the allocation to its own listener
+        agent = RelayAgent(relay[0], relay[1], f"{HOST}:{listener.getsockname()[1]}")
+        agent.start()
+    pipe.send("ready")
+    _socket_receiver(listener, None, size, reps, pipe)
+    if agent is not None:
+        agent.stop()
+
+
+def raw_times(payload: memoryview, reps: int, relayed: bool = False) -> list[float]:
+    """One-way times of the same bytes over one plain TCP connection (sendall / recv_into), direct
+    or through a Relay in a third process (no ZeroMQ, no encryption: what relaying alone costs)."""
     listener = socket.socket()
     listener.bind((HOST, 0))
     listener.listen(1)
+    relay_pipe = relay_proc = None
+    target = listener.getsockname()
+    if relayed:
+        relay_pipe, far = mp.Pipe()
+        relay_proc = mp.Process(target=_relay_process, args=(far,))
+        relay_proc.start()
+        agent_port, token, allocation = relay_pipe.recv()
+        host, _, port = allocation.rpartition(":")
+        target = (host, int(port))
     mine, theirs = mp.Pipe()
-    proc = mp.Process(target=_socket_receiver, args=(listener, None, len(payload), reps + 1, theirs))
+    proc = mp.Process(target=_raw_receiver, args=(listener, len(payload), reps + 1, theirs,
+                                                  (agent_port, token) if relayed else None))
     proc.start()
-    sock = socket.create_connection(listener.getsockname())
+    assert mine.recv() == "ready"
+    sock = socket.create_connection(target)
     times = []
     for rep in range(reps + 1):  # the first is the warm-up
         start = time.perf_counter()
@@ -147,6 +172,9 @@ def raw_times(payload: memoryview, reps: int) -> list[float]:
     proc.join()
     sock.close()
     listener.close()
+    if relayed:
+        relay_pipe.send("stop")
+        relay_proc.join()
     return times
 
 
@@ -208,6 +236,7 @@ def main() -> None:
         SEALED_RELAYED: lambda: transport_times(tensors, reps, signed=False, sealed=True, relayed=True),
         SIGNED_RELAYED: lambda: transport_times(tensors, reps, signed=True, sealed=False, relayed=True),
     }
+    cases[RAW_RELAYED] = lambda: raw_times(flat, reps, relayed=True)
     cases["(f) RPC blob over CurveZMQ (agg.push, results, data)"] = lambda: rpc_times(flat, reps, curve=True)
     cases["(g) RPC blob over plain ZeroMQ"] = lambda: rpc_times(flat, reps, curve=False)
     cases["FrameSeal seal + open, one process, no transfer"] = lambda: seal_times(tensors, reps)
@@ -232,6 +261,7 @@ def main() -> None:
         "encrypted / raw (c/a)": (SEALED, RAW),
         "relayed / direct, encrypted (d/c)": (SEALED_RELAYED, SEALED),
         "relayed / direct, signed (e/b)": (SIGNED_RELAYED, SIGNED),
+        "relayed / direct, raw TCP (h/a)": (RAW_RELAYED, RAW),
     }
     print("\n| ratio | best / best | median / median |\n|---|---|---|")
     for label, (top, bottom) in ratios.items():
