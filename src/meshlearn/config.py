@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
+from meshlearn.batched.settings import BatchedSettings
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
 from meshlearn.settings import MAX_SEED, Settings
@@ -26,7 +27,9 @@ from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
+    "batched": BatchedSettings,
 }
+BATCHED_ALGORITHMS = ("local", "dpsgd")  # what the batched engine runs so far
 
 
 def _flat_routes() -> dict[str, list[tuple[str, str]]]:
@@ -39,12 +42,16 @@ def _flat_routes() -> dict[str, list[tuple[str, str]]]:
 
 
 FLAT_ROUTES = _flat_routes()
+PROCESS_NODES = 4096  # node processes one machine may start
 
 
 class ExperimentConfig(Settings):
     """One decentralized training run: who trains what, on which graph, how they talk."""
 
-    nodes: int = Field(8, ge=2, le=4096, description="number of nodes")
+    nodes: int = Field(8, ge=2, le=1_000_000, description="number of nodes (the process engine: at most 4096)")
+    engine: Literal["process", "batched"] = Field(
+        "process", description="process (one OS process per node, real sockets and timing) | batched (every node "
+        "in one process, trained together, time modelled: thousands of nodes)")
     topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | "
                                                    "erdos:P | file:PATH (a DecentralizePy graph file)")
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
@@ -85,6 +92,7 @@ class ExperimentConfig(Settings):
     dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
     gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
+    batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +137,20 @@ class ExperimentConfig(Settings):
     def _pull_and_push_over_tcp(self) -> "ExperimentConfig":
         if self.algorithm in ("gossip", "leader") and self.transport != "tcp":
             raise ValueError(f"{self.algorithm} exchanges models by request and answer over TCP: use transport tcp")
+        return self
+
+    @model_validator(mode="after")
+    def _engine_can_run_it(self) -> "ExperimentConfig":
+        if self.engine == "process" and self.nodes > PROCESS_NODES:
+            raise ValueError(f"{self.nodes} nodes are too many processes for one machine (at most {PROCESS_NODES}): "
+                             "use --engine batched")
+        if self.engine == "batched":
+            if self.algorithm not in BATCHED_ALGORITHMS:
+                raise ValueError(f"the batched engine runs {' and '.join(BATCHED_ALGORITHMS)} so far, not "
+                                 f"{self.algorithm}: use --engine process for it")
+            if self.transport != "tcp":
+                raise ValueError("the batched engine models TCP links so far (UDP's chunk loss comes next): use "
+                                 "--transport tcp, or --engine process for UDP")
         return self
 
     @classmethod

@@ -16,6 +16,8 @@ import random
 import re
 from typing import Any
 
+import numpy as np
+
 from pydantic import Field, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError
@@ -123,26 +125,35 @@ class Emulator:
         return max(0.0, self.rng.gauss(self.spec.delay, self.spec.jitter))
 
     def retransmit_delay(self, nbytes: int) -> float:
-        """Extra seconds TCP would need to deliver ``nbytes`` over a path losing ``loss`` of its packets.
-
-        A coarse model, used only where real packets cannot be dropped: the message is cut into
-        Ethernet-sized segments, each lost independently. A segment's first loss is repaired by
-        fast retransmit (SACK) within about one round trip, taken as free; each further loss of the
-        same segment costs a retransmission timeout, doubling each time (RTO_MIN, 2 RTO_MIN, ...).
-        The worst segment sets the delay, since the others are repaired meanwhile. Tail losses
-        and congestion-window shrinkage are ignored, so this errs short; benchmarks/RESULTS.md
-        compares it with real kernel drops.
-        """
-        p = self.spec.loss
-        if not p:
+        """Extra seconds TCP would need to deliver ``nbytes`` over a path losing ``loss`` of its
+        packets (``retransmit_delays``' model, for one message)."""
+        if not self.spec.loss:
             return 0.0
-        if p >= 1:
-            return float("inf")
-        segments = max(1, -(-nbytes // SEGMENT_BYTES))
-        u, k = self.rng.random(), 0
-        while k < 12 and (1 - p ** (k + 1)) ** segments < u:  # P(worst segment lost at most k times)
-            k += 1
-        return RTO_MIN * (2 ** (k - 1) - 1) if k > 1 else 0.0
+        return float(retransmit_delays(self.spec.loss, nbytes, np.array([self.rng.random()]))[0])
+
+
+def retransmit_delays(loss: float, nbytes: int, uniform: np.ndarray) -> np.ndarray:
+    """Extra seconds TCP needs to deliver a message of ``nbytes`` over a path losing ``loss`` of
+    its packets, one per draw of ``uniform`` (uniform numbers in [0, 1)).
+
+    A coarse model, used where real packets cannot be dropped: the message is cut into
+    Ethernet-sized segments, each lost independently. A segment's first loss is repaired by fast
+    retransmit (SACK) within about one round trip, taken as free; each further loss of the same
+    segment costs a retransmission timeout, doubling each time (RTO_MIN, 2 RTO_MIN, ...). The
+    worst segment sets the delay, since the others are repaired meanwhile. Tail losses and
+    congestion-window shrinkage are ignored, so this errs short; benchmarks/RESULTS.md compares it
+    with real kernel drops.
+    """
+    uniform = np.asarray(uniform, dtype=np.float64)
+    if not loss:
+        return np.zeros_like(uniform)
+    if loss >= 1:
+        return np.full_like(uniform, np.inf)
+    segments = max(1, -(-nbytes // SEGMENT_BYTES))
+    # P(the worst segment is lost at most k times), k = 0..12 (12: the last, open-ended class)
+    cdf = (1 - loss ** np.arange(1, 13, dtype=np.float64)) ** segments
+    worst = np.minimum(np.searchsorted(cdf, uniform, side="left"), 12)
+    return np.where(worst > 1, RTO_MIN * (2.0 ** (worst - 1) - 1), 0.0)
 
 
 class DelayLine:

@@ -43,3 +43,27 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except ValueError:
                 continue
+
+
+COLUMNAR_LOG = "nodes.jsonl"  # a run's one columnar log of every node, in its logs/ folder (batched engine)
+
+# A columnar event holds one value per node for many nodes at once (the batched engine's one log
+# for thousands of nodes): {"event": ..., "ranks": [r, ...], "columns": {field: [value per rank]},
+# shared fields...}. ``per_node`` turns it into the per-node events a node's own log would hold.
+
+def columnar_event(event: str, ranks: list[int], columns: dict[str, list[Any]], **shared: Any) -> dict[str, Any]:
+    """One event of many nodes: ``columns`` hold one value per rank of ``ranks``, in that order."""
+    for name, values in columns.items():
+        if len(values) != len(ranks):
+            raise ValueError(f"column {name!r} has {len(values)} values for {len(ranks)} nodes")
+    return {"event": event, "ranks": list(ranks), "columns": columns, **shared}
+
+
+def per_node(event: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-node events in a columnar event (or the event itself, if it is not columnar)."""
+    if "columns" not in event or "ranks" not in event:
+        return [event]
+    shared = {key: value for key, value in event.items() if key not in ("ranks", "columns")}
+    columns = event["columns"]
+    return [{**shared, "rank": rank, **{name: values[index] for name, values in columns.items()}}
+            for index, rank in enumerate(event["ranks"])]

@@ -8,6 +8,11 @@ import torch
 from meshlearn.data.datasets import Dataset
 
 
+def loader_seed(run_seed: int, rank: int) -> int:
+    """The seed of node ``rank``'s batch order in a run seeded ``run_seed`` (every engine draws the same)."""
+    return run_seed * 1000 + rank
+
+
 class ShardLoader:
     """Endless mini-batches of a node's samples; a batch never spans two epochs."""
 
@@ -23,8 +28,8 @@ class ShardLoader:
         self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         self._pos = 0
 
-    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next (normalized inputs, labels) batch."""
+    def next_indices(self) -> torch.Tensor:
+        """The training-set indices of the next batch (the order ``next_batch`` follows)."""
         if self._pos >= len(self._order):
             self.epoch += 1
             self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
@@ -32,4 +37,9 @@ class ShardLoader:
         batch = self._order[self._pos:self._pos + self.batch_size]
         self._pos += len(batch)
         self.samples_seen += len(batch)
+        return batch
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (normalized inputs, labels) batch."""
+        batch = self.next_indices()
         return self.dataset.normalize(self.dataset.train_x[batch]), self.dataset.train_y[batch]

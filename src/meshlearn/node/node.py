@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import torch
@@ -11,54 +10,14 @@ from torch import nn
 
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, ShardLoader
+from meshlearn.data import Dataset, ShardLoader, loader_seed
+from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
-from meshlearn.metrics import classification_report, confusion_matrix
 from meshlearn.runlog import JsonlLog
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint
 
-EVAL_BATCH = 1024
 IterationHook = Callable[["Node", int, dict], None]
-
-
-@dataclass
-class Evaluation:
-    """Test-set loss, accuracy and (for final reports) the full classification metrics."""
-
-    loss: float
-    accuracy: float
-    precision: float
-    recall: float
-    f1: float
-    confusion: list[list[int]] = field(default_factory=list)
-
-
-@torch.no_grad()
-def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | str = "cpu",
-                   limit: int = 0, full: bool = False) -> Evaluation:
-    """A model's loss and accuracy on the test set (first ``limit`` samples; 0 = all); all metrics if ``full``."""
-    limit = limit or len(dataset.test_y)
-    xs, ys = dataset.test_x[:limit], dataset.test_y[:limit]
-    model.eval()
-    total_loss = 0.0
-    preds = []
-    for start in range(0, len(ys), EVAL_BATCH):
-        x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
-        y = ys[start:start + EVAL_BATCH].to(device)
-        logits = model(x)
-        total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-        preds.append(logits.argmax(1).cpu())
-    confusion = confusion_matrix(ys, torch.cat(preds), dataset.num_classes)
-    report = classification_report(confusion)
-    return Evaluation(
-        loss=total_loss / max(1, len(ys)),
-        accuracy=report["accuracy"],
-        precision=report["precision"],
-        recall=report["recall"],
-        f1=report["f1"],
-        confusion=confusion.tolist() if full else [],
-    )
 
 
 class Node:
@@ -90,7 +49,7 @@ class Node:
         self.optimizer = torch.optim.SGD(
             self.model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
         )
-        self.loader = ShardLoader(dataset, indices, config.batch_size, seed=config.seed * 1000 + rank)
+        self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.transport = make_transport(self.flat)
         transport = self.transport
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(

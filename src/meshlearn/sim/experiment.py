@@ -33,7 +33,14 @@ from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.errors import ConfigError
 from meshlearn.plots import pyplot
 from meshlearn.sim.launcher import simulate
-from meshlearn.sim.report import TIME_LABEL, evaluation_table, final_summary, load_logs
+from meshlearn.sim.report import (
+    MIXED_TIME_LABEL,
+    MODELLED_TIME_LABEL,
+    TIME_LABEL,
+    evaluation_table,
+    final_summary,
+    load_logs,
+)
 
 RUN_KEYS = {"name", "quick", "seeds"}
 
@@ -154,9 +161,9 @@ LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
 
 
-def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]):
+def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]], time_axis: str = TIME_LABEL):
     """Mean test accuracy of each run (name, evaluation table) against iteration and against
-    wall-clock time; every run gets its own line style and (hollow) marker, so identical curves
+    time (labelled ``time_axis``); every run gets its own line style and (hollow) marker, so identical curves
     stay visible. The caller saves and closes the matplotlib Figure."""
     plt = pyplot()
 
@@ -168,7 +175,7 @@ def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]
         accuracy = [r["test_acc_mean"] for r in table]
         axes[0].plot([r["iteration"] for r in table], accuracy, **style)
         axes[1].plot([r["time_mean"] for r in table], accuracy, **style)
-    for ax, label in ((axes[0], "iteration"), (axes[1], TIME_LABEL)):
+    for ax, label in ((axes[0], "iteration"), (axes[1], time_axis)):
         ax.set_xlabel(label)
         ax.set_ylabel("mean test accuracy")
         ax.grid(alpha=0.3)
@@ -213,7 +220,9 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
     (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows, "seed_means": means},
                                                        indent=2))
 
-    fig = comparison_figure(experiment.name, curves)
+    engines = {config.engine for _, config in experiment.runs}
+    axis = MODELLED_TIME_LABEL if engines == {"batched"} else MIXED_TIME_LABEL if "batched" in engines else TIME_LABEL
+    fig = comparison_figure(experiment.name, curves, axis)
     fig.savefig(output / "comparison.png", dpi=100)
     plt.close(fig)
 

@@ -28,6 +28,7 @@ from meshlearn.data import load_dataset, partition
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.sim.checks import check_before_start
+from meshlearn.runlog import COLUMNAR_LOG
 from meshlearn.sim.report import RUN_TIMES
 from meshlearn.topology import Graph, write_graph_file
 
@@ -105,6 +106,7 @@ def check_device(device: str) -> None:
 def clear_earlier_run(output: Path) -> None:
     """Remove an earlier run's node logs and error files from ``output`` (and say so)."""
     stale = sorted((output / "logs").glob("node_*.jsonl")) + sorted((output / "logs").glob("node_*.error.txt"))
+    stale += [path for path in [output / "logs" / COLUMNAR_LOG] if path.is_file()]
     for path in stale:
         path.unlink()
     (output / RUN_TIMES).unlink(missing_ok=True)
@@ -301,6 +303,13 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
 
     launched = time.time()
     say = say or (say_on_stderr if progress else _silent)
+    if config.engine == "batched":  # every node in this process; the network is modelled, not emulated
+        from meshlearn.sim.batchedrun import run_batched
+
+        graph, output = prepare_run(config, say=say)
+        summaries = run_batched(config, graph, output, progress, say, launched)
+        write_report(output)
+        return SimulationResult(output, summaries)
     config = resolve_loss_mode(config)
     if needs_namespace(config):
         if not config.output:

@@ -13,18 +13,24 @@ from typing import Any
 import yaml
 
 from meshlearn.plots import pyplot
-from meshlearn.runlog import read_jsonl
+from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
 PHASES = ("train", "encode", "comm", "average", "eval")
 RUN_TIMES = "run.json"  # written by the launcher: when it started and finished (so wall-clock counts start-up)
 
 
 def load_logs(output: Path) -> dict[int, list[dict[str, Any]]]:
-    """Events of every node log in a run folder, by rank."""
-    logs = {}
-    for path in sorted((output / "logs").glob("node_*.jsonl")):
+    """Events of every node in a run folder, by rank: from each node's own log (process engine),
+    or from the one columnar log of all nodes (batched engine)."""
+    logs: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted((Path(output) / "logs").glob("node_*.jsonl")):
         rank = int(path.stem.split("_")[1])
         logs[rank] = list(read_jsonl(path))
+    batched = Path(output) / "logs" / COLUMNAR_LOG
+    if batched.is_file():
+        for event in read_jsonl(batched):
+            for one in per_node(event):
+                logs.setdefault(one["rank"], []).append(one)
     return logs
 
 
@@ -51,10 +57,13 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
         t_mean, t_std = _mean_std([e["t"] for e in group])
         a_mean, a_std = _mean_std([e["test_acc"] for e in group])
         l_mean, l_std = _mean_std([e["test_loss"] for e in group])
-        rows.append({
+        row = {
             "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
             "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
-        })
+        }
+        if all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
+            row["consensus_distance"] = group[0]["consensus"]
+        rows.append(row)
     return rows
 
 
@@ -87,12 +96,14 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
             nodes[rank] = {"metrics": final["metrics"], "stats": final["stats"], "elapsed": final["elapsed"],
                            "samples": start.get("samples")}
     evaluated = [n["metrics"] for n in nodes.values() if n["metrics"]]
+    modelled = any(e.get("event") == "final" and e.get("clock") == "modelled" for events in logs.values() for e in events)
     means = {}
     for key in ("accuracy", "loss", "precision", "recall", "f1"):
         means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
     return {
         "nodes_finished": len(nodes),
         "nodes_evaluated": len(evaluated),
+        "clock": "modelled" if modelled else "wall",
         "final": means,
         "bytes_sent": sum(n["stats"]["bytes_sent"] for n in nodes.values()),
         "bytes_received": sum(n["stats"]["bytes_received"] for n in nodes.values()),
@@ -108,6 +119,22 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
 # and model, connecting to its neighbours and starting the algorithm (its start-up), and includes its
 # evaluations; the plots show the mean over nodes.
 TIME_LABEL = "wall-clock s since training started (start-up not counted)"
+MODELLED_TIME_LABEL = "modelled s since training started (the batched engine's cost model)"
+MIXED_TIME_LABEL = "s since training started (modelled for batched runs, wall-clock for process runs)"
+
+
+def time_label(output: Path) -> str:
+    """The time axis of a run's plots: modelled for a batched run, wall-clock otherwise."""
+    return MODELLED_TIME_LABEL if run_engine(output) == "batched" else TIME_LABEL
+
+
+def run_engine(output: Path) -> str:
+    """The engine a run folder's config.yaml names (process if it names none)."""
+    try:
+        config = yaml.safe_load((Path(output) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return "process"
+    return str(config.get("engine", "process")) if isinstance(config, dict) else "process"
 
 
 def run_title(output: Path) -> str:
@@ -124,13 +151,13 @@ def run_title(output: Path) -> str:
     return f"{name} ({config['algorithm']}, {config['nodes']} nodes)"
 
 
-def metric_figure(rows: list[dict], key: str, label: str, title: str):
-    """One metric (``key``: test_acc or test_loss) against iteration and against wall-clock time,
-    mean over nodes ± std, titled ``title``; the caller saves and closes the matplotlib Figure."""
+def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis: str = TIME_LABEL):
+    """One metric (``key``: test_acc or test_loss) against iteration and against time (labelled
+    ``time_axis``), mean over nodes ± std, titled ``title``; the caller saves and closes the Figure."""
     plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", TIME_LABEL)):
+    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", time_axis)):
         xs = [r[x_key] for r in rows]
         mean = [r[f"{key}_mean"] for r in rows]
         std = [r[f"{key}_std"] for r in rows]
@@ -146,10 +173,10 @@ def metric_figure(rows: list[dict], key: str, label: str, title: str):
     return fig
 
 
-def _plot(rows: list[dict], key: str, label: str, title: str, path: Path) -> None:
+def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_axis: str) -> None:
     plt = pyplot()
 
-    fig = metric_figure(rows, key, label, title)
+    fig = metric_figure(rows, key, label, title, time_axis)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -169,8 +196,9 @@ def write_report(output: Path) -> dict[str, Any]:
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     if rows:
         title = run_title(output)
-        _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png")
-        _plot(rows, "test_loss", "test loss", title, output / "loss.png")
+        axis = time_label(output)
+        _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png", axis)
+        _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis)
     return summary
 
 
@@ -196,14 +224,20 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"test loss           {final['loss']:.4f}",
         f"macro P / R / F1    {final['precision']:.4f} / {final['recall']:.4f} / {final['f1']:.4f}",
     ]
+    modelled = summary.get("clock") == "modelled"
     if "total" in times:
         split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times)
-        lines.append(f"iteration (median)  {times['total']['median'] * 1000:.1f} ms  [{split} ms]")
+        lines.append(f"iteration (median)  {times['total']['median'] * 1000:.1f} ms  [{split} ms]"
+                     + ("  (modelled)" if modelled else ""))
     lines += [
         f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent, {summary['bytes_received'] / 1e6:.1f} MB received",
         f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
     ]
-    if "wall_clock" in summary:
+    if modelled:
+        lines.append(f"modelled time       {summary['elapsed_max']:.3g} s (the batched engine's cost model)")
+        if "wall_clock" in summary:
+            lines.append(f"wall-clock          {summary['wall_clock']:.1f} s (start-up {summary['startup']:.1f} s)")
+    elif "wall_clock" in summary:
         lines.append(f"wall-clock          {summary['wall_clock']:.1f} s (start-up {summary['startup']:.1f} s, "
                      f"training {summary['elapsed_max']:.1f} s)")
     else:

@@ -1,0 +1,11 @@
+"""The batched engine's algorithms: one file each, registered by name (``BATCHED_ALGORITHMS``)."""
+
+from meshlearn.batched.algorithms.base import (
+    BATCHED_ALGORITHMS,
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    register_batched,
+)
+
+__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "register_batched"]

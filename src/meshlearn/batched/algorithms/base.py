@@ -1,0 +1,76 @@
+"""The batched engine's algorithm interface and registry: how all nodes exchange and merge at once."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+
+from meshlearn.batched.clock import VirtualClocks
+from meshlearn.batched.mixing import Links
+from meshlearn.batched.stacked import StackedState
+from meshlearn.config import ExperimentConfig
+from meshlearn.plugins import Registry
+from meshlearn.topology import Graph
+
+
+@dataclass
+class BatchedContext:
+    """What a batched algorithm may use: the run's settings and graph, every node's state, the
+    directed links, and the nodes' modelled clocks."""
+
+    config: ExperimentConfig
+    graph: Graph
+    stacked: StackedState
+    links: Links
+    clocks: VirtualClocks
+
+
+@dataclass
+class Traffic:
+    """Per-node counters of what the modelled network carried (the process engine's names)."""
+
+    nodes: int
+    counters: dict[str, np.ndarray] = field(default_factory=dict)
+
+    NAMES: ClassVar[tuple[str, ...]] = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
+                                        "gather_timeouts", "stale_dropped", "malformed_dropped")
+
+    def __post_init__(self) -> None:
+        for name in self.NAMES:
+            self.counters.setdefault(name, np.zeros(self.nodes, dtype=np.int64))
+
+    def add(self, name: str, values: Any) -> None:
+        self.counters[name] += np.asarray(values, dtype=np.int64)
+
+    def of(self, rank: int) -> dict[str, int]:
+        """Node ``rank``'s counters, as a process-engine node reports its transport's stats."""
+        return {name: int(values[rank]) for name, values in self.counters.items()}
+
+
+class BatchedAlgorithm(ABC):
+    """A way of combining every node's model at once, called by the batched engine after each
+    iteration's local steps. Returns per-node columns for the run log (numpy arrays of N values:
+    ``comm`` is each node's modelled waiting time) and counts its traffic in ``traffic``."""
+
+    name: ClassVar[str]
+
+    def __init__(self, ctx: BatchedContext, traffic: Traffic):
+        self.ctx = ctx
+        self.traffic = traffic
+
+    @abstractmethod
+    def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
+        """Exchange and merge every node's model for this iteration; advance their clocks."""
+
+
+BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
+    "algorithm of the batched engine", built_in={"local": "meshlearn.batched.algorithms.local",
+                                                 "dpsgd": "meshlearn.batched.algorithms.dpsgd"})
+
+
+def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
+    """Class decorator adding a batched algorithm to the registry under ``cls.name``."""
+    return BATCHED_ALGORITHMS.add(cls.name, cls)

@@ -1,0 +1,44 @@
+"""Every node's next mini-batch, in the order its process-engine twin draws it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from meshlearn.batched.models import Batch
+from meshlearn.data import Dataset, ShardLoader, loader_seed
+
+
+class NodeBatches:
+    """Mini-batches for all nodes: node r draws from its shard with the seed a process-engine
+    node r uses (``ShardLoader``, ``loader_seed``), so both engines see the same batches in the
+    same order. Nodes whose batches differ in size (an epoch's last, short batch) come in
+    separate groups, since one vectorized call needs one batch size."""
+
+    def __init__(self, dataset: Dataset, parts: list[np.ndarray], batch_size: int, run_seed: int,
+                 device: torch.device | str = "cpu"):
+        self.dataset = dataset
+        self.device = torch.device(device)
+        self.loaders = [ShardLoader(dataset, part, batch_size, loader_seed(run_seed, rank))
+                        for rank, part in enumerate(parts)]
+
+    def samples(self) -> list[int]:
+        """Samples in each node's shard."""
+        return [len(loader.indices) for loader in self.loaders]
+
+    def next(self) -> list[Batch]:
+        """Each node's next batch, grouped by batch size (usually one group)."""
+        picks = [loader.next_indices() for loader in self.loaders]
+        groups: dict[int, list[int]] = {}
+        for rank, pick in enumerate(picks):
+            groups.setdefault(len(pick), []).append(rank)
+        batches = []
+        for size, ranks in groups.items():
+            index = torch.cat([picks[rank] for rank in ranks])
+            x = self.dataset.normalize(self.dataset.train_x[index])
+            batches.append(Batch(
+                torch.tensor(ranks, device=self.device),
+                x.view(len(ranks), size, *x.shape[1:]).to(self.device, non_blocking=True),
+                self.dataset.train_y[index].view(len(ranks), size).to(self.device, non_blocking=True),
+            ))
+        return batches

@@ -1,0 +1,126 @@
+"""Every node's forward and backward pass over the stacked state: vectorized over nodes with
+``torch.func`` (``functional_call`` under ``vmap`` of ``grad``), or one node after another.
+
+Each node's computation stays its own: its parameters, its buffers (BatchNorm's running
+statistics are updated per node, in its row), its mini-batch. Both ways give each node what the
+process engine computes for it, up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.func import functional_call, grad_and_value, vmap
+
+from meshlearn.batched.stacked import StackedState
+
+EVAL_SAMPLES_PER_CALL = 65_536  # node x sample pairs per vectorized evaluation call (bounds memory)
+
+
+@dataclass
+class Batch:
+    """One mini-batch for each of some nodes, all of the same size: ``x`` [n, B, ...], ``y`` [n, B]."""
+
+    ranks: torch.Tensor
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def has_convolutions(model: nn.Module) -> bool:
+    """Whether ``model`` convolves (vmap turns per-node convolutions into grouped ones, slower on a CPU)."""
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+
+
+class NodeModels:
+    """Gradients and predictions of every node's model, read from and written to ``stacked``.
+
+    ``vectorized``: one ``vmap`` call per block of at most ``chunk`` nodes (0: all); else a loop
+    over nodes. A training pass updates the nodes' buffers (BatchNorm statistics) in their rows.
+    """
+
+    def __init__(self, stacked: StackedState, vectorized: bool, chunk: int = 0):
+        self.stacked = stacked
+        self.model = stacked.template
+        self.vectorized = vectorized
+        self.chunk = chunk or stacked.nodes
+        self.buffer_offset = stacked.param_count
+        self._grad = grad_and_value(self._loss)
+        self._vgrad = vmap(self._grad, randomness="different")
+        self._vforward = vmap(self._forward, randomness="different")
+
+    # --- the per-node functions -----------------------------------------------------------------
+
+    def _split(self, named: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+        params = {name: named[name] for name in self.stacked.param_names}
+        return params, {name: value for name, value in named.items() if name not in params}
+
+    def _loss(self, params: dict, rest: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(functional_call(self.model, (params, rest), (x,)), y)
+
+    def _forward(self, named: dict, x: torch.Tensor) -> torch.Tensor:
+        return functional_call(self.model, named, (x,))
+
+    # --- training -----------------------------------------------------------------------------
+
+    def gradients(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every node's loss gradient on its batch, [N, param_count], and its loss, [N]."""
+        stacked = self.stacked
+        grads = torch.empty_like(stacked.params)
+        losses = torch.empty(stacked.nodes, dtype=stacked.state.dtype, device=stacked.state.device)
+        self.model.train()
+        for batch in batches:
+            if self.vectorized:
+                for start in range(0, len(batch.ranks), self.chunk):
+                    part = slice(start, start + self.chunk)
+                    self._vectorized(batch.ranks[part], batch.x[part], batch.y[part], grads, losses)
+            else:
+                for index, rank in enumerate(batch.ranks.tolist()):
+                    named = stacked.named(stacked.row(rank), stacked.counters_of(rank))
+                    grad, loss = self._grad(*self._split(named), batch.x[index], batch.y[index])
+                    grads[rank] = self._flatten(grad, 1)[0]
+                    losses[rank] = loss
+        return grads, losses
+
+    def _vectorized(self, ranks: torch.Tensor, x: torch.Tensor, y: torch.Tensor, grads: torch.Tensor,
+                    losses: torch.Tensor) -> None:
+        stacked = self.stacked
+        whole = len(ranks) == stacked.nodes and bool((ranks == torch.arange(stacked.nodes, device=ranks.device)).all())
+        rows = stacked.state if whole else stacked.state[ranks]
+        counters = stacked.counters_of(None if whole else ranks)
+        named = stacked.named(rows, counters)
+        # vmap writes BatchNorm's statistics only into contiguous tensors (a strided view of the rows
+        # would silently keep the old values): update copies, then put them back into the rows.
+        buffers = {slot.name: named[slot.name].contiguous() for slot in stacked.buffer_slots}
+        named.update(buffers)
+        grad, loss = self._vgrad(*self._split(named), x, y)
+        grads[ranks] = self._flatten(grad, len(ranks))
+        losses[ranks] = loss.detach()
+        target = slice(None) if whole else ranks
+        for slot in stacked.buffer_slots:
+            stacked.state[target, slot.offset:slot.offset + slot.numel] = buffers[slot.name].reshape(len(ranks), -1)
+        if not whole:
+            for name, value in counters.items():
+                stacked.counters[name][ranks] = value
+
+    def _flatten(self, grad: dict[str, torch.Tensor], nodes: int) -> torch.Tensor:
+        return torch.cat([grad[name].reshape(nodes, -1) for name in self.stacked.param_names], 1)
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def logits(self, ranks: list[int], x: torch.Tensor) -> torch.Tensor:
+        """The models of ``ranks`` on inputs ``x`` [b, ...] (evaluation mode): [len(ranks), b, classes]."""
+        stacked = self.stacked
+        self.model.eval()
+        if not self.vectorized:
+            return torch.stack([self._forward(stacked.named(stacked.row(r), stacked.counters_of(r)), x) for r in ranks])
+        per_call = max(1, min(self.chunk, EVAL_SAMPLES_PER_CALL // max(1, len(x))))
+        out = []
+        for start in range(0, len(ranks), per_call):
+            index = torch.tensor(ranks[start:start + per_call], device=stacked.state.device)
+            # every node gets its own (expanded, not copied) view of x: vmap's GroupNorm fails on an unbatched input
+            shared = x.unsqueeze(0).expand(len(index), *x.shape)
+            out.append(self._vforward(stacked.named(stacked.state[index], stacked.counters_of(index)), shared))
+        return torch.cat(out)

@@ -1,0 +1,66 @@
+"""Every node's model in one tensor: row i of an [N, P] matrix is node i's flat state."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshlearn.flat import FlatState
+
+
+class StackedState:
+    """The states of ``nodes`` copies of ``model``, one row each, in ``FlatState``'s layout
+    (parameters first, then floating-point buffers such as BatchNorm's running statistics).
+
+    A row is exactly what a process-engine node sends and averages, so algorithms work on whole
+    rows (``state``) and training on the parameter columns (``params``). Buffers that are not
+    floating point (BatchNorm's ``num_batches_tracked``) are counters, kept apart, one per node.
+    Every node starts from ``model``'s current values (the run's one initial model).
+    """
+
+    def __init__(self, model: nn.Module, nodes: int, device: torch.device | str = "cpu"):
+        self.template = model
+        flat = FlatState(model)  # rebinds the template to views of one vector; its values are the start
+        self.slots = flat.slots
+        self.nodes = nodes
+        self.param_count = flat.params.numel()
+        self.param_names = [name for name, _ in model.named_parameters()]
+        self.buffer_slots = self.slots[len(self.param_names):]  # floating-point buffers (BatchNorm statistics)
+        self.state = flat.state.detach().to(device).unsqueeze(0).repeat(nodes, 1).contiguous()
+        self.counters = {name: buffer.detach().to(device).unsqueeze(0).repeat(nodes, *[1] * buffer.dim()).contiguous()
+                         for name, buffer in model.named_buffers() if not buffer.is_floating_point()}
+        self.segment_ranges = flat.ranges  # the wire's segments of a row (what a process node sends)
+
+    @property
+    def params(self) -> torch.Tensor:
+        """The parameter columns, [N, param_count] (a view)."""
+        return self.state[:, :self.param_count]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one node's state: what it sends per model exchange."""
+        return self.state.shape[1] * self.state.element_size()
+
+    def named(self, rows: torch.Tensor, counters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Views of a block of rows ([n, P], or one row [P]) shaped per parameter and buffer, with
+        the block's counters: the mapping ``torch.func.functional_call`` takes."""
+        lead = rows.shape[:-1]
+        named = {slot.name: rows[..., slot.offset:slot.offset + slot.numel].view(*lead, *slot.shape)
+                 for slot in self.slots}
+        named.update(counters)
+        return named
+
+    def counters_of(self, index: torch.Tensor | int | None) -> dict[str, torch.Tensor]:
+        """The counters of some nodes (``index``: a tensor of ranks, one rank, or None for all)."""
+        if index is None:
+            return self.counters
+        return {name: value[index] for name, value in self.counters.items()}
+
+    def row(self, rank: int) -> torch.Tensor:
+        """Node ``rank``'s state (a view)."""
+        return self.state[rank]
+
+    def consensus_distance(self) -> float:
+        """sqrt(mean_i ||x_i - mean_j x_j||^2) over the parameters: how far the nodes' models are apart."""
+        params = self.params.double()
+        return float((params - params.mean(0)).pow(2).sum(1).mean().sqrt())

@@ -1,0 +1,168 @@
+"""The batched engine: the same experiment as the process engine, for many nodes in one process."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from meshlearn.batched import BatchedSimulation
+from meshlearn.batched.clock import VirtualClocks
+from meshlearn.batched.mixing import Links, MetropolisMixing
+from meshlearn.batched.sgd import StackedSGD
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.node import build_node
+from meshlearn.sim import simulate
+from meshlearn.sim.inprocess import run_threads
+from meshlearn.sim.report import load_logs
+from meshlearn.topology import Graph, build_topology
+
+BASE = {"nodes": 6, "topology": "regular:3", "dataset": "digits", "model": "mlp", "iterations": 5, "rounds": 2,
+        "batch_size": 16, "lr": 0.05, "test_after": 100, "seed": 3, "wait_timeout": 60}
+
+
+def _process_engine_states(values: dict) -> list[torch.Tensor]:
+    """Every node's final state from the process engine's nodes (threads of this process, real
+    ZeroMQ sockets on loopback)."""
+    config = make_config(values)
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    nodes = [build_node(config, rank, graph) for rank in range(config.nodes)]
+    run_threads(nodes, timeout=120)
+    return [node.flat.state.clone() for node in nodes]
+
+
+def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
+    config = make_config({**values, "engine": "batched", "batched_vectorize": vectorize, "step_time": 0.001})
+    simulation = BatchedSimulation(config, build_topology(config.topology, config.nodes, config.seed),
+                                   tmp_path / vectorize)
+    simulation.run()
+    return simulation.stacked.state
+
+
+@pytest.mark.parametrize("algorithm,extra", [("dpsgd", {"momentum": 0.9, "weight_decay": 1e-4}), ("local", {})])
+def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
+    values = {**BASE, "algorithm": algorithm, **extra}
+    expected = _process_engine_states(values)
+    for vectorize in ("on", "off"):  # one vmap call for all nodes, and one node after another
+        states = _batched_states(values, tmp_path, vectorize)
+        for rank, state in enumerate(expected):
+            assert torch.allclose(states[rank], state, atol=1e-5, rtol=0), (vectorize, rank)
+        assert not torch.allclose(states[0], states[1])  # each node trained on its own shard
+
+
+def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_path):
+    # ResNet-18's BatchNorm layers update running statistics in each node's own row. One step only:
+    # ResNet-18 on 8x8 digits is chaotic in float32 (the process engine with 1 or 2 torch threads
+    # ends 2.0 apart after ten steps), so only a step or two can be compared to 1e-5.
+    values = {**BASE, "nodes": 2, "topology": "ring", "model": "resnet18", "iterations": 1, "rounds": 1,
+              "algorithm": "local"}
+    expected = _process_engine_states(values)
+    for vectorize in ("on", "off"):
+        states = _batched_states(values, tmp_path, vectorize)
+        for rank, state in enumerate(expected):
+            assert torch.allclose(states[rank], state, atol=1e-5, rtol=0), (vectorize, rank)
+    start = _batched_states({**values, "iterations": 1, "rounds": 0}, tmp_path, "on")
+    assert not torch.allclose(states[0][-10:], start[0][-10:])  # the statistics (last in a row) moved...
+    assert not torch.allclose(states[0][-10:], states[1][-10:])  # ...differently on each node's data
+
+
+def test_mixing_takes_the_metropolis_hastings_average_and_keeps_weight_of_missed_models():
+    graph = Graph(3, [(0, 1), (1, 2)])  # a path: degrees 1, 2, 1; w01 = w12 = 1/3
+    mixing = MetropolisMixing(Links(graph))
+    state = torch.tensor([[3.0, 0.0], [0.0, 3.0], [6.0, 6.0]])
+    every = state.clone()
+    mixing.mix_(every)
+    assert torch.allclose(every, torch.tensor([[2.0, 1.0], [3.0, 3.0], [4.0, 5.0]]))
+    # links in receiver order: 1->0, 0->1, 2->1, 1->2; the model from 2 to 1 missed its deadline
+    some = state.clone()
+    mixing.mix_(some, torch.tensor([True, True, False, True]))
+    assert torch.allclose(some[1], torch.tensor([1.0, 2.0]))  # 1/3 of node 0, 2/3 its own
+    assert torch.allclose(some[[0, 2]], every[[0, 2]])
+
+
+def test_stacked_sgd_is_torch_sgd_per_node():
+    torch.manual_seed(0)
+    rows = torch.randn(3, 5)
+    grads = [torch.randn(3, 5) for _ in range(4)]
+    stacked = StackedSGD(rows, lr=0.1, momentum=0.9, weight_decay=0.01)
+    alone = [torch.nn.Parameter(rows[i].clone()) for i in range(3)]
+    optimizers = [torch.optim.SGD([p], lr=0.1, momentum=0.9, weight_decay=0.01) for p in alone]
+    for grad in grads:
+        stacked.step(grad.clone())
+        for i, (p, optimizer) in enumerate(zip(alone, optimizers)):
+            p.grad = grad[i].clone()
+            optimizer.step()
+    for i in range(3):
+        assert torch.allclose(rows[i], alone[i].detach(), atol=1e-7)
+
+
+def _clocks(values: dict, step_time: float, message_bytes: int = 1000) -> VirtualClocks:
+    config = make_config(values)
+    links = Links(build_topology(config.topology, config.nodes, config.seed))
+    return VirtualClocks(config, step_time, message_bytes, links.sender.numpy(), links.receiver.numpy())
+
+
+def test_modelled_time_of_a_synchronous_exchange():
+    clocks = _clocks({**BASE, "nodes": 3, "topology": "ring", "net": "delay=100ms", "slowdown": "2:3",
+                      "bandwidth_gbps": 8e-6}, step_time=1.0)  # 1000 bytes at 8 kbit/s: 1 s on the wire
+    assert list(clocks.train(2)) == [2.0, 2.0, 6.0]
+    arrived, waited = clocks.gather()
+    assert arrived.all()
+    # its neighbours wait for the straggler's model (ready at 6 s, 0.1 s latency, 1 s transfer); the
+    # straggler has theirs since 3.1 s
+    assert np.allclose(clocks.now, [7.1, 7.1, 6.0]) and np.allclose(waited, [5.1, 5.1, 0.0])
+
+
+def test_a_model_later_than_the_wait_timeout_is_left_out():
+    clocks = _clocks({**BASE, "nodes": 3, "topology": "ring", "slowdown": "2:+10s", "wait_timeout": 5},
+                     step_time=1.0)
+    clocks.train(1)
+    arrived, _ = clocks.gather()
+    late = clocks.sender == 2
+    assert not arrived[late].any() and arrived[~late].all()
+    assert np.allclose(clocks.now[:2], 1.0 + 5.0)  # nodes 0 and 1 gave up on node 2 after the timeout
+
+
+def test_tcp_loss_costs_modelled_retransmission_time():
+    lossless = _clocks({**BASE, "net": "delay=10ms"}, step_time=0.0, message_bytes=10_000_000)
+    lossy = _clocks({**BASE, "net": "loss=20%,delay=10ms"}, step_time=0.0, message_bytes=10_000_000)
+    quiet = np.mean([lossless.gather()[1].mean() for _ in range(20)])
+    slow = np.mean([lossy.gather()[1].mean() for _ in range(20)])
+    assert slow > quiet + 0.2  # at least one RTO (200 ms) on most 10 MB messages at 20% loss
+
+
+def test_a_3x_straggler_makes_every_modelled_dpsgd_iteration_3x_longer(tmp_path):
+    values = {**BASE, "nodes": 8, "iterations": 30, "rounds": 1, "step_time": 0.01, "bandwidth_gbps": 1000}
+    times = {}
+    for name, slowdown in (("even", ""), ("straggler", "0:3")):
+        config = make_config({**values, "engine": "batched", "slowdown": slowdown,
+                              "output": str(tmp_path / name)})
+        simulate(config, progress=False)
+        iterations = [e for e in load_logs(tmp_path / name)[5] if e["event"] == "iteration"]
+        times[name] = iterations[-1]["t"] - iterations[9]["t"]  # 20 iterations, past the start
+    assert times["straggler"] / times["even"] == pytest.approx(3.0, rel=0.05)
+
+
+def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(tmp_path):
+    config = make_config({"nodes": 256, "topology": "regular:3", "dataset": "digits", "model": "mlp", "engine": "batched",
+                          "iterations": 4, "rounds": 2, "batch_size": 4, "test_after": 2, "eval_nodes": 32,
+                          "output": str(tmp_path)})
+    result = simulate(config, progress=False)
+    assert len(result.summaries) == 256
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["nodes_finished"] == 256 and summary["nodes_evaluated"] == 32 and summary["clock"] == "modelled"
+    assert summary["bytes_sent"] == 256 * 3 * 4 * 17226 * 4  # 4 iterations to 3 neighbours, 17,226 floats each
+    assert len(summary["per_node"]["0"]["metrics"]["confusion"]) == 10
+    rows = (tmp_path / "summary.csv").read_text().splitlines()
+    assert rows[0].endswith("consensus_distance") and len(rows) == 3  # evaluations after iterations 2 and 4
+    assert [p.name for p in (tmp_path / "logs").iterdir()] == ["nodes.jsonl"]  # one log for all nodes
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+
+
+def test_a_setting_the_batched_engine_cannot_run_is_one_line():
+    with pytest.raises(ConfigError, match="batched engine runs local and dpsgd so far, not gossip"):
+        make_config({"engine": "batched", "algorithm": "gossip"})
+    with pytest.raises(ConfigError, match="use --engine batched"):
+        make_config({"nodes": 5000})
+    assert make_config({"nodes": 5000, "engine": "batched"}).nodes == 5000
