@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from meshlearn.batched import BatchedSimulation
+from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched.clock import VirtualClocks
-from meshlearn.batched.mixing import Links, MetropolisMixing
+from meshlearn.batched.loss import ChunkLoss
+from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
 from meshlearn.batched.sgd import StackedSGD
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
@@ -16,7 +18,10 @@ from meshlearn.node import build_node
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.sim.report import load_logs
-from meshlearn.topology import Graph, build_topology
+from meshlearn.netem import NetemSpec
+from meshlearn.topology import Graph, build_topology, mh_row
+from meshlearn.wire import Kind, Message
+from meshlearn.wire.codec import Chunks
 
 BASE = {"nodes": 6, "topology": "regular:3", "dataset": "digits", "model": "mlp", "iterations": 5, "rounds": 2,
         "batch_size": 16, "lr": 0.05, "test_after": 100, "seed": 3, "wait_timeout": 60}
@@ -166,3 +171,76 @@ def test_a_setting_the_batched_engine_cannot_run_is_one_line():
     with pytest.raises(ConfigError, match="use --engine batched"):
         make_config({"nodes": 5000})
     assert make_config({"nodes": 5000, "engine": "batched"}).nodes == 5000
+
+
+def test_chunk_loss_masks_lose_the_share_asked_for():
+    masks = ChunkLoss(NetemSpec(loss=0.3), links=400, chunks=50, rng=np.random.default_rng(1))
+    lost = np.mean([1 - masks.draw().mean() for _ in range(10)])
+    assert lost == pytest.approx(0.3, abs=0.02)
+
+
+def test_correlated_chunk_loss_comes_in_bursts_as_long_as_the_chains():
+    spec = NetemSpec(loss=0.2, corr=0.5)  # P(stay lost) a = 0.5 + 0.2 * 0.5 = 0.6: bursts of 1 / 0.4 = 2.5
+    masks = ChunkLoss(spec, links=200, chunks=100, rng=np.random.default_rng(2))
+    sequences = np.concatenate([masks.draw() for _ in range(10)], axis=1)  # each link's chunks, message after message
+    bursts = []
+    for dropped in ~sequences:
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], dropped.astype(int), [0]])))
+        bursts += list(edges[1::2] - edges[::2])
+    assert 1 - sequences.mean() == pytest.approx(0.2, abs=0.01)
+    assert np.mean(bursts) == pytest.approx(2.5, rel=0.05)
+
+
+def _random_graph_state(seed: int):
+    graph = build_topology("erdos:0.5", 7, seed)
+    state = torch.randn(7, 100, generator=torch.Generator().manual_seed(seed))
+    return graph, Links(graph), state
+
+
+@pytest.mark.parametrize("rule", ["per-chunk", "fill-local"])
+def test_chunked_mixing_is_the_process_engines_chunked_average_for_every_node(rule):
+    for seed in range(5):
+        graph, links, state = _random_graph_state(seed)
+        arrived = torch.rand(len(links), 13, generator=torch.Generator().manual_seed(seed)) < 0.6
+        arrived[0] = False  # one link lost its whole model
+        mixed = state.clone()
+        ChunkedMixing(links, graph, rule, chunk_elements=8).mix_(mixed, arrived)
+        for i in range(graph.n):  # what node i's process-engine D-PSGD computes from what reached it
+            row = mh_row(graph, i)
+            received = []
+            for link in torch.nonzero(links.receiver == i).flatten().tolist():
+                j = int(links.sender[link])
+                if arrived[link].any():
+                    chunks = Chunks(8 * 4, arrived[link].clone(), state[j] * arrived[link].repeat_interleave(8)[:100])
+                    received.append((row[j], Message(Kind.MODEL, j, 0, graph.degree(j), chunks=chunks)))
+            expected = state[i].clone()
+            chunked_average_(expected, row[i], received, rule)
+            assert torch.allclose(mixed[i], expected, atol=1e-6), (seed, i)
+
+
+@pytest.mark.parametrize("rule", ["per-chunk", "fill-local"])
+def test_chunked_mixing_without_loss_is_plain_dpsgd_and_keeps_identical_models(rule):
+    graph, links, state = _random_graph_state(9)
+    chunked, plain = state.clone(), state.clone()
+    ChunkedMixing(links, graph, rule, chunk_elements=8).mix_(chunked, torch.ones(len(links), 13, dtype=torch.bool))
+    MetropolisMixing(links).mix_(plain)
+    assert torch.allclose(chunked, plain, atol=1e-6)
+    same = state[:1].repeat(7, 1)
+    masks = ChunkLoss(NetemSpec(loss=0.5, corr=0.3), len(links), 13, np.random.default_rng(3))
+    for _ in range(5):
+        ChunkedMixing(links, graph, rule, chunk_elements=8).mix_(same, torch.from_numpy(masks.draw()))
+    assert torch.allclose(same, state[:1].expand(7, -1), atol=1e-6)
+
+
+def test_udp_dpsgd_without_loss_equals_tcp_and_loss_is_counted(tmp_path):
+    tcp = _batched_states(BASE, tmp_path / "tcp", "on").clone()
+    udp = _batched_states({**BASE, "transport": "udp", "chunk_bytes": 4000}, tmp_path / "udp", "on")
+    assert torch.allclose(tcp, udp, atol=1e-6)
+    config = make_config({**BASE, "engine": "batched", "transport": "udp", "chunk_bytes": 4000, "step_time": 0.001,
+                          "net": "loss=30%", "udp_timeout": 0.4, "output": str(tmp_path / "lossy")})
+    summary = simulate(config, progress=False).summaries
+    lost = sum(s["stats"]["chunks_lost"] for s in summary.values())
+    sent_chunks = 6 * 3 * 5 * 18  # nodes x neighbours x iterations x chunks (68,904 bytes in 4,000-byte chunks)
+    assert lost / sent_chunks == pytest.approx(0.3, abs=0.1)
+    iterations = [e for e in load_logs(tmp_path / "lossy")[0] if e["event"] == "iteration"]
+    assert all(e["comm"] == pytest.approx(0.4) for e in iterations if e["chunks_missing"])  # waited the timeout

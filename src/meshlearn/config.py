@@ -148,9 +148,9 @@ class ExperimentConfig(Settings):
             if self.algorithm not in BATCHED_ALGORITHMS:
                 raise ValueError(f"the batched engine runs {' and '.join(BATCHED_ALGORITHMS)} so far, not "
                                  f"{self.algorithm}: use --engine process for it")
-            if self.transport != "tcp":
-                raise ValueError("the batched engine models TCP links so far (UDP's chunk loss comes next): use "
-                                 "--transport tcp, or --engine process for UDP")
+            if self.transport == "udp" and self.udp.mode != "sync":
+                raise ValueError("the batched engine models UDP's sync mode so far, not async: use --udp-mode sync, "
+                                 "or --engine process for async")
         return self
 
     @classmethod

@@ -13,7 +13,10 @@ long a node of a real deployment would take. Each node's clock advances by:
   messages at the full bandwidth (a sender's links do not share an uplink).
 
 A synchronous D-PSGD node waits until every neighbour's model of the iteration has arrived, or
-for ``wait_timeout`` past the moment it was ready, as a process-engine node does.
+for ``wait_timeout`` past the moment it was ready, as a process-engine node does. Over UDP (sync)
+every chunk travels on its own (its own latency draw) and may be lost (``batched.loss``); a node
+waits until every chunk is in, or for the UDP ``timeout``: chunks later than that count as lost
+(the process engine's ``late_chunks: use`` would keep them for the next iteration; not modelled).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class VirtualClocks:
         self.now = np.zeros(nodes)
         self.net = config.net
         self.tcp_loss = config.net.loss if config.transport == "tcp" else 0.0
-        self.wait_timeout = config.tcp.wait_timeout
+        self.wait_timeout = config.udp.timeout if config.transport == "udp" else config.tcp.wait_timeout
         self.transfer = message_bytes * 8 / (config.batched.bandwidth_gbps * 1e9)
         self.message_bytes = message_bytes
         self.sender, self.receiver = links_sender, links_receiver
@@ -50,24 +53,38 @@ class VirtualClocks:
         self.now += spent
         return spent
 
-    def latencies(self, count: int) -> np.ndarray:
-        """Seconds from sending to having received, for ``count`` messages (one draw each)."""
-        seconds = np.full(count, self.transfer)
+    def latencies(self, shape: int | tuple[int, ...], tcp: bool = True) -> np.ndarray:
+        """Seconds from sending to having received, one draw per message (or chunk) of ``shape``."""
+        seconds = np.full(shape, self.transfer)
         if self.net.delay or self.net.jitter:
-            seconds += np.maximum(0.0, self.rng.normal(self.net.delay, self.net.jitter, count))
-        if self.tcp_loss:
-            seconds += retransmit_delays(self.tcp_loss, self.message_bytes, self.rng.random(count))
+            seconds += np.maximum(0.0, self.rng.normal(self.net.delay, self.net.jitter, shape))
+        if tcp and self.tcp_loss:
+            seconds += retransmit_delays(self.tcp_loss, self.message_bytes, self.rng.random(shape))
         return seconds
 
     def gather(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every node sends its model to its neighbours now and waits for theirs: advances the
-        clocks; returns (arrived in time, per link; each node's waiting time)."""
+        """Every node sends its model to its neighbours now and waits for theirs (TCP: whole
+        models, never lost, maybe late): advances the clocks; returns (arrived in time, per link;
+        each node's waiting time)."""
         ready = self.now.copy()
         arrival = ready[self.sender] + self.latencies(len(self.sender))
         arrived = arrival <= ready[self.receiver] + self.wait_timeout
+        return arrived, self._wait(ready, arrival, arrived)
+
+    def gather_chunks(self, arrives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """As ``gather``, over UDP: ``arrives`` [links, chunks] says which chunks the network
+        delivers at all; returns (chunks in time, [links, chunks]; each node's waiting time)."""
+        ready = self.now.copy()
+        arrival = ready[self.sender][:, None] + self.latencies(arrives.shape, tcp=False)
+        in_time = arrives & (arrival <= (ready[self.receiver] + self.wait_timeout)[:, None])
+        return in_time, self._wait(ready, np.where(in_time, arrival, -np.inf).max(1), in_time.all(1))
+
+    def _wait(self, ready: np.ndarray, arrival: np.ndarray, complete: np.ndarray) -> np.ndarray:
+        """Advance each node to when its last neighbour's message was in (``arrival`` per link),
+        or to its timeout if any link was not ``complete``; returns the waiting times."""
         last = ready.copy()
-        np.maximum.at(last, self.receiver, np.where(arrived, arrival, -np.inf))
+        np.maximum.at(last, self.receiver, np.where(complete, arrival, -np.inf))
         missed = np.zeros(len(ready), dtype=bool)
-        np.logical_or.at(missed, self.receiver, ~arrived)
+        np.logical_or.at(missed, self.receiver, ~complete)
         self.now = np.where(missed, ready + self.wait_timeout, last)
-        return arrived, self.now - ready
+        return self.now - ready

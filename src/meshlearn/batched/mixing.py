@@ -58,3 +58,59 @@ class MetropolisMixing:
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None) -> None:
         """Average every node's row with its neighbours' rows, in place."""
         state.copy_(torch.sparse.mm(self.matrix(state, arrived), state))
+
+
+class ChunkedMixing:
+    """D-PSGD's average when some chunks of some models are missing (a lossy UDP link), for every
+    node at once: per chunk, the process engine's ``missing_chunks`` rule weighs each neighbour
+    whose chunk arrived (``averaging.per_chunk_weights`` or ``fill_local_weights``), and the node
+    keeps the rest. A neighbour none of whose chunks arrived counts as not heard, as there.
+    With nothing lost every rule is plain Metropolis-Hastings averaging."""
+
+    BLOCK_ELEMENTS = 1 << 24  # links x state elements gathered at once (bounds memory)
+
+    def __init__(self, links: Links, graph: Graph, rule: str, chunk_elements: int):
+        if rule not in ("per-chunk", "fill-local"):
+            raise ValueError(f"unknown missing-chunk rule {rule!r}")
+        self.links = links
+        self.rule = rule
+        self.chunk_elements = chunk_elements
+        self.own_weight = 1.0 - links.incoming(links.weight)  # each node's Metropolis-Hastings self weight
+        degree = torch.tensor([graph.degree(i) for i in range(graph.n)], dtype=torch.float64,
+                              device=links.weight.device)
+        self.sender_degree = degree[links.sender]
+
+    def weights(self, arrived: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per link and chunk, the weight of the sender's chunk; per node and chunk, the node's own
+        (``arrived``: [links, chunks], True where the chunk arrived in time)."""
+        links = self.links
+        present = arrived.to(torch.float64)
+        heard = arrived.any(1)
+        if self.rule == "per-chunk":
+            weight = present * links.weight[:, None]
+            total = self.own_weight[:, None] + _incoming_rows(links, weight)
+            weight = weight / total[links.receiver]
+        else:  # fill-local: 1 / (1 + max(k, d_j)), k = neighbours heard at all, d_j = the sender's degree
+            heard_by = links.incoming(heard.to(torch.float64))
+            weight = present / (1.0 + torch.maximum(heard_by[links.receiver], self.sender_degree))[:, None]
+        return weight, 1.0 - _incoming_rows(links, weight)
+
+    @torch.no_grad()
+    def mix_(self, state: torch.Tensor, arrived: torch.Tensor) -> None:
+        """Average every node's row with the chunks of its neighbours' rows that arrived, in place."""
+        links = self.links
+        weight, own = self.weights(arrived)
+        chunk_of = torch.arange(state.shape[1], device=state.device) // self.chunk_elements
+        mixed = state * own[:, chunk_of].to(state.dtype)
+        block = max(1, self.BLOCK_ELEMENTS // max(1, state.shape[1]))
+        for start in range(0, len(links), block):
+            part = slice(start, start + block)
+            contribution = state[links.sender[part]] * weight[part][:, chunk_of].to(state.dtype)
+            mixed.index_add_(0, links.receiver[part], contribution)
+        state.copy_(mixed)
+
+
+def _incoming_rows(links: Links, values: torch.Tensor) -> torch.Tensor:
+    """Per node, the sum of the rows of ``values`` (one row per link) over the links into it."""
+    out = torch.zeros(links.nodes, values.shape[1], dtype=values.dtype, device=values.device)
+    return out.index_add_(0, links.receiver, values)

@@ -36,7 +36,7 @@ class Traffic:
     counters: dict[str, np.ndarray] = field(default_factory=dict)
 
     NAMES: ClassVar[tuple[str, ...]] = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                                        "gather_timeouts", "stale_dropped", "malformed_dropped")
+                                        "gather_timeouts", "stale_dropped", "malformed_dropped", "chunks_lost")
 
     def __post_init__(self) -> None:
         for name in self.NAMES:

@@ -1,5 +1,6 @@
 """D-PSGD for every node at once: each sends its model to its neighbours, waits for theirs (in
-modelled time), and takes the Metropolis-Hastings average of what arrived in time."""
+modelled time), and takes the Metropolis-Hastings average of what arrived in time; over UDP, per
+chunk, with the chunks the modelled network lost or delayed past the timeout left out."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import numpy as np
 import torch
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
-from meshlearn.batched.mixing import MetropolisMixing
+from meshlearn.batched.loss import ChunkLoss
+from meshlearn.batched.mixing import ChunkedMixing, MetropolisMixing
+from meshlearn.transport.settings import default_chunk_bytes
 
 
 @register_batched
@@ -19,18 +22,37 @@ class BatchedDPSGD(BatchedAlgorithm):
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
+        config = ctx.config
         self.mixing = MetropolisMixing(ctx.links)
         self.degree = np.array([ctx.graph.degree(i) for i in range(ctx.graph.n)])
+        self.receivers = ctx.links.receiver.cpu().numpy()
+        self.chunked: ChunkedMixing | None = None
+        if config.transport == "udp":  # per-chunk loss, as the process engine's UDP transport
+            state = ctx.stacked.state
+            chunk_elements = (config.udp.chunk_bytes or default_chunk_bytes(config.host)) // state.element_size()
+            chunks = -(-state.shape[1] // chunk_elements)
+            self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
+            self.chunked = ChunkedMixing(ctx.links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
 
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         ctx, links = self.ctx, self.ctx.links
-        arrived, waited = ctx.clocks.gather()
-        self.mixing.mix_(ctx.stacked.state, torch.from_numpy(arrived).to(links.weight.device))
-        received = np.bincount(links.receiver.cpu().numpy(), weights=arrived, minlength=ctx.graph.n).astype(np.int64)
+        columns = {}
+        if self.chunked is None:
+            arrived, waited = ctx.clocks.gather()
+            self.mixing.mix_(ctx.stacked.state, torch.from_numpy(arrived).to(links.weight.device))
+            complete = arrived
+        else:
+            in_time, waited = ctx.clocks.gather_chunks(self.loss.draw())
+            self.chunked.mix_(ctx.stacked.state, torch.from_numpy(in_time).to(links.weight.device))
+            arrived, complete = in_time.any(1), in_time.all(1)
+            lost = np.bincount(self.receivers, weights=(~in_time).sum(1), minlength=ctx.graph.n).astype(np.int64)
+            self.traffic.add("chunks_lost", lost)
+            columns["chunks_missing"] = lost
+        received = np.bincount(self.receivers, weights=arrived, minlength=ctx.graph.n).astype(np.int64)
         size = ctx.stacked.row_bytes
         self.traffic.add("messages_sent", self.degree)
         self.traffic.add("bytes_sent", self.degree * size)
         self.traffic.add("messages_received", received)
         self.traffic.add("bytes_received", received * size)
-        self.traffic.add("gather_timeouts", received < self.degree)
-        return {"comm": waited, "received": received, "missing": self.degree - received}
+        self.traffic.add("gather_timeouts", np.bincount(self.receivers, weights=~complete, minlength=ctx.graph.n) > 0)
+        return {"comm": waited, "received": received, "missing": self.degree - received, **columns}
