@@ -101,7 +101,7 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_experiment(args: argparse.Namespace) -> int:
     from meshlearn.sim.experiment import load_experiment, run_experiment
 
-    experiment = load_experiment(args.file, args.quick, args.output)
+    experiment = load_experiment(args.file, args.quick, args.output, batched=args.batched)
     output = run_experiment(experiment, progress=not args.quiet)
     print((output / "table.md").read_text())
     print(f"report: {output}  (table.md, table.csv, per_node.csv, comparison.png, iteration_times.png)")
@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     experiment = sub.add_parser("experiment", help="run the runs of an experiment file and compare them")
     experiment.add_argument("file", help="experiment YAML file (see experiments/)")
     experiment.add_argument("--quick", action="store_true", help="the file's small scale, its 'quick' section (a 2-core CPU machine)")
-    experiment.add_argument("--output", help="report folder (default: runs/<name>, or runs/<name>-quick)")
+    experiment.add_argument("--batched", action="store_true", help="every run on the batched engine (the file's "
+                            "'batched' section; times modelled; runs marked 'batched: false' left out)")
+    experiment.add_argument("--output", help="report folder (default: runs/<name>, plus -quick and/or -batched)")
     experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     experiment.set_defaults(func=cmd_experiment)
 

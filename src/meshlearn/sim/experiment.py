@@ -10,7 +10,10 @@ File layout (YAML)::
       - {name: tcp, transport: tcp}
       - {name: udp-sync, transport: udp, udp_mode: sync, quick: {iterations: 20}}
 
-A run's own ``quick`` map applies on top with ``--quick`` only. A run with ``seeds: [1, 2, 3]``
+A run's own ``quick`` map applies on top with ``--quick`` only. A ``batched`` map (default:
+``{engine: batched}``) applies with ``--batched``: the same runs on the batched engine, at the
+scale chosen, times modelled; a run's own ``batched`` map applies on top, and ``batched: false``
+leaves a run out of that variant (one the batched engine cannot model yet). A run with ``seeds: [1, 2, 3]``
 (in the run or its ``quick`` map) is repeated once per seed as ``NAME-s1``, ...; the report adds
 the mean over its seeds (one seed's accuracy is noisy at small scale).
 
@@ -42,7 +45,7 @@ from meshlearn.sim.report import (
     load_logs,
 )
 
-RUN_KEYS = {"name", "quick", "seeds"}
+RUN_KEYS = {"name", "quick", "seeds", "batched"}
 
 
 @dataclass
@@ -55,7 +58,8 @@ class Experiment:
     groups: dict[str, list[str]]  # a run with seeds -> the names of its repetitions
 
 
-def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None) -> Experiment:
+def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None,
+                    batched: bool = False) -> Experiment:
     """Read and validate an experiment file (every run's config is checked before any starts)."""
     path = Path(path)
     if not path.is_file():
@@ -66,17 +70,19 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
         raise ConfigError(f"experiment file {path} is not valid YAML: fix its syntax") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("runs"), list) or not raw["runs"]:
         raise ConfigError(f"experiment file {path} needs a non-empty 'runs' list")
-    unknown = set(raw) - {"name", "description", "base", "quick", "runs"}
+    unknown = set(raw) - {"name", "description", "base", "quick", "batched", "runs"}
     if unknown:
         raise ConfigError(f"experiment file {path}: unknown section(s) {sorted(unknown)}")
     name = str(raw.get("name", path.stem))
-    out = Path(output) if output else Path("runs") / (name + ("-quick" if quick else ""))
+    out = Path(output) if output else Path("runs") / (name + ("-quick" if quick else "") + ("-batched" if batched else ""))
     base = dict(raw.get("base") or {})
     if quick:
         if not raw.get("quick") and not any(isinstance(r, dict) and r.get("quick") for r in raw["runs"]):
             raise ConfigError(f"experiment file {path} has no 'quick' section, so --quick would run it at full "
                               "scale: run it without --quick, or add a 'quick:' map of the settings to shrink")
         base.update(raw.get("quick") or {})
+    if batched:
+        base.update(raw.get("batched") or {"engine": "batched"})
     runs, seen, groups = [], set(), {}
     for index, run in enumerate(raw["runs"]):
         if not isinstance(run, dict) or not run.get("name"):
@@ -88,12 +94,19 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
         own_quick = run.get("quick") or {}
         if not isinstance(own_quick, dict):
             raise ConfigError(f"experiment file {path}: run {run_name!r}: 'quick' must be a map of settings")
+        own_batched = run.get("batched", {}) or {}
+        if run.get("batched") is False:
+            if batched:
+                continue  # this run has no batched variant (yet)
+        elif not isinstance(own_batched, dict):
+            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'batched' must be a map of settings or false")
         seeds = own_quick.get("seeds", run.get("seeds")) if quick else run.get("seeds")
         if seeds is not None and (not isinstance(seeds, list) or not seeds or
                                   not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
             raise ConfigError(f"experiment file {path}: run {run_name!r}: 'seeds' must be a list of integers")
         values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS},
-                  **({k: v for k, v in own_quick.items() if k != "seeds"} if quick else {})}
+                  **({k: v for k, v in own_quick.items() if k != "seeds"} if quick else {}),
+                  **(own_batched if batched else {})}
         repeats = [(f"{run_name}-s{seed}", {"seed": seed}) for seed in seeds] if seeds else [(run_name, {})]
         if seeds:
             groups[run_name] = [n for n, _ in repeats]
@@ -102,6 +115,8 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
                 runs.append((repeat_name, make_config({**values, **extra, "output": str(out / repeat_name)})))
             except ConfigError as exc:
                 raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
+    if not runs:
+        raise ConfigError(f"experiment file {path}: every run says 'batched: false', so --batched has nothing to run")
     return Experiment(name, str(raw.get("description", "")), runs, groups)
 
 
