@@ -1,6 +1,10 @@
 """The batched engine: the same experiment as the process engine, for many nodes in one process."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -244,3 +248,48 @@ def test_udp_dpsgd_without_loss_equals_tcp_and_loss_is_counted(tmp_path):
     assert lost / sent_chunks == pytest.approx(0.3, abs=0.1)
     iterations = [e for e in load_logs(tmp_path / "lossy")[0] if e["event"] == "iteration"]
     assert all(e["comm"] == pytest.approx(0.4) for e in iterations if e["chunks_missing"])  # waited the timeout
+
+
+def _run(command: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a command in its own process group; whatever it left running is killed at the end."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group's stragglers, if any
+    except ProcessLookupError:
+        pass
+    return subprocess.CompletedProcess(command, proc.returncode, out, "")
+
+
+@pytest.mark.parametrize("net", ["tcp", "udp-lossy"])
+def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_path, net):
+    flags = ["--engine", "batched", "--nodes", "7", "--topology", "regular:4", "--iterations", "4", "--rounds", "2",
+             "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]
+    if net == "udp-lossy":
+        flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%"]
+    single = _run([sys.executable, "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "one")])
+    assert single.returncode == 0, single.stdout
+    spread = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "two")])
+    assert spread.returncode == 0, spread.stdout
+    assert spread.stdout.count("results:") == 1  # the first process reports, the other stays quiet
+    one, two = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "two"))
+    assert one["nodes_finished"] == two["nodes_finished"] == 7
+    for rank, node in one["per_node"].items():
+        other = two["per_node"][rank]
+        assert other["metrics"]["loss"] == pytest.approx(node["metrics"]["loss"], abs=1e-5)
+        assert other["metrics"]["accuracy"] == node["metrics"]["accuracy"]
+        assert other["stats"] == node["stats"] and other["elapsed"] == pytest.approx(node["elapsed"])
+    rows = [(tmp_path / name / "summary.csv").read_text().splitlines() for name in ("one", "two")]
+    for a, b in zip(*rows[0:2]):
+        assert a.split(",")[:2] == b.split(",")[:2]
+    consensus = [[float(line.split(",")[-1]) for line in r[1:]] for r in rows]
+    assert consensus[0] == pytest.approx(consensus[1], abs=1e-5)
+    if net == "udp-lossy":
+        assert sum(n["stats"]["chunks_lost"] for n in two["per_node"].values()) > 0

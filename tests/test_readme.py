@@ -62,6 +62,7 @@ RUN_HERE = [
     "python3 examples/gossip_cluster.py --config examples/gossip-4.yaml",
     "meshlearn node --config examples/two-nodes.yaml --addresses examples/addresses.yaml --rank 0 &",
     "meshlearn simulate --models-module examples/my_models.py --model tiny-cnn --dataset templates \\",
+    "meshlearn simulate --engine batched --nodes 1024",
 ]
 
 
@@ -93,6 +94,14 @@ def test_the_custom_model_and_dataset_example_runs_as_printed(tmp_path):
     assert summary["nodes_finished"] == 4 and summary["final"]["accuracy"] > 0.5
     config = (tmp_path / "runs" / "custom" / "config.yaml").read_text()
     assert "models_module: examples/my_models.py" in config and "model: tiny-cnn" in config
+
+
+def test_the_batched_engine_example_runs_as_printed(tmp_path):
+    result = _run_block(_block(RUN_HERE[3]), tmp_path)
+    assert result.returncode == 0, result.stdout
+    assert "nodes finished      1024 (1024 evaluated)" in result.stdout, result.stdout
+    assert "(modelled)" in result.stdout and "modelled time" in result.stdout
+    assert len(list((tmp_path / "runs").glob("*/logs/nodes.jsonl"))) == 1
 
 
 @pytest.mark.slow

@@ -16,11 +16,12 @@ class NodeBatches:
     separate groups, since one vectorized call needs one batch size."""
 
     def __init__(self, dataset: Dataset, parts: list[np.ndarray], batch_size: int, run_seed: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", first_rank: int = 0):
         self.dataset = dataset
         self.device = torch.device(device)
-        self.loaders = [ShardLoader(dataset, part, batch_size, loader_seed(run_seed, rank))
-                        for rank, part in enumerate(parts)]
+        # ``parts`` are the shards of nodes first_rank, first_rank + 1, ...; batches name them from 0
+        self.loaders = [ShardLoader(dataset, part, batch_size, loader_seed(run_seed, first_rank + index))
+                        for index, part in enumerate(parts)]
 
     def samples(self) -> list[int]:
         """Samples in each node's shard."""

@@ -9,7 +9,12 @@ from meshlearn.topology import Graph, mh_row
 
 class Links:
     """The run's directed links (sender -> receiver, one per neighbour pair and direction), in
-    receiver order, then sender order: the order a process-engine node sums its neighbours in."""
+    receiver order, then sender order: the order a process-engine node sums its neighbours in.
+
+    ``receiver`` indexes the rows being averaged, ``sender`` the rows they read (the same rows in
+    one process; a block's own rows, then those received from other blocks, for ``local``);
+    ``sender_rank`` is the sender's global rank, ``ids`` each link's place in the whole run's list.
+    """
 
     def __init__(self, graph: Graph, device: torch.device | str = "cpu"):
         receivers, senders, weights = [], [], []
@@ -19,16 +24,31 @@ class Links:
                 receivers.append(i)
                 senders.append(j)
                 weights.append(row[j])
-        self.nodes = graph.n
+        self.nodes = self.columns = graph.n
         self.receiver = torch.tensor(receivers, dtype=torch.int64, device=device)
         self.sender = torch.tensor(senders, dtype=torch.int64, device=device)
+        self.sender_rank = self.sender
         self.weight = torch.tensor(weights, dtype=torch.float64, device=device)  # Metropolis-Hastings w_ij
+        self.ids = torch.arange(len(receivers), device=device)
+
+    def local(self, start: int, stop: int, extended: dict[int, int]) -> "Links":
+        """The links into global ranks ``start .. stop - 1``, receivers numbered from 0 and senders
+        by ``extended`` (global rank -> row of the block's extended state)."""
+        keep = (self.receiver >= start) & (self.receiver < stop)
+        view = object.__new__(Links)
+        view.nodes, view.columns = stop - start, len(extended)
+        view.receiver = self.receiver[keep] - start
+        view.sender_rank = self.sender[keep]
+        view.sender = torch.tensor([extended[int(j)] for j in view.sender_rank.tolist()], dtype=torch.int64,
+                                   device=self.sender.device)
+        view.weight, view.ids = self.weight[keep], self.ids[keep]
+        return view
 
     def __len__(self) -> int:
         return len(self.receiver)
 
     def incoming(self, values: torch.Tensor) -> torch.Tensor:
-        """Per node, the sum of ``values`` (one per link) over the links into it."""
+        """Per receiving node, the sum of ``values`` (one per link) over the links into it."""
         out = torch.zeros(self.nodes, dtype=values.dtype, device=values.device)
         return out.index_add_(0, self.receiver, values)
 
@@ -40,8 +60,7 @@ class MetropolisMixing:
 
     def __init__(self, links: Links):
         self.links = links
-        n = links.nodes
-        self._diagonal = torch.arange(n, device=links.receiver.device)
+        self._diagonal = torch.arange(links.nodes, device=links.receiver.device)
 
     def matrix(self, state: torch.Tensor, arrived: torch.Tensor | None = None) -> torch.Tensor:
         """The iteration's mixing matrix (sparse, the state's dtype)."""
@@ -51,13 +70,15 @@ class MetropolisMixing:
         rows = torch.cat([links.receiver, self._diagonal])
         cols = torch.cat([links.sender, self._diagonal])
         values = torch.cat([weight, own]).to(state.dtype)
-        size = (links.nodes, links.nodes)
+        size = (links.nodes, links.columns)
         return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
 
     @torch.no_grad()
-    def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None) -> None:
-        """Average every node's row with its neighbours' rows, in place."""
-        state.copy_(torch.sparse.mm(self.matrix(state, arrived), state))
+    def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None, source: torch.Tensor | None = None) -> None:
+        """Average every node's row with its neighbours' rows, in place (``source``: the rows the
+        links' senders index, when they are more than ``state``'s own)."""
+        source = state if source is None else source
+        state.copy_(torch.sparse.mm(self.matrix(state, arrived), source))
 
 
 class ChunkedMixing:
@@ -78,7 +99,7 @@ class ChunkedMixing:
         self.own_weight = 1.0 - links.incoming(links.weight)  # each node's Metropolis-Hastings self weight
         degree = torch.tensor([graph.degree(i) for i in range(graph.n)], dtype=torch.float64,
                               device=links.weight.device)
-        self.sender_degree = degree[links.sender]
+        self.sender_degree = degree[links.sender_rank]
 
     def weights(self, arrived: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per link and chunk, the weight of the sender's chunk; per node and chunk, the node's own
@@ -96,8 +117,10 @@ class ChunkedMixing:
         return weight, 1.0 - _incoming_rows(links, weight)
 
     @torch.no_grad()
-    def mix_(self, state: torch.Tensor, arrived: torch.Tensor) -> None:
-        """Average every node's row with the chunks of its neighbours' rows that arrived, in place."""
+    def mix_(self, state: torch.Tensor, arrived: torch.Tensor, source: torch.Tensor | None = None) -> None:
+        """Average every node's row with the chunks of its neighbours' rows that arrived, in place
+        (``source``: the rows the links' senders index, as for ``MetropolisMixing``)."""
+        source = state if source is None else source
         links = self.links
         weight, own = self.weights(arrived)
         chunk_of = torch.arange(state.shape[1], device=state.device) // self.chunk_elements
@@ -105,7 +128,7 @@ class ChunkedMixing:
         block = max(1, self.BLOCK_ELEMENTS // max(1, state.shape[1]))
         for start in range(0, len(links), block):
             part = slice(start, start + block)
-            contribution = state[links.sender[part]] * weight[part][:, chunk_of].to(state.dtype)
+            contribution = source[links.sender[part]] * weight[part][:, chunk_of].to(state.dtype)
             mixed.index_add_(0, links.receiver[part], contribution)
         state.copy_(mixed)
 

@@ -60,7 +60,17 @@ class StackedState:
         """Node ``rank``'s state (a view)."""
         return self.state[rank]
 
-    def consensus_distance(self) -> float:
-        """sqrt(mean_i ||x_i - mean_j x_j||^2) over the parameters: how far the nodes' models are apart."""
+    def consensus_sums(self) -> torch.Tensor:
+        """What the consensus distance needs of these rows, to be summed with other blocks' (in
+        float64): the row count, the sum of squared norms, then the sum of the parameter rows."""
         params = self.params.double()
-        return float((params - params.mean(0)).pow(2).sum(1).mean().sqrt())
+        head = torch.tensor([params.shape[0], params.pow(2).sum()], dtype=torch.float64, device=params.device)
+        return torch.cat([head, params.sum(0)])
+
+
+def consensus_distance(sums: torch.Tensor) -> float:
+    """sqrt(mean_i ||x_i - mean_j x_j||^2) over the parameters, from every block's
+    ``consensus_sums`` added up: how far the nodes' models are apart."""
+    count, squares, total = sums[0], sums[1], sums[2:]
+    mean = total / count
+    return float((squares / count - mean.pow(2).sum()).clamp(min=0).sqrt())

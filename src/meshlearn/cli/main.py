@@ -62,6 +62,8 @@ def _run_simulation(config: ExperimentConfig, quiet: bool) -> dict:
     from meshlearn.sim import format_summary, simulate, write_report
 
     result = simulate(config, progress=not quiet)
+    if not result.main:  # one of torchrun's other processes: the first one reports
+        return {}
     summary = write_report(result.output)
     print(format_summary(summary))
     print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, logs/)")

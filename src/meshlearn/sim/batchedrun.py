@@ -1,4 +1,5 @@
-"""A simulation on the batched engine: every node in this process (``engine: batched``)."""
+"""A simulation on the batched engine: every node in this process (``engine: batched``), or, under
+``torchrun``, the nodes split over its processes (the first one writes the results folder)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,41 @@ from pathlib import Path
 from typing import Any, Callable
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.sim.report import RUN_TIMES
-from meshlearn.topology import Graph
+from meshlearn.sim.checks import check_before_start
+from meshlearn.sim.report import RUN_TIMES, write_report
 
 
-def run_batched(config: ExperimentConfig, graph: Graph, output: Path, progress: bool, say: Callable[[str], None],
-                launched: float) -> dict[int, dict[str, Any]]:
-    """Train the run's nodes together (``meshlearn.batched``), log into ``output``; the nodes' summaries."""
+def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[str], None],
+                     prepare: Callable[[ExperimentConfig], tuple[Any, Path]],
+                     launched: float) -> tuple[Path, dict[int, dict[str, Any]], bool]:
+    """Run ``config`` on the batched engine; (results folder, the nodes' summaries, whether this
+    process is the one that wrote them). ``prepare`` checks the run and makes its folder."""
     from tqdm import tqdm
 
-    from meshlearn.batched import BatchedSimulation
+    from meshlearn.batched.engine import BatchedSimulation
+    from meshlearn.batched.shards import Collective, Shard, blocks, join, leave
 
-    say(f"training {config.nodes} nodes in this process (batched engine; times are modelled)")
-    with tqdm(total=config.iterations, desc="iterations", unit="it", disable=not progress, file=sys.stderr) as bar:
-        simulation = BatchedSimulation(config, graph, output / "logs", progress=lambda done: bar.update(done - bar.n))
-        summaries = simulation.run()
-    (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
-    return summaries
+    index, count, device = join(config.device)
+    try:
+        config = config.model_copy(update={"device": device})
+        shard = Shard(index, count, *blocks(config.nodes, count)[index], config.nodes)
+        collective = Collective(shard)
+        if shard.main:
+            graph, output = prepare(config)
+            where = f" of {count} processes" if count > 1 else ""
+            say(f"training {config.nodes} nodes in this process{where} (batched engine; times are modelled)")
+        else:
+            graph, output = check_before_start(config), None
+        output = Path(collective.broadcast(str(output)))
+        with tqdm(total=config.iterations, desc="iterations", unit="it", disable=not (progress and shard.main),
+                  file=sys.stderr) as bar:
+            simulation = BatchedSimulation(config, graph, output / "logs", shard=shard,
+                                           progress=lambda done: bar.update(done - bar.n))
+            summaries = simulation.run()
+        if shard.main:
+            (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
+            write_report(output)
+        collective.barrier()  # nobody leaves before the results are written
+        return output, summaries, shard.main
+    finally:
+        leave()

@@ -53,10 +53,13 @@ class NodeFailure(MeshlearnError):
 
 @dataclass
 class SimulationResult:
-    """Where a finished simulation wrote its results, and the per-node final summaries."""
+    """Where a finished simulation wrote its results, and the per-node final summaries (``main``:
+    whether this process wrote them; under ``torchrun`` only the first of the batched engine's
+    processes does)."""
 
     output: Path
     summaries: dict[int, dict[str, Any]]
+    main: bool = True
 
 
 def default_output() -> Path:
@@ -303,13 +306,11 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
 
     launched = time.time()
     say = say or (say_on_stderr if progress else _silent)
-    if config.engine == "batched":  # every node in this process; the network is modelled, not emulated
-        from meshlearn.sim.batchedrun import run_batched
+    if config.engine == "batched":  # every node in this process (or torchrun's); the network is modelled
+        from meshlearn.sim.batchedrun import simulate_batched
 
-        graph, output = prepare_run(config, say=say)
-        summaries = run_batched(config, graph, output, progress, say, launched)
-        write_report(output)
-        return SimulationResult(output, summaries)
+        output, summaries, main = simulate_batched(config, progress, say, lambda c: prepare_run(c, say=say), launched)
+        return SimulationResult(output, summaries, main)
     config = resolve_loss_mode(config)
     if needs_namespace(config):
         if not config.output:

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+import torch
 
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.mixing import Links
+from meshlearn.batched.shards import Collective, HaloPlan, Shard
 from meshlearn.batched.stacked import StackedState
 from meshlearn.config import ExperimentConfig
 from meshlearn.plugins import Registry
@@ -18,14 +20,27 @@ from meshlearn.topology import Graph
 
 @dataclass
 class BatchedContext:
-    """What a batched algorithm may use: the run's settings and graph, every node's state, the
-    directed links, and the nodes' modelled clocks."""
+    """What a batched algorithm may use: the run's settings and graph, the state of the nodes this
+    process holds (``shard``: all of them, in one process), the run's directed links and the
+    nodes' modelled clocks (both for every node), the links into this block (``local``), and what
+    it needs of other blocks (``rows_of_others``)."""
 
     config: ExperimentConfig
     graph: Graph
     stacked: StackedState
     links: Links
     clocks: VirtualClocks
+    shard: Shard
+    local: Links
+    collective: Collective
+    plan: HaloPlan | None = None
+
+    def rows_to_average(self) -> torch.Tensor:
+        """The rows the local links' senders index: this block's, then those other blocks send."""
+        state = self.stacked.state
+        if self.plan is None:
+            return state
+        return torch.cat([state, self.collective.exchange(state, self.plan)])
 
 
 @dataclass

@@ -23,7 +23,7 @@ class BatchedDPSGD(BatchedAlgorithm):
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
         config = ctx.config
-        self.mixing = MetropolisMixing(ctx.links)
+        self.mixing = MetropolisMixing(ctx.local)
         self.degree = np.array([ctx.graph.degree(i) for i in range(ctx.graph.n)])
         self.receivers = ctx.links.receiver.cpu().numpy()
         self.chunked: ChunkedMixing | None = None
@@ -31,19 +31,22 @@ class BatchedDPSGD(BatchedAlgorithm):
             state = ctx.stacked.state
             chunk_elements = (config.udp.chunk_bytes or default_chunk_bytes(config.host)) // state.element_size()
             chunks = -(-state.shape[1] // chunk_elements)
+            # every process draws every link's mask (the same draws), and uses those of its links
             self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
-            self.chunked = ChunkedMixing(ctx.links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
+            self.chunked = ChunkedMixing(ctx.local, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
 
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
-        ctx, links = self.ctx, self.ctx.links
+        ctx, local = self.ctx, self.ctx.local
         columns = {}
         if self.chunked is None:
             arrived, waited = ctx.clocks.gather()
-            self.mixing.mix_(ctx.stacked.state, torch.from_numpy(arrived).to(links.weight.device))
+            mine = torch.from_numpy(arrived).to(local.weight.device)[local.ids]
+            self.mixing.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
             complete = arrived
         else:
             in_time, waited = ctx.clocks.gather_chunks(self.loss.draw())
-            self.chunked.mix_(ctx.stacked.state, torch.from_numpy(in_time).to(links.weight.device))
+            mine = torch.from_numpy(in_time).to(local.weight.device)[local.ids]
+            self.chunked.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
             arrived, complete = in_time.any(1), in_time.all(1)
             lost = np.bincount(self.receivers, weights=(~in_time).sum(1), minlength=ctx.graph.n).astype(np.int64)
             self.traffic.add("chunks_lost", lost)
