@@ -15,7 +15,7 @@ from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
-from meshlearn.batched.sgd import StackedSGD
+from meshlearn.sgd import StackedSGD
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.node import build_node

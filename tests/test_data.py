@@ -97,6 +97,47 @@ def test_cifar_python_batches(tmp_path):
         assert data.class_names[0] == "airplane"
 
 
+def test_decoded_datasets_are_one_memory_mapped_copy_with_their_statistics(tmp_path, monkeypatch):
+    # Every node process maps the same decoded uint8 file instead of holding its own copy, and reads
+    # the channel statistics the first load wrote instead of converting 10,000 samples again.
+    from meshlearn.data import datasets
+
+    _write_cifar_batches(tmp_path / "batches")
+    _write_idx(tmp_path / "fm")
+    first = [load_cifar10(tmp_path / "batches"), load_idx(tmp_path / "fm")]
+    monkeypatch.setattr(datasets, "_channel_stats", lambda x: pytest.fail("statistics computed again"))
+    monkeypatch.setattr(datasets, "_unpickle_local", lambda path: pytest.fail("batches decoded again"))
+    again = [load_cifar10(tmp_path / "batches"), load_idx(tmp_path / "fm")]
+    for one, two in zip(first, again):
+        assert torch.equal(one.train_x, two.train_x) and (one.mean, one.std) == (two.mean, two.std)
+        assert one.class_names == two.class_names and two.train_x.dtype == torch.uint8
+        assert _mapped_file(two.train_x).startswith(str(tmp_path / "cache")), "not read from the cache file"
+    assert again[0].class_names[0] == "airplane"
+    caches = sorted(p.name.split("-")[0] for p in (tmp_path / "cache").iterdir())
+    assert caches == ["cifar10", "idx"]
+
+
+def _mapped_file(tensor: torch.Tensor) -> str:
+    """The file whose mapping holds ``tensor``'s data in this process ('' if none does)."""
+    address = tensor.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        start, stop = (int(v, 16) for v in fields[0].split("-"))
+        if start <= address < stop:
+            return fields[5] if len(fields) == 6 else ""
+    return ""
+
+
+def test_channel_statistics_in_float32_chunks_equal_float64_ones():
+    from meshlearn.data.datasets import _channel_stats
+
+    x = np.random.default_rng(4).integers(0, 256, (1234, 3, 8, 8), dtype=np.uint8)
+    reference = x.astype(np.float64) / 255.0
+    mean, std = _channel_stats(x)
+    assert np.allclose(mean, reference.mean(axis=(0, 2, 3)), atol=1e-7)
+    assert np.allclose(std, reference.std(axis=(0, 2, 3)), atol=1e-7)
+
+
 def _write_tree(root: Path, classes=("cat", "dog"), per_class=3, size=(6, 5)):
     from PIL import Image
 

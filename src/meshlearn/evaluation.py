@@ -10,7 +10,7 @@ from torch import nn
 from meshlearn.data import Dataset
 from meshlearn.metrics import classification_report, confusion_matrix
 
-EVAL_BATCH = 1024
+EVAL_BATCH = 128  # test samples per forward pass: bounds a node's activations (LeNet: 17 MB a layer)
 
 
 @dataclass

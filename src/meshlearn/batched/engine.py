@@ -23,7 +23,7 @@ from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
-from meshlearn.batched.sgd import StackedSGD
+from meshlearn.sgd import StackedSGD
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig

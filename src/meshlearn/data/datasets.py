@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import os
 import pickle
 import struct
@@ -11,6 +12,7 @@ import tarfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,13 +52,27 @@ class Dataset:
         return (x - mean) / std
 
 
+STATS_SAMPLES = 10_000  # channel statistics come from the first samples
+STATS_CHUNK = 500  # samples converted to float at a time (bounds the memory the statistics take)
+
+
 def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Per-channel mean and std in the 0..1 scale, from at most 10,000 samples."""
-    sample = x[:10_000].astype(np.float64)
-    if x.dtype == np.uint8:
-        sample /= 255.0
-    mean = sample.mean(axis=(0, 2, 3))
-    std = sample.std(axis=(0, 2, 3))
+    """Per-channel mean and std in the 0..1 scale, from at most 10,000 samples.
+
+    Converted a chunk at a time into float32, summed into float64 per channel: a node process
+    never holds a float copy of the samples (a float64 one of 10,000 CIFAR-10 images was 245 MB,
+    twice over while the std was taken)."""
+    count = min(len(x), STATS_SAMPLES)
+    scale = 255.0 if x.dtype == np.uint8 else 1.0
+    sums = np.zeros(x.shape[1], dtype=np.float64)
+    squares = np.zeros(x.shape[1], dtype=np.float64)
+    for start in range(0, count, STATS_CHUNK):
+        chunk = np.asarray(x[start:min(start + STATS_CHUNK, count)], dtype=np.float32) / np.float32(scale)
+        sums += chunk.sum(axis=(0, 2, 3), dtype=np.float64)
+        squares += np.square(chunk).sum(axis=(0, 2, 3), dtype=np.float64)
+    values = max(1, count * x.shape[2] * x.shape[3])
+    mean = sums / values
+    std = np.sqrt(np.maximum(squares / values - mean ** 2, 0.0))
     return tuple(float(m) for m in mean), tuple(float(max(s, 1e-6)) for s in std)
 
 
@@ -84,8 +100,8 @@ def make_dataset(name: str, train_x: np.ndarray, train_y, test_x: np.ndarray, te
     return _make(name, train_x, train_y, test_x, test_y, class_names)
 
 
-def _make(name, train_x, train_y, test_x, test_y, class_names) -> Dataset:
-    mean, std = _channel_stats(train_x)
+def _make(name, train_x, train_y, test_x, test_y, class_names, stats=None) -> Dataset:
+    mean, std = stats or _channel_stats(train_x)
     return Dataset(
         name=name,
         train_x=_tensor(train_x),
@@ -97,6 +113,62 @@ def _make(name, train_x, train_y, test_x, test_y, class_names) -> Dataset:
         mean=mean,
         std=std,
     )
+
+
+# --- the decode cache: one uint8 copy per machine -------------------------------------------
+
+ARRAYS = ("train_x", "train_y", "test_x", "test_y")
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]  # + class names
+
+
+def _cached(kind: str, key: str, build: Callable[[], Arrays], classes: list[str] | None = None) -> Dataset:
+    """The dataset ``build`` decodes, kept on disk as .npy files (with its class names and channel
+    statistics) under the cache and memory-mapped: decoded once per machine, and every process
+    of it reads the same pages instead of holding its own copy. ``key`` names the source's version;
+    ``classes``, where the caller knows them, name the classes of a cache that did not record them."""
+    cache = _cache_root() / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    meta_path = cache / "meta.json"
+    if not all((cache / f"{n}.npy").is_file() for n in ARRAYS):
+        *arrays, built_classes = build()
+        cache.mkdir(parents=True, exist_ok=True)
+        for name, array in zip(ARRAYS, arrays):
+            tmp = cache / f"{name}.{os.getpid()}.tmp.npy"
+            np.save(tmp, array)
+            tmp.replace(cache / f"{name}.npy")
+        _write_json(meta_path, {"classes": list(built_classes)})
+    arrays = [np.load(cache / f"{n}.npy", mmap_mode="r") for n in ARRAYS]
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError):
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    classes = meta.get("classes") or classes or _class_names_of(arrays)
+    if isinstance(meta.get("mean"), list) and isinstance(meta.get("std"), list):
+        stats = (tuple(meta["mean"]), tuple(meta["std"]))
+    else:  # computed once, then read by every process (computing them touches 10,000 samples)
+        stats = _channel_stats(arrays[0])
+        _write_json(meta_path, {"classes": list(classes), "mean": list(stats[0]), "std": list(stats[1])})
+    return _make(kind, *arrays, classes, stats)
+
+
+def _write_json(path: Path, value: dict) -> None:
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.json")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)
+
+
+def _class_names_of(arrays: list[np.ndarray]) -> list[str]:
+    """Class names 0..K-1 from the labels (an old cache that did not record them)."""
+    return [str(c) for c in range(int(max(arrays[1].max(), arrays[3].max())) + 1)]
+
+
+def _file_key(*paths: Path) -> str:
+    """A version key of source files: where they are, their sizes and modification times."""
+    parts = []
+    for path in paths:
+        stat = path.stat()
+        parts.append(f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}")
+    return "\n".join(parts)
 
 
 def load_digits() -> Dataset:
@@ -147,18 +219,27 @@ def _find_idx(root: Path, stem: str) -> Path:
 
 
 def load_idx(path: str | Path, name: str = "fashion-mnist") -> Dataset:
-    """MNIST or Fashion-MNIST from a folder of the standard (gzipped) IDX files."""
+    """MNIST or Fashion-MNIST from a folder of the standard (gzipped) IDX files (decoded once into
+    the cache)."""
     root = Path(path)
     require_path(root, name)
-    parts = {}
-    for split, prefix in (("train", "train"), ("test", "t10k")):
-        images = _read_idx(_find_idx(root, f"{prefix}-images-idx3-ubyte"), 3)
-        labels = _read_idx(_find_idx(root, f"{prefix}-labels-idx1-ubyte"), 1)
-        if len(images) != len(labels):
-            raise DatasetError(f"{root}: {split} has {len(images)} images but {len(labels)} labels")
-        parts[split] = (images[:, None, :, :], labels)
-    classes = [str(int(c)) for c in range(int(max(parts["train"][1].max(), parts["test"][1].max())) + 1)]
-    return _make(name, *parts["train"], *parts["test"], classes)
+    files = {(split, part): _find_idx(root, f"{prefix}-{part}")
+             for split, prefix in (("train", "train"), ("test", "t10k")) for part in ("images-idx3-ubyte",
+                                                                                     "labels-idx1-ubyte")}
+
+    def build() -> Arrays:
+        parts = {}
+        for split in ("train", "test"):
+            images = _read_idx(files[split, "images-idx3-ubyte"], 3)
+            labels = _read_idx(files[split, "labels-idx1-ubyte"], 1)
+            if len(images) != len(labels):
+                raise DatasetError(f"{root}: {split} has {len(images)} images but {len(labels)} labels")
+            parts[split] = (images[:, None, :, :], labels)
+        classes = [str(int(c)) for c in range(int(max(parts["train"][1].max(), parts["test"][1].max())) + 1)]
+        return (*parts["train"], *parts["test"], classes)
+
+    dataset = _cached("idx", _file_key(*files.values()), build)
+    return Dataset(**{**dataset.__dict__, "name": name})
 
 
 # --- CIFAR-10 ---------------------------------------------------------------------------------
@@ -174,6 +255,11 @@ def _unpickle_local(path: Path) -> dict:
 
 
 def _cifar_batches(root: Path) -> Dataset:
+    files = [root / f"data_batch_{i}" for i in range(1, 6)] + [root / "test_batch"]
+    for path in files:
+        if not path.is_file():
+            raise DatasetError(f"{root} has no {path.name}: give the folder of the CIFAR-10 python batches")
+
     def batch(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raw = _unpickle_local(path)
         try:
@@ -185,14 +271,17 @@ def _cifar_batches(root: Path) -> Dataset:
             raise DatasetError(f"{path}: {len(data)} images but {len(labels)} labels")
         return data, labels
 
-    train = [batch(root / f"data_batch_{i}") for i in range(1, 6)]
-    test_x, test_y = batch(root / "test_batch")
-    names = [str(i) for i in range(10)]
-    meta = root / "batches.meta"
-    if meta.is_file():
-        names = [n.decode() if isinstance(n, bytes) else str(n) for n in _unpickle_local(meta).get(b"label_names", names)]
-    return _make("cifar10", np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]),
-                 test_x, test_y, names)
+    def build() -> Arrays:
+        train = [batch(path) for path in files[:5]]
+        test_x, test_y = batch(files[5])
+        names = [str(i) for i in range(10)]
+        meta = root / "batches.meta"
+        if meta.is_file():
+            names = [n.decode() if isinstance(n, bytes) else str(n)
+                     for n in _unpickle_local(meta).get(b"label_names", names)]
+        return (np.concatenate([x for x, _ in train]), np.concatenate([y for _, y in train]), test_x, test_y, names)
+
+    return _cached("cifar10", _file_key(*files), build)
 
 
 def _cache_root() -> Path:
@@ -279,6 +368,7 @@ def _decode(files: list[tuple[Path, int]], size: tuple[int, int] | None, mode: s
 
 
 def _tree_key(root: Path, classes: list[str]) -> str:
+    """A version key of an ImageFolder tree: where it is, and each class folder's time and size."""
     parts = [str(root.resolve())]
     for split in ("train", "test"):
         for name in classes:
@@ -286,14 +376,14 @@ def _tree_key(root: Path, classes: list[str]) -> str:
             if folder.is_dir():
                 stat = folder.stat()
                 parts.append(f"{split}/{name}:{stat.st_mtime_ns}:{sum(1 for _ in folder.iterdir())}")
-    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+    return "|".join(parts)
 
 
 def load_imagefolder(path: str | Path) -> Dataset:
     """Any ImageFolder tree: ``train/<class>/*`` and ``test/<class>/*``, classes sorted by name.
 
     Images are decoded once to uint8 arrays cached on disk (memory-mapped, so processes share
-    them). Images of a different size than the first are resized to it.
+    them: ``_cached``). Images of a different size than the first are resized to it.
     """
     root = Path(path)
     if not root.is_dir():
@@ -305,25 +395,18 @@ def load_imagefolder(path: str | Path) -> Dataset:
     unknown = sorted({p.name for p in (root / "test").iterdir() if p.is_dir()} - set(classes))
     if unknown:
         raise DatasetError(f"{root / 'test'} has classes missing from train/: {unknown}")
-    cache = _cache_root() / f"imagefolder-{_tree_key(root, classes)}"
-    names = ["train_x", "train_y", "test_x", "test_y"]
-    if all((cache / f"{n}.npy").is_file() for n in names):
-        arrays = [np.load(cache / f"{n}.npy", mmap_mode="r") for n in names]
-    else:
+
+    def build() -> Arrays:
         train = _image_files(root / "train", classes)
         test = _image_files(root / "test", classes)
         if not train or not test:
             raise DatasetError(f"{root} has no images in train/ or test/ (looked for {sorted(IMAGE_SUFFIXES)})")
         train_x, train_y, size, mode = _decode(train, None, None)
         test_x, test_y, _, _ = _decode(test, size, mode)
-        arrays = [train_x, train_y, test_x, test_y]
-        cache.mkdir(parents=True, exist_ok=True)
-        for name, array in zip(names, arrays):
-            tmp = cache / f"{name}.tmp.npy"
-            np.save(tmp, array)
-            tmp.replace(cache / f"{name}.npy")
-    train_x, train_y, test_x, test_y = arrays
-    return _make(root.name, train_x, train_y, test_x, test_y, classes)
+        return train_x, train_y, test_x, test_y, classes
+
+    dataset = _cached("imagefolder", _tree_key(root, classes), build, classes)
+    return Dataset(**{**dataset.__dict__, "name": root.name})
 
 
 # --- specs ------------------------------------------------------------------------------------

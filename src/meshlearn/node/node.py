@@ -14,6 +14,7 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.runlog import JsonlLog
+from meshlearn.sgd import StackedSGD
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint
 
@@ -46,9 +47,8 @@ class Node:
         self.device = torch.device(config.device)
         self.model = model.to(self.device)
         self.flat = FlatState(self.model)
-        self.optimizer = torch.optim.SGD(
-            self.model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
+        self.parameters = list(self.model.parameters())  # views into self.flat.params, in its order
+        self.optimizer = StackedSGD(self.flat.params.unsqueeze(0), config.lr, config.momentum, config.weight_decay)
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.transport = make_transport(self.flat)
         transport = self.transport
@@ -81,10 +81,9 @@ class Node:
         x, y = self.loader.next_batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
         loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        self.optimizer.step()
+        grads = torch.autograd.grad(loss, self.parameters, allow_unused=True, materialize_grads=True)
+        self.optimizer.step(torch.cat([g.reshape(1, -1) for g in grads], 1))
         return float(loss.detach())
 
     def evaluate(self, full: bool = False) -> Evaluation:
