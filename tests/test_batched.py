@@ -170,8 +170,8 @@ def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(t
 
 
 def test_a_setting_the_batched_engine_cannot_run_is_one_line():
-    with pytest.raises(ConfigError, match="batched engine runs local and dpsgd so far, not gossip"):
-        make_config({"engine": "batched", "algorithm": "gossip"})
+    with pytest.raises(ConfigError, match="batched engine runs local, dpsgd, gossip so far, not leader"):
+        make_config({"engine": "batched", "algorithm": "leader"})
     with pytest.raises(ConfigError, match="use --engine batched"):
         make_config({"nodes": 5000})
     assert make_config({"nodes": 5000, "engine": "batched"}).nodes == 5000
@@ -293,3 +293,56 @@ def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_pa
     assert consensus[0] == pytest.approx(consensus[1], abs=1e-5)
     if net == "udp-lossy":
         assert sum(n["stats"]["chunks_lost"] for n in two["per_node"].values()) > 0
+
+
+def _batched(values: dict, output) -> BatchedSimulation:
+    config = make_config({**values, "engine": "batched", "step_time": values.get("step_time", 0.001)})
+    simulation = BatchedSimulation(config, build_topology(config.topology, config.nodes, config.seed), output)
+    simulation.run()
+    return simulation
+
+
+def test_fresh_gossip_pulls_the_state_a_peer_publishes_after_its_step(tmp_path):
+    # Two nodes, a fetch every step, half of the peer: each fetch is held until the peer's step is
+    # published, so after one step both hold the mean of the two trained models.
+    values = {**BASE, "nodes": 2, "topology": "ring", "iterations": 1, "rounds": 1}
+    alone = _batched({**values, "algorithm": "local"}, tmp_path / "local").stacked.state
+    gossip = _batched({**values, "algorithm": "gossip", "fetch_probability": 1.0, "interpolation": "constant",
+                       "interpolation_value": 0.5}, tmp_path / "gossip").stacked.state
+    assert not torch.allclose(alone[0], alone[1])
+    assert torch.allclose(gossip[0], (alone[0] + alone[1]) / 2, atol=1e-7)
+    assert torch.allclose(gossip[1], gossip[0], atol=1e-7)
+    stale = _batched({**values, "algorithm": "gossip", "fetch_probability": 1.0, "interpolation_value": 0.5,
+                      "fetch_fresh": False}, tmp_path / "stale").stacked.state
+    start = _batched({**values, "algorithm": "local", "rounds": 0}, tmp_path / "start").stacked.state
+    assert torch.allclose(stale[0], (alone[0] + start[1]) / 2, atol=1e-7)  # dpwa's fetch: the state before the step
+
+
+def test_batched_gossip_is_seeded_learns_and_fetches_as_often_as_asked(tmp_path):
+    values = {**BASE, "nodes": 8, "iterations": 60, "rounds": 2, "algorithm": "gossip", "fetch_probability": 0.5,
+              "test_after": 30}
+    first = _batched(values, tmp_path / "a").stacked.state
+    assert torch.equal(first, _batched(values, tmp_path / "b").stacked.state)
+    config = make_config({**values, "engine": "batched", "step_time": 0.001, "output": str(tmp_path / "run")})
+    summary = json.loads((simulate(config, progress=False).output / "summary.json").read_text())
+    assert summary["final"]["accuracy"] > 0.75  # the process engine's gossip: 0.84 at 60 iterations, fetching always
+    iterations = [e for events in load_logs(tmp_path / "run").values() for e in events if e["event"] == "iteration"]
+    fetches = sum(e["merged"] + e["failed"] for e in iterations)
+    assert fetches / (8 * 60 * 2) == pytest.approx(0.5, abs=0.05)
+
+
+def test_a_3x_straggler_slows_every_dpsgd_node_but_hardly_gossips(tmp_path):
+    values = {**BASE, "nodes": 8, "iterations": 30, "rounds": 1, "step_time": 0.01, "bandwidth_gbps": 1000,
+              "test_after": 30}
+    ratio = {}
+    for algorithm in ("dpsgd", "gossip"):
+        times = {}
+        for name, slowdown in (("even", ""), ("straggler", "0:3")):
+            output = tmp_path / f"{algorithm}-{name}"
+            simulate(make_config({**values, "engine": "batched", "algorithm": algorithm, "slowdown": slowdown,
+                                  "output": str(output)}), progress=False)
+            iterations = [e for e in load_logs(output)[5] if e["event"] == "iteration"]  # node 5: not the straggler
+            times[name] = iterations[-1]["t"] - iterations[9]["t"]
+        ratio[algorithm] = times["straggler"] / times["even"]
+    assert ratio["dpsgd"] == pytest.approx(3.0, rel=0.05)
+    assert ratio["gossip"] < 1.3

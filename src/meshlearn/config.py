@@ -29,7 +29,7 @@ SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
     "batched": BatchedSettings,
 }
-BATCHED_ALGORITHMS = ("local", "dpsgd")  # what the batched engine runs so far
+BATCHED_ALGORITHMS = ("local", "dpsgd", "gossip")  # what the batched engine runs so far
 
 
 def _flat_routes() -> dict[str, list[tuple[str, str]]]:
@@ -146,7 +146,7 @@ class ExperimentConfig(Settings):
                              "use --engine batched")
         if self.engine == "batched":
             if self.algorithm not in BATCHED_ALGORITHMS:
-                raise ValueError(f"the batched engine runs {' and '.join(BATCHED_ALGORITHMS)} so far, not "
+                raise ValueError(f"the batched engine runs {', '.join(BATCHED_ALGORITHMS)} so far, not "
                                  f"{self.algorithm}: use --engine process for it")
             if self.transport == "udp" and self.udp.mode != "sync":
                 raise ValueError("the batched engine models UDP's sync mode so far, not async: use --udp-mode sync, "

@@ -18,17 +18,33 @@ class StackedSGD:
     def __init__(self, params: torch.Tensor, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = params  # [N, P], a view the update writes through
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
-        self.buffer: torch.Tensor | None = None  # momentum, from the first step on
+        self.buffer: torch.Tensor | None = None  # momentum, from each row's first step on
+        self.started: torch.Tensor | None = None  # the rows that have taken a step
 
     @torch.no_grad()
-    def step(self, grads: torch.Tensor) -> None:
-        """One update from every node's gradient ``grads`` [N, P] (which it may overwrite)."""
+    def step(self, grads: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """One update from the gradients ``grads`` (which it may overwrite): of every row, or of
+        the rows ``rows`` only (``grads`` then holds theirs, in that order)."""
+        params = self.params if rows is None else self.params[rows]
         if self.weight_decay:
-            grads.add_(self.params, alpha=self.weight_decay)
+            grads.add_(params, alpha=self.weight_decay)
         if self.momentum:
             if self.buffer is None:
-                self.buffer = grads.clone()
+                self.buffer = torch.zeros_like(self.params)
+                self.started = torch.zeros(self.params.shape[0], dtype=torch.bool, device=self.params.device)
+            buffer = self.buffer if rows is None else self.buffer[rows]
+            started = self.started if rows is None else self.started[rows]
+            if bool(started.all()):
+                buffer.mul_(self.momentum).add_(grads)
+            else:  # a row's first step: its buffer is the gradient, as torch's is
+                buffer = torch.where(started[:, None], buffer.mul(self.momentum).add_(grads), grads)
+            if rows is None:
+                self.buffer.copy_(buffer)
+                self.started.fill_(True)
             else:
-                self.buffer.mul_(self.momentum).add_(grads)
-            grads = self.buffer
-        self.params.add_(grads, alpha=-self.lr)
+                self.buffer[rows] = buffer
+                self.started[rows] = True
+            grads = buffer
+        params.add_(grads, alpha=-self.lr)
+        if rows is not None:
+            self.params[rows] = params

@@ -27,19 +27,20 @@ class NodeBatches:
         """Samples in each node's shard."""
         return [len(loader.indices) for loader in self.loaders]
 
-    def next(self) -> list[Batch]:
-        """Each node's next batch, grouped by batch size (usually one group)."""
-        picks = [loader.next_indices() for loader in self.loaders]
+    def next(self, ranks: list[int] | None = None) -> list[Batch]:
+        """The next batch of every node (or of ``ranks``), grouped by batch size (usually one group)."""
+        ranks = range(len(self.loaders)) if ranks is None else ranks
+        picks = {rank: self.loaders[rank].next_indices() for rank in ranks}
         groups: dict[int, list[int]] = {}
-        for rank, pick in enumerate(picks):
+        for rank, pick in picks.items():
             groups.setdefault(len(pick), []).append(rank)
         batches = []
-        for size, ranks in groups.items():
-            index = torch.cat([picks[rank] for rank in ranks])
+        for size, members in groups.items():
+            index = torch.cat([picks[rank] for rank in members])
             x = self.dataset.normalize(self.dataset.train_x[index])
             batches.append(Batch(
-                torch.tensor(ranks, device=self.device),
-                x.view(len(ranks), size, *x.shape[1:]).to(self.device, non_blocking=True),
-                self.dataset.train_y[index].view(len(ranks), size).to(self.device, non_blocking=True),
+                torch.tensor(members, device=self.device),
+                x.view(len(members), size, *x.shape[1:]).to(self.device, non_blocking=True),
+                self.dataset.train_y[index].view(len(members), size).to(self.device, non_blocking=True),
             ))
         return batches

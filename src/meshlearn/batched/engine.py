@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,21 +18,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshlearn.batched.algorithms import BATCHED_ALGORITHMS, BatchedContext, Traffic
+from meshlearn.batched.algorithms import BATCHED_ALGORITHMS, BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.batches import NodeBatches
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
-from meshlearn.sgd import StackedSGD
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, load_dataset, partition
+from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.models import build_model
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
+from meshlearn.sgd import StackedSGD
 from meshlearn.topology import Graph
 
 MEASURED_STEPS = 5
@@ -88,6 +90,41 @@ class BatchedSimulation:
     def run(self) -> dict[int, dict[str, Any]]:
         """Train every node for the configured iterations; returns each node's final summary (in
         the first process; the others return none)."""
+        run = self._build()
+        try:
+            if run.log is not None:
+                run.log.write(columnar_event(
+                    "start", run.ranks, {"neighbours": [self.graph.neighbours(r) for r in run.ranks],
+                                         "samples": run.samples},
+                    parameters=run.stacked.param_count, state_bytes=run.stacked.row_bytes,
+                    threads=torch.get_num_threads(), time=time.time(), engine="batched",
+                    vectorized=run.models.vectorized, step_time=self.step_time, processes=self.shard.count))
+            if run.algorithm.asynchronous:
+                driver = _Asynchronous(run, self.progress)
+                run.algorithm.drive(driver)
+                finish = driver.finish
+            else:
+                self._lockstep(run)
+                finish = run.clocks.now
+            final = run.collective.gather(_evaluations(run, full=True))
+            if run.log is None:
+                return {}
+            by_rank = dict(final)
+            summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
+                                "stats": run.traffic.of(rank),
+                                "metrics": None if rank not in by_rank else by_rank[rank].__dict__}
+                         for rank in run.ranks}
+            run.log.write(columnar_event("final", run.ranks, {
+                "metrics": [summaries[r]["metrics"] for r in run.ranks],
+                "stats": [summaries[r]["stats"] for r in run.ranks],
+                "elapsed": [summaries[r]["elapsed"] for r in run.ranks]}, clock="modelled"))
+            return summaries
+        finally:
+            if run.log is not None:
+                run.log.close()
+
+    def _build(self) -> "_Run":
+        """Everything the run needs: data, the nodes' state and models, links, clocks, algorithm."""
         config, graph, shard = self.config, self.graph, self.shard
         collective = Collective(shard)
         if config.models_module:
@@ -101,9 +138,6 @@ class BatchedSimulation:
             config.batched.step_time or (measure_step_time(model, dataset, parts[0], config) if shard.main else 0.0))
         stacked = self.stacked = StackedState(model, shard.size, device)
         models = NodeModels(stacked, vectorize(config, model), config.batched.chunk)
-        sgd = StackedSGD(stacked.params, config.lr, config.momentum, config.weight_decay)
-        batches = NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
-                              first_rank=shard.start)
         links = Links(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links
@@ -114,74 +148,142 @@ class BatchedSimulation:
         traffic = Traffic(config.nodes)
         algorithm = BATCHED_ALGORITHMS.get(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan), traffic)
-        ranks = list(range(config.nodes))
-        evaluating = [rank for rank in shard.ranks if config.node_evaluates(rank)]
-        log = JsonlLog(self.log_path) if shard.main else None
-        try:
-            if log is not None:
-                log.write(columnar_event(
-                    "start", ranks, {"neighbours": [graph.neighbours(r) for r in ranks],
-                                     "samples": [len(part) for part in parts]},
-                    parameters=stacked.param_count, state_bytes=stacked.row_bytes, threads=torch.get_num_threads(),
-                    time=time.time(), engine="batched", vectorized=models.vectorized, step_time=self.step_time,
-                    processes=shard.count))
-            began = time.perf_counter()
-            for iteration in range(config.iterations):
-                losses = torch.zeros(shard.size, dtype=torch.float64)
-                for _ in range(config.rounds):
-                    grads, loss = models.gradients(batches.next())
-                    sgd.step(grads)
-                    losses += loss.double().cpu()
-                compute = clocks.train(config.rounds)
-                columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
-                           **algorithm.after_local_steps(iteration)}
-                train_loss = collective.gather((losses / config.rounds).tolist() if config.rounds
-                                               else [None] * shard.size)
-                columns["t"] = clocks.now
-                done = iteration + 1
-                evaluation = None
-                if done % config.test_after == 0 or done == config.iterations:
-                    evaluation = collective.gather(_evaluations(models, evaluating, shard.start, dataset, config.eval_samples))
-                    consensus = consensus_distance(collective.sum_(stacked.consensus_sums()))
-                if log is not None:
-                    columns["train_loss"] = train_loss
-                    log.write(columnar_event("iteration", ranks, _lists(columns), iteration=iteration,
-                                             wall=time.perf_counter() - began))  # real seconds, for benchmarks
-                    if evaluation:
-                        tested = [rank for rank, _ in evaluation]
-                        log.write(columnar_event(
-                            "eval", tested, {"t": [float(clocks.now[r]) for r in tested],
-                                             "test_loss": [e.loss for _, e in evaluation],
-                                             "test_acc": [e.accuracy for _, e in evaluation]},
-                            iteration=done, consensus=consensus))
-                if self.progress is not None:
-                    self.progress(done)
-            final = collective.gather(_evaluations(models, evaluating, shard.start, dataset, config.eval_samples, full=True))
-            if log is None:
-                return {}
-            final_by_rank = dict(final)
-            summaries = {rank: self._summary(rank, final_by_rank.get(rank), traffic, float(clocks.now[rank]))
-                         for rank in ranks}
-            log.write(columnar_event("final", ranks, {
-                "metrics": [summaries[r]["metrics"] for r in ranks], "stats": [summaries[r]["stats"] for r in ranks],
-                "elapsed": [summaries[r]["elapsed"] for r in ranks]}, clock="modelled"))
-            return summaries
-        finally:
-            if log is not None:
-                log.close()
+        if algorithm.asynchronous and shard.count > 1:
+            raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
+                              "ordered in modelled time), not under torchrun: start it without torchrun")
+        return _Run(
+            config=config, shard=shard, collective=collective, dataset=dataset, stacked=stacked, models=models,
+            sgd=StackedSGD(stacked.params, config.lr, config.momentum, config.weight_decay),
+            batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
+                                first_rank=shard.start),
+            clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
+            evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
+            samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None)
 
-    @staticmethod
-    def _summary(rank: int, final: Evaluation | None, traffic: Traffic, elapsed: float) -> dict[str, Any]:
-        return {"event": "final", "rank": rank, "elapsed": elapsed, "stats": traffic.of(rank),
-                "metrics": None if final is None else final.__dict__}
+    def _lockstep(self, run: "_Run") -> None:
+        """Every node takes each iteration's steps together, then the algorithm exchanges."""
+        config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
+        for iteration in range(config.iterations):
+            losses = torch.zeros(shard.size, dtype=torch.float64)
+            for _ in range(config.rounds):
+                grads, loss = run.models.gradients(run.batches.next())
+                run.sgd.step(grads)
+                losses += loss.double().cpu()
+            compute = clocks.train(config.rounds)
+            columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
+                       **run.algorithm.after_local_steps(iteration)}
+            train_loss = collective.gather((losses / config.rounds).tolist() if config.rounds else [None] * shard.size)
+            columns["t"] = clocks.now
+            done = iteration + 1
+            evaluation = consensus = None
+            if run.evaluates_after(done):
+                evaluation = collective.gather(_evaluations(run))
+                consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
+            if run.log is not None:
+                columns["train_loss"] = train_loss
+                run.write_iteration(iteration, _lists(columns))
+                if evaluation:
+                    run.write_evaluation(done, evaluation, clocks.now, consensus)
+            if self.progress is not None:
+                self.progress(done)
 
 
-def _evaluations(models: NodeModels, ranks: list[int], first: int, dataset: Dataset, limit: int,
-                 full: bool = False) -> list[tuple[int, Evaluation]]:
-    """(rank, evaluation) of this process's evaluating nodes (global ``ranks``; its rows hold the
-    nodes from global rank ``first`` on)."""
-    results = evaluate_nodes(models, [rank - first for rank in ranks], dataset, limit, full)
-    return [(rank, results[rank - first]) for rank in ranks]
+@dataclass
+class _Run:
+    """The parts of one run of the batched engine (what ``BatchedSimulation._build`` made)."""
+
+    config: ExperimentConfig
+    shard: Shard
+    collective: Collective
+    dataset: Dataset
+    stacked: StackedState
+    models: NodeModels
+    sgd: StackedSGD
+    batches: NodeBatches
+    clocks: VirtualClocks
+    traffic: Traffic
+    algorithm: BatchedAlgorithm
+    ranks: list[int]
+    evaluating: list[int]
+    samples: list[int]
+    log: JsonlLog | None
+    began: float = field(default_factory=time.perf_counter)
+
+    def evaluates_after(self, done: int) -> bool:
+        """Whether the nodes are evaluated once ``done`` iterations are done."""
+        return done % self.config.test_after == 0 or done == self.config.iterations
+
+    def write_iteration(self, iteration: int, columns: dict[str, list]) -> None:
+        self.log.write(columnar_event("iteration", self.ranks, columns, iteration=iteration,
+                                      wall=time.perf_counter() - self.began))  # real seconds, for benchmarks
+
+    def write_evaluation(self, done: int, evaluation: list[tuple[int, Evaluation]], times, consensus: float) -> None:
+        tested = [rank for rank, _ in evaluation]
+        self.log.write(columnar_event("eval", tested, {"t": [float(times[r]) for r in tested],
+                                                       "test_loss": [e.loss for _, e in evaluation],
+                                                       "test_acc": [e.accuracy for _, e in evaluation]},
+                                      iteration=done, consensus=consensus))
+
+
+class _Asynchronous:
+    """The engine's side of an asynchronous algorithm (``AsyncDriver``): trains the nodes it is
+    given, and logs each iteration once every node has finished it (nodes finish an iteration at
+    different modelled times), evaluating the models each node had when it finished it."""
+
+    def __init__(self, run: _Run, progress: Progress | None):
+        self.run = run
+        self.progress = progress
+        self.records: dict[int, dict[int, dict[str, Any]]] = {}  # iteration -> rank -> its columns
+        self.snapshots: dict[int, torch.Tensor] = {}  # iteration -> every node's state when it finished it
+        self.finish = np.zeros(run.config.nodes)
+        self.written = 0  # iterations logged so far
+
+    def train(self, ranks: list[int]) -> dict[int, float]:
+        run = self.run
+        index = torch.tensor(ranks, device=run.stacked.state.device)
+        grads, losses = run.models.gradients(run.batches.next(ranks))
+        run.sgd.step(grads[index], index)
+        return {rank: float(losses[rank]) for rank in ranks}
+
+    def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
+        run = self.run
+        self.records.setdefault(iteration, {})[rank] = {**columns, "t": now}
+        if run.evaluates_after(iteration + 1):
+            rows = self.snapshots.setdefault(iteration, torch.empty_like(run.stacked.state))
+            rows[rank] = run.stacked.state[rank]
+        while len(self.records.get(self.written, ())) == run.config.nodes:
+            self._write(self.written)
+            self.written += 1
+
+    def finished(self, rank: int, now: float) -> None:
+        self.finish[rank] = now
+
+    def _write(self, iteration: int) -> None:
+        run = self.run
+        records = self.records.pop(iteration)
+        names = list(dict.fromkeys(name for record in records.values() for name in record))
+        columns = {name: [records[rank].get(name) for rank in run.ranks] for name in names}
+        done = iteration + 1
+        if run.log is not None:
+            run.write_iteration(iteration, columns)
+        rows = self.snapshots.pop(iteration, None)
+        if rows is not None:
+            evaluation = _evaluations(run, rows=rows)
+            consensus = consensus_distance(run.stacked.consensus_sums(rows))
+            if run.log is not None:
+                run.write_evaluation(done, evaluation, columns["t"], consensus)
+        if self.progress is not None:
+            self.progress(done)
+
+
+def _evaluations(run: _Run, full: bool = False, rows: torch.Tensor | None = None) -> list[tuple[int, Evaluation]]:
+    """(rank, evaluation) of this process's evaluating nodes, of their current models or of
+    ``rows`` (a snapshot of this process's rows)."""
+    first = run.shard.start
+    local = [rank - first for rank in run.evaluating]
+    chosen = None if rows is None else rows[torch.tensor(local, dtype=torch.int64, device=rows.device)]
+    results = evaluate_nodes(run.models, local, run.dataset, run.config.eval_samples, full, chosen)
+    return [(rank, results[rank - first]) for rank in run.evaluating]
 
 
 def _lists(columns: dict[str, Any]) -> dict[str, list]:

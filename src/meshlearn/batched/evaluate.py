@@ -12,9 +12,10 @@ from meshlearn.evaluation import EVAL_BATCH, Evaluation, evaluation_of
 
 @torch.no_grad()
 def evaluate_nodes(models: NodeModels, ranks: list[int], dataset: Dataset, limit: int = 0,
-                   full: bool = False) -> dict[int, Evaluation]:
+                   full: bool = False, rows: torch.Tensor | None = None) -> dict[int, Evaluation]:
     """Each of ``ranks``' models on the test set (first ``limit`` samples; 0 = all), as
-    ``evaluate_model`` measures one model; all metrics if ``full``."""
+    ``evaluate_model`` measures one model; all metrics if ``full``. ``rows``: the states to
+    evaluate (one per rank: a snapshot) instead of the nodes' current ones."""
     if not ranks:
         return {}
     limit = limit or len(dataset.test_y)
@@ -25,7 +26,7 @@ def evaluate_nodes(models: NodeModels, ranks: list[int], dataset: Dataset, limit
     for start in range(0, len(ys), EVAL_BATCH):
         x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
         y = ys[start:start + EVAL_BATCH].to(device)
-        logits = models.logits(ranks, x)  # [nodes, b, classes]
+        logits = models.logits(ranks, x, rows)  # [nodes, b, classes]
         per_sample = nn.functional.cross_entropy(logits.flatten(0, 1), y.repeat(len(ranks)), reduction="none")
         losses += per_sample.view(len(ranks), -1).sum(1).double().cpu()
         preds.append(logits.argmax(2).cpu())

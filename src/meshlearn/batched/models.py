@@ -110,17 +110,22 @@ class NodeModels:
     # --- evaluation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logits(self, ranks: list[int], x: torch.Tensor) -> torch.Tensor:
-        """The models of ``ranks`` on inputs ``x`` [b, ...] (evaluation mode): [len(ranks), b, classes]."""
+    def logits(self, ranks: list[int], x: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The models of ``ranks`` on inputs ``x`` [b, ...] (evaluation mode): [len(ranks), b,
+        classes]. ``rows``: their states to use (one per rank) instead of the current ones."""
         stacked = self.stacked
         self.model.eval()
+        if rows is None:
+            rows = stacked.state[torch.tensor(ranks, device=stacked.state.device)]
         if not self.vectorized:
-            return torch.stack([self._forward(stacked.named(stacked.row(r), stacked.counters_of(r)), x) for r in ranks])
+            return torch.stack([self._forward(stacked.named(rows[k], stacked.counters_of(r)), x)
+                                for k, r in enumerate(ranks)])
         per_call = max(1, min(self.chunk, EVAL_SAMPLES_PER_CALL // max(1, len(x))))
         out = []
         for start in range(0, len(ranks), per_call):
             index = torch.tensor(ranks[start:start + per_call], device=stacked.state.device)
             # every node gets its own (expanded, not copied) view of x: vmap's GroupNorm fails on an unbatched input
             shared = x.unsqueeze(0).expand(len(index), *x.shape)
-            out.append(self._vforward(stacked.named(stacked.state[index], stacked.counters_of(index)), shared))
+            block = rows[start:start + per_call]
+            out.append(self._vforward(stacked.named(block, stacked.counters_of(index)), shared))
         return torch.cat(out)

@@ -60,10 +60,11 @@ class StackedState:
         """Node ``rank``'s state (a view)."""
         return self.state[rank]
 
-    def consensus_sums(self) -> torch.Tensor:
-        """What the consensus distance needs of these rows, to be summed with other blocks' (in
-        float64): the row count, the sum of squared norms, then the sum of the parameter rows."""
-        params = self.params.double()
+    def consensus_sums(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """What the consensus distance needs of these nodes' rows (or of ``rows``, shaped like
+        them), to be summed with other blocks' (float64): the row count, the sum of squared
+        norms, then the sum of the parameter rows."""
+        params = (self.state if rows is None else rows)[:, :self.param_count].double()
         head = torch.tensor([params.shape[0], params.pow(2).sum()], dtype=torch.float64, device=params.device)
         return torch.cat([head, params.sum(0)])
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -58,32 +58,59 @@ class Traffic:
             self.counters.setdefault(name, np.zeros(self.nodes, dtype=np.int64))
 
     def add(self, name: str, values: Any) -> None:
+        """Add one value per node."""
         self.counters[name] += np.asarray(values, dtype=np.int64)
+
+    def add_one(self, name: str, rank: int, value: int) -> None:
+        """Add ``value`` to node ``rank``'s counter ``name``."""
+        self.counters[name][rank] += value
 
     def of(self, rank: int) -> dict[str, int]:
         """Node ``rank``'s counters, as a process-engine node reports its transport's stats."""
         return {name: int(values[rank]) for name, values in self.counters.items()}
 
 
+class AsyncDriver(Protocol):
+    """What the batched engine does for an asynchronous algorithm, which orders the nodes' steps
+    itself (in modelled time) instead of running them in lockstep."""
+
+    def train(self, ranks: list[int]) -> dict[int, float]:
+        """One local SGD step of each node of ``ranks`` (computed together); their losses."""
+
+    def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
+        """Node ``rank`` finished ``iteration`` at modelled time ``now``: its log columns (its
+        model then is what that iteration's evaluation sees)."""
+
+    def finished(self, rank: int, now: float) -> None:
+        """Node ``rank`` finished its last step at modelled time ``now``."""
+
+
 class BatchedAlgorithm(ABC):
-    """A way of combining every node's model at once, called by the batched engine after each
-    iteration's local steps. Returns per-node columns for the run log (numpy arrays of N values:
-    ``comm`` is each node's modelled waiting time) and counts its traffic in ``traffic``."""
+    """A way of combining every node's model at once. A synchronous one is called by the batched
+    engine after each iteration's local steps (``after_local_steps``: per-node columns for the run
+    log, numpy arrays of N values, ``comm`` each node's modelled waiting time); an
+    ``asynchronous`` one runs the nodes' steps itself, in modelled time (``drive``). Both count
+    their traffic in ``traffic``."""
 
     name: ClassVar[str]
+    asynchronous: ClassVar[bool] = False
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         self.ctx = ctx
         self.traffic = traffic
 
-    @abstractmethod
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         """Exchange and merge every node's model for this iteration; advance their clocks."""
+        raise NotImplementedError(f"{self.name} is asynchronous: it drives its own steps")
+
+    def drive(self, driver: AsyncDriver) -> None:
+        """Run every node's steps, in modelled time (asynchronous algorithms)."""
+        raise NotImplementedError(f"{self.name} runs in lockstep iterations")
 
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
-    "algorithm of the batched engine", built_in={"local": "meshlearn.batched.algorithms.local",
-                                                 "dpsgd": "meshlearn.batched.algorithms.dpsgd"})
+    "algorithm of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
+                                                 for name in ("local", "dpsgd", "gossip")})
 
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
