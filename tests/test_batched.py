@@ -170,8 +170,8 @@ def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(t
 
 
 def test_a_setting_the_batched_engine_cannot_run_is_one_line():
-    with pytest.raises(ConfigError, match="batched engine runs local, dpsgd, gossip so far, not leader"):
-        make_config({"engine": "batched", "algorithm": "leader"})
+    with pytest.raises(ConfigError, match="batched engine models UDP's sync mode so far, not async"):
+        make_config({"engine": "batched", "transport": "udp", "udp_mode": "async"})
     with pytest.raises(ConfigError, match="use --engine batched"):
         make_config({"nodes": 5000})
     assert make_config({"nodes": 5000, "engine": "batched"}).nodes == 5000
@@ -346,3 +346,16 @@ def test_a_3x_straggler_slows_every_dpsgd_node_but_hardly_gossips(tmp_path):
         ratio[algorithm] = times["straggler"] / times["even"]
     assert ratio["dpsgd"] == pytest.approx(3.0, rel=0.05)
     assert ratio["gossip"] < 1.3
+
+
+def test_batched_leader_waits_for_everyone_first_and_ends_with_one_model(tmp_path):
+    values = {**BASE, "nodes": 6, "iterations": 10, "rounds": 1, "algorithm": "leader", "slowdown": "3:3",
+              "step_time": 0.01, "bandwidth_gbps": 1000, "test_after": 10}
+    simulation = _batched(values, tmp_path / "logs")  # load_logs(tmp_path) reads tmp_path/logs/nodes.jsonl
+    rows = simulation.stacked.state
+    assert all(torch.equal(rows[0], rows[rank]) for rank in range(6))  # the final push waits for every member
+    first = [[e for e in events if e["event"] == "iteration"][0]["t"] for events in load_logs(tmp_path).values()]
+    assert min(first) >= 0.03  # the first answer waits for the straggler's first push (3 x 10 ms)
+    later = {rank: [e["t"] for e in events if e["event"] == "iteration"] for rank, events in load_logs(tmp_path).items()}
+    assert later[0][5] - later[0][4] == pytest.approx(0.01, abs=1e-3)  # then nobody waits for the straggler
+    assert later[3][5] - later[3][4] == pytest.approx(0.03, abs=1e-3)

@@ -29,7 +29,6 @@ SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
     "batched": BatchedSettings,
 }
-BATCHED_ALGORITHMS = ("local", "dpsgd", "gossip")  # what the batched engine runs so far
 
 
 def _flat_routes() -> dict[str, list[tuple[str, str]]]:
@@ -145,9 +144,6 @@ class ExperimentConfig(Settings):
             raise ValueError(f"{self.nodes} nodes are too many processes for one machine (at most {PROCESS_NODES}): "
                              "use --engine batched")
         if self.engine == "batched":
-            if self.algorithm not in BATCHED_ALGORITHMS:
-                raise ValueError(f"the batched engine runs {', '.join(BATCHED_ALGORITHMS)} so far, not "
-                                 f"{self.algorithm}: use --engine process for it")
             if self.transport == "udp" and self.udp.mode != "sync":
                 raise ValueError("the batched engine models UDP's sync mode so far, not async: use --udp-mode sync, "
                                  "or --engine process for async")

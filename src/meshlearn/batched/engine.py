@@ -147,7 +147,8 @@ class BatchedSimulation:
         clocks = VirtualClocks(config, self.step_time, stacked.row_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
         algorithm = BATCHED_ALGORITHMS.get(config.algorithm)(
-            BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan), traffic)
+            BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
+                           [len(part) for part in parts]), traffic)
         if algorithm.asynchronous and shard.count > 1:
             raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
                               "ordered in modelled time), not under torchrun: start it without torchrun")

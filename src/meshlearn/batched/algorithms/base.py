@@ -34,7 +34,7 @@ class BatchedContext:
     local: Links
     collective: Collective
     plan: HaloPlan | None = None
-
+    samples: list[int] = field(default_factory=list)  # training samples in each node's shard
     def rows_to_average(self) -> torch.Tensor:
         """The rows the local links' senders index: this block's, then those other blocks send."""
         state = self.stacked.state
@@ -110,7 +110,7 @@ class BatchedAlgorithm(ABC):
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
     "algorithm of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
-                                                 for name in ("local", "dpsgd", "gossip")})
+                                                 for name in ("local", "dpsgd", "gossip", "leader")})
 
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
