@@ -10,19 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from meshlearn.batched import BatchedSimulation
 from meshlearn.algorithms.averaging import chunked_average_
+from meshlearn.batched import BatchedSimulation
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
-from meshlearn.sgd import StackedSGD
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
+from meshlearn.netem import NetemSpec
 from meshlearn.node import build_node
+from meshlearn.sgd import StackedSGD
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.sim.report import load_logs
-from meshlearn.netem import NetemSpec
 from meshlearn.topology import Graph, build_topology, mh_row
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.codec import Chunks
@@ -154,7 +154,8 @@ def test_a_3x_straggler_makes_every_modelled_dpsgd_iteration_3x_longer(tmp_path)
 
 
 def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(tmp_path):
-    config = make_config({"nodes": 256, "topology": "regular:3", "dataset": "digits", "model": "mlp", "engine": "batched",
+    config = make_config({"nodes": 256, "topology": "regular:3", "dataset": "digits", "model": "mlp",
+                          "engine": "batched",
                           "iterations": 4, "rounds": 2, "batch_size": 4, "test_after": 2, "eval_nodes": 32,
                           "output": str(tmp_path)})
     result = simulate(config, progress=False)
@@ -356,6 +357,7 @@ def test_batched_leader_waits_for_everyone_first_and_ends_with_one_model(tmp_pat
     assert all(torch.equal(rows[0], rows[rank]) for rank in range(6))  # the final push waits for every member
     first = [[e for e in events if e["event"] == "iteration"][0]["t"] for events in load_logs(tmp_path).values()]
     assert min(first) >= 0.03  # the first answer waits for the straggler's first push (3 x 10 ms)
-    later = {rank: [e["t"] for e in events if e["event"] == "iteration"] for rank, events in load_logs(tmp_path).items()}
+    later = {rank: [e["t"] for e in events if e["event"] == "iteration"]
+             for rank, events in load_logs(tmp_path).items()}
     assert later[0][5] - later[0][4] == pytest.approx(0.01, abs=1e-3)  # then nobody waits for the straggler
     assert later[3][5] - later[3][4] == pytest.approx(0.03, abs=1e-3)

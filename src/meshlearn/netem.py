@@ -17,7 +17,6 @@ import re
 from typing import Any
 
 import numpy as np
-
 from pydantic import Field, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError

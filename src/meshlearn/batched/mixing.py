@@ -74,7 +74,8 @@ class MetropolisMixing:
         return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
 
     @torch.no_grad()
-    def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None, source: torch.Tensor | None = None) -> None:
+    def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None,
+             source: torch.Tensor | None = None) -> None:
         """Average every node's row with its neighbours' rows, in place (``source``: the rows the
         links' senders index, when they are more than ``state``'s own)."""
         source = state if source is None else source

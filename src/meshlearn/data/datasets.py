@@ -266,7 +266,8 @@ def _cifar_batches(root: Path) -> Dataset:
             data = np.asarray(raw[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32)
             labels = np.asarray(raw[b"labels"], dtype=np.int64)
         except (KeyError, ValueError, TypeError):
-            raise DatasetError(f"{path} is not a CIFAR-10 python batch (needs b'data' N x 3072 and b'labels')") from None
+            raise DatasetError(f"{path} is not a CIFAR-10 python batch (needs b'data' N x 3072 and b'labels')") \
+                from None
         if len(data) != len(labels):
             raise DatasetError(f"{path}: {len(data)} images but {len(labels)} labels")
         return data, labels

@@ -74,7 +74,8 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     if unknown:
         raise ConfigError(f"experiment file {path}: unknown section(s) {sorted(unknown)}")
     name = str(raw.get("name", path.stem))
-    out = Path(output) if output else Path("runs") / (name + ("-quick" if quick else "") + ("-batched" if batched else ""))
+    suffix = ("-quick" if quick else "") + ("-batched" if batched else "")
+    out = Path(output) if output else Path("runs") / (name + suffix)
     base = dict(raw.get("base") or {})
     if quick:
         if not raw.get("quick") and not any(isinstance(r, dict) and r.get("quick") for r in raw["runs"]):

@@ -96,7 +96,8 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
             nodes[rank] = {"metrics": final["metrics"], "stats": final["stats"], "elapsed": final["elapsed"],
                            "samples": start.get("samples")}
     evaluated = [n["metrics"] for n in nodes.values() if n["metrics"]]
-    modelled = any(e.get("event") == "final" and e.get("clock") == "modelled" for events in logs.values() for e in events)
+    modelled = any(e.get("event") == "final" and e.get("clock") == "modelled"
+                   for events in logs.values() for e in events)
     means = {}
     for key in ("accuracy", "loss", "precision", "recall", "f1"):
         means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
