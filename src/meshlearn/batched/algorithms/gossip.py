@@ -16,7 +16,6 @@ the first time one of their results is needed.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import torch
 from meshlearn.algorithms.gossip import PeerScores, interpolation_factor
 from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.events import EventQueue, PendingSteps
 
 START, DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(6)
 
@@ -52,7 +52,6 @@ class _Node:
 
     step: int = 0
     done_at: float = 0.0  # when its current step's training ends
-    trained: bool = False  # its current step has been computed
     waiting: bool = False  # trained and published, waiting for its fetch
     fetch: _Fetch | None = None
     clock: float = 0.0  # dpwa's clock: steps trained, interpolated with the peers'
@@ -90,15 +89,12 @@ class BatchedGossip(BatchedAlgorithm):
         published = state.clone()  # what each node serves: its last trained state, before its merge
         answers = torch.empty_like(state)  # the state each node's fetch was answered with
         node = [_Node() for _ in range(nodes)]
-        events: list = []
-        sequence = 0
-        untrained: set[int] = set()
+        events = EventQueue()
+        steps = PendingSteps(driver.train)
         numbers = itertools.count()
 
         def push(time: float, kind: int, rank: int, other: int = -1, number: int = -1) -> None:
-            nonlocal sequence
-            sequence += 1
-            heapq.heappush(events, (time, sequence, kind, rank, other, number))
+            events.push(time, kind, rank, other, number)
 
         def start(rank: int, now: float) -> None:
             me = node[rank]
@@ -107,8 +103,7 @@ class BatchedGossip(BatchedAlgorithm):
                 driver.finished(rank, now)
                 return
             me.done_at = now + step_seconds[rank]
-            me.trained = False
-            untrained.add(rank)
+            steps.start(rank)
             me.fetch = None
             rng = self.rngs[rank]
             if rng.random() < settings.fetch_probability and (peer := self.scores[rank].pick()) is not None:
@@ -166,16 +161,12 @@ class BatchedGossip(BatchedAlgorithm):
         for rank in range(nodes):
             start(rank, 0.0)
         while events:
-            now, _, kind, rank, other, number = heapq.heappop(events)
+            now, (kind, rank, other, number) = events.pop()
             me = node[rank]
             if kind == DONE:
-                if not me.trained:  # every started step is computed now, together
-                    losses = driver.train(sorted(untrained))
-                    for trained, loss in losses.items():
-                        node[trained].trained = True
-                        node[trained].loss = loss
-                        node[trained].losses.append(loss)
-                    untrained.clear()
+                for trained, (loss,) in steps.settle(rank).items():  # every started step, computed together
+                    node[trained].loss = loss
+                    node[trained].losses.append(loss)
                 me.clock += 1
                 published[rank].copy_(state[rank])
                 for client, asked in me.held:

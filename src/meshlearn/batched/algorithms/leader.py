@@ -12,13 +12,11 @@ keep pinging a living leader in the process engine, so none is ever counted lost
 
 from __future__ import annotations
 
-import heapq
-import itertools
-
 import torch
 
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.events import EventQueue, PendingSteps
 from meshlearn.clock import Clock
 
 DONE, PUSH, REPLY, BARRIER = range(4)
@@ -60,19 +58,16 @@ class BatchedLeader(BatchedAlgorithm):
         held: list[int] = []  # pushes the book may not answer yet
         iteration = [0] * nodes
         pushed_at = [0.0] * nodes
-        untrained: set[int] = set()
-        events: list = []
-        sequence = itertools.count()
+        events = EventQueue()
+        steps = PendingSteps(driver.train, config.rounds)
         size = ctx.stacked.row_bytes
-
-        def push(time: float, kind: int, rank: int) -> None:
-            heapq.heappush(events, (time, next(sequence), kind, rank))
+        push = events.push
 
         def start(rank: int, now: float) -> None:
             if iteration[rank] == config.iterations:
                 driver.finished(rank, now)
                 return
-            untrained.add(rank)
+            steps.start(rank)
             push(now + config.rounds * float(clocks.step_seconds[rank]), DONE, rank)
 
         def answer(rank: int, now: float) -> None:
@@ -94,17 +89,13 @@ class BatchedLeader(BatchedAlgorithm):
             push(config.tcp.wait_timeout, BARRIER, LEADER)
         losses: dict[int, list[float]] = {rank: [] for rank in range(nodes)}
         while events:
-            now, _, kind, rank = heapq.heappop(events)
+            now, (kind, rank) = events.pop()
             clock.now = now
             for member in range(nodes):  # living members keep pinging the leader
                 book.touch(member)
             if kind == DONE:
-                if rank in untrained:  # every started iteration is trained now, together
-                    group = sorted(untrained)
-                    for _ in range(config.rounds):
-                        for member, loss in driver.train(group).items():
-                            losses[member].append(loss)
-                    untrained.clear()
+                for member, trained in steps.settle(rank).items():  # every started iteration, together
+                    losses[member] += trained
                 pushed_at[rank] = now
                 latency = 0.0 if rank == LEADER else float(clocks.latencies(1)[0])
                 if rank != LEADER:
