@@ -251,10 +251,11 @@ def test_udp_dpsgd_without_loss_equals_tcp_and_loss_is_counted(tmp_path):
     assert all(e["comm"] == pytest.approx(0.4) for e in iterations if e["chunks_missing"])  # waited the timeout
 
 
-def _run(command: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; whatever it left running is killed at the end."""
+def _run(command: list[str], folder, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run a command in its own process group, its temporary files in ``folder`` (torchrun leaves
+    its log folders there); whatever it left running is killed at the end."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(folder)})
     try:
         out, _ = proc.communicate(timeout=timeout)
     finally:
@@ -274,10 +275,10 @@ def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_pa
              "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]
     if net == "udp-lossy":
         flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%"]
-    single = _run([sys.executable, "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "one")])
+    single = _run([sys.executable, "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "one")], tmp_path)
     assert single.returncode == 0, single.stdout
     spread = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "two")])
+                   "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "two")], tmp_path)
     assert spread.returncode == 0, spread.stdout
     assert spread.stdout.count("results:") == 1  # the first process reports, the other stays quiet
     one, two = (json.loads((tmp_path / name / "summary.json").read_text()) for name in ("one", "two"))

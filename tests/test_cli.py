@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from helpers.netproc import free_port
+
 
 def _run(*args, cwd=None, timeout=120):
     return subprocess.run([sys.executable, "-m", "meshlearn", *args], capture_output=True, text=True,
@@ -84,12 +86,6 @@ def _run_env(*args, env_extra=None, timeout=120):
                           timeout=timeout, env={**os.environ, **(env_extra or SECRET_ENV)})
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("args, fragments", [
     (["--model", "nope"], ["unknown model 'nope'", "--models-module"]),
     (["--seed", str(2**64 + 1)], ["'seed'", "less than or equal to"]),
@@ -97,7 +93,7 @@ def _dead_port() -> int:
 ])
 def test_a_request_that_cannot_run_is_refused_before_any_provider_is_claimed(args, fragments):
     # the bootstrap address answers nothing: these errors must come before it is ever asked
-    result = _run_env("request", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--data", "digits", *args)
+    result = _run_env("request", "--bootstrap", f"127.0.0.1:{free_port()}", "--data", "digits", *args)
     _one_line_error(result, 2, *fragments)
 
 
@@ -106,14 +102,14 @@ def test_request_weights_that_do_not_fit_the_model_are_refused_first(tmp_path):
     from safetensors.torch import save_file
 
     save_file({"x": torch.zeros(3)}, str(tmp_path / "w.safetensors"))
-    result = _run_env("request", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--data", "digits", "--model", "mlp",
+    result = _run_env("request", "--bootstrap", f"127.0.0.1:{free_port()}", "--data", "digits", "--model", "mlp",
                       "--weights", str(tmp_path / "w.safetensors"))
     _one_line_error(result, 2, "weights file does not fit the model")
 
 
 def test_a_provider_models_module_with_a_syntax_error_is_one_line(tmp_path):
     (tmp_path / "models.py").write_text("def broken(:\n")
-    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{_dead_port()}", "--models-module",
+    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{free_port()}", "--models-module",
                       str(tmp_path / "models.py"), timeout=60)
     _one_line_error(result, 2, "failed to load (line 1)", "SyntaxError")
 
@@ -122,7 +118,7 @@ def test_a_provider_models_module_with_a_syntax_error_is_one_line(tmp_path):
 def test_a_bootstrap_state_that_is_not_a_registry_is_one_line(tmp_path, state, fragment):
     (tmp_path / "not-a-db.sqlite").write_text("not a database, just text\n" * 50)
     (tmp_path / "a-file").write_text("x")
-    result = _run_env("bootstrap", "--state", str(tmp_path / state), "--port", str(_dead_port()), timeout=60)
+    result = _run_env("bootstrap", "--state", str(tmp_path / state), "--port", str(free_port()), timeout=60)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert fragment in result.stderr
 
@@ -153,7 +149,7 @@ def test_the_zoo_registers_exactly_the_built_in_model_names():
 
 @pytest.mark.parametrize("flag, value, fragment", [("--ram", "-5", "'ram_gb'"), ("--cores", "0", "'cores'")])
 def test_provider_resources_that_make_no_sense_are_one_line_not_retried_or_replaced(flag, value, fragment):
-    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{_dead_port()}", flag, value, timeout=60)
+    result = _run_env("provider", "--bootstrap", f"127.0.0.1:{free_port()}", flag, value, timeout=60)
     _one_line_error(result, 2, fragment)
 
 
@@ -258,7 +254,7 @@ def test_a_provider_with_another_secret_is_refused_once_with_one_line(tmp_path):
     """It used to retry registration forever, and its Ctrl-C hung for minutes."""
     import os
 
-    port = _dead_port()
+    port = free_port()
     bootstrap = subprocess.Popen([sys.executable, "-m", "meshlearn", "bootstrap", "--port", str(port), "--state",
                                   str(tmp_path / "reg.sqlite")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env={**os.environ, **SECRET_ENV})
@@ -283,7 +279,7 @@ def test_ctrl_c_stops_a_provider_still_waiting_for_its_bootstrap():
 
     # pinned: a provider may start before its bootstrap only if it knows the key to expect
     provider = subprocess.Popen([sys.executable, "-m", "meshlearn", "provider", "--bootstrap",
-                                 f"127.0.0.1:{_dead_port()}@{KeyPair.generate().text}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 f"127.0.0.1:{free_port()}@{KeyPair.generate().text}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env={**os.environ, **SECRET_ENV})
     try:
         for line in provider.stdout:  # it is up and retrying

@@ -18,9 +18,18 @@ SECRET = "test-network-secret"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port P whose P + 1 is free too: a bootstrap's relay listens on --port + 1,
+    and a busy neighbour port would fail the start with "give the relay another port"."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free pair of neighbouring ports on 127.0.0.1")
 
 
 class Processes:
