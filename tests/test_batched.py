@@ -171,8 +171,6 @@ def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(t
 
 
 def test_a_setting_the_batched_engine_cannot_run_is_one_line():
-    with pytest.raises(ConfigError, match="batched engine models UDP's sync mode so far, not async"):
-        make_config({"engine": "batched", "transport": "udp", "udp_mode": "async"})
     with pytest.raises(ConfigError, match="use --engine batched"):
         make_config({"nodes": 5000})
     assert make_config({"nodes": 5000, "engine": "batched"}).nodes == 5000
@@ -362,3 +360,22 @@ def test_batched_leader_waits_for_everyone_first_and_ends_with_one_model(tmp_pat
              for rank, events in load_logs(tmp_path).items()}
     assert later[0][5] - later[0][4] == pytest.approx(0.01, abs=1e-3)  # then nobody waits for the straggler
     assert later[3][5] - later[3][4] == pytest.approx(0.03, abs=1e-3)
+
+
+def test_udp_async_averages_only_the_chunks_that_arrived_when_each_node_was_ready(tmp_path):
+    values = {**BASE, "transport": "udp", "udp_mode": "async", "chunk_bytes": 4000}
+    # 200 ms on the wire, 1 ms steps: nothing of an iteration arrives while its receiver is still
+    # in it, so nobody averages (the study's UDP-async finding) and nobody waits
+    delayed = _batched({**values, "net": "delay=200ms"}, tmp_path / "delayed").stacked.state
+    alone = _batched({**BASE, "algorithm": "local"}, tmp_path / "local").stacked.state
+    assert torch.equal(delayed, alone)
+    # a node 10x slower than the others is ready after its neighbours' chunks arrive and averages
+    # them; the others are ready before anyone's chunks arrive (the slow node's, or those of
+    # neighbours as fast as they are, still on the wire) and average nothing
+    config = make_config({**values, "engine": "batched", "step_time": 0.001, "slowdown": "0:10",
+                          "output": str(tmp_path / "slow")})
+    simulate(config, progress=False)
+    logs = load_logs(tmp_path / "slow")
+    iterations = {rank: [e for e in events if e["event"] == "iteration"] for rank, events in logs.items()}
+    assert all(e["received"] == 3 and e["comm"] == 0 for e in iterations[0])
+    assert all(e["received"] == 0 and e["comm"] == 0 for r in range(1, 6) for e in iterations[r])

@@ -143,10 +143,6 @@ class ExperimentConfig(Settings):
         if self.engine == "process" and self.nodes > PROCESS_NODES:
             raise ValueError(f"{self.nodes} nodes are too many processes for one machine (at most {PROCESS_NODES}): "
                              "use --engine batched")
-        if self.engine == "batched":
-            if self.transport == "udp" and self.udp.mode != "sync":
-                raise ValueError("the batched engine models UDP's sync mode so far, not async: use --udp-mode sync, "
-                                 "or --engine process for async")
         return self
 
     @classmethod

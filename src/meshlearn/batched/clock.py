@@ -17,6 +17,8 @@ for ``wait_timeout`` past the moment it was ready, as a process-engine node does
 every chunk travels on its own (its own latency draw) and may be lost (``batched.loss``); a node
 waits until every chunk is in, or for the UDP ``timeout``: chunks later than that count as lost
 (the process engine's ``late_chunks: use`` would keep them for the next iteration; not modelled).
+In UDP's async mode nobody waits: a node averages the chunks of the iteration that have arrived
+when it is ready (the UDP transport's async take: the newest message so far, older ones dropped).
 """
 
 from __future__ import annotations
@@ -71,12 +73,17 @@ class VirtualClocks:
         arrived = arrival <= ready[self.receiver] + self.wait_timeout
         return arrived, self._wait(ready, arrival, arrived)
 
-    def gather_chunks(self, arrives: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather_chunks(self, arrives: np.ndarray, wait: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """As ``gather``, over UDP: ``arrives`` [links, chunks] says which chunks the network
-        delivers at all; returns (chunks in time, [links, chunks]; each node's waiting time)."""
+        delivers at all; returns (chunks in time, [links, chunks]; each node's waiting time).
+        Without ``wait`` (UDP's async mode) nobody waits: what has arrived when a node is ready is
+        what it averages, and the rest of that iteration's chunks come too late for it."""
         ready = self.now.copy()
         arrival = ready[self.sender][:, None] + self.latencies(arrives.shape, tcp=False)
-        in_time = arrives & (arrival <= (ready[self.receiver] + self.wait_timeout)[:, None])
+        deadline = ready[self.receiver] + (self.wait_timeout if wait else 0.0)
+        in_time = arrives & (arrival <= deadline[:, None])
+        if not wait:
+            return in_time, np.zeros(len(ready))
         return in_time, self._wait(ready, np.where(in_time, arrival, -np.inf).max(1), in_time.all(1))
 
     def _wait(self, ready: np.ndarray, arrival: np.ndarray, complete: np.ndarray) -> np.ndarray:

@@ -44,10 +44,11 @@ class BatchedDPSGD(BatchedAlgorithm):
             self.mixing.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
             complete = arrived
         else:
-            in_time, waited = ctx.clocks.gather_chunks(self.loss.draw())
+            in_time, waited = ctx.clocks.gather_chunks(self.loss.draw(), wait=ctx.config.udp.mode == "sync")
             mine = torch.from_numpy(in_time).to(local.weight.device)[local.ids]
             self.chunked.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
-            arrived, complete = in_time.any(1), in_time.all(1)
+            arrived = in_time.any(1)
+            complete = in_time.all(1) | (ctx.config.udp.mode == "async")  # async: nobody waits, nobody times out
             lost = np.bincount(self.receivers, weights=(~in_time).sum(1), minlength=ctx.graph.n).astype(np.int64)
             self.traffic.add("chunks_lost", lost)
             columns["chunks_missing"] = lost
