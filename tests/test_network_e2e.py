@@ -225,6 +225,7 @@ def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partition
                           "seed": seed, "output": str(tmp_path / "sim")})
     result = simulate(config, progress=False)
     simulated = json.loads((result.output / "summary.json").read_text())["final"]["accuracy"]
-    # the network's leader is asynchronous: the same task, seed and code land up to 0.006 apart from run to run
-    # (benchmarks/RESULTS.md, issue 17), so the simulation is held to 0.015 (five test images of 359)
-    assert network_accuracy > 0.9 and abs(simulated - network_accuracy) <= 0.015, (simulated, network_accuracy)
+    # both leaders are asynchronous: the same task, seed and code land apart from run to run (six runs each,
+    # 2026-11-24: the network 0.947-0.964, the simulation 0.944-0.961; 0.0167 apart once under the whole
+    # suite's load), so the simulation is held to 0.02 (seven test images of 359)
+    assert network_accuracy > 0.9 and abs(simulated - network_accuracy) <= 0.02, (simulated, network_accuracy)

@@ -48,3 +48,15 @@ class StackedSGD:
         params.add_(grads, alpha=-self.lr)
         if rows is not None:
             self.params[rows] = params
+
+
+def local_step(model: torch.nn.Module, parameters: list[torch.Tensor], optimizer: StackedSGD, x: torch.Tensor,
+               y: torch.Tensor) -> torch.Tensor:
+    """One SGD step of ``model`` on the batch (``x``, ``y``): cross-entropy, its gradient with
+    respect to ``parameters`` (the model's, in the order of the flat vector ``optimizer`` updates
+    as one row), the update. Returns the loss (a process-engine node's step)."""
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(x), y)
+    grads = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
+    optimizer.step(torch.cat([g.reshape(1, -1) for g in grads], 1))
+    return loss

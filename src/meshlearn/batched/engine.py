@@ -30,10 +30,11 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, load_dataset, partition
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
+from meshlearn.flat import FlatState
 from meshlearn.models import build_model
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
-from meshlearn.sgd import StackedSGD
+from meshlearn.sgd import StackedSGD, local_step
 from meshlearn.topology import Graph
 
 MEASURED_STEPS = 5
@@ -55,17 +56,16 @@ def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, c
     random state as it was."""
     device = torch.device(config.device)
     with torch.random.fork_rng(devices=[]):
-        alone = copy.deepcopy(model).to(device).train()
-        optimizer = torch.optim.SGD(alone.parameters(), lr=config.lr, momentum=config.momentum,
-                                    weight_decay=config.weight_decay)
+        alone = copy.deepcopy(model).to(device)
+        flat = FlatState(alone)
+        optimizer = StackedSGD(flat.params.unsqueeze(0), config.lr, config.momentum, config.weight_decay)
+        parameters = list(alone.parameters())
         batch = torch.as_tensor(indices[:config.batch_size])
         x, y = dataset.normalize(dataset.train_x[batch]).to(device), dataset.train_y[batch].to(device)
         times = []
         for _ in range(MEASURED_STEPS + 1):
             start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(alone(x), y).backward()
-            optimizer.step()
+            local_step(alone, parameters, optimizer, x, y)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)

@@ -45,7 +45,6 @@ class NodeModels:
         self.model = stacked.template
         self.vectorized = vectorized
         self.chunk = chunk or stacked.nodes
-        self.buffer_offset = stacked.param_count
         self._grad = grad_and_value(self._loss)
         self._vgrad = vmap(self._grad, randomness="different")
         self._vforward = vmap(self._forward, randomness="different")

@@ -14,7 +14,7 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.runlog import JsonlLog
-from meshlearn.sgd import StackedSGD
+from meshlearn.sgd import StackedSGD, local_step
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint
 
@@ -57,7 +57,6 @@ class Node:
             samples=len(self.loader.indices), iterations=config.iterations))
         self.log = log
         self.hooks: list[IterationHook] = []
-        self.loss_fn = nn.CrossEntropyLoss()
         self.slowdown = config.slowdown_of(rank)
 
     def contacts(self, book: Mapping[int, str]) -> dict[int, str]:
@@ -80,11 +79,7 @@ class Node:
     def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        self.model.train()
-        loss = self.loss_fn(self.model(x), y)
-        grads = torch.autograd.grad(loss, self.parameters, allow_unused=True, materialize_grads=True)
-        self.optimizer.step(torch.cat([g.reshape(1, -1) for g in grads], 1))
-        return float(loss.detach())
+        return float(local_step(self.model, self.parameters, self.optimizer, x, y).detach())
 
     def evaluate(self, full: bool = False) -> Evaluation:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
