@@ -78,7 +78,7 @@ def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_pat
 
 def test_mixing_takes_the_metropolis_hastings_average_and_keeps_weight_of_missed_models():
     graph = Graph(3, [(0, 1), (1, 2)])  # a path: degrees 1, 2, 1; w01 = w12 = 1/3
-    mixing = MetropolisMixing(Links(graph))
+    mixing = MetropolisMixing(Links.of(graph))
     state = torch.tensor([[3.0, 0.0], [0.0, 3.0], [6.0, 6.0]])
     every = state.clone()
     mixing.mix_(every)
@@ -108,7 +108,7 @@ def test_stacked_sgd_is_torch_sgd_per_node():
 
 def _clocks(values: dict, step_time: float, message_bytes: int = 1000) -> VirtualClocks:
     config = make_config(values)
-    links = Links(build_topology(config.topology, config.nodes, config.seed))
+    links = Links.of(build_topology(config.topology, config.nodes, config.seed))
     return VirtualClocks(config, step_time, message_bytes, links.sender.numpy(), links.receiver.numpy())
 
 
@@ -197,7 +197,7 @@ def test_correlated_chunk_loss_comes_in_bursts_as_long_as_the_chains():
 def _random_graph_state(seed: int):
     graph = build_topology("erdos:0.5", 7, seed)
     state = torch.randn(7, 100, generator=torch.Generator().manual_seed(seed))
-    return graph, Links(graph), state
+    return graph, Links.of(graph), state
 
 
 @pytest.mark.parametrize("rule", ["per-chunk", "fill-local"])

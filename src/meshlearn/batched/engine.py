@@ -138,7 +138,7 @@ class BatchedSimulation:
             config.batched.step_time or (measure_step_time(model, dataset, parts[0], config) if shard.main else 0.0))
         stacked = self.stacked = StackedState(model, shard.size, device)
         models = NodeModels(stacked, vectorize(config, model), config.batched.chunk)
-        links = Links(graph, device)
+        links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links
         if shard.count > 1:

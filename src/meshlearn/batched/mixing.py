@@ -2,21 +2,35 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from meshlearn.topology import Graph, mh_row
 
 
+@dataclass
 class Links:
     """The run's directed links (sender -> receiver, one per neighbour pair and direction), in
     receiver order, then sender order: the order a process-engine node sums its neighbours in.
 
-    ``receiver`` indexes the rows being averaged, ``sender`` the rows they read (the same rows in
-    one process; a block's own rows, then those received from other blocks, for ``local``);
-    ``sender_rank`` is the sender's global rank, ``ids`` each link's place in the whole run's list.
+    ``receiver`` indexes the rows being averaged (``nodes`` of them), ``sender`` the rows they read
+    (``columns``: the same rows in one process; a block's own rows, then those received from other
+    blocks, for ``local``); ``sender_rank`` is the sender's global rank, ``weight`` its
+    Metropolis-Hastings weight w_ij, ``ids`` each link's place in the whole run's list.
     """
 
-    def __init__(self, graph: Graph, device: torch.device | str = "cpu"):
+    nodes: int
+    columns: int
+    receiver: torch.Tensor
+    sender: torch.Tensor
+    sender_rank: torch.Tensor
+    weight: torch.Tensor
+    ids: torch.Tensor
+
+    @classmethod
+    def of(cls, graph: Graph, device: torch.device | str = "cpu") -> "Links":
+        """Every link of ``graph``."""
         receivers, senders, weights = [], [], []
         for i in range(graph.n):
             row = mh_row(graph, i)
@@ -24,25 +38,19 @@ class Links:
                 receivers.append(i)
                 senders.append(j)
                 weights.append(row[j])
-        self.nodes = self.columns = graph.n
-        self.receiver = torch.tensor(receivers, dtype=torch.int64, device=device)
-        self.sender = torch.tensor(senders, dtype=torch.int64, device=device)
-        self.sender_rank = self.sender
-        self.weight = torch.tensor(weights, dtype=torch.float64, device=device)  # Metropolis-Hastings w_ij
-        self.ids = torch.arange(len(receivers), device=device)
+        sender = torch.tensor(senders, dtype=torch.int64, device=device)
+        return cls(graph.n, graph.n, torch.tensor(receivers, dtype=torch.int64, device=device), sender, sender,
+                   torch.tensor(weights, dtype=torch.float64, device=device),
+                   torch.arange(len(receivers), device=device))
 
     def local(self, start: int, stop: int, extended: dict[int, int]) -> "Links":
         """The links into global ranks ``start .. stop - 1``, receivers numbered from 0 and senders
         by ``extended`` (global rank -> row of the block's extended state)."""
         keep = (self.receiver >= start) & (self.receiver < stop)
-        view = object.__new__(Links)
-        view.nodes, view.columns = stop - start, len(extended)
-        view.receiver = self.receiver[keep] - start
-        view.sender_rank = self.sender[keep]
-        view.sender = torch.tensor([extended[int(j)] for j in view.sender_rank.tolist()], dtype=torch.int64,
-                                   device=self.sender.device)
-        view.weight, view.ids = self.weight[keep], self.ids[keep]
-        return view
+        ranks = self.sender[keep]
+        rows = torch.tensor([extended[int(j)] for j in ranks.tolist()], dtype=torch.int64, device=ranks.device)
+        return Links(stop - start, len(extended), self.receiver[keep] - start, rows, ranks, self.weight[keep],
+                     self.ids[keep])
 
     def __len__(self) -> int:
         return len(self.receiver)
