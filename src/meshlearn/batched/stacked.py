@@ -29,7 +29,6 @@ class StackedState:
         self.state = flat.state.detach().to(device).unsqueeze(0).repeat(nodes, 1).contiguous()
         self.counters = {name: buffer.detach().to(device).unsqueeze(0).repeat(nodes, *[1] * buffer.dim()).contiguous()
                          for name, buffer in model.named_buffers() if not buffer.is_floating_point()}
-        self.segment_ranges = flat.ranges  # the wire's segments of a row (what a process node sends)
 
     @property
     def params(self) -> torch.Tensor:
