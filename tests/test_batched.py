@@ -49,7 +49,10 @@ def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
     return simulation.stacked.state
 
 
-@pytest.mark.parametrize("algorithm,extra", [("dpsgd", {"momentum": 0.9, "weight_decay": 1e-4}), ("local", {})])
+@pytest.mark.parametrize("algorithm,extra", [
+    ("dpsgd", {"momentum": 0.9, "weight_decay": 1e-4}), ("local", {}),
+    ("dpsgd", {"aggregation": "trimmed-mean:1", "byzantine": "2:sign-flip:3,4:alie,5:alie"}),
+    ("dpsgd", {"aggregation": "clip", "byzantine": "1:label-flip,3:stale,5:gaussian:0.5"})])
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = _process_engine_states(values)
@@ -271,8 +274,9 @@ def _run(command: list[str], folder, timeout: float = 240) -> subprocess.Complet
 def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_path, net):
     flags = ["--engine", "batched", "--nodes", "7", "--topology", "regular:4", "--iterations", "4", "--rounds", "2",
              "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]
-    if net == "udp-lossy":
-        flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%"]
+    if net == "udp-lossy":  # with bad nodes in both blocks, one of them rushing, and a robust rule per chunk
+        flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%",
+                  "--byzantine", "1:alie,5:sign-flip:4", "--aggregation", "trimmed-mean:1"]
     single = _run([sys.executable, "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "one")], tmp_path)
     assert single.returncode == 0, single.stdout
     spread = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

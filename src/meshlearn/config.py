@@ -18,7 +18,9 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from meshlearn.aggregation.spec import RULE_HELP, check_rule
 from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
+from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
@@ -62,6 +64,9 @@ class ExperimentConfig(Settings):
     algorithm: Literal["dpsgd", "gossip", "leader", "local"] = Field(
         "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
         "leader aggregation, CloudMesh) | local (no exchange)")
+    aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
+                             "leader): " + RULE_HELP)
+    byzantine: str = Field("", description=BYZANTINE_HELP)
     transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
                                                                 "datagrams, tolerates loss)")
     net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
@@ -118,6 +123,26 @@ class ExperimentConfig(Settings):
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
+
+    @field_validator("aggregation")
+    @classmethod
+    def _known_rule(cls, value: str) -> str:
+        return check_rule(value)
+
+    @field_validator("byzantine")
+    @classmethod
+    def _valid_byzantine(cls, value: str) -> str:
+        parse_byzantine(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _byzantine_nodes_exist(self) -> "ExperimentConfig":
+        parse_byzantine(self.byzantine, self.nodes)
+        return self
+
+    def attackers(self) -> dict:
+        """Bad nodes' behaviours, by rank (``byzantine``)."""
+        return parse_byzantine(self.byzantine, self.nodes)
 
     @field_validator("slowdown")
     @classmethod

@@ -1,14 +1,23 @@
-"""Aggregation rules: how a set of models, each with a weight, becomes one model.
+"""Aggregation rules: how a node's own model and the models it received become its next model.
 
-A rule is a pure function ``rule(models, weights) -> model`` over flat state vectors: no
-threads, no sockets, no state, so it can be tested on hand-computed vectors and applied by any
-algorithm (the leader's average today; D-PSGD's and gossip's neighbourhoods next). How much each
-model counts (its weight) is decided apart from the rule, by the functions in ``weights``.
-Rules register by name, one file each (``mean.py``); ``get_rule("mean")`` finds one.
+A rule is a small class (one file each) over stacked flat states: ``rule(models, weights)`` with
+``models`` of shape ``[..., K, P]`` (K models, row 0 the aggregating node's own) and ``weights``
+``[..., K]``, returning ``[..., P]``. No threads, no sockets, no state: tested on hand-computed
+vectors, applied alike by D-PSGD, gossip and the leader, in both engines, over whole states or per
+chunk of what arrived (``present``). How much a model counts is decided apart from the rule, by
+``weights``. ``get_rule("trimmed-mean:1")`` builds one from its name (``spec``: no torch).
+
+Names are imported on first use, so reading settings does not load torch.
 """
 
-from meshlearn.aggregation.base import RULES, AggregationRule, get_rule, register_rule
-from meshlearn.aggregation.mean import mean
-from meshlearn.aggregation.weights import by_samples, by_staleness, equal
+from meshlearn.lazy import lazy_exports
 
-__all__ = ["RULES", "AggregationRule", "by_samples", "by_staleness", "equal", "get_rule", "mean", "register_rule"]
+_WHERE = {
+    "AggregationRule": "base", "get_rule": "base", "register_rule": "base", "RULES": "spec",
+    "RuleSpec": "spec", "parse_rule": "spec", "check_rule": "spec", "RULE_HELP": "spec",
+    "aggregate_present": "present", "PeerWatch": "suspects",
+    "by_samples": "weights", "by_staleness": "weights", "equal": "weights",
+}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

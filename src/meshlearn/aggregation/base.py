@@ -1,33 +1,90 @@
-"""The interface every aggregation rule implements, and the registry that names them."""
+"""The interface every aggregation rule implements, and how a rule is built from its name."""
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from abc import ABC, abstractmethod
+from typing import Callable, ClassVar, Sequence
 
 import torch
 
-from meshlearn.plugins import Registry
+from meshlearn.aggregation.spec import RULES, parse_rule
+from meshlearn.errors import ConfigError
 
 
-class AggregationRule(Protocol):
-    """``rule(models, weights)``: one model from equally shaped models and their non-negative
-    weights (at least one positive). Must not modify its inputs."""
+class AggregationRule(ABC):
+    """One model from a node's own model and those it received, for a batch of nodes at once.
 
-    def __call__(self, models: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor: ...
+    ``models``: ``[..., K, P]``, row 0 the aggregating node's own model (the reference of
+    self-centred rules), rows 1.. the others in any order; ``weights``: ``[..., K]``,
+    non-negative, not all zero (Metropolis-Hastings weights, or the leader's). Returns
+    ``[..., P]``. Must not modify its inputs. ``robust`` says whether the rule bounds what a
+    minority of bad models can do (``mean`` does not).
+    """
+
+    name: ClassVar[str]
+    robust: ClassVar[bool] = True
+
+    @abstractmethod
+    def aggregate(self, models: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The aggregate of stacked ``models`` (see the class)."""
+
+    def __call__(self, models: torch.Tensor | Sequence[torch.Tensor],
+                 weights: torch.Tensor | Sequence[float]) -> torch.Tensor:
+        """``aggregate``, also for a list of equally shaped flat models and a list of weights."""
+        if not isinstance(models, torch.Tensor):
+            if not models:
+                raise ValueError("no models to aggregate")
+            if any(m.shape != models[0].shape for m in models):
+                raise ValueError("models of different shapes cannot be aggregated")
+            models = torch.stack([m.to(models[0].device) for m in models])
+        weights = torch.as_tensor(weights, dtype=torch.float64, device=models.device)
+        if models.dim() < 2 or weights.shape != models.shape[:-1]:
+            raise ValueError(f"{tuple(weights.shape)} weights for models of shape {tuple(models.shape)}: give one "
+                             "weight per model")
+        if bool((weights < 0).any()) or not bool((weights.sum(-1) > 0).all()):
+            raise ValueError("weights must be non-negative, and at least one positive")
+        with torch.no_grad():
+            return self.aggregate(models, weights)
+
+    def __str__(self) -> str:
+        return self.name
 
 
-RULES: Registry[AggregationRule] = Registry("aggregation rule")
-register_rule = RULES.register  # decorator: @register_rule("name")
-get_rule = RULES.get  # the rule registered under a name; ConfigError lists the known ones otherwise
+def register_rule(name: str) -> Callable[[type[AggregationRule]], type[AggregationRule]]:
+    """Class decorator: register an aggregation rule under ``name`` (its constructor takes the
+    name's ``:``-separated arguments)."""
+
+    def add(cls: type[AggregationRule]) -> type[AggregationRule]:
+        cls.name = name
+        return RULES.add(name, cls)
+
+    return add
 
 
-def check_inputs(models: Sequence[torch.Tensor], weights: Sequence[float]) -> None:
-    """Raise ValueError unless the models and weights fit the rule interface."""
-    if not models or len(models) != len(weights):
-        raise ValueError(f"{len(models)} model(s) and {len(weights)} weight(s): give one weight per model, "
-                         "and at least one model")
-    if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
-        raise ValueError("weights must be non-negative, and at least one positive")
-    shape = models[0].shape
-    if any(m.shape != shape for m in models):
-        raise ValueError("models of different shapes cannot be aggregated")
+def get_rule(text: str) -> AggregationRule:
+    """The rule ``text`` names, with its arguments (``trimmed-mean:1``); ConfigError if unknown or
+    badly written."""
+    spec = parse_rule(text)
+    cls = RULES.get(spec.name)
+    try:
+        return cls(*spec.args)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"aggregation rule {text!r}: {exc}") from None
+
+
+def normalised(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weights`` divided by their sum over the last dimension, in ``dtype``."""
+    return (weights / weights.sum(-1, keepdim=True)).to(dtype)
+
+
+def pairwise_sq_distances(models: torch.Tensor) -> torch.Tensor:
+    """``[..., K, K]`` squared Euclidean distances between the rows of ``models`` ``[..., K, P]``,
+    accumulated in float64 (models close together lose nothing to cancellation)."""
+    diff = models.unsqueeze(-2) - models.unsqueeze(-3) if models.shape[-1] <= 4096 else None
+    if diff is not None:
+        return diff.double().square().sum(-1)
+    k = models.shape[-2]
+    out = models.new_zeros(*models.shape[:-2], k, k, dtype=torch.float64)
+    for i in range(k):
+        out[..., i, :] = (models - models[..., i:i + 1, :]).double().square().sum(-1)
+    return out

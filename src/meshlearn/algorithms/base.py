@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
+import torch
+
+from meshlearn.aggregation.base import get_rule
+from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.plugins import Registry
@@ -14,11 +18,16 @@ from meshlearn.settings import Settings
 from meshlearn.topology import Graph
 from meshlearn.transport.base import Endpoint, Unconnected
 
+if TYPE_CHECKING:
+    from meshlearn.attacks.forge import Attack
+
 
 @dataclass
 class AlgorithmContext:
-    """What an algorithm may use of its node: identity, state, link, its own settings, and the
-    run's shape (seed, samples in the node's shard, iterations)."""
+    """What an algorithm may use of its node: identity, state, link, its own settings, the run's
+    shape (seed, samples in the node's shard, iterations), the aggregation rule its node applies
+    and, for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
+    nodes it colludes with)."""
 
     rank: int
     flat: FlatState
@@ -28,6 +37,21 @@ class AlgorithmContext:
     seed: int = 0
     samples: int = 0
     iterations: int = 0
+    rule: str = "mean"
+    attack: "Attack | None" = None
+    initial: torch.Tensor | None = None
+    colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes
+
+    def outgoing(self, state: torch.Tensor, iteration: int, neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        """The flat model this node sends for ``state``: ``state`` itself, or what its attack forges
+        (``neighbours``: the models it saw this round, for a rushing attack)."""
+        if self.attack is None:
+            return state
+        from meshlearn.attacks.forge import ForgeInputs, attack_generator
+
+        initial = self.initial if self.initial is not None else state
+        return self.attack.forge(state, ForgeInputs(initial, neighbours, attack_generator(self.seed, self.rank,
+                                                                                            iteration)))
 
 
 class Algorithm(ABC):
@@ -51,6 +75,12 @@ class Algorithm(ABC):
             raise ConfigError(f"the {self.name} algorithm needs a {self.endpoint.__name__}, not a "
                               f"{type(ctx.transport).__name__}")
         self.ctx = ctx
+        self.rule = get_rule(ctx.rule)
+        self.watch = PeerWatch()  # refused and deviant models, per peer
+
+    def peers_report(self) -> dict:
+        """Refused and deviant models per peer, and the suspected peers (the run log's final event)."""
+        return self.watch.report()
 
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""

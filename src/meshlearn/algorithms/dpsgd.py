@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
+from meshlearn.aggregation.present import aggregate_present
+from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.averaging import (
     MISSING_CHUNK_RULES,
     chunked_average_,
@@ -27,6 +31,9 @@ class DPSGD(Algorithm):
     A neighbour whose model misses the deadline is left out of this iteration's average and
     its weight goes to the node's own model, so the weights still sum to one. Over a lossy
     transport, lost chunks (and wholly lost models) are averaged per chunk by ``missing_chunks``.
+    With a robust ``aggregation`` rule the node applies it to its own model and those that arrived
+    (per chunk of what arrived, over a lossy transport), with the same weights. A model holding
+    NaN or Inf, or of another size or dtype, is refused before any rule sees it.
     """
 
     name = "dpsgd"
@@ -45,22 +52,21 @@ class DPSGD(Algorithm):
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
         t0 = time.perf_counter()
-        snapshot = ctx.flat.snapshot()
-        msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
+        received = None
+        if ctx.attack is not None and ctx.attack.rushing:
+            # it sees its honest neighbours' models before it sends (and skips its colluders')
+            received = ctx.transport.gather(iteration, [j for j in self.neighbours if j not in ctx.colluders])
         t1 = time.perf_counter()
-        ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
-        received = ctx.transport.gather(iteration, self.neighbours)
+        self._send(iteration, received)
+        if received is None:
+            received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
-        usable = []
-        # Sum in rank order, not arrival order, so that a run is bit-for-bit reproducible.
-        for sender in sorted(received):
-            problem = ctx.flat.check_compatible(received[sender].tensors)
-            if problem is None:
-                usable.append(sender)
-            else:
-                log.warning("node %d: ignored the model of %d: %s", ctx.rank, sender, problem)
+        usable = self._admit(received)
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
-        if partial or (self.lossy and usable and len(usable) < len(self.neighbours)):
+        chunked = bool(partial) or (self.lossy and bool(usable) and len(usable) < len(self.neighbours))
+        if self.rule.robust:
+            self._aggregate_robust(usable, received, chunked)
+        elif chunked:
             chunked_average_(ctx.flat.state, self.own_weight, [(self.weights[j], received[j]) for j in usable],
                              self.missing_chunk_rule)
         else:
@@ -78,3 +84,66 @@ class DPSGD(Algorithm):
             "partial": len(partial),
             "chunks_missing": sum(m.chunks.missing for m in partial),
         }
+
+    def _send(self, iteration: int, received: dict[int, Message] | None) -> None:
+        """Send this node's model (or, for a bad node, what it forges) to every neighbour."""
+        ctx = self.ctx
+        if ctx.attack is None:
+            snapshot = ctx.flat.snapshot()
+            msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
+            ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
+            return
+        seen = None
+        if received:
+            seen = torch.stack([_vector(ctx.flat, received[j]) for j in sorted(received)
+                                if ctx.flat.check_compatible(received[j].tensors) is None])
+        forged = ctx.outgoing(ctx.flat.state.detach(), iteration, seen)
+        ctx.transport.broadcast(self.neighbours, Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours),
+                                                         ctx.flat.segments_of(forged)))
+
+    def _admit(self, received: dict[int, Message]) -> list[int]:
+        """The senders whose models may be aggregated, in rank order (so that a run is bit-for-bit
+        reproducible); the others are refused and counted."""
+        usable = []
+        for sender in sorted(received):
+            msg = received[sender]
+            problem = self.ctx.flat.check_compatible(msg.tensors)
+            chunks = msg.chunks
+            if problem is None and chunks is None:
+                problem = next(filter(None, map(refusal, msg.tensors.values())), None)
+            elif problem is None:
+                problem = refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
+            if problem is None:
+                usable.append(sender)
+                self.watch.heard(sender)
+            else:
+                self.watch.refused(sender, problem)
+                log.warning("node %d: refused the model of %d: %s", self.ctx.rank, sender, problem)
+        return usable
+
+    def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool) -> None:
+        """The node's model <- the rule over it and the models in ``usable`` (per chunk of what
+        arrived, when ``chunked``)."""
+        state = self.ctx.flat.state
+        models = torch.empty(1, 1 + len(usable), state.numel(), dtype=state.dtype, device=state.device)
+        models[0, 0] = state
+        for k, j in enumerate(usable, start=1):
+            models[0, k] = _vector(self.ctx.flat, received[j])
+        own = 1.0 - sum(self.weights[j] for j in usable)
+        weights = torch.tensor([[own] + [self.weights[j] for j in usable]], dtype=torch.float64)
+        if chunked:
+            chunks = [received[j].chunks for j in usable]
+            present = torch.stack([torch.ones_like(chunks[0].present)] + [c.present for c in chunks]).unsqueeze(0)
+            result = aggregate_present(self.rule, models, weights, present.to(state.device),
+                                       chunks[0].chunk_bytes // state.element_size())[0]
+        else:
+            result = self.rule(models, weights)[0]
+            self.watch.observe(usable, models[0], result)
+        state.copy_(result)
+
+
+def _vector(flat, msg: Message) -> torch.Tensor:
+    """A received model as one flat vector (the received buffer itself where it is one)."""
+    if msg.chunks is not None:
+        return msg.chunks.vector
+    return torch.cat([msg.tensors[name].reshape(-1) for name in flat.ranges])

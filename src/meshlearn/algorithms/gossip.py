@@ -32,13 +32,17 @@ import random
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Iterable
+from typing import Callable, Iterable
 
+import torch
+
+from meshlearn.aggregation.base import AggregationRule
+from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
-from meshlearn.wire import meta_number, meta_real
+from meshlearn.wire import Message, meta_number, meta_real
 
 
 def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: float, loss: float,
@@ -116,8 +120,13 @@ class GossipAverager:
     """The exchange both the engine's ``gossip`` algorithm and the PyTorch adapter run."""
 
     def __init__(self, flat: FlatState, endpoint: PullEndpoint, peers: Iterable[int], settings: GossipSettings,
-                 seed: int = 0):
+                 seed: int = 0, rule: AggregationRule | None = None, watch: PeerWatch | None = None,
+                 forge: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         self.flat = flat
+        self.rule = rule if rule is not None and rule.robust else None
+        self.watch = watch if watch is not None else PeerWatch()
+        self.forge = forge  # a bad node's attack: what it publishes for its state at a step
+        self.latest: dict[int, torch.Tensor] = {}  # with a robust rule: each peer's latest model pulled
         self.endpoint = endpoint
         self.settings = settings
         self.rng = random.Random(seed)
@@ -143,7 +152,10 @@ class GossipAverager:
         self._sent_at = time.monotonic()
 
     def _publish(self, loss: float | None) -> None:
-        state = self.flat.segments_of(self.flat.state.detach().to("cpu", copy=True))
+        vector = self.flat.state.detach()
+        if self.forge is not None:
+            vector = self.forge(vector, int(self.clock))
+        state = self.flat.segments_of(vector.to("cpu", copy=True))
         loss = float(loss or 0.0)
         # A loss that is not finite (a diverged worker) is published as null: peers take nothing from it.
         self.endpoint.publish(state, {"clock": self.clock, "loss": loss if math.isfinite(loss) else None})
@@ -180,16 +192,40 @@ class GossipAverager:
         if peer_loss is None:  # a diverged peer (null loss) or a loss that is not a number: not merged
             self.scores.failure(peer)
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1, "diverged": 1}
+        problem = next(filter(None, map(refusal, reply.tensors.values())), None)
+        if problem is not None:  # NaN or Inf: refused before any rule sees it
+            self.watch.refused(peer, problem)
+            self.scores.failure(peer)
+            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
+        self.watch.heard(peer)
         self.scores.success(peer)
         own_loss = float(loss or 0.0)
         factor = 1.0 if not math.isfinite(own_loss) else \
             interpolation_factor(self.settings, self.clock, peer_clock, own_loss, peer_loss)
         t0 = time.monotonic()
-        for name, target in self.flat.tensors().items():
-            target.lerp_(reply.tensors[name].to(target.device), factor)
+        if self.rule is not None:
+            self._merge_robust(peer, reply, factor)
+        else:
+            for name, target in self.flat.tensors().items():
+                target.lerp_(reply.tensors[name].to(target.device), factor)
         self.clock = factor * peer_clock + (1 - factor) * self.clock
         self.merges += 1
         return {"fetched": peer, "factor": factor, "comm": waited, "average": time.monotonic() - t0}
+
+
+    def _merge_robust(self, peer: int, reply: Message, factor: float) -> None:
+        """Move toward the rule's aggregate of this node's model and every peer's latest pulled
+        one (equal weights), by the interpolation ``factor``: a pairwise pull alone gives a rule
+        only two models, too few to outvote one bad one."""
+        state = self.flat.state
+        self.latest[peer] = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges]).to(
+            state.device, copy=True)
+        peers = sorted(self.latest)
+        models = torch.stack([state.detach(), *(self.latest[q] for q in peers)])
+        aggregate = self.rule(models, [1.0] * len(models))
+        self.watch.observe(peers, models, aggregate, judged=peer)
+        with torch.no_grad():
+            state.lerp_(aggregate, factor)
 
 
 @register_algorithm
@@ -204,7 +240,8 @@ class Gossip(Algorithm):
         super().__init__(ctx)
         self.settings = ctx.settings or GossipSettings()
         self.averager = GossipAverager(ctx.flat, ctx.transport, ctx.graph.neighbours(ctx.rank), self.settings,
-                                       seed=ctx.seed * 7919 + ctx.rank)
+                                       seed=ctx.seed * 7919 + ctx.rank, rule=self.rule, watch=self.watch,
+                                       forge=None if ctx.attack is None else ctx.outgoing)
         self._loss: float | None = None
         self._comm = self._average = 0.0
         self._merged = self._failed = 0

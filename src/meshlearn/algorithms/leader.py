@@ -70,7 +70,7 @@ class Leader(Algorithm):
         ctx = self.ctx
         final = iteration + 1 == ctx.iterations
         t0 = time.perf_counter()
-        aggregate = self._exchange(ctx.flat.state.detach().to("cpu", copy=True), final)
+        aggregate = self._exchange(ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True), final)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -113,7 +113,8 @@ class Leader(Algorithm):
         with self._lock:
             if self.state is None:
                 alive = [m for m in self.election.members if not self.election.is_dead(m)]
-                self.state = LeaderState(alive, self.ctx.rank, self.timeout, first, self.settings.weighting)
+                self.state = LeaderState(alive, self.ctx.rank, self.timeout, first, self.settings.weighting,
+                                         rule=self.rule, watch=self.watch)
             return self.state
 
     # --- calls to other members (from the training and the watcher thread) ----------------------

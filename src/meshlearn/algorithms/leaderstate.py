@@ -6,7 +6,9 @@ that all start from one model, and final models wait for every member's final mo
 loss), so that all end with the same one. A member silent for longer than the peer timeout is
 counted lost and left out of the aggregate, so a dead member never blocks the leader. How much a
 model counts is a weighting from ``meshlearn.aggregation.weights`` (by default sample- and
-staleness-weighted), and the aggregate is an ``aggregation`` rule (by default the mean).
+staleness-weighted), and the aggregate is an ``aggregation`` rule (by default the mean) over the
+leader's own model (first: the reference of self-centred rules) and the others' latest. A model
+holding NaN or Inf is refused (the member's earlier model stays) and counted in ``watch``.
 
 Nothing here blocks except ``wait``, which only the leader's own training thread calls: pushes
 from other members are recorded by the serving thread of the leader's endpoint, and the ones that
@@ -21,7 +23,8 @@ from typing import Literal
 
 import torch
 
-from meshlearn.aggregation import by_samples, by_staleness, equal, get_rule
+from meshlearn.aggregation import AggregationRule, by_samples, by_staleness, equal, get_rule
+from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
 
 Weighting = Literal["staleness", "samples", "equal"]
@@ -44,14 +47,17 @@ class LeaderState:
     """The leader's view of the group, by member rank (thread-safe)."""
 
     def __init__(self, members: list[int], me: int, peer_timeout: float, first_barrier: bool,
-                 weighting: Weighting = "staleness", rule: str = "mean", clock: Clock = SYSTEM):
+                 weighting: Weighting = "staleness", rule: str | AggregationRule = "mean", clock: Clock = SYSTEM,
+                 watch: PeerWatch | None = None):
         self.me = me
         self.peer_timeout = peer_timeout
         self.weighting = weighting
-        self.rule = get_rule(rule)
+        self.rule = get_rule(rule) if isinstance(rule, str) else rule
+        self.watch = watch if watch is not None else PeerWatch()
         self.clock = clock
         self.latest: dict[int, torch.Tensor] = {}
         self.pushes = 0  # models received so far: the staleness clock
+        self._observed = 0  # ``pushes`` when the members' models were last judged
         now = clock.monotonic()
         self.contributions = {i: Contribution(last_seen=now) for i in members}
         self._started = now
@@ -82,6 +88,12 @@ class LeaderState:
             contribution.waiting_final = final
             contribution.lost = False
             contribution.last_seen = self.clock.monotonic()
+            self._cond.notify_all()
+            problem = refusal(state)
+            if problem is not None:
+                self.watch.refused(member, problem)
+                return
+            self.watch.heard(member)
             self.latest[member] = state.detach().to("cpu", copy=True) if copy else state
             self.pushes += 1
             contribution.stored_at = self.pushes
@@ -156,7 +168,7 @@ class LeaderState:
 
     def _aggregate(self) -> torch.Tensor:
         self._sweep()
-        members = [i for i in sorted(self.latest) if not self.contributions[i].lost]
+        members = sorted((i for i in self.latest if not self.contributions[i].lost), key=lambda i: (i != self.me, i))
         samples = [self.contributions[i].samples for i in members]
         if self.weighting == "staleness":
             behind = [(self.pushes - self.contributions[i].stored_at) / len(members) for i in members]
@@ -165,4 +177,9 @@ class LeaderState:
             weights = by_samples(samples)
         else:
             weights = equal(len(members))
-        return self.rule([self.latest[i] for i in members], weights)
+        models = torch.stack([self.latest[i] for i in members])
+        aggregate = self.rule(models, weights)
+        if self.rule.robust and members and members[0] == self.me and self._observed != self.pushes:
+            self._observed = self.pushes  # each new set of models is judged once, not at every answer
+            self.watch.observe(members[1:], models, aggregate)
+        return aggregate

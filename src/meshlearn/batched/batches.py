@@ -16,8 +16,9 @@ class NodeBatches:
     separate groups, since one vectorized call needs one batch size."""
 
     def __init__(self, dataset: Dataset, parts: list[np.ndarray], batch_size: int, run_seed: int,
-                 device: torch.device | str = "cpu", first_rank: int = 0):
+                 device: torch.device | str = "cpu", first_rank: int = 0, flipped: set[int] = frozenset()):
         self.dataset = dataset
+        self.flipped = flipped  # nodes (numbered from 0) that train on flipped labels (a label-flip attack)
         self.device = torch.device(device)
         # ``parts`` are the shards of nodes first_rank, first_rank + 1, ...; batches name them from 0
         self.loaders = [ShardLoader(dataset, part, batch_size, loader_seed(run_seed, first_rank + index))
@@ -38,9 +39,14 @@ class NodeBatches:
         for size, members in groups.items():
             index = torch.cat([picks[rank] for rank in members])
             x = self.dataset.normalize(self.dataset.train_x[index])
+            y = self.dataset.train_y[index].view(len(members), size)
+            flip = [k for k, rank in enumerate(members) if rank in self.flipped]
+            if flip:
+                y = y.clone()
+                y[flip] = self.dataset.num_classes - 1 - y[flip]
             batches.append(Batch(
                 torch.tensor(members, device=self.device),
                 x.view(len(members), size, *x.shape[1:]).to(self.device, non_blocking=True),
-                self.dataset.train_y[index].view(len(members), size).to(self.device, non_blocking=True),
+                y.to(self.device, non_blocking=True),
             ))
         return batches

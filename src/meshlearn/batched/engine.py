@@ -20,6 +20,7 @@ from torch import nn
 
 from meshlearn.batched.algorithms import BATCHED_ALGORITHMS, BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.batches import NodeBatches
+from meshlearn.batched.byzantine import flipped_labels
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
 from meshlearn.batched.mixing import Links
@@ -93,9 +94,10 @@ class BatchedSimulation:
         run = self._build()
         try:
             if run.log is not None:
+                bad = {rank: str(spec) for rank, spec in self.config.attackers().items()}
                 run.log.write(columnar_event(
                     "start", run.ranks, {"neighbours": [self.graph.neighbours(r) for r in run.ranks],
-                                         "samples": run.samples},
+                                         "samples": run.samples, "byzantine": [bad.get(r) for r in run.ranks]},
                     parameters=run.stacked.param_count, state_bytes=run.stacked.row_bytes,
                     threads=torch.get_num_threads(), time=time.time(), engine="batched",
                     vectorized=run.models.vectorized, step_time=self.step_time, processes=self.shard.count))
@@ -107,6 +109,8 @@ class BatchedSimulation:
                 self._lockstep(run)
                 finish = run.clocks.now
             final = run.collective.gather(_evaluations(run, full=True))
+            reports = run.algorithm.peers_report()
+            peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
             if run.log is None:
                 return {}
             by_rank = dict(final)
@@ -117,7 +121,8 @@ class BatchedSimulation:
             run.log.write(columnar_event("final", run.ranks, {
                 "metrics": [summaries[r]["metrics"] for r in run.ranks],
                 "stats": [summaries[r]["stats"] for r in run.ranks],
-                "elapsed": [summaries[r]["elapsed"] for r in run.ranks]}, clock="modelled"))
+                "elapsed": [summaries[r]["elapsed"] for r in run.ranks],
+                **({"peers": peers} if any(peers) else {})}, clock="modelled"))
             return summaries
         finally:
             if run.log is not None:
@@ -156,7 +161,7 @@ class BatchedSimulation:
             config=config, shard=shard, collective=collective, dataset=dataset, stacked=stacked, models=models,
             sgd=StackedSGD(stacked.params, config.lr, config.momentum, config.weight_decay),
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
-                                first_rank=shard.start),
+                                first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
             samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None)

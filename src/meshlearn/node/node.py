@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
+from meshlearn.attacks.forge import make_attack
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
@@ -52,9 +53,13 @@ class Node:
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.transport = make_transport(self.flat)
         transport = self.transport
+        behaviour = config.attackers().get(rank)
+        self.attack = None if behaviour is None else make_attack(behaviour)
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
-            samples=len(self.loader.indices), iterations=config.iterations))
+            samples=len(self.loader.indices), iterations=config.iterations, rule=config.aggregation,
+            attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
+            colluders=frozenset(config.attackers()) - {rank} if self.attack is not None else frozenset()))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)
@@ -78,6 +83,8 @@ class Node:
 
     def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
+        if self.attack is not None and self.attack.flips_labels:
+            y = self.dataset.num_classes - 1 - y
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return float(local_step(self.model, self.parameters, self.optimizer, x, y).detach())
 
@@ -100,6 +107,7 @@ class Node:
                 "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
                 "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
                 "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
+                "byzantine": None if self.attack is None else str(config.attackers()[self.rank]),
             })
             start = time.perf_counter()
             last: Evaluation | None = None
@@ -135,6 +143,7 @@ class Node:
                 "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.__dict__,
+                "peers": self.algorithm.peers_report(),
             }
             self._write(summary)
             return summary

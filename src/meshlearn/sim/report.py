@@ -44,13 +44,26 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.pstdev(values)
 
 
+def attackers_of(logs: dict[int, list[dict]]) -> dict[int, str]:
+    """The run's bad nodes (``byzantine``) and their behaviours, from the nodes' start events."""
+    found = {}
+    for rank, events in logs.items():
+        start = next((e for e in events if e.get("event") == "start"), {})
+        if start.get("byzantine"):
+            found[rank] = start["byzantine"]
+    return found
+
+
 def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
-    """Per evaluation iteration: mean and std across nodes of time, test accuracy and loss."""
+    """Per evaluation iteration: mean and std across the honest nodes of time, test accuracy and
+    loss (and the bad nodes' mean accuracy apart, where there are any)."""
+    attackers = attackers_of(logs)
     by_iteration: dict[int, list[dict]] = defaultdict(list)
-    for events in logs.values():
+    bad_by_iteration: dict[int, list[dict]] = defaultdict(list)
+    for rank, events in logs.items():
         for event in events:
             if event.get("event") == "eval":
-                by_iteration[event["iteration"]].append(event)
+                (bad_by_iteration if rank in attackers else by_iteration)[event["iteration"]].append(event)
     rows = []
     for iteration in sorted(by_iteration):
         group = by_iteration[iteration]
@@ -63,6 +76,8 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
         }
         if all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
             row["consensus_distance"] = group[0]["consensus"]
+        if attackers:
+            row["attackers_acc_mean"] = _mean_std([e["test_acc"] for e in bad_by_iteration[iteration]])[0]
         rows.append(row)
     return rows
 
@@ -87,25 +102,40 @@ def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
 
 
 def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
-    """Final metrics (mean over evaluating nodes), traffic and timeouts, and per-node rows."""
+    """Final metrics (mean over the honest evaluating nodes; bad nodes' apart), traffic and
+    timeouts, the peers the honest nodes suspect, and per-node rows."""
+    attackers = attackers_of(logs)
     nodes = {}
+    suspected_by: dict[str, int] = defaultdict(int)
     for rank, events in logs.items():
         final = next((e for e in reversed(events) if e.get("event") == "final"), None)
         start = next((e for e in events if e.get("event") == "start"), {})
         if final is not None:
             nodes[rank] = {"metrics": final["metrics"], "stats": final["stats"], "elapsed": final["elapsed"],
                            "samples": start.get("samples")}
-    evaluated = [n["metrics"] for n in nodes.values() if n["metrics"]]
+            if final.get("peers"):
+                nodes[rank]["peers"] = final["peers"]
+                for peer in final["peers"].get("suspected", []) if rank not in attackers else []:
+                    suspected_by[str(peer)] += 1
+    evaluated = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r not in attackers]
     modelled = any(e.get("event") == "final" and e.get("clock") == "modelled"
                    for events in logs.values() for e in events)
     means = {}
     for key in ("accuracy", "loss", "precision", "recall", "f1"):
         means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
+    extra: dict[str, Any] = {}
+    if attackers:
+        bad = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r in attackers]
+        extra["attackers"] = {str(r): b for r, b in sorted(attackers.items())}
+        extra["attackers_accuracy"] = _mean_std([m["accuracy"] for m in bad])[0]
+    if suspected_by:
+        extra["suspected"] = dict(sorted(suspected_by.items(), key=lambda item: int(item[0])))
     return {
         "nodes_finished": len(nodes),
         "nodes_evaluated": len(evaluated),
         "clock": "modelled" if modelled else "wall",
         "final": means,
+        **extra,
         "bytes_sent": sum(n["stats"]["bytes_sent"] for n in nodes.values()),
         "bytes_received": sum(n["stats"]["bytes_received"] for n in nodes.values()),
         "timeouts": sum(n["stats"]["gather_timeouts"] for n in nodes.values()),
@@ -220,11 +250,18 @@ def format_summary(summary: dict[str, Any]) -> str:
     final = summary["final"]
     times = summary.get("iteration_time", {})
     lines = [
-        f"nodes finished      {summary['nodes_finished']} ({summary['nodes_evaluated']} evaluated)",
+        f"nodes finished      {summary['nodes_finished']} ({summary['nodes_evaluated']} evaluated"
+        + (", honest only" if "attackers" in summary else "") + ")",
         f"test accuracy       {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}",
         f"test loss           {final['loss']:.4f}",
         f"macro P / R / F1    {final['precision']:.4f} / {final['recall']:.4f} / {final['f1']:.4f}",
     ]
+    if "attackers" in summary:
+        behaviours = ", ".join(f"{rank} {what}" for rank, what in summary["attackers"].items())
+        lines.append(f"bad nodes           {behaviours} (their accuracy {summary['attackers_accuracy']:.4f})")
+    if "suspected" in summary:
+        lines.append("suspected peers     " + ", ".join(f"{peer} (by {count} node{'s' if count > 1 else ''})"
+                                                     for peer, count in summary["suspected"].items()))
     modelled = summary.get("clock") == "modelled"
     if "total" in times:
         split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times)

@@ -35,12 +35,14 @@ class BatchedContext:
     collective: Collective
     plan: HaloPlan | None = None
     samples: list[int] = field(default_factory=list)  # training samples in each node's shard
-    def rows_to_average(self) -> torch.Tensor:
-        """The rows the local links' senders index: this block's, then those other blocks send."""
+
+    def rows_to_average(self, sent: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows the local links' senders index: this block's, then those other blocks send
+        (``sent``: this block's rows as its nodes send them, when some send other than their state)."""
         state = self.stacked.state
         if self.plan is None:
             return state
-        return torch.cat([state, self.collective.exchange(state, self.plan)])
+        return torch.cat([state, self.collective.exchange(state if sent is None else sent, self.plan)])
 
 
 @dataclass
@@ -106,6 +108,11 @@ class BatchedAlgorithm(ABC):
     def drive(self, driver: AsyncDriver) -> None:
         """Run every node's steps, in modelled time (asynchronous algorithms)."""
         raise NotImplementedError(f"{self.name} runs in lockstep iterations")
+
+    def peers_report(self) -> dict[int, dict]:
+        """Per node of this block (numbered from 0) that saw any: the peers whose models it refused
+        or found deviant, and those it suspects (as a process-engine node's ``peers_report``)."""
+        return {}
 
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(

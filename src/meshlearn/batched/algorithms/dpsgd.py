@@ -7,49 +7,70 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshlearn.aggregation.base import get_rule
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, MetropolisMixing
+from meshlearn.batched.robust import RobustMixing
 from meshlearn.transport.settings import default_chunk_bytes
 
 
 @register_batched
 class BatchedDPSGD(BatchedAlgorithm):
     """Synchronous D-PSGD (Lian et al. 2017): ``X <- W X``, a neighbour whose model missed the
-    deadline left out and its weight given to the node's own model, as in the process engine."""
+    deadline left out and its weight given to the node's own model, as in the process engine. With
+    a robust ``aggregation`` rule, each node's rule over its own row and those that arrived (per
+    chunk over a lossy link); bad nodes (``byzantine``) send what their attack forges."""
 
     name = "dpsgd"
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
         config = ctx.config
-        self.mixing = MetropolisMixing(ctx.local)
+        self.bad = BadNodes(config, ctx.shard.start, ctx.stacked.state, ctx.links, ctx.local)
+        links = self.bad.links  # the local links, those out of a bad node reading its forged row
+        self.rule = get_rule(config.aggregation)
+        self.mixing = MetropolisMixing(links)
         self.degree = np.array([ctx.graph.degree(i) for i in range(ctx.graph.n)])
         self.receivers = ctx.links.receiver.cpu().numpy()
         self.chunked: ChunkedMixing | None = None
+        chunk_elements = 0
         if config.transport == "udp":  # per-chunk loss, as the process engine's UDP transport
             state = ctx.stacked.state
             chunk_elements = (config.udp.chunk_bytes or default_chunk_bytes(config.host)) // state.element_size()
             chunks = -(-state.shape[1] // chunk_elements)
             # every process draws every link's mask (the same draws), and uses those of its links
             self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
-            self.chunked = ChunkedMixing(ctx.local, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
+            self.chunked = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
+        self.robust = RobustMixing(links, self.rule, chunk_elements) if self.rule.robust else None
 
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         ctx, local = self.ctx, self.ctx.local
         columns = {}
+        state, source = ctx.stacked.state, self._sources(iteration)
         if self.chunked is None:
             arrived, waited = ctx.clocks.gather()
+            arrived = arrived & ~self.bad.skipped
             mine = torch.from_numpy(arrived).to(local.weight.device)[local.ids]
-            self.mixing.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
-            complete = arrived
+            if self.robust is not None:
+                self.robust.mix_(state, source, mine)
+            else:
+                self.mixing.mix_(state, mine, source)
+            complete = arrived | self.bad.skipped
         else:
             in_time, waited = ctx.clocks.gather_chunks(self.loss.draw(), wait=ctx.config.udp.mode == "sync")
+            in_time = in_time & ~self.bad.skipped[:, None]
             mine = torch.from_numpy(in_time).to(local.weight.device)[local.ids]
-            self.chunked.mix_(ctx.stacked.state, mine, ctx.rows_to_average())
+            if self.robust is not None:
+                self.robust.mix_(state, source, mine)
+            else:
+                self.chunked.mix_(state, mine, source)
             arrived = in_time.any(1)
-            complete = in_time.all(1) | (ctx.config.udp.mode == "async")  # async: nobody waits, nobody times out
-            lost = np.bincount(self.receivers, weights=(~in_time).sum(1), minlength=ctx.graph.n).astype(np.int64)
+            # async: nobody waits, nobody times out
+            complete = in_time.all(1) | self.bad.skipped | (ctx.config.udp.mode == "async")
+            lost = np.bincount(self.receivers, weights=(~in_time).sum(1) * ~self.bad.skipped,
+                               minlength=ctx.graph.n).astype(np.int64)
             self.traffic.add("chunks_lost", lost)
             columns["chunks_missing"] = lost
         received = np.bincount(self.receivers, weights=arrived, minlength=ctx.graph.n).astype(np.int64)
@@ -60,3 +81,17 @@ class BatchedDPSGD(BatchedAlgorithm):
         self.traffic.add("bytes_received", received * size)
         self.traffic.add("gather_timeouts", np.bincount(self.receivers, weights=~complete, minlength=ctx.graph.n) > 0)
         return {"comm": waited, "received": received, "missing": self.degree - received, **columns}
+
+    def _sources(self, iteration: int) -> torch.Tensor:
+        """The rows the links read: this block's, those of other blocks, then this block's bad
+        nodes' forged rows."""
+        ctx, bad = self.ctx, self.bad
+        seen = ctx.rows_to_average() if bad.rushing else None  # every block exchanges as often
+        if not bad:
+            return ctx.rows_to_average()
+        state = ctx.stacked.state
+        forged = bad.forge(state, iteration, seen)
+        return torch.cat([ctx.rows_to_average(bad.sent(state, forged) if ctx.plan is not None else None), forged])
+
+    def peers_report(self) -> dict[int, dict]:
+        return {} if self.robust is None else self.robust.reports()

@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from meshlearn.aggregation.base import get_rule
+from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.algorithms.gossip import PeerScores, interpolation_factor
 from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, PendingSteps
 
 START, DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(6)
@@ -78,6 +81,15 @@ class BatchedGossip(BatchedAlgorithm):
         # each node's own stream, as a process-engine node seeds its averager
         self.rngs = [random.Random(seed * 7919 + rank) for rank in range(ctx.graph.n)]
         self.scores = [PeerScores(ctx.graph.neighbours(rank), self.rngs[rank]) for rank in range(ctx.graph.n)]
+        rule = get_rule(ctx.config.aggregation)
+        self.rule = rule if rule.robust else None  # as a process-engine node's ``GossipAverager``
+        self.watches = [PeerWatch() for _ in range(ctx.graph.n)]
+        self.latest: list[dict[int, torch.Tensor]] = [{} for _ in range(ctx.graph.n)]  # robust: peers' last pulls
+        self.bad = BadNodes(ctx.config, 0, ctx.stacked.state, ctx.links, ctx.local)
+
+    def peers_report(self) -> dict[int, dict]:
+        reports = {rank: watch.report() for rank, watch in enumerate(self.watches)}
+        return {rank: report for rank, report in reports.items() if report["peers"]}
 
     def drive(self, driver: AsyncDriver) -> None:
         """Run every node's steps in modelled time, through ``driver`` (training, records)."""
@@ -87,6 +99,8 @@ class BatchedGossip(BatchedAlgorithm):
         total = config.iterations * config.rounds
         step_seconds = clocks.step_seconds
         published = state.clone()  # what each node serves: its last trained state, before its merge
+        for row in self.bad.rows:
+            published[row] = self.bad.forge_row(row, state[row], 0)
         answers = torch.empty_like(state)  # the state each node's fetch was answered with
         node = [_Node() for _ in range(nodes)]
         events = EventQueue()
@@ -140,12 +154,17 @@ class BatchedGossip(BatchedAlgorithm):
                 elif fetch.answer_loss is None or not np.isfinite(fetch.answer_loss):
                     self.scores[rank].failure(fetch.peer)
                     me.failed += 1
+                elif (problem := refusal(answers[rank])) is not None:
+                    self.watches[rank].refused(fetch.peer, problem)
+                    self.scores[rank].failure(fetch.peer)
+                    me.failed += 1
                 else:
+                    self.watches[rank].heard(fetch.peer)
                     self.scores[rank].success(fetch.peer)
                     own = me.loss if me.loss is not None else 0.0
                     factor = 1.0 if not np.isfinite(own) else interpolation_factor(
                         settings, me.clock, fetch.answer_clock, own, fetch.answer_loss)
-                    state[rank].lerp_(answers[rank], factor)
+                    self._merge(rank, fetch.peer, answers[rank], factor)
                     me.clock = factor * fetch.answer_clock + (1 - factor) * me.clock
                     me.merged += 1
             me.waiting = False
@@ -168,7 +187,7 @@ class BatchedGossip(BatchedAlgorithm):
                     node[trained].loss = loss
                     node[trained].losses.append(loss)
                 me.clock += 1
-                published[rank].copy_(state[rank])
+                published[rank].copy_(self.bad.forge_row(rank, state[rank], int(me.clock)))
                 for client, asked in me.held:
                     answer(rank, client, asked, now)
                 me.held.clear()
@@ -209,3 +228,18 @@ class BatchedGossip(BatchedAlgorithm):
                 if fetch is not None and fetch.replied is None and me.waiting:
                     self.traffic.add_one("gather_timeouts", rank, 1)
                     merge(rank, now)
+
+    def _merge(self, rank: int, peer: int, answer: torch.Tensor, factor: float) -> None:
+        """Node ``rank`` moves toward ``answer`` (``peer``'s state) by ``factor``; with a robust rule,
+        toward the rule's aggregate of its model and each peer's latest pulled one (equal weights)."""
+        state = self.ctx.stacked.state
+        if self.rule is None:
+            state[rank].lerp_(answer, factor)
+            return
+        latest = self.latest[rank]
+        latest[peer] = answer.clone()
+        peers = sorted(latest)
+        models = torch.stack([state[rank], *(latest[q] for q in peers)])
+        aggregate = self.rule(models, [1.0] * len(models))
+        self.watches[rank].observe(peers, models, aggregate, judged=peer)
+        state[rank].lerp_(aggregate, factor)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, PendingSteps
 from meshlearn.clock import Clock
 
@@ -46,6 +48,12 @@ class BatchedLeader(BatchedAlgorithm):
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
         self.settings = ctx.config.leader
+        self.bad = BadNodes(ctx.config, 0, ctx.stacked.state, ctx.links, ctx.local)
+        self.watch = PeerWatch()
+
+    def peers_report(self) -> dict[int, dict]:
+        report = self.watch.report()
+        return {LEADER: report} if report["peers"] else {}
 
     def drive(self, driver: AsyncDriver) -> None:
         """Run every member's iterations and pushes in modelled time, through ``driver``."""
@@ -53,7 +61,7 @@ class BatchedLeader(BatchedAlgorithm):
         state, clocks, nodes = ctx.stacked.state, ctx.clocks, config.nodes
         clock = ModelledClock()
         book = LeaderState(list(range(nodes)), LEADER, config.tcp.wait_timeout, self.settings.first_barrier,
-                           self.settings.weighting, clock=clock)
+                           self.settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch)
         answers: dict[int, torch.Tensor] = {}  # the aggregate each member was answered with
         held: list[int] = []  # pushes the book may not answer yet
         iteration = [0] * nodes
@@ -107,7 +115,7 @@ class BatchedLeader(BatchedAlgorithm):
                     self.traffic.add_one("messages_received", LEADER, 1)
                     self.traffic.add_one("bytes_received", LEADER, size)
                 final = iteration[rank] + 1 == config.iterations
-                book.submit(rank, state[rank], ctx.samples[rank], final)
+                book.submit(rank, self.bad.forge_row(rank, state[rank], iteration[rank]), ctx.samples[rank], final)
                 held.append(rank)
                 release(now)
             elif kind == BARRIER:

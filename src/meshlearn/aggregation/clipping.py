@@ -1,0 +1,42 @@
+"""Self-centred clipping: ClippedGossip (He, Karimireddy and Jaggi 2022)."""
+
+from __future__ import annotations
+
+import torch
+
+from meshlearn.aggregation.base import AggregationRule, normalised, register_rule
+
+
+@register_rule("clip")
+class SelfCentredClipping(AggregationRule):
+    """``x_0 + sum_j w_j clip(x_j - x_0, tau)``: each other model's difference to the node's own
+    (row 0) is shortened to at most ``tau``, then averaged with the weights. A bad neighbour moves
+    the node by at most ``w_j * tau``. Without ``tau`` the radius adapts: the median of the
+    neighbours' distances, so a minority of far-away models is clipped to the honest ones' scale.
+    With a large ``tau`` it is the weighted mean."""
+
+    def __init__(self, tau: float | None = None):
+        if tau is not None and tau <= 0:
+            raise ValueError("TAU must be positive")
+        self.tau = tau
+
+    def radius(self, distances: torch.Tensor) -> torch.Tensor:
+        """``[..., 1]``: the clipping radius for the neighbours' ``distances`` ``[..., K - 1]``."""
+        if self.tau is not None:
+            return torch.full_like(distances[..., :1], self.tau)
+        k = distances.shape[-1]
+        ordered = distances.sort(dim=-1).values
+        return ordered[..., (k - 1) // 2: k // 2 + 1].mean(-1, keepdim=True)
+
+    def aggregate(self, models: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        own = models[..., 0, :]
+        if models.shape[-2] == 1:
+            return own.clone()
+        differences = models[..., 1:, :] - own.unsqueeze(-2)
+        distances = differences.double().square().sum(-1).sqrt()
+        scale = (self.radius(distances) / distances.clamp_min(1e-30)).clamp(max=1.0)
+        w = normalised(weights, torch.float64)[..., 1:] * scale
+        return own + torch.einsum("...k,...kp->...p", w.to(models.dtype), differences)
+
+    def __str__(self) -> str:
+        return "clip" if self.tau is None else f"clip:{self.tau:g}"
