@@ -1,0 +1,200 @@
+"""Robust aggregation: each rule by hand, their invariances, the attacks, and runs under attack."""
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from meshlearn.aggregation import aggregate_present, get_rule, parse_rule
+from meshlearn.aggregation.suspects import PeerWatch, refusal
+from meshlearn.algorithms.averaging import weighted_average_
+from meshlearn.attacks.forge import ForgeInputs, make_attack
+from meshlearn.attacks.spec import parse_byzantine
+from meshlearn.batched.mixing import Links, MetropolisMixing
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.node import build_node
+from meshlearn.sim import simulate
+from meshlearn.sim.inprocess import run_threads
+from meshlearn.topology import build_topology
+
+RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5"]
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+# --- each rule on hand-computed vectors --------------------------------------------------------------
+
+
+def test_mean_median_and_trimmed_mean_by_hand():
+    models = _t([[1, 2], [3, 6], [5, -4], [100, 0]])
+    assert torch.allclose(get_rule("mean")(models, [1, 1, 2, 0]), _t([14 / 4, 0]))
+    assert torch.allclose(get_rule("median")(models[:3], [1, 1, 1]), _t([3, 2]))
+    assert torch.allclose(get_rule("median")(models, [1, 1, 1, 1]), _t([4, 1]))  # even: the two middle ones
+    assert torch.allclose(get_rule("trimmed-mean:1")(models, [1, 1, 1, 1]), _t([4, 1]))
+    five = torch.cat([models, _t([[-50, 7]])])
+    assert torch.allclose(get_rule("trimmed-mean:1")(five, [1] * 5), _t([3, 8 / 3]))
+    # too few models for B: it trims (K - 1) // 2 from each side
+    assert torch.allclose(get_rule("trimmed-mean:3")(models[:3], [1, 1, 1]), _t([3, 2]))
+
+
+def test_krum_and_multi_krum_by_hand():
+    models = _t([[0, 0], [1, 0], [0, 1], [10, 10]])
+    # f = 1, K = 4: each model's distance to its 1 nearest other; 0, 1 and 2 tie at 1, 3 is at 181
+    assert torch.equal(get_rule("krum:1")(models, [1] * 4), _t([0, 0]))  # ties go to the own model
+    assert torch.allclose(get_rule("multi-krum:1:3")(models, [1] * 4), _t([1 / 3, 1 / 3]))
+    far = _t([[10, 10], [0, 0], [1, 0], [0, 1]])  # a bad own model is not chosen either
+    assert torch.equal(get_rule("krum:1")(far, [1] * 4), _t([0, 0]))
+
+
+def test_self_centred_clipping_by_hand():
+    models = _t([[0, 0], [3, 4], [0.3, 0.4]])
+    # tau 1: the far neighbour's difference (length 5) is cut to length 1, the near one kept
+    assert torch.allclose(get_rule("clip:1")(models, [1, 1, 1]), _t([0.3, 0.4]))
+    # no tau: the median of the neighbours' distances (5 and 0.5: 2.75)
+    assert torch.allclose(get_rule("clip")(models, [1, 1, 1]), _t([(1.65 + 0.3) / 3, (2.2 + 0.4) / 3]))
+    assert torch.allclose(get_rule("clip:100")(models, [2, 1, 1]), get_rule("mean")(models, [2, 1, 1]))
+    assert torch.equal(get_rule("clip")(models[:1], [1]), models[0])  # alone: its own model
+
+
+@pytest.mark.parametrize("name", RULES)
+def test_rules_are_invariant_to_the_order_of_the_neighbours_and_work_in_batches(name):
+    rule = get_rule(name)
+    generator = torch.Generator().manual_seed(7)
+    models = torch.randn(7, 50, generator=generator)
+    weights = torch.rand(7, generator=generator, dtype=torch.float64) + 0.1
+    expected = rule(models, weights)
+    for order in ([0, 3, 1, 6, 2, 5, 4], [0, 6, 5, 4, 3, 2, 1]):  # the own model stays first
+        assert torch.allclose(rule(models[order], weights[order]), expected, atol=1e-6)
+    batch = torch.stack([models, models[[0, 2, 1, 3, 4, 5, 6]] * 2])
+    out = rule(batch, torch.stack([weights, weights[[0, 2, 1, 3, 4, 5, 6]]]))
+    assert torch.allclose(out[0], expected, atol=1e-6) and torch.allclose(out[1], rule(models * 2, weights), atol=1e-5)
+    assert torch.equal(models, torch.randn(7, 50, generator=torch.Generator().manual_seed(7)))  # inputs untouched
+
+
+def test_mean_is_dpsgds_metropolis_hastings_average():
+    graph = build_topology("regular:3", 8, seed=1)
+    generator = torch.Generator().manual_seed(2)
+    state = torch.randn(8, 300, generator=generator)
+    links = Links.of(graph)
+    mixed = state.clone()
+    MetropolisMixing(links).mix_(mixed)
+    mean = get_rule("mean")
+    for i in range(8):
+        senders = links.sender[links.receiver == i]
+        weights = links.weight[links.receiver == i]
+        own = 1 - float(weights.sum())
+        rule = mean(torch.cat([state[i:i + 1], state[senders]]), torch.cat([torch.tensor([own]), weights]))
+        by_hand = state[i].clone()
+        weighted_average_(by_hand, own, [(float(w), state[j]) for w, j in zip(weights, senders)])
+        assert torch.allclose(rule, by_hand, atol=1e-6) and torch.allclose(rule, mixed[i], atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["mean", "median", "trimmed-mean:1", "clip"])
+def test_per_chunk_aggregation_is_the_rule_over_the_chunks_that_arrived(name):
+    rule = get_rule(name)
+    generator = torch.Generator().manual_seed(3)
+    models = torch.randn(3, 5, 10, generator=generator)  # 3 nodes, 5 models each, 10 values in 4 chunks of 3
+    weights = torch.rand(3, 5, generator=generator, dtype=torch.float64) + 0.1
+    present = torch.rand(3, 5, 4, generator=generator) < 0.6
+    out = aggregate_present(rule, models, weights, present, chunk_elements=3)
+    for b, c in itertools.product(range(3), range(4)):
+        rows = [0] + [k for k in range(1, 5) if present[b, k, c]]
+        part = slice(3 * c, min(10, 3 * c + 3))
+        assert torch.allclose(out[b, part], rule(models[b, rows, part], weights[b, rows]), atol=1e-6), (b, c)
+
+
+def test_refusal_and_suspicion():
+    model = torch.ones(10)
+    assert refusal(model) is None
+    model[7] = float("nan")
+    assert "NaN" in refusal(model)
+    present = torch.tensor([True, True, False, True])  # chunks of 3: the NaN is in chunk 2, which was lost
+    assert refusal(model, present, 3) is None
+    watch = PeerWatch()
+    for _ in range(3):
+        watch.refused(4, "its model holds NaN or Inf values")
+        watch.heard(2)
+    models = torch.stack([torch.zeros(4), torch.ones(4) * 0.1, torch.ones(4) * 0.1, torch.ones(4) * 50])
+    for _ in range(3):
+        watch.observe([1, 2, 3], models, get_rule("median")(models, [1] * 4))
+    assert watch.suspects() == [3, 4]
+    assert watch.report()["peers"]["4"]["refused"] == 3 and "2" not in watch.report()["peers"]
+
+
+# --- names and attacks ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text,message", [
+    ("trimmed-mean", "write it trimmed-mean:B"), ("krum:x", "whole numbers"), ("clip:0", "positive"),
+    ("multi-krum:1:0", "positive"), ("median:2", "write it median"),
+])
+def test_a_badly_written_rule_is_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_rule(text)
+    with pytest.raises(ConfigError, match=message):
+        make_config({"aggregation": text})
+    with pytest.raises(ConfigError, match="unknown aggregation rule 'average'"):
+        make_config({"aggregation": "average"})
+
+
+@pytest.mark.parametrize("text,message", [
+    ("3:explode", "BEHAVIOUR one of"), ("9:stale", "node 9 does not exist"), ("3:stale:1", "takes no argument"),
+    ("3:sign-flip:x", "SCALE must be a number"), ("3:stale,3:alie", "named twice"), ("x:stale", "RANK:BEHAVIOUR"),
+])
+def test_a_badly_written_attack_is_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({"nodes": 8, "byzantine": text})
+
+
+def test_what_each_attack_sends():
+    own, first = _t([1, -2, 3]), _t([0, 0, 1])
+    neighbours = _t([[1, 0, 3], [3, 2, 3]])
+    inputs = ForgeInputs(first, neighbours, torch.Generator().manual_seed(0))
+    bad = parse_byzantine("0:sign-flip:10,1:scale:3,2:stale,3:label-flip,4:alie:1,5:gaussian:2")
+    sent = {rank: make_attack(spec).forge(own, inputs) for rank, spec in bad.items()}
+    assert torch.equal(sent[0], _t([-10, 20, -30])) and torch.equal(sent[1], _t([3, -6, 9]))
+    assert torch.equal(sent[2], first) and torch.equal(sent[3], own)
+    seen = torch.stack([own, *neighbours])  # ALIE: mean - Z std of the models it sees
+    assert torch.allclose(sent[4], seen.mean(0) - seen.std(0, unbiased=False))
+    assert sent[5].std() > 0.5 and not torch.allclose(sent[5], own)
+    assert torch.equal(own, _t([1, -2, 3]))  # the bad node's own model is untouched
+    assert make_attack(bad[3]).flips_labels and make_attack(bad[4]).rushing
+
+
+# --- runs under attack ---------------------------------------------------------------------------------
+
+ATTACKED = {"engine": "batched", "nodes": 8, "topology": "regular:3", "dataset": "digits", "model": "mlp",
+            "iterations": 100, "lr": 0.1, "test_after": 100, "seed": 1, "step_time": 0.001,
+            "byzantine": "3:sign-flip:10"}
+
+
+def test_one_sign_flipping_node_wrecks_the_mean_but_not_clipping_or_the_trimmed_mean(tmp_path):
+    summaries = {}
+    for rule in ("mean", "clip", "trimmed-mean:1"):
+        config = make_config({**ATTACKED, "aggregation": rule, "output": str(tmp_path / rule)})
+        simulate(config, progress=False)
+        summaries[rule] = json.loads((tmp_path / rule / "summary.json").read_text())
+    assert summaries["mean"]["final"]["accuracy"] < 0.5
+    for rule in ("clip", "trimmed-mean:1"):
+        summary = summaries[rule]
+        assert summary["final"]["accuracy"] >= 0.85, rule
+        assert summary["nodes_evaluated"] == 7 and summary["attackers"] == {"3": "sign-flip:10"}
+        neighbours = build_topology("regular:3", 8, seed=1).neighbours(3)
+        assert summary["suspected"] == {"3": len(neighbours)}  # every neighbour of the bad node, no one else
+
+
+def test_a_model_with_nan_is_refused_counted_and_its_sender_suspected():
+    config = make_config({"nodes": 4, "topology": "ring", "dataset": "digits", "model": "mlp", "iterations": 4,
+                          "test_after": 100, "seed": 2, "byzantine": "1:scale:1e39", "aggregation": "median"})
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    nodes = [build_node(config, rank, graph) for rank in range(config.nodes)]
+    run_threads(nodes, timeout=120)
+    for rank in graph.neighbours(1):
+        report = nodes[rank].algorithm.peers_report()
+        assert report["suspected"] == [1] and report["peers"]["1"]["refused"] == 4
+        assert "NaN or Inf" in report["peers"]["1"]["last_reason"]
+        assert bool(torch.isfinite(nodes[rank].flat.state).all())
