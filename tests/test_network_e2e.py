@@ -229,3 +229,30 @@ def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partition
     # 2026-11-24: the network 0.947-0.964, the simulation 0.944-0.961; 0.0167 apart once under the whole
     # suite's load), so the simulation is held to 0.02 (seven test images of 359)
     assert network_accuracy > 0.9 and abs(simulated - network_accuracy) <= 0.02, (simulated, network_accuracy)
+
+
+
+def test_a_robust_rule_keeps_a_task_with_a_poisoning_provider_on_course_and_names_it(procs):
+    """A clean task on four providers; then one leaves and a provider sending sign-flipped models
+    (the test-only MESHLEARN_TEST_POISON) takes its place: with the trimmed mean the task scores
+    within 3 points of the clean one, and its metrics name the bad provider."""
+    bootstrap, ids = start_network(procs, 4)
+    task = [*TASK, "--algorithm", "dpsgd", "--epochs", "3", "--providers", "4", "--aggregate-every", "5",
+            "--aggregation", "trimmed-mean:1"]
+    code, out = _request(procs, "req-clean", bootstrap, *task)
+    assert code == 0, out
+    procs.procs["p3"].send_signal(signal.SIGINT)
+    assert procs.procs["p3"].wait(timeout=30) == 0
+    # the leader (the first provider, by id) computes the result: a rule cannot stop a bad leader
+    procs.start("zbad", "provider", "--bootstrap", bootstrap, "--id", "zbad", "--host", "127.0.0.1",
+                "--workdir", str(procs.folder / "zbad"), env={"MESHLEARN_TEST_POISON": "sign-flip:10"})
+    procs.wait_for("zbad", "registered with")
+    code, out = _request(procs, "req-poisoned", bootstrap, *task)
+    assert code == 0, out
+    assert "suspected: zbad" in out
+    clean, poisoned = (json.loads((procs.folder / name / "metrics.json").read_text())
+                       for name in ("req-clean", "req-poisoned"))
+    assert sorted(poisoned["providers"]) == ["p0", "p1", "p2", "zbad"] and poisoned["leader"] == "p0"
+    assert clean["suspected"] == [] and poisoned["suspected"] == ["zbad"]
+    assert poisoned["aggregation"] == "trimmed-mean:1" and clean["accuracy"] > 0.7
+    assert poisoned["accuracy"] >= clean["accuracy"] - 0.03

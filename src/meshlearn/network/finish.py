@@ -87,7 +87,7 @@ class Finisher:
 
     def _push_final(self, leader: int, updates: int) -> None:
         flat = self.node.flat
-        blobs = encode(Message(Kind.MODEL, self.index, 1, 0, flat.segments_of(flat.state.detach().cpu())))
+        blobs = encode(Message(Kind.MODEL, self.index, 1, 0, flat.segments_of(self._final_model().cpu())))
         reply = call(self._address(leader), "agg.push",
                      {"task": self.spec.task_id, "index": self.index, "samples": self.samples, "updates": updates},
                      self.ctx.secret, blobs=blobs, timeout=2 * self.spec.peer_timeout + 5, sender=self.ctx.id,
@@ -111,7 +111,7 @@ class Finisher:
     def _lead(self, updates: int, check_cancelled) -> None:
         book = self._book()
         if not book.has_final(self.index):
-            book.submit(self.index, self.node.flat.state, self.samples, final=True, updates=updates)
+            book.submit(self.index, self._final_model(), self.samples, final=True, updates=updates)
         while not book.all_final():
             check_cancelled()
             self.ctx.clock.sleep(0.05)
@@ -121,12 +121,24 @@ class Finisher:
         with self._lock:
             if self.book is None:
                 self.book = LeaderState(list(range(len(self.ids))), self.index, self.spec.peer_timeout,
-                                        first_barrier=False, weighting="samples", clock=self.ctx.clock)
+                                        first_barrier=False, weighting="samples", clock=self.ctx.clock,
+                                        rule=self.spec.aggregation)
                 for dead in self.election.dead:  # known gone: reported lost, never waited for
                     self.book.mark_lost(dead)
                 if self.index != 0:
                     log.warning("task %s: %s takes over as leader", self.spec.task_id, self.ctx.id)
             return self.book
+
+    def _final_model(self) -> torch.Tensor:
+        """The final model this provider gives: its own (what a poisoning provider's attack forges,
+        in tests)."""
+        algorithm = self.node.algorithm
+        return algorithm.ctx.outgoing(self.node.flat.state.detach(), self.node.config.iterations)
+
+    def _suspected(self, book: LeaderState) -> list[str]:
+        """The providers this leader suspects: models refused or deviant in training and at the end."""
+        ranks = set(book.watch.suspects()) | set(self.node.algorithm.peers_report()["suspected"])
+        return sorted(self.ids[i] for i in ranks if 0 <= i < len(self.ids))
 
     def _publish(self, average: torch.Tensor, book: LeaderState) -> None:
         """Evaluate the final average, copy the result to every living provider, then keep it."""
@@ -145,6 +157,7 @@ class Finisher:
             "leader": self.ctx.id, "leaders_lost": [self.ids[i] for i in sorted(dead) if i < self.index],
             "providers": contributions,
             "lost": sorted(pid for pid, c in contributions.items() if c["status"] == "lost"),
+            "aggregation": spec.aggregation, "suspected": self._suspected(book),
         }
         model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items()})
         for i in range(len(self.ids)):  # copies first: a provider told "done" then has its copy

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from meshlearn.attacks.spec import parse_byzantine
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import (
     AuthError,
@@ -70,6 +71,16 @@ class ProviderSettings(Settings):
         if self.key:
             return Path(self.key).expanduser()
         return (Path(self.workdir) if self.workdir else state_home()) / "provider.key"
+
+
+def test_poison() -> str:
+    """The bad behaviour a provider started with ``MESHLEARN_TEST_POISON`` (a ``byzantine``
+    behaviour, e.g. ``sign-flip:10``) gives every model it sends: for tests of robust aggregation
+    only, never set in use. A bad value stops the task with a clear error."""
+    poison = os.environ.get("MESHLEARN_TEST_POISON", "").strip()
+    if poison:
+        parse_byzantine(f"0:{poison}")
+    return poison
 
 
 def detect_device(requested: str) -> tuple[str, str | None]:
@@ -347,7 +358,7 @@ class Provider:
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
                                   int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
-                                  self.expose)
+                                  self.expose, poison=test_poison())
             run = TaskRun(spec, ctx, task_key, on_change=self._run_changed)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()

@@ -104,7 +104,7 @@ class Requester:
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
                     momentum=req.momentum,
-                    algorithm=req.algorithm, aggregate_every=req.aggregate_every, seed=req.seed,
+                    algorithm=req.algorithm, aggregation=req.aggregation, aggregate_every=req.aggregate_every, seed=req.seed,
                     partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
                     weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
@@ -314,8 +314,10 @@ def results_of_task(task_id: str, bootstrap: str, secret: bytes, output: Path) -
 
 
 def summary_line(metrics: dict) -> str:
+    """One line of a task's result: scores, time, leader, and the providers lost or suspected."""
     return (f"accuracy {metrics['accuracy']:.4f}  F1 {metrics['f1']:.4f}  loss {metrics['loss']:.4f}  "
             f"time {metrics['training_time']:.1f} s  leader {metrics['leader']}"
-            + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else ""))
+            + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else "")
+            + (f"  suspected: {', '.join(metrics['suspected'])}" if metrics.get("suspected") else ""))
 
 

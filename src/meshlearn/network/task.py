@@ -7,8 +7,9 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
+from meshlearn.aggregation.spec import RULE_HELP, check_rule
 from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
@@ -40,6 +41,8 @@ class TaskRequest(Settings):
     device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
     location: str | None = Field(None, description="only providers declaring this location")
     algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
+    aggregation: str = Field("mean", description="how models are combined, by the leader and every provider: "
+                             + RULE_HELP)
     aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="seed of partitions and initial model")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
@@ -51,6 +54,8 @@ class TaskRequest(Settings):
     gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
+
+    _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
 
 
 def dataset_spec(data: str) -> str:
@@ -177,6 +182,7 @@ class TaskSpec(Settings):
     lr: float = Field(gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     algorithm: Literal["leader", "dpsgd", "gossip"]
+    aggregation: str = Field("mean", max_length=64)  # a rule's name: looked up among the registered ones
     aggregate_every: int | Literal["epoch"]
     seed: int = Field(ge=0, le=MAX_SEED)
     partition: str = Field(max_length=64)
@@ -189,6 +195,8 @@ class TaskSpec(Settings):
     requester: str = Field("", max_length=256)
     gossip: GossipSettings = GossipSettings()
     leader: LeaderSettings = LeaderSettings()
+
+    _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
@@ -223,4 +231,4 @@ class TaskSpec(Settings):
             test_after=iterations, eval_samples=self.eval_samples, eval_nodes=1, host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            gossip=self.gossip, leader=self.leader)
+            gossip=self.gossip, leader=self.leader, aggregation=self.aggregation)

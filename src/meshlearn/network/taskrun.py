@@ -82,6 +82,7 @@ class ProviderContext:
     clock: Clock = field(default=SYSTEM)
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
+    poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
 
     def reach(self, port: int) -> tuple[str, Callable[[], None]]:
         """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
@@ -175,6 +176,8 @@ class TaskRun:
         dataset, indices = task_dataset(spec, self.index, self.folder / "data", ctx.secret, ctx.id, ctx.data_root,
                                         before_chunk=self._check_cancelled)
         config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_bytes / 2 ** 20)
+        if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
+            config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
         graph = build_topology("full", config.nodes, spec.seed)
         torch.manual_seed(spec.seed)  # every provider starts from the same model
         model = build_model(spec.model, dataset.input_shape, dataset.num_classes)
