@@ -77,14 +77,28 @@ def normalised(weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (weights / weights.sum(-1, keepdim=True)).to(dtype)
 
 
-def pairwise_sq_distances(models: torch.Tensor) -> torch.Tensor:
-    """``[..., K, K]`` squared Euclidean distances between the rows of ``models`` ``[..., K, P]``,
-    accumulated in float64 (models close together lose nothing to cancellation)."""
-    diff = models.unsqueeze(-2) - models.unsqueeze(-3) if models.shape[-1] <= 4096 else None
-    if diff is not None:
-        return diff.double().square().sum(-1)
-    k = models.shape[-2]
-    out = models.new_zeros(*models.shape[:-2], k, k, dtype=torch.float64)
-    for i in range(k):
-        out[..., i, :] = (models - models[..., i:i + 1, :]).double().square().sum(-1)
-    return out
+def pairwise_sq_distances(models: torch.Tensor, block_elements: int = 1 << 22) -> torch.Tensor:
+    """``[..., K, K]`` squared Euclidean distances between the rows of ``models`` ``[..., K, P]``:
+    from the Gram matrix of the rows' differences to row 0 (small numbers, so little cancellation),
+    accumulated in float64 over blocks of columns (memory stays bounded for large states)."""
+    k, p = models.shape[-2], models.shape[-1]
+    gram = models.new_zeros(*models.shape[:-2], k, k, dtype=torch.float64)
+    step = max(1, block_elements // max(1, models[..., 0, 0].numel() * k))
+    for start in range(0, p, step):
+        part = models[..., start:start + step]
+        part = (part - part[..., :1, :]).double()
+        gram += part @ part.transpose(-1, -2)
+    norms = gram.diagonal(dim1=-2, dim2=-1)
+    return (norms.unsqueeze(-1) + norms.unsqueeze(-2) - 2 * gram).clamp_min(0)
+
+
+def distances_to_own(models: torch.Tensor, block_elements: int = 1 << 22) -> torch.Tensor:
+    """``[..., K - 1]``: the Euclidean distance of each of rows 1.. of ``models`` ``[..., K, P]``
+    to row 0, accumulated in float64 over blocks of columns (no ``[K, P]`` copy is made)."""
+    k, p = models.shape[-2], models.shape[-1]
+    total = models.new_zeros(*models.shape[:-2], k - 1, dtype=torch.float64)
+    step = max(1, block_elements // max(1, models[..., 0, 0].numel() * k))
+    for start in range(0, p, step):
+        part = models[..., start:start + step]
+        total += torch.linalg.vector_norm(part[..., 1:, :] - part[..., :1, :], dim=-1, dtype=torch.float64).square()
+    return total.sqrt()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.aggregation.base import AggregationRule, normalised, register_rule
+from meshlearn.aggregation.base import AggregationRule, distances_to_own, normalised, register_rule
 
 
 @register_rule("clip")
@@ -32,11 +32,12 @@ class SelfCentredClipping(AggregationRule):
         own = models[..., 0, :]
         if models.shape[-2] == 1:
             return own.clone()
-        differences = models[..., 1:, :] - own.unsqueeze(-2)
-        distances = differences.double().square().sum(-1).sqrt()
+        distances = distances_to_own(models)
         scale = (self.radius(distances) / distances.clamp_min(1e-30)).clamp(max=1.0)
-        w = normalised(weights, torch.float64)[..., 1:] * scale
-        return own + torch.einsum("...k,...kp->...p", w.to(models.dtype), differences)
+        # x_0 + sum_j c_j (x_j - x_0) = (1 - sum_j c_j) x_0 + sum_j c_j x_j: no differences stored
+        c = normalised(weights, torch.float64)[..., 1:] * scale
+        coefficients = torch.cat([1.0 - c.sum(-1, keepdim=True), c], dim=-1)
+        return torch.einsum("...k,...kp->...p", coefficients.to(models.dtype), models)
 
     def __str__(self) -> str:
         return "clip" if self.tau is None else f"clip:{self.tau:g}"

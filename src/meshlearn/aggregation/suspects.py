@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 DEVIANT_FACTOR = 4.0  # a model this many times farther from the aggregate than the median model is deviant
+RELATIVE_DISTANCE = 0.5  # ... and farther from it than this share of the aggregate's norm
 REPEATED = 3  # refusals (or deviant models, if most of a peer's are) before a peer is suspected
 
 
@@ -67,11 +68,14 @@ def suspected(heard: int, refused: int, deviant: int) -> bool:
 
 
 def deviant_rows(models: torch.Tensor, aggregate: torch.Tensor) -> torch.Tensor:
-    """``[B, K]`` bool: rows of ``models`` ``[B, K, P]`` more than ``DEVIANT_FACTOR`` times
-    farther from ``aggregate`` ``[B, P]`` than the median row is."""
+    """``[B, K]`` bool: rows of ``models`` ``[B, K, P]`` grossly far from ``aggregate`` ``[B, P]``:
+    more than ``DEVIANT_FACTOR`` times farther than the median row, and farther than
+    ``RELATIVE_DISTANCE`` of the aggregate's own norm (honest models of one training run differ by
+    far less; without this floor, models that have all but agreed make any spread look deviant)."""
     distance = (models - aggregate.unsqueeze(1)).double().square().sum(-1).sqrt()
     typical = distance.median(dim=-1, keepdim=True).values
-    return distance > DEVIANT_FACTOR * typical.clamp_min(1e-12)
+    floor = RELATIVE_DISTANCE * aggregate.double().square().sum(-1, keepdim=True).sqrt()
+    return distance > torch.maximum(DEVIANT_FACTOR * typical, floor).clamp_min(1e-12)
 
 
 def refusal(vector: torch.Tensor, present: torch.Tensor | None = None, chunk_elements: int = 0) -> str | None:
