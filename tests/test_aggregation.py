@@ -16,6 +16,7 @@ from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.node import build_node
 from meshlearn.sim import simulate
+from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 
@@ -138,7 +139,7 @@ def test_a_badly_written_rule_is_one_clear_error(text, message):
     with pytest.raises(ConfigError, match=message):
         make_config({"aggregation": text})
     with pytest.raises(ConfigError, match="unknown aggregation rule 'average'"):
-        make_config({"aggregation": "average"})
+        check_before_start(make_config({"aggregation": "average"}))  # once a user's module could register it
 
 
 @pytest.mark.parametrize("text,message", [
@@ -198,3 +199,12 @@ def test_a_model_with_nan_is_refused_counted_and_its_sender_suspected():
         assert report["suspected"] == [1] and report["peers"]["1"]["refused"] == 4
         assert "NaN or Inf" in report["peers"]["1"]["last_reason"]
         assert bool(torch.isfinite(nodes[rank].flat.state).all())
+
+
+def test_a_huge_or_infinite_outlier_never_leaks_into_a_robust_rule():
+    models = _t([[0.1, 1.0], [1e30, float("inf")], [0.2, 2.0], [0.3, 3.0], [-1e30, 2.0]])
+    assert torch.allclose(get_rule("trimmed-mean:1")(models, [1] * 5), _t([0.2, 7 / 3]))
+    assert torch.allclose(get_rule("median")(models, [1] * 5), _t([0.2, 2.0]))
+    clipped = get_rule("clip")(models[:4], [1] * 4)  # one bad neighbour of three: its row weighs nothing
+    assert bool(torch.isfinite(clipped).all()) and float(clipped.abs().max()) < 10
+    assert torch.equal(get_rule("trimmed-mean:1")(torch.ones(4, 3), [1] * 4), torch.ones(3))  # ties: two dropped

@@ -18,7 +18,7 @@ import yaml
 from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from meshlearn.aggregation.spec import RULE_HELP, check_rule
+from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
@@ -126,8 +126,10 @@ class ExperimentConfig(Settings):
 
     @field_validator("aggregation")
     @classmethod
-    def _known_rule(cls, value: str) -> str:
-        return check_rule(value)
+    def _valid_rule(cls, value: str) -> str:
+        # a built-in rule's arguments are checked here; whether a name is registered, once the
+        # user's --models-module has loaded (sim.checks, or the node when it builds its rule)
+        return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
 
     @field_validator("byzantine")
     @classmethod

@@ -33,6 +33,8 @@ class SelfCentredClipping(AggregationRule):
         if models.shape[-2] == 1:
             return own.clone()
         distances = distances_to_own(models)
+        if not bool(torch.isfinite(distances).all()):  # an infinite model gets weight 0, and 0 * inf is NaN
+            models = torch.nan_to_num(models, nan=0.0, posinf=0.0, neginf=0.0)
         scale = (self.radius(distances) / distances.clamp_min(1e-30)).clamp(max=1.0)
         # x_0 + sum_j c_j (x_j - x_0) = (1 - sum_j c_j) x_0 + sum_j c_j x_j: no differences stored
         c = normalised(weights, torch.float64)[..., 1:] * scale

@@ -103,8 +103,8 @@ class Requester:
                         weights = {"address": address, **served_weights}
                 spec = TaskSpec(
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
-                    momentum=req.momentum,
-                    algorithm=req.algorithm, aggregation=req.aggregation, aggregate_every=req.aggregate_every, seed=req.seed,
+                    momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
+                    aggregate_every=req.aggregate_every, seed=req.seed,
                     partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
                     weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)

@@ -3,6 +3,7 @@ name or a port in use is one line in well under a second, not after the node pro
 
 from __future__ import annotations
 
+from meshlearn.aggregation.spec import RULES, parse_rule
 from meshlearn.config import ExperimentConfig
 from meshlearn.data.specs import parse_spec
 from meshlearn.models.registry import MODELS
@@ -12,12 +13,14 @@ from meshlearn.transport.ports import ensure_port_free
 
 
 def check_before_start(config: ExperimentConfig) -> Graph:
-    """The run's graph, once its topology, dataset spec, model name and fixed ports check out."""
+    """The run's graph, once its topology, dataset spec, model name, aggregation rule and fixed ports
+    check out."""
     graph = build_topology(config.topology, config.nodes, config.seed)
     if config.models_module:  # the user's own models and datasets: registered before their names are checked
         load_user_module(config.models_module)
     parse_spec(config.dataset)
     MODELS.check(config.model)
+    RULES.check(parse_rule(config.aggregation).name)
     if config.base_port:
         for rank in range(config.nodes):
             ensure_port_free(config.host, config.base_port + rank)
