@@ -186,7 +186,9 @@ class GossipAverager:
         if reply is None:
             self.scores.no_answer(peer)
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
-        if self.flat.check_compatible(reply.tensors) is not None or peer_clock is None:
+        problem = self.flat.check_compatible(reply.tensors)
+        if problem is not None or peer_clock is None:
+            self.watch.refused(peer, problem or "its clock is not a number")
             self.scores.failure(peer)  # another model, or a clock that is not a clock
             return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
         if peer_loss is None:  # a diverged peer (null loss) or a loss that is not a number: not merged

@@ -151,6 +151,7 @@ class Leader(Algorithm):
         samples, final = meta_number(request.meta, "samples"), request.meta.get("final")
         problem = self.ctx.flat.check_compatible(request.tensors)
         if problem or samples is None or not isinstance(final, bool):
+            self.watch.refused(sender, problem or "bad samples or final")
             raise WireError(f"a push that does not fit this run: {problem or 'bad samples or final'}")
         vector = torch.cat([request.tensors[name] for name in self.ctx.flat.ranges])
         book = self._lead()
