@@ -17,10 +17,14 @@ def test_shipped_experiment_files_load_at_both_scales(path, tmp_path):
     full = load_experiment(path, quick=False, output=tmp_path)
     quick = load_experiment(path, quick=True, output=tmp_path)
     assert len(full.runs) >= 3
-    repeated = {name: base for base, names in quick.groups.items() for name in names}
-    assert [repeated.get(name, name) for name, _ in quick.runs] == \
-        [n for name, _ in full.runs for n in [name] * len(quick.groups.get(name, [name]))]
-    assert all(config.dataset.startswith("cifar10") and config.nodes == 16 for _, config in full.runs)
+    bases = []  # the file's runs, in order, at each scale (a run with seeds is one run repeated)
+    for experiment in (full, quick):
+        repeated = {name: base for base, names in experiment.groups.items() for name in names}
+        bases.append(list(dict.fromkeys(repeated.get(name, name) for name, _ in experiment.runs)))
+        assert all(len(names) >= 2 for names in experiment.groups.values())
+    assert bases[0] == bases[1]
+    assert all(config.dataset.split(":")[0] in ("cifar10", "fashion-mnist") and config.nodes == 16
+               for _, config in full.runs)
     assert all(config.dataset == "digits" for _, config in quick.runs)
 
 

@@ -132,12 +132,14 @@ class Finisher:
     def _final_model(self) -> torch.Tensor:
         """The final model this provider gives: its own (what a poisoning provider's attack forges,
         in tests)."""
-        algorithm = self.node.algorithm
-        return algorithm.ctx.outgoing(self.node.flat.state.detach(), self.node.config.iterations)
+        state = self.node.flat.state.detach()
+        if self.ctx.poison:
+            return self.node.algorithm.ctx.outgoing(state, self.node.config.iterations)
+        return state
 
     def _suspected(self, book: LeaderState) -> list[str]:
         """The providers this leader suspects: models refused or deviant in training and at the end."""
-        ranks = set(book.watch.suspects()) | set(self.node.algorithm.peers_report()["suspected"])
+        ranks = set(book.watch.suspects()) | set(self.node.peers_report()["suspected"])
         return sorted(self.ids[i] for i in ranks if 0 <= i < len(self.ids))
 
     def _publish(self, average: torch.Tensor, book: LeaderState) -> None:

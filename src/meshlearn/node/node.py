@@ -81,6 +81,10 @@ class Node:
             if factor > 1 or extra > 0:  # emulated slowness (a straggler, or a device-bound step)
                 time.sleep((factor - 1) * (time.perf_counter() - started) + extra)
 
+    def peers_report(self) -> dict:
+        """The peers whose models this node refused or found deviant, and those it suspects."""
+        return self.algorithm.peers_report()
+
     def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
         if self.attack is not None and self.attack.flips_labels:
@@ -143,7 +147,7 @@ class Node:
                 "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.__dict__,
-                "peers": self.algorithm.peers_report(),
+                "peers": self.peers_report(),
             }
             self._write(summary)
             return summary
