@@ -216,18 +216,24 @@ class GossipAverager:
 
 
     def _merge_robust(self, peer: int, reply: Message, factor: float) -> None:
-        """Move toward the rule's aggregate of this node's model and every peer's latest pulled
-        one (equal weights), by the interpolation ``factor``: a pairwise pull alone gives a rule
-        only two models, too few to outvote one bad one."""
         state = self.flat.state
         self.latest[peer] = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges]).to(
             state.device, copy=True)
-        peers = sorted(self.latest)
-        models = torch.stack([state.detach(), *(self.latest[q] for q in peers)])
-        aggregate = self.rule(models, [1.0] * len(models))
-        self.watch.observe(peers, models, aggregate, judged=peer)
         with torch.no_grad():
-            state.lerp_(aggregate, factor)
+            state.lerp_(robust_target(self.rule, state.detach(), self.latest, peer, self.watch), factor)
+
+
+def robust_target(rule: AggregationRule, own: torch.Tensor, latest: dict[int, torch.Tensor], peer: int,
+                  watch: PeerWatch) -> torch.Tensor:
+    """What a gossiping node moves toward under a robust ``rule``: the rule's aggregate of its own
+    model and every peer's latest pulled one (equal weights), ``peer``'s just pulled (and judged
+    for ``watch``). A pairwise pull alone gives a rule only two models, too few to outvote a bad
+    one. Used by both engines."""
+    peers = sorted(latest)
+    models = torch.stack([own, *(latest[q] for q in peers)])
+    aggregate = rule(models, [1.0] * len(models))
+    watch.observe(peers, models, aggregate, judged=peer)
+    return aggregate
 
 
 @register_algorithm

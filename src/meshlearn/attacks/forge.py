@@ -69,6 +69,11 @@ class LabelFlip(Attack):
     name = "label-flip"
     flips_labels = True
 
+    @staticmethod
+    def flip(labels: torch.Tensor, classes: int) -> torch.Tensor:
+        """The labels a label-flipping node trains on: ``C - 1 - y``."""
+        return classes - 1 - labels
+
     def forge(self, own, inputs):
         return own.clone()
 

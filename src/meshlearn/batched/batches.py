@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshlearn.attacks.forge import LabelFlip
 from meshlearn.batched.models import Batch
 from meshlearn.data import Dataset, ShardLoader, loader_seed
 
@@ -43,7 +44,7 @@ class NodeBatches:
             flip = [k for k, rank in enumerate(members) if rank in self.flipped]
             if flip:
                 y = y.clone()
-                y[flip] = self.dataset.num_classes - 1 - y[flip]
+                y[flip] = LabelFlip.flip(y[flip], self.dataset.num_classes)
             batches.append(Batch(
                 torch.tensor(members, device=self.device),
                 x.view(len(members), size, *x.shape[1:]).to(self.device, non_blocking=True),

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
-from meshlearn.attacks.forge import make_attack
+from meshlearn.attacks.forge import LabelFlip, make_attack
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
@@ -88,7 +88,7 @@ class Node:
     def _sgd_step(self) -> float:
         x, y = self.loader.next_batch()
         if self.attack is not None and self.attack.flips_labels:
-            y = self.dataset.num_classes - 1 - y
+            y = LabelFlip.flip(y, self.dataset.num_classes)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         return float(local_step(self.model, self.parameters, self.optimizer, x, y).detach())
 

@@ -25,7 +25,7 @@ import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
-from meshlearn.algorithms.gossip import PeerScores, interpolation_factor
+from meshlearn.algorithms.gossip import PeerScores, interpolation_factor, robust_target
 from meshlearn.algorithms.settings import GossipSettings
 from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
 from meshlearn.batched.byzantine import BadNodes
@@ -236,10 +236,5 @@ class BatchedGossip(BatchedAlgorithm):
         if self.rule is None:
             state[rank].lerp_(answer, factor)
             return
-        latest = self.latest[rank]
-        latest[peer] = answer.clone()
-        peers = sorted(latest)
-        models = torch.stack([state[rank], *(latest[q] for q in peers)])
-        aggregate = self.rule(models, [1.0] * len(models))
-        self.watches[rank].observe(peers, models, aggregate, judged=peer)
-        state[rank].lerp_(aggregate, factor)
+        self.latest[rank][peer] = answer.clone()
+        state[rank].lerp_(robust_target(self.rule, state[rank], self.latest[rank], peer, self.watches[rank]), factor)
