@@ -47,11 +47,8 @@ class AlgorithmContext:
         (``neighbours``: the models it saw this round, for a rushing attack)."""
         if self.attack is None:
             return state
-        from meshlearn.attacks.forge import ForgeInputs, attack_generator
-
         initial = self.initial if self.initial is not None else state
-        return self.attack.forge(state, ForgeInputs(initial, neighbours, attack_generator(self.seed, self.rank,
-                                                                                            iteration)))
+        return self.attack.sent(state, initial, self.seed, self.rank, iteration, neighbours)
 
 
 class Algorithm(ABC):

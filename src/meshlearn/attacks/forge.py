@@ -38,6 +38,12 @@ class Attack(ABC):
     def forge(self, own: torch.Tensor, inputs: ForgeInputs) -> torch.Tensor:
         """The model sent instead of ``own`` (a new tensor; ``own`` is not modified)."""
 
+    def sent(self, own: torch.Tensor, initial: torch.Tensor, seed: int, rank: int, iteration: int,
+             neighbours: torch.Tensor | None = None) -> torch.Tensor:
+        """What node ``rank`` sends at ``iteration`` of a run seeded ``seed``: ``forge`` with its
+        first model, the neighbours' models it saw, and the generator both engines draw from."""
+        return self.forge(own, ForgeInputs(initial, neighbours, attack_generator(seed, rank, iteration)))
+
 
 class SignFlip(Attack):
     name = "sign-flip"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.attacks.forge import Attack, ForgeInputs, attack_generator, make_attack
+from meshlearn.attacks.forge import Attack, make_attack
 from meshlearn.batched.mixing import Links
 from meshlearn.config import ExperimentConfig
 
@@ -62,8 +62,7 @@ class BadNodes:
             neighbours = None
             if attack.rushing and seen is not None:
                 neighbours = seen[self.local.sender[(self.local.receiver == row) & ~self._skipped_local]]
-            out[k] = attack.forge(state[row], ForgeInputs(self.initial[k], neighbours,
-                                                          attack_generator(self.seed, self.start + row, iteration)))
+            out[k] = attack.sent(state[row], self.initial[k], self.seed, self.start + row, iteration, neighbours)
         return out
 
     def forge_row(self, row: int, own: torch.Tensor, iteration: int) -> torch.Tensor:
@@ -71,8 +70,7 @@ class BadNodes:
         node; asynchronous algorithms, where a rushing attack sees no neighbours)."""
         for k, (bad_row, attack) in enumerate(self.attacks):
             if bad_row == row:
-                return attack.forge(own, ForgeInputs(self.initial[k], None,
-                                                     attack_generator(self.seed, self.start + row, iteration)))
+                return attack.sent(own, self.initial[k], self.seed, self.start + row, iteration)
         return own
 
     def sent(self, state: torch.Tensor, forged: torch.Tensor) -> torch.Tensor:

@@ -53,13 +53,14 @@ class Node:
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.transport = make_transport(self.flat)
         transport = self.transport
-        behaviour = config.attackers().get(rank)
-        self.attack = None if behaviour is None else make_attack(behaviour)
+        attackers = config.attackers()
+        self.behaviour = attackers.get(rank)  # this node's bad behaviour, if it is one
+        self.attack = None if self.behaviour is None else make_attack(self.behaviour)
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
             samples=len(self.loader.indices), iterations=config.iterations, rule=config.aggregation,
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
-            colluders=frozenset(config.attackers()) - {rank} if self.attack is not None else frozenset()))
+            colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)
@@ -111,7 +112,7 @@ class Node:
                 "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
                 "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
                 "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
-                "byzantine": None if self.attack is None else str(config.attackers()[self.rank]),
+                "byzantine": None if self.behaviour is None else str(self.behaviour),
             })
             start = time.perf_counter()
             last: Evaluation | None = None
