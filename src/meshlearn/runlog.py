@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -67,3 +68,55 @@ def per_node(event: dict[str, Any]) -> list[dict[str, Any]]:
     columns = event["columns"]
     return [{**shared, "rank": rank, **{name: values[index] for name, values in columns.items()}}
             for index, rank in enumerate(event["ranks"])]
+
+
+class LogTail:
+    """Reads a run's logs folder while the run writes it: each ``read()`` returns the per-node
+    events (columnar ones expanded) of the complete lines written since the last call. A log that
+    is started afresh (a rerun into the same folder) is read again from its start."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self._offsets: dict[Path, tuple[int, int]] = {}  # path -> (inode, bytes read)
+
+    def read(self) -> list[dict[str, Any]]:
+        """New events of every node log and of the columnar log, in file order per log."""
+        events: list[dict[str, Any]] = []
+        paths = sorted(self.folder.glob("node_*.jsonl")) + [self.folder / COLUMNAR_LOG]
+        for path in paths:
+            events += self._read_one(path)
+        return events
+
+    def _read_one(self, path: Path) -> list[dict[str, Any]]:
+        try:
+            with path.open("rb") as handle:
+                stat = os.fstat(handle.fileno())
+                inode, done = self._offsets.get(path, (stat.st_ino, 0))
+                if inode != stat.st_ino or stat.st_size < done:
+                    done = 0  # a new file in its place
+                handle.seek(done)
+                data = handle.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1  # a line still being written is read next time
+        self._offsets[path] = (stat.st_ino, done + end)
+        rank = _rank_of(path)
+        events = []
+        for line in data[:end].splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(event, dict):
+                continue
+            for one in per_node(event):
+                if rank is not None:
+                    one.setdefault("rank", rank)
+                events.append(one)
+        return events
+
+
+def _rank_of(path: Path) -> int | None:
+    """The rank a per-node log belongs to (node_3.jsonl -> 3); None for the columnar log."""
+    stem = path.stem
+    return int(stem[5:]) if stem.startswith("node_") and stem[5:].isdigit() else None

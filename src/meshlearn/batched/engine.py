@@ -220,6 +220,8 @@ class _Run:
         return done % self.config.test_after == 0 or done == self.config.iterations
 
     def write_iteration(self, iteration: int, columns: dict[str, list]) -> None:
+        if self.shard.count == 1:  # each process counts its own nodes' traffic
+            columns = {**columns, "bytes_sent": self.traffic.counters["bytes_sent"].tolist()}
         self.log.write(columnar_event("iteration", self.ranks, columns, iteration=iteration,
                                       wall=time.perf_counter() - self.began))  # real seconds, for benchmarks
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import typing
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from meshlearn.cli.flags import add_flags, given
+from meshlearn.cli.live import add_live_flags, check_live_flags, dashboard, watch_run
 from meshlearn.cli.network import add_network_commands
 from meshlearn.config import (
     ExperimentConfig,
@@ -55,23 +57,47 @@ def _resolve(args: argparse.Namespace) -> ExperimentConfig:
     return make_config(values)
 
 
-def _run_simulation(config: ExperimentConfig, quiet: bool) -> dict:
+def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None) -> dict:
     from meshlearn.sim.checks import check_before_start
 
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
+    if args is not None:
+        check_live_flags(args)
     from meshlearn.sim import format_summary, simulate, write_report
 
-    result = simulate(config, progress=not quiet)
+    if args is not None and (args.dashboard or args.tensorboard):
+        result = _watched_simulation(config, quiet, args)
+    else:
+        result = simulate(config, progress=not quiet)
     if not result.main:  # one of torchrun's other processes: the first one reports
         return {}
     summary = write_report(result.output)
     print(format_summary(summary))
-    print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, logs/)")
+    print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, topology.png, iteration_time.png, logs/)")
     return summary
 
 
+def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace):
+    """A simulation with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
+    from meshlearn.sim import simulate
+    from meshlearn.sim.launcher import clear_earlier_run, default_output
+    from meshlearn.sim.live import RunBoard
+
+    if not config.output:
+        config = config.model_copy(update={"output": str(default_output())})
+    if Path(config.output, "logs").is_dir():
+        clear_earlier_run(Path(config.output))  # the watcher must not read the last run's logs
+    board = RunBoard(config, Path(config.output).name)
+    with dashboard(args, board.snapshot, quiet), watch_run(args, config, [board] if args.dashboard else []):
+        try:
+            return simulate(config, progress=not quiet)
+        except BaseException:
+            board.finish("failed")
+            raise
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
-    _run_simulation(_resolve(args), args.quiet)
+    _run_simulation(_resolve(args), args.quiet, args)
     return 0
 
 
@@ -104,10 +130,37 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     from meshlearn.sim.experiment import load_experiment, run_experiment
 
     experiment = load_experiment(args.file, args.quick, args.output, batched=args.batched)
-    output = run_experiment(experiment, progress=not args.quiet)
+    check_live_flags(args)
+    output = _watched_experiment(experiment, args) if (args.dashboard or args.tensorboard) else \
+        run_experiment(experiment, progress=not args.quiet)
     print((output / "table.md").read_text())
     print(f"report: {output}  (table.md, table.csv, per_node.csv, comparison.png, iteration_times.png)")
     return 0
+
+
+def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
+    """An experiment with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
+    from meshlearn.sim.experiment import run_experiment
+    from meshlearn.sim.launcher import clear_earlier_run
+    from meshlearn.sim.live import ExperimentBoard
+
+    board = ExperimentBoard(experiment.name, [name for name, _ in experiment.runs])
+
+    @contextlib.contextmanager
+    def each_run(name: str, config: ExperimentConfig):
+        if Path(config.output, "logs").is_dir():
+            clear_earlier_run(Path(config.output))
+        run_board = board.begin(name, config)
+        with watch_run(args, config, [run_board] if args.dashboard else []):
+            try:
+                yield
+            except BaseException:
+                board.end(name, "failed")
+                raise
+        board.end(name)
+
+    with dashboard(args, board.snapshot, args.quiet):
+        return run_experiment(experiment, progress=not args.quiet, around_run=each_run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = sub.add_parser("simulate", help="run N nodes on this machine, one process each")
     simulate.add_argument("--config", help="YAML experiment file; flags override its settings (default: none)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
+    add_live_flags(simulate)
     _add_config_flags(simulate)
     simulate.set_defaults(func=cmd_simulate)
 
@@ -133,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "'batched' section; times modelled; runs marked 'batched: false' left out)")
     experiment.add_argument("--output", help="report folder (default: runs/<name>, plus -quick and/or -batched)")
     experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
+    add_live_flags(experiment)
     experiment.set_defaults(func=cmd_experiment)
 
     node = sub.add_parser("node", help="run one node of a multi-machine experiment")

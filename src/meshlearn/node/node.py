@@ -128,7 +128,8 @@ class Node:
                 train_loss = sum(losses) / len(losses) if losses else None
                 record = self.algorithm.after_local_steps(iteration, train_loss)
                 self.algorithm.check()
-                record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss)
+                record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss,
+                              bytes_sent=self.transport.stats.bytes_sent)
                 done = iteration + 1
                 if evaluates and (done % config.test_after == 0 or done == config.iterations):
                     t2 = time.perf_counter()
@@ -138,6 +139,7 @@ class Node:
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
                         "test_loss": last.loss, "test_acc": last.accuracy,
                     })
+                    record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks
                 record["t"] = time.perf_counter() - start
                 self._write(record)
                 for hook in self.hooks:

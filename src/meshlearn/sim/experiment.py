@@ -23,6 +23,7 @@ to ``OUTPUT/`` itself.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import statistics
@@ -121,13 +122,15 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     return Experiment(name, str(raw.get("description", "")), runs, groups)
 
 
-def run_experiment(experiment: Experiment, progress: bool = True, log=print) -> Path:
-    """Run every run of an experiment in turn, then write the comparison report; returns its folder."""
+def run_experiment(experiment: Experiment, progress: bool = True, log=print, around_run=None) -> Path:
+    """Run every run of an experiment in turn, then write the comparison report; returns its folder.
+    ``around_run(name, config)``: a context manager each run goes on in (say, a live view of it)."""
     for index, (name, config) in enumerate(experiment.runs, start=1):
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
             f"{' net ' + config.net.describe() if config.net.active else ''}")
-        simulate(config, progress=progress)
+        with around_run(name, config) if around_run else contextlib.nullcontext():
+            simulate(config, progress=progress)
     output = Path(experiment.runs[0][1].output).parent
     write_comparison(experiment, output)
     return output

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from meshlearn.errors import MeshlearnError
 from meshlearn.plots import pyplot
 from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
@@ -64,22 +65,25 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
         for event in events:
             if event.get("event") == "eval":
                 (bad_by_iteration if rank in attackers else by_iteration)[event["iteration"]].append(event)
-    rows = []
-    for iteration in sorted(by_iteration):
-        group = by_iteration[iteration]
-        t_mean, t_std = _mean_std([e["t"] for e in group])
-        a_mean, a_std = _mean_std([e["test_acc"] for e in group])
-        l_mean, l_std = _mean_std([e["test_loss"] for e in group])
-        row = {
-            "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
-            "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
-        }
-        if all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
-            row["consensus_distance"] = group[0]["consensus"]
-        if attackers:
-            row["attackers_acc_mean"] = _mean_std([e["test_acc"] for e in bad_by_iteration[iteration]])[0]
-        rows.append(row)
-    return rows
+    return [evaluation_row(iteration, by_iteration[iteration], bad_by_iteration[iteration] if attackers else None)
+            for iteration in sorted(by_iteration)]
+
+
+def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = None) -> dict[str, float]:
+    """One row of summary.csv: the honest nodes' ``eval`` events of one iteration (``group``), as
+    mean and std of time, test accuracy and loss; ``bad``: the bad nodes' events, where a run has any."""
+    t_mean, t_std = _mean_std([e["t"] for e in group])
+    a_mean, a_std = _mean_std([e["test_acc"] for e in group])
+    l_mean, l_std = _mean_std([e["test_loss"] for e in group])
+    row = {
+        "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
+        "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
+    }
+    if group and all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
+        row["consensus_distance"] = group[0]["consensus"]
+    if bad is not None:
+        row["attackers_acc_mean"] = _mean_std([e["test_acc"] for e in bad])[0]
+    return row
 
 
 def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
@@ -225,12 +229,118 @@ def write_report(output: Path) -> dict[str, Any]:
     summary["iteration_time"] = iteration_times(logs)
     summary.update(start_up_times(output, logs))
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    title = run_title(output)
     if rows:
-        title = run_title(output)
         axis = time_label(output)
         _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png", axis)
         _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis)
+    _save(topology_figure(output, summary, title), output / TOPOLOGY_FIGURE)
+    _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled"), output / TIME_FIGURE)
     return summary
+
+
+TOPOLOGY_FIGURE = "topology.png"
+TIME_FIGURE = "iteration_time.png"
+PHASE_COLOURS = {"train": "#3f6fd8", "encode": "#9c27b0", "comm": "#f5a623", "average": "#2e7d32", "eval": "#7a8294"}
+LABELLED_NODES = 32  # up to this many nodes the figures name each one
+BAR_NODES = 64  # up to this many nodes the time split has a bar per node
+
+
+def _save(fig, path: Path) -> None:
+    if fig is None:
+        path.unlink(missing_ok=True)
+        return
+    fig.savefig(path, dpi=100)
+    pyplot().close(fig)
+
+
+def topology_figure(output: Path, summary: dict[str, Any], title: str):
+    """The run's graph on a circle, each node coloured by its final test accuracy (grey: not
+    evaluated; a red ring: a bad node); None without a graph.txt."""
+    from meshlearn.topology import read_graph_file
+
+    try:
+        graph = read_graph_file(Path(output) / "graph.txt")
+    except (OSError, ValueError, MeshlearnError):
+        return None
+    plt = pyplot()
+    from matplotlib.collections import LineCollection
+
+    n = graph.n
+    angle = [2 * math.pi * i / n for i in range(n)]
+    xy = [(math.cos(a), math.sin(a)) for a in angle]
+    per_node = summary.get("per_node", {})
+    accuracy = [((per_node.get(str(i)) or {}).get("metrics") or {}).get("accuracy") for i in range(n)]
+    bad = {int(rank) for rank in summary.get("attackers", {})}
+    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    ax.add_collection(LineCollection([(xy[i], xy[j]) for i, j in graph.edges()], colors="#b8bec9",
+                                     linewidths=0.8 if n <= 100 else 0.2, zorder=1))
+    size = 260 if n <= LABELLED_NODES else max(6, 6000 / n)
+    known = [i for i in range(n) if accuracy[i] is not None]
+    unknown = [i for i in range(n) if accuracy[i] is None]
+    if unknown:
+        ax.scatter([xy[i][0] for i in unknown], [xy[i][1] for i in unknown], s=size, c="#d0d4db", zorder=2,
+                   label="not evaluated")
+    if known:
+        dots = ax.scatter([xy[i][0] for i in known], [xy[i][1] for i in known], s=size, zorder=2,
+                          c=[accuracy[i] for i in known], cmap="viridis", vmin=min(accuracy[i] for i in known),
+                          vmax=max(max(accuracy[i] for i in known), min(accuracy[i] for i in known) + 1e-3))
+        fig.colorbar(dots, ax=ax, shrink=0.8, label="final test accuracy")
+    if bad:
+        ax.scatter([xy[i][0] for i in bad if i < n], [xy[i][1] for i in bad if i < n], s=size * 1.6,
+                   facecolors="none", edgecolors="#b3261e", linewidths=2, zorder=3, label="bad node")
+    if n <= LABELLED_NODES:
+        for i, (x, y) in enumerate(xy):
+            ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, color="white", zorder=4)
+    if bad or unknown:
+        ax.legend(loc="lower right", fontsize=8)
+    ax.set_xlim(-1.2, 1.2)
+    ax.set_ylim(-1.2, 1.2)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"{title}: topology, nodes by final accuracy")
+    fig.tight_layout()
+    return fig
+
+
+def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = False):
+    """Where an iteration's time goes: each phase's mean (ms), stacked (means add up to the mean
+    iteration; medians would not), per node (or, for many nodes, over all of them); None without
+    iterations."""
+    means: dict[str, dict[str, float]] = {}
+    all_phases: dict[str, list[float]] = defaultdict(list)
+    for rank, events in sorted(logs.items()):
+        phases: dict[str, list[float]] = defaultdict(list)
+        for event in events:
+            if event.get("event") == "iteration":
+                for phase in PHASES:
+                    phases[phase].append((event.get(phase) or 0.0) * 1000)
+        if phases:
+            means[str(rank)] = {p: statistics.fmean(v) for p, v in phases.items()}
+            for p, v in phases.items():
+                all_phases[p] += v
+    if not means:
+        return None
+    if len(means) > BAR_NODES:
+        means = {f"all {len(means)} nodes": {p: statistics.fmean(v) for p, v in all_phases.items()}}
+    plt = pyplot()
+    names = list(means)
+    fig, ax = plt.subplots(figsize=(8, max(2.2, 0.5 + 0.28 * len(names))))
+    left = [0.0] * len(names)
+    for phase in PHASES:
+        widths = [means[name].get(phase, 0.0) for name in names]
+        ax.barh(names, widths, left=left, color=PHASE_COLOURS[phase], label=phase)
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("mean time per iteration (ms" + (", modelled)" if modelled else ")"))
+    ax.set_ylabel("node" if len(names) > 1 else "")
+    if len(names) > LABELLED_NODES:
+        ax.set_yticks([])
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(alpha=0.3, axis="x")
+    ax.set_title(f"{title}: iteration time split")
+    fig.tight_layout()
+    return fig
 
 
 def start_up_times(output: Path, logs: dict[int, list[dict]]) -> dict[str, float]:
