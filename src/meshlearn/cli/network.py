@@ -13,6 +13,7 @@ from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.bootstrap import BootstrapSettings
 from meshlearn.network.provider import ProviderSettings
 from meshlearn.network.task import TaskRequest
+from meshlearn.tblog import require_tensorboard
 
 # The request flags; their defaults live in TaskRequest. epochs and batch size are read as
 # numbers, so that a value the rules correct (2.6 epochs) is corrected with a warning.
@@ -91,6 +92,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     settings.relay_port_range()  # a bad range is one line, before anything starts
     keys = _identity(settings.key_file(), "bootstrap", say=None)
     service = Bootstrap(settings, secret, keys)
+    page = _dashboard_of(settings, secret, service.board)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
     print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "
           f"{settings.ttl:g} s", flush=True)
@@ -110,11 +112,28 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
                   + (" (listening on every interface)" if is_wildcard(settings.host) else ""), flush=True)
     threading.Thread(target=say_where, daemon=True).start()
     try:
+        if page is not None:
+            print(f"dashboard: {page.start()}", flush=True)
         service.run(ready)
     except KeyboardInterrupt:
         pass
+    finally:
+        if page is not None:
+            page.stop()
     print("bootstrap stopped; the registry is kept in " + settings.state, flush=True)
     return 0
+
+
+def _dashboard_of(settings: BootstrapSettings, secret: bytes, source):
+    """The bootstrap's page (not started: its start binds, and a taken port is one line), or None
+    without --dashboard."""
+    if not settings.dashboard:
+        return None
+    from meshlearn.dashboard.access import token_from_secret
+    from meshlearn.dashboard.server import DashboardServer, parse_listen
+
+    host, port = parse_listen(settings.dashboard)
+    return DashboardServer(source, host, port, token=settings.dashboard_token or token_from_secret(secret))
 
 
 def cmd_provider(args: argparse.Namespace) -> int:
@@ -217,6 +236,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     from meshlearn.network.task import dataset_spec, validate_request
 
     _port(args.port, allow_zero=True)
+    if args.tensorboard:
+        require_tensorboard()
     _advertise(args.advertise)
     parse_address(split_pinned(args.bootstrap)[0], "--bootstrap")  # a typo is one line before any work
     secret = _secret(args)
@@ -236,7 +257,7 @@ def cmd_request(args: argparse.Namespace) -> int:
     keys = _identity(_requester_key(args), "requester")
     bootstrap = _pinned_bootstrap(args, secret)
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
-                          advertise=args.advertise, keys=keys)
+                          advertise=args.advertise, keys=keys, tensorboard=args.tensorboard)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")
@@ -298,6 +319,9 @@ def add_network_commands(sub) -> None:
     req.add_argument("--advertise", default="", help="address providers fetch the data from (default: --host; "
                      "with 0.0.0.0, this machine's address on the route to the bootstrap)")
     req.add_argument("--models-module", help="local .py file registering the custom model (or dataset) the task names "
+                     "(default: none)")
+    req.add_argument("--tensorboard", metavar="DIR", default="", help="write TensorBoard event files of the task "
+                     "(each provider's train loss and test accuracy as they come, the result) under DIR/task-ID "
                      "(default: none)")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
     _secret_flags(req)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import hmac
 import ipaddress
 import secrets
@@ -26,6 +28,13 @@ def is_loopback(host: str) -> bool:
 def new_token() -> str:
     """A fresh random token for a dashboard reachable from other machines."""
     return secrets.token_urlsafe(24)
+
+
+def token_from_secret(secret: bytes) -> str:
+    """A dashboard token derived from a network's secret (HMAC-SHA256): stable across restarts,
+    known to whoever holds the secret, and not the secret itself."""
+    digest = hmac.new(secret, b"meshlearn dashboard token v1", hashlib.sha256).digest()
+    return base64.urlsafe_b64encode(digest).decode().rstrip("=")[:32]
 
 
 class TokenGate:

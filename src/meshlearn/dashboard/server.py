@@ -124,7 +124,7 @@ class DashboardServer:
     def __init__(self, source: Source, host: str = "127.0.0.1", port: int = 0, token: str | None = None):
         self.source = source
         self.host, self.port = host, port
-        self.token = token or (None if is_loopback(host) else new_token())
+        self.token = None if is_loopback(host) else (token or new_token())
         self._stopping = threading.Event()
         self._server = None
         self._thread: threading.Thread | None = None
@@ -132,7 +132,7 @@ class DashboardServer:
     @property
     def url(self) -> str:
         """Where to open the page (with the token, where one is needed)."""
-        shown = self.host if not (self.host in ("0.0.0.0", "::")) else socket.gethostname()
+        shown = self.host if self.host not in ("0.0.0.0", "::") else socket.gethostname()
         shown = f"[{shown}]" if ":" in shown else shown
         return f"http://{shown}:{self.port}/" + (f"?token={self.token}" if self.token else "")
 

@@ -13,11 +13,12 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, NetworkError, UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.envelope import Envelope, field_of
-from meshlearn.network.identity import KeyPair, key_text, pinned
+from meshlearn.network.identity import KeyPair, fingerprint, key_from_text, key_text, pinned
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.relay import Relay
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.sparselog import SparseLog
+from meshlearn.network.taskboard import TaskBoard
 from meshlearn.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ class BootstrapSettings(Settings):
                             "through the relay")
     relay_ports: str = Field("", description="FIRST-LAST: ports the relay may give participants behind NAT, "
                              "two per provider at work (default: any free port)")
+    dashboard: str = Field("", description="[HOST:]PORT of a read-only live web page of the network (loopback "
+                           "unless HOST is given; other machines then need its token) (default: none)")
+    dashboard_token: str = Field("", description="token other machines open the dashboard with (default: one "
+                                 "derived from the network secret, printed at start)")
 
     def key_file(self) -> Path:
         return Path(self.key) if self.key else Path(self.state).parent / "bootstrap.key"
@@ -71,6 +76,7 @@ class Bootstrap:
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.clock = clock
         self.registry = Registry(settings.state, clock)
+        self.tasks = TaskBoard(clock)
         self.server = RpcServer("bootstrap", settings.host, settings.port, secret, {
             "ping": lambda req: {"service": "bootstrap"},
             "register": self._register,
@@ -83,6 +89,7 @@ class Bootstrap:
             "probe": self._probe,
             "relay.open": self._relay_open,
             "relay.close": self._relay_close,
+            "task.progress": self._task_progress,
         }, max_bytes=settings.max_message_bytes, keys=keys, admit=self._admit)
         public_host = settings.public_host()
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
@@ -258,11 +265,47 @@ class Bootstrap:
                               field_of(req.body, "status", str, "done", max_len=32), lost)
         return {"released": True}
 
+    def _task_progress(self, req: Envelope) -> dict:
+        """A requester's report of its task (progress, faults, result), for the dashboard."""
+        task_id = field_of(req.body, "task", str, max_len=64)
+        record = self.registry.task(task_id)
+        if record is None or record["requester"] != req.sender[:128]:
+            raise BadMessage(f"task {task_id!r} is not one this sender requested")
+        self.tasks.report(task_id, req.body)
+        return {"noted": True}
+
+    def board(self) -> dict:
+        """What the dashboard shows (plain JSON values): providers, the latest tasks with their
+        progress, and the registry's history. Never a data shard, a model or a secret."""
+        if not self.registry.is_open:
+            return {"kind": "network", "title": "meshlearn network (starting)", "providers": [], "tasks": [],
+                    "history": []}
+        now = self.clock.time()
+        providers = [{"id": p.id, "status": p.status, "task": p.task, "device": p.device, "cores": p.cores,
+                      "ram_gb": p.ram_gb, "location": p.location, "reachable": bool(p.reachable),
+                      "seen_s": max(0.0, now - p.last_seen), "key": _fingerprint(p.key), "key_full": p.key}
+                     for p in sorted(self.registry.providers(), key=lambda p: p.id)]
+        tasks = []
+        for record in self.registry.tasks(50):
+            live = self.tasks.view(record["id"]) or {}
+            tasks.append({"id": record["id"], "requester": record["requester"], "status": record["status"],
+                          "created": record["created"], "providers": [p["id"] for p in record["providers"]], **live})
+        return {"kind": "network", "title": f"meshlearn network · bootstrap {self.server.address}",
+                "providers": providers, "tasks": tasks, "history": self.registry.history(200)}
+
     def _task(self, req: Envelope) -> dict:
         record = self.registry.task(field_of(req.body, "task", str, max_len=64))
         if record is None:
             raise BadMessage(f"task {req.body.get('task')!r} is unknown to this bootstrap")
         return record
+
+
+def _fingerprint(key: str) -> str:
+    """A provider's key as the page shows it (its fingerprint; empty without a key)."""
+    try:
+        return fingerprint(key_from_text(key)) if key else ""
+    except UserInputError:
+        return ""
 
 
 def _is_host(host: str, address: str) -> bool:

@@ -29,7 +29,11 @@ CREATE TABLE IF NOT EXISTS tasks (
     id TEXT PRIMARY KEY, requester TEXT NOT NULL, providers TEXT NOT NULL,
     created REAL NOT NULL, status TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS revoked (key TEXT PRIMARY KEY, at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS history (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, at REAL NOT NULL, kind TEXT NOT NULL, subject TEXT NOT NULL,
+    detail TEXT NOT NULL);
 """
+HISTORY_KEPT = 5000  # the registry's history keeps this many events (older ones are dropped)
 # columns added since the first registry files, with their defaults for rows written before
 _ADDED = {"providers": [("key", "TEXT NOT NULL DEFAULT ''"), ("reachable", "INTEGER NOT NULL DEFAULT 1")]}
 _COLUMNS = "id,address,ram_gb,cores,device,location,status,task,last_seen,key,reachable"
@@ -86,6 +90,10 @@ class Registry:
                                  "wrote, or a new file name") from None
         return self
 
+    @property
+    def is_open(self) -> bool:
+        return self._db is not None
+
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
@@ -106,14 +114,22 @@ class Registry:
     def register(self, info: ProviderInfo) -> None:
         """Add or refresh a provider (a re-registration keeps a task it still runs)."""
         now = self.clock.time()
-        self._run(lambda db: db.execute(
-            "INSERT INTO providers (id,address,ram_gb,cores,device,location,status,task,last_seen,registered,"
-            "claimed_at,key,reachable) VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,?) ON CONFLICT(id) DO UPDATE SET "
-            "address=excluded.address, ram_gb=excluded.ram_gb, cores=excluded.cores, device=excluded.device, "
-            "location=excluded.location, status=excluded.status, task=excluded.task, last_seen=excluded.last_seen, "
-            "key=excluded.key, reachable=excluded.reachable",
-            (info.id, info.address, info.ram_gb, info.cores, info.device, info.location,
-             info.status, info.task, now, now, info.key, int(info.reachable))))
+
+        def add(db):
+            known = db.execute("SELECT address FROM providers WHERE id=?", (info.id,)).fetchone()
+            if known is None or known[0] != info.address:
+                self._note(db, "registered", info.id, f"{info.address} ({info.device}, {info.cores} cores, "
+                           f"{info.ram_gb:g} GB{', ' + info.location if info.location else ''}"
+                           f"{'' if info.reachable else ', through the relay'})")
+            db.execute(
+                "INSERT INTO providers (id,address,ram_gb,cores,device,location,status,task,last_seen,registered,"
+                "claimed_at,key,reachable) VALUES (?,?,?,?,?,?,?,?,?,?,NULL,?,?) ON CONFLICT(id) DO UPDATE SET "
+                "address=excluded.address, ram_gb=excluded.ram_gb, cores=excluded.cores, device=excluded.device, "
+                "location=excluded.location, status=excluded.status, task=excluded.task, "
+                "last_seen=excluded.last_seen, key=excluded.key, reachable=excluded.reachable",
+                (info.id, info.address, info.ram_gb, info.cores, info.device, info.location,
+                 info.status, info.task, now, now, info.key, int(info.reachable)))
+        self._run(add)
 
     def drop_unverified(self, keys_required: bool) -> list[str]:
         """Forget providers that must register again after a restart: those reached through the
@@ -137,6 +153,7 @@ class Registry:
             gone = [r[0] for r in db.execute("SELECT id FROM providers WHERE key=?", (key,))]
             db.execute("DELETE FROM providers WHERE key=?", (key,))
             db.execute("INSERT OR REPLACE INTO revoked VALUES (?,?)", (key, self.clock.time()))
+            self._note(db, "revoked", key, "providers forgotten: " + (", ".join(gone) or "none"))
             return gone
         return self._run(shut)
 
@@ -168,7 +185,12 @@ class Registry:
 
     def remove(self, provider_id: str) -> bool:
         """Forget a provider (it left); False if it was not registered."""
-        return self._run(lambda db: db.execute("DELETE FROM providers WHERE id=?", (provider_id,)).rowcount == 1)
+        def leave(db):
+            gone = db.execute("DELETE FROM providers WHERE id=?", (provider_id,)).rowcount == 1
+            if gone:
+                self._note(db, "left", provider_id, "")
+            return gone
+        return self._run(leave)
 
     def expire(self, ttl: float) -> list[str]:
         """Remove providers without a heartbeat for ``ttl`` seconds; return their ids."""
@@ -177,6 +199,8 @@ class Registry:
         def sweep(db):
             gone = [r[0] for r in db.execute("SELECT id FROM providers WHERE last_seen < ?", (cutoff,))]
             db.execute("DELETE FROM providers WHERE last_seen < ?", (cutoff,))
+            for provider_id in gone:
+                self._note(db, "expired", provider_id, f"no heartbeat for {ttl:g} s")
             return gone
         return self._run(sweep)
 
@@ -209,6 +233,7 @@ class Registry:
                 db.execute("INSERT INTO tasks VALUES (?,?,?,?,?)", (
                     task_id, requester, json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken]),
                     self.clock.time(), "running"))
+                self._note(db, "claimed", task_id, f"by {requester}: " + ", ".join(p.id for p in taken))
             return taken
         return self._run(take)
 
@@ -219,7 +244,8 @@ class Registry:
             for provider_id in lost:
                 db.execute("DELETE FROM providers WHERE id=? AND task=?", (provider_id, task_id))
             db.execute("UPDATE providers SET status='free', task=NULL WHERE task=? AND status='busy'", (task_id,))
-            db.execute("UPDATE tasks SET status=? WHERE id=?", (status, task_id))
+            if db.execute("UPDATE tasks SET status=? WHERE id=?", (status, task_id)).rowcount:
+                self._note(db, "released", task_id, status + (f"; lost {', '.join(lost)}" if lost else ""))
         self._run(free)
 
     def task(self, task_id: str) -> dict | None:
@@ -230,6 +256,29 @@ class Registry:
             return None
         return {"id": row[0], "requester": row[1], "providers": json.loads(row[2]),
                 "created": row[3], "status": row[4]}
+
+
+    def tasks(self, limit: int = 50) -> list[dict]:
+        """The latest ``limit`` tasks' records, newest first."""
+        rows = self._run(lambda db: db.execute(
+            "SELECT id,requester,providers,created,status FROM tasks ORDER BY created DESC LIMIT ?",
+            (limit,)).fetchall())
+        return [{"id": r[0], "requester": r[1], "providers": json.loads(r[2]), "created": r[3], "status": r[4]}
+                for r in rows]
+
+    def history(self, limit: int = 200) -> list[dict]:
+        """The registry's latest ``limit`` events (registered, left, expired, revoked, claimed,
+        released), newest first: {"at", "kind", "subject", "detail"}."""
+        rows = self._run(lambda db: db.execute(
+            "SELECT at,kind,subject,detail FROM history ORDER BY seq DESC LIMIT ?", (limit,)).fetchall())
+        return [{"at": r[0], "kind": r[1], "subject": r[2], "detail": r[3]} for r in rows]
+
+    def _note(self, db: sqlite3.Connection, kind: str, subject: str, detail: str) -> None:
+        """Add an event to the history, inside the caller's transaction."""
+        seq = db.execute("INSERT INTO history (at,kind,subject,detail) VALUES (?,?,?,?)",
+                         (self.clock.time(), kind, subject, detail)).lastrowid
+        if seq % 500 == 0:
+            db.execute("DELETE FROM history WHERE seq <= ?", (seq - HISTORY_KEPT,))
 
 
 def _preference(p: ProviderInfo, device: str) -> tuple:

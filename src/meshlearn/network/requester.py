@@ -33,6 +33,8 @@ from meshlearn.network.task import (
     dataset_spec,
     new_task_id,
 )
+from meshlearn.network.taskwatch import TaskWatch
+from meshlearn.tblog import ScalarLog, run_folder
 from meshlearn.wire.sealed import FrameSeal
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ class Requester:
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
                  host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
-                 clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None):
+                 clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None, tensorboard: str = ""):
         self.request = request
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.dataset = dataset  # the task's data, if the caller has loaded it already
@@ -65,6 +67,8 @@ class Requester:
         self.sender = f"requester-{self.task_id}"
         self.gone: set[str] = set()  # providers that stopped answering
         self.clock = clock
+        scalars = ScalarLog(run_folder(tensorboard, f"task-{self.task_id}")) if tensorboard else None
+        self.watch = TaskWatch(self._tell_bootstrap, scalars, clock)  # the bootstrap's dashboard, TensorBoard
 
     def run(self) -> dict:
         """Run the task to the end; return its metrics (the result is written into ``output``)."""
@@ -105,7 +109,8 @@ class Requester:
                     task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
                     momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
                     aggregate_every=req.aggregate_every, seed=req.seed,
-                    partition=req.partition, eval_samples=req.eval_samples, peer_timeout=req.peer_timeout,
+                    partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
+                    peer_timeout=req.peer_timeout,
                     peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
                     weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
                 self._write_config(spec)
@@ -115,7 +120,9 @@ class Requester:
             except BaseException:
                 self._cancel(claimed)
                 self._release("failed")
+                self.watch.finish(None)
                 raise
+        self.watch.finish(metrics)
         self._release("done", lost=set(metrics.get("lost", [])))
         return metrics
 
@@ -209,7 +216,9 @@ class Requester:
                 states.append((peer, self._call(peer, "task.status", {}, timeout=5).body))
             except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
                 self.gone.add(peer["id"])
+                self.watch.lost(peer["id"])
                 self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
+        self.watch.update(states)
         return states
 
     def _follow(self, spec: TaskSpec) -> dict:
@@ -249,6 +258,11 @@ class Requester:
                 return
             self.clock.sleep(POLL)
         log.warning("task %s: some providers did not end their part in time", self.task_id)
+
+    def _tell_bootstrap(self, body: dict) -> None:
+        """One progress report of this task for the bootstrap's dashboard (TaskWatch sends it)."""
+        call(self.bootstrap, "task.progress", {"task": self.task_id, **body}, self.secret, timeout=3,
+             sender=self.sender)
 
     def _release(self, status: str, lost: set[str] = frozenset()) -> None:
         try:

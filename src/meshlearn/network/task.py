@@ -47,6 +47,8 @@ class TaskRequest(Settings):
     seed: int = Field(90, ge=0, le=MAX_SEED, description="seed of partitions and initial model")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
     eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    eval_every: int = Field(0, ge=0, description="evaluate on every provider every N iterations, for live accuracy "
+                            "curves (bootstrap dashboard, --tensorboard); 0: only the final model")
     peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
                                 description="seconds of silence before a provider counts as gone")
     weights: str | None = Field(None, description="safetensors file of initial weights for the model "
@@ -187,6 +189,7 @@ class TaskSpec(Settings):
     seed: int = Field(ge=0, le=MAX_SEED)
     partition: str = Field(max_length=64)
     eval_samples: int = Field(ge=0)
+    eval_every: int = Field(0, ge=0)
     peer_timeout: float = Field(gt=0, le=MAX_PEER_TIMEOUT)
     peers: list[Peer] = Field(min_length=1, max_length=MAX_TASK_PEERS)
     data: dict[str, Any]  # {"mode": "served", "address", "files"} or {"mode": "local", "dataset"}
@@ -228,7 +231,8 @@ class TaskSpec(Settings):
             nodes=max(2, len(self.peers)), algorithm="local" if alone else self.algorithm, topology="full",
             rounds=rounds,
             iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
-            test_after=iterations, eval_samples=self.eval_samples, eval_nodes=1, host=host, device=device,
+            test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,
+            eval_nodes=0 if self.eval_every else 1, host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=self.leader, aggregation=self.aggregation)

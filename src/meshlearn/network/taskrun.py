@@ -213,8 +213,11 @@ class TaskRun:
 
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
         self._check_cancelled()
+        evaluated = "test_acc" in record
         self.progress = {"iteration": iteration + 1, "iterations": self.iterations,
-                         "train_loss": record.get("train_loss"), "leader": self.ids[self.finisher.election.leader]}
+                         "train_loss": record.get("train_loss"), "leader": self.ids[self.finisher.election.leader],
+                         "test_acc": record["test_acc"] if evaluated else self.progress.get("test_acc"),
+                         "evaluated_at": iteration + 1 if evaluated else self.progress.get("evaluated_at")}
 
     # ---- answering peers and the requester --------------------------------------------------
 

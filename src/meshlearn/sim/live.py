@@ -152,7 +152,8 @@ class RunBoard:
     def final_accuracy(self) -> float | None:
         """The honest nodes' mean final accuracy so far (None before any evaluation)."""
         with self._lock:
-            values = [n["test_acc"] for r, n in self._nodes.items() if r not in self.attackers and n["test_acc"] is not None]
+            values = [n["test_acc"] for r, n in self._nodes.items()
+                      if r not in self.attackers and n["test_acc"] is not None]
         return statistics.fmean(values) if values else None
 
     def snapshot(self) -> dict[str, Any]:
@@ -177,7 +178,8 @@ class RunBoard:
             "eval": {"iteration": [r["iteration"] for r in rows], "acc_mean": [_num(r["test_acc_mean"]) for r in rows],
                      "acc_std": [_num(r["test_acc_std"]) or 0.0 for r in rows],
                      "loss_mean": [_num(r["test_loss_mean"]) for r in rows],
-                     **({"attackers_acc": [_num(r.get("attackers_acc_mean")) for r in rows]} if self.attackers else {})},
+                     **({"attackers_acc": [_num(r.get("attackers_acc_mean")) for r in rows]}
+                        if self.attackers else {})},
             "train": {"iteration": [step for step, _ in train], "loss": [_num(s / n) for _, (s, n) in train]},
             "phases": phases,
             "totals": {"bytes_sent": sum(n["bytes_sent"] or 0 for n in nodes),

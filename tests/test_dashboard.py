@@ -1,0 +1,310 @@
+"""The live views: the dashboard (who may read it; the bootstrap's and a simulation's page in a real
+headless Chromium), the bootstrap's task board and registry history, and TensorBoard files that
+read back equal to summary.csv."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from helpers.browser import chromium, console_errors, keep_screenshot, wait_until
+from helpers.netproc import Processes, free_port, start_network
+from meshlearn.cli.main import main
+from meshlearn.errors import BadMessage, UserInputError
+from meshlearn.network.taskboard import TaskBoard
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
+
+
+@pytest.fixture
+def procs(tmp_path):
+    processes = Processes(tmp_path)
+    yield processes
+    processes.stop_all()
+
+
+def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _state(port: int) -> dict:
+    status, body = _get(f"http://127.0.0.1:{port}/api/state")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _own_address() -> str | None:
+    """This machine's first non-loopback IPv4 address (connecting to it is not loopback)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+# ---- who may read the page --------------------------------------------------------------------
+
+def test_the_dashboard_refuses_a_client_from_another_machine_without_its_token():
+    from meshlearn.dashboard.server import DashboardServer
+
+    address = _own_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address to connect from")
+    server = DashboardServer(lambda: {"kind": "run", "secret": "not shown without the token"}, "0.0.0.0", 0,
+                             token="right-token")
+    server.start()
+    try:
+        base = f"http://{address}:{server.port}"
+        for path, headers in [("/api/state", None), ("/", None), ("/api/events", None),
+                              ("/api/state?token=wrong-token", None),
+                              ("/api/state", {"Authorization": "Bearer wrong-token"}),
+                              ("/api/state", {"Cookie": "meshlearn_dashboard=wrong-token"})]:
+            status, body = _get(base + path, headers)
+            assert status == 401 and b"not shown" not in body, (path, status, body)
+        status, body = _get(base + "/api/state", {"Authorization": "Bearer right-token"})
+        assert status == 200 and json.loads(body)["secret"] == "not shown without the token"
+        status, _ = _get(base + "/api/state", {"Cookie": "meshlearn_dashboard=right-token"})
+        assert status == 200
+        # the token in the address: answered with a cookie, and a redirect that drops it from the address
+        request = urllib.request.Request(base + "/?token=right-token")
+        opener = urllib.request.build_opener(_NoRedirect)
+        with pytest.raises(urllib.error.HTTPError) as redirect:
+            opener.open(request, timeout=10)
+        assert redirect.value.code == 303 and redirect.value.headers["Location"] == "/"
+        assert "meshlearn_dashboard=right-token" in redirect.value.headers["Set-Cookie"]
+        assert "HttpOnly" in redirect.value.headers["Set-Cookie"]
+        # loopback clients need no token; writes are refused
+        assert _get(f"http://127.0.0.1:{server.port}/api/state")[0] == 200
+        post = urllib.request.Request(f"http://127.0.0.1:{server.port}/api/state", data=b"{}", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(post, timeout=10)
+        assert refused.value.code == 405
+    finally:
+        server.stop()
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+def test_a_loopback_dashboard_answers_only_this_machine_and_a_bad_listen_value_is_one_line():
+    from meshlearn.dashboard.server import DashboardServer, parse_listen
+
+    assert parse_listen("8765") == ("127.0.0.1", 8765)
+    assert parse_listen("0.0.0.0:80") == ("0.0.0.0", 80)
+    for bad in ("eighty", "host:", "1:2:x", "70000"):
+        with pytest.raises(UserInputError, match=r"\[HOST:\]PORT"):
+            parse_listen(bad)
+    server = DashboardServer(lambda: {"kind": "run"}, "127.0.0.1", 0)
+    server.start()
+    try:
+        assert server.token is None and "token" not in server.url
+        taken = DashboardServer(lambda: {}, "127.0.0.1", server.port)
+        with pytest.raises(UserInputError, match="cannot listen on 127.0.0.1"):
+            taken.start()
+    finally:
+        server.stop()
+
+
+# ---- what the bootstrap keeps for the page ----------------------------------------------------
+
+def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports():
+    board = TaskBoard()
+    board.report("t1", {"providers": {"p0": {"state": "training", "iteration": 2, "iterations": 10,
+                                             "train_loss": 2.0, "test_acc": None, "evaluated_at": None}}})
+    board.report("t1", {"providers": {"p0": {"state": "training", "iteration": 4, "iterations": 10, "train_loss": 1.5,
+                                             "test_acc": 0.5, "evaluated_at": 4, "leader": "p0"},
+                                      "p1": {"state": "training", "iteration": 3, "iterations": 10,
+                                             "train_loss": 1.7}},
+                        "faults": ["provider p2 stopped answering"]})
+    board.report("t1", {"providers": {}, "result": {"accuracy": 0.9}})
+    view = board.view("t1")
+    assert view["curve"]["iteration"] == [2, 3, 4]
+    series = {s["provider"]: s for s in view["curve"]["series"]}
+    assert series["p0"]["train_loss"] == [2.0, None, 1.5] and series["p0"]["test_acc"] == [None, None, 0.5]
+    assert series["p1"]["train_loss"] == [None, 1.7, None]
+    assert [f["text"] for f in view["faults"]] == ["provider p2 stopped answering"]
+    assert view["result"] == {"accuracy": 0.9} and view["leader"] == "p0"
+    for bad, message in [({"providers": {"p0": {"iteration": -1}}}, "at least"),
+                         ({"providers": {"p0": {"train_loss": math.nan}}}, "finite"),
+                         ({"providers": {"p0": {"state": "<script>"}}}, "not one of"),
+                         ({"providers": ["p0"]}, "wrong type"),
+                         ({"faults": ["x" * 1000]}, "short texts"),
+                         ({"providers": {"p0": {"iteration": "3"}}}, "wrong type")]:
+        with pytest.raises(BadMessage, match=message):
+            board.report("t1", bad)
+    assert board.view("t1")["curve"]["iteration"] == [2, 3, 4]  # a refused report changes nothing
+    assert board.view("unknown") is None
+
+
+def test_the_registry_keeps_its_history_across_a_restart(tmp_path):
+    from meshlearn.clock import FakeClock
+    from meshlearn.network.registry import ProviderInfo, Registry
+
+    clock = FakeClock()
+    registry = Registry(tmp_path / "r.sqlite", clock).open()
+    registry.register(ProviderInfo("p0", "10.0.0.1:9000", 8.0, 4, "cpu", "lab"))
+    registry.register(ProviderInfo("p0", "10.0.0.1:9000", 8.0, 4, "cpu", "lab"))  # a refresh is no event
+    registry.register(ProviderInfo("p1", "10.0.0.2:9000", 8.0, 4, "cpu", ""))
+    registry.claim("t1", "requester-t1", 2)
+    registry.release("t1", "done", lost=["p1"])
+    clock.advance(100)
+    registry.expire(30)
+    registry.close()
+    again = Registry(tmp_path / "r.sqlite", clock).open()
+    kinds = [(e["kind"], e["subject"]) for e in reversed(again.history())]
+    assert kinds == [("registered", "p0"), ("registered", "p1"), ("claimed", "t1"), ("released", "t1"),
+                     ("expired", "p0")]
+    assert again.history()[1]["detail"] == "done; lost p1"
+    assert [t["id"] for t in again.tasks()] == ["t1"]
+    again.close()
+
+
+# ---- the bootstrap's page in a real browser ---------------------------------------------------
+
+@pytest.mark.timeout(280)
+def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium(procs, tmp_path):
+    with chromium() as browser:
+        page_port = free_port()
+        bootstrap, ids = start_network(procs, 3, bootstrap_args=("--dashboard", str(page_port)))
+        procs.wait_for("bootstrap", rf"dashboard: http://127\.0\.0\.1:{page_port}/")
+        browser.get(f"http://127.0.0.1:{page_port}/")
+        # the page is drawn afresh at each update: read it in one script, never through held elements
+        rows = wait_until(lambda: _attrs(browser, "#providers tbody tr", "data-id") if
+                          len(_attrs(browser, "#providers tbody tr", "data-id")) == 3 else None, 30,
+                          "3 providers on the page")
+        assert sorted(rows) == sorted(ids)
+        assert _attrs(browser, "#connection", "data-state") == ["live"]
+
+        procs.start("request", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "result"), *TASK,
+                    "--epochs", "20", "--providers", "3", "--aggregate-every", "1", "--eval-every", "60",
+                    "--tensorboard", str(tmp_path / "tb"))
+        task_id = procs.wait_for("request", r"task (\w+): 3 provider\(s\)").group(1)
+        task = f'.task[data-id="{task_id}"]'
+
+        def points() -> int | None:
+            return browser.execute_script(
+                "const t = document.querySelector(arguments[0]);"
+                "if (!t || t.dataset.status !== 'running') return null;"
+                "const c = t.querySelector(arguments[1]); return c ? Number(c.dataset.points) : null;",
+                task, f'[data-chart="loss-{task_id}"]')
+
+        seen = []  # the curve's point counts, as the page showed them while the task ran
+        while procs.procs["request"].poll() is None:
+            count = points()
+            if count is not None and (not seen or seen[-1] != count):
+                seen.append(count)
+            time.sleep(0.2)
+        assert procs.procs["request"].returncode == 0, procs.log("request")
+        print("point counts while running", seen)
+        assert len([c for c in seen if c > 0]) >= 2 and seen == sorted(seen), \
+            f"point counts while running: {seen}\n{procs.log('request')}"
+        wait_until(lambda: _attrs(browser, task, "data-status") == ["done"], 30, "the page to show the task done")
+        assert re.search(r"result: test accuracy \d+\.\d%", _text(browser, task))
+        assert int(_attrs(browser, f'[data-chart="acc-{task_id}"]', "data-points")[0]) >= 2  # evaluations as they came
+        history = " ".join(_text(browser, "#history").split())
+        assert f"claimed {task_id}" in history and "released" in history
+        keep_screenshot(browser, "dashboard-bootstrap")
+        assert console_errors(browser) == []
+        page = browser.page_source
+        assert "safetensors" not in page and "shard" not in page.lower()
+        assert (tmp_path / "tb" / f"task-{task_id}" / "provider_p0").is_dir()
+
+
+def _attrs(browser, selector: str, name: str) -> list[str]:
+    """Attribute ``name`` of every element ``selector`` finds, read at one instant."""
+    return browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0])).map(e => e.getAttribute(arguments[1]));",
+        selector, name)
+
+
+def _text(browser, selector: str) -> str:
+    return browser.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : '';",
+                                  selector)
+
+
+# ---- a simulation's page and its TensorBoard files --------------------------------------------
+
+def _tensorboard_scalars(folder: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: {e.step: e.value for e in events.Scalars(tag)} for tag in events.Tags()["scalars"]}
+
+
+@pytest.mark.timeout(240)
+def test_a_simulations_page_shows_its_nodes_live_and_its_tensorboard_files_equal_summary_csv(tmp_path, procs):
+    pytest.importorskip("tensorboard")
+    with chromium() as browser:
+        port = free_port()
+        output, tb = tmp_path / "run", tmp_path / "tb"
+        procs.start("simulate", "simulate", "--nodes", "4", "--topology", "ring", "--dataset", "digits",
+                    "--iterations", "400", "--test-after", "50", "--byzantine", "3:sign-flip:10",
+                    "--aggregation", "trimmed-mean:1", "--output", str(output), "--quiet",
+                    "--dashboard", str(port), "--tensorboard", str(tb))
+        procs.wait_for("simulate", rf"dashboard: http://127\.0\.0\.1:{port}/")
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait_until(lambda: len(_attrs(browser, "table.nodes tbody tr", "data-rank")) == 4, 60, "a row per node")
+        assert "sign-flip" in _text(browser, 'table.nodes tr[data-rank="3"]')
+
+        def points() -> int:
+            return int((_attrs(browser, '[data-chart="loss"]', "data-points") or ["0"])[0])
+
+        first = wait_until(points, 60, "train loss points")
+        wait_until(lambda: points() > first, 60, "more points while the run goes")
+        keep_screenshot(browser, "dashboard-simulate")
+        assert console_errors(browser) == []
+    assert procs.procs["simulate"].wait(timeout=200) == 0, procs.log("simulate")
+
+    rows = list(csv.DictReader((output / "summary.csv").open()))
+    mean = _tensorboard_scalars(tb / "run" / "mean")
+    assert [int(r["iteration"]) for r in rows] == sorted(mean["test/accuracy"])
+    for row in rows:
+        step = int(row["iteration"])
+        for column, tag in [("test_acc_mean", "test/accuracy"), ("test_acc_std", "test/accuracy_std"),
+                            ("test_loss_mean", "test/loss"), ("test_loss_std", "test/loss_std"),
+                            ("time_mean", "time/elapsed"), ("attackers_acc_mean", "bad_nodes/accuracy")]:
+            assert mean[tag][step] == pytest.approx(float(row[column]), rel=1e-6, abs=1e-7), (tag, step)
+    node = _tensorboard_scalars(tb / "run" / "node_1")
+    log = [json.loads(line) for line in (output / "logs" / "node_1.jsonl").read_text().splitlines()]
+    losses = {e["iteration"] + 1: e["train_loss"] for e in log if e["event"] == "iteration"}
+    assert len(node["train/loss"]) == 400
+    assert all(node["train/loss"][step] == pytest.approx(value, rel=1e-6) for step, value in losses.items())
+    assert {"time/comm", "traffic/bytes_sent", "test/accuracy"} <= set(node)
+    for png in ("topology.png", "iteration_time.png"):
+        assert (output / png).stat().st_size > 10_000
+
+
+def test_the_tensorboard_flag_without_the_package_is_one_line(monkeypatch, capsys, tmp_path):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without_tensorboard(name, *args, **kwargs):
+        if name == "tensorboard" or name.startswith("tensorboard."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
+    code = main(["simulate", "--nodes", "4", "--dataset", "digits", "--iterations", "1", "--output",
+                 str(tmp_path / "r"), "--tensorboard", str(tmp_path / "tb")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "pip install 'meshlearn[tensorboard]'" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "r").exists()
