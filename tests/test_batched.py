@@ -66,14 +66,18 @@ def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algo
 def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_path):
     # ResNet-18's BatchNorm layers update running statistics in each node's own row. One step only:
     # ResNet-18 on 8x8 digits is chaotic in float32 (the process engine with 1 or 2 torch threads
-    # ends 2.0 apart after ten steps), so only a step or two can be compared to 1e-5.
+    # ends 2.0 apart after ten steps; BatchNorm over nearly constant 1x1 maps amplifies rounding).
+    # After one step most machines agree to 1e-5, but a 2-core AMD EPYC VM (2026-11-25) gave 3e-4 on
+    # a few weights of one node, the same with vmap on and off, before and after any change of ours.
+    # A mixed-up row (another node's statistics or weights) is off by far more (asserted below).
     values = {**BASE, "nodes": 2, "topology": "ring", "model": "resnet18", "iterations": 1, "rounds": 1,
               "algorithm": "local"}
     expected = _process_engine_states(values)
     for vectorize in ("on", "off"):
         states = _batched_states(values, tmp_path, vectorize)
         for rank, state in enumerate(expected):
-            assert torch.allclose(states[rank], state, atol=1e-5, rtol=0), (vectorize, rank)
+            assert torch.allclose(states[rank], state, atol=1e-3, rtol=0), (vectorize, rank)
+        assert (states[0] - expected[1]).abs().max() > 1e-2  # the tolerance still tells the nodes apart
     start = _batched_states({**values, "iterations": 1, "rounds": 0}, tmp_path, "on")
     assert not torch.allclose(states[0][-10:], start[0][-10:])  # the statistics (last in a row) moved...
     assert not torch.allclose(states[0][-10:], states[1][-10:])  # ...differently on each node's data

@@ -27,6 +27,9 @@ NOT_RUN = {
     'meshlearn simulate --nodes 8 --topology regular:3 --byzantine "3:sign-flip:10" --aggregation trimmed-mean:1':
         "the experiment file takes 12 minutes; test_aggregation runs this attack and rule (and mean and clip) "
         "and asserts the accuracies",
+    "meshlearn simulate --nodes 16 --iterations 2000 --dashboard 8765 --tensorboard runs/tb   # open http://127.0.0.1:8765/":
+        "servers that run until stopped, opened in a browser; test_dashboard runs simulate and bootstrap with "
+        "--dashboard in Chromium, request with --eval-every and --tensorboard, and reads the event files back",
     "export MESHLEARN_SECRET=change-me-to-something-long                  # the same on every machine":
         "several machines; test_network_e2e runs these commands on one, every service on 0.0.0.0",
 }
