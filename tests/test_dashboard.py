@@ -15,21 +15,14 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from helpers.browser import chromium, console_errors, keep_screenshot, wait_until
-from helpers.netproc import Processes, free_port, start_network
+from helpers.netproc import free_port, start_network
+
 from meshlearn.cli.main import main
 from meshlearn.errors import BadMessage, UserInputError
 from meshlearn.network.taskboard import TaskBoard
 
-TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
-
-
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.stop_all()
+DIGITS_TASK = ("--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16")
 
 
 def _get(url: str, headers: dict | None = None) -> tuple[int, bytes]:
@@ -192,7 +185,7 @@ def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium
         assert sorted(rows) == sorted(ids)
         assert _attrs(browser, "#connection", "data-state") == ["live"]
 
-        procs.start("request", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "result"), *TASK,
+        procs.start("request", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "result"), *DIGITS_TASK,
                     "--epochs", "20", "--providers", "3", "--aggregate-every", "1", "--eval-every", "60",
                     "--tensorboard", str(tmp_path / "tb"))
         task_id = procs.wait_for("request", r"task (\w+): 3 provider\(s\)").group(1)
@@ -308,3 +301,109 @@ def test_the_tensorboard_flag_without_the_package_is_one_line(monkeypatch, capsy
     err = capsys.readouterr().err.strip()
     assert code == 2 and "pip install 'meshlearn[tensorboard]'" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+# ---- the pieces behind the pages, without processes -------------------------------------------
+
+def test_the_log_tail_reads_only_complete_new_lines_and_starts_over_on_a_new_file(tmp_path):
+    from meshlearn.runlog import COLUMNAR_LOG, LogTail, columnar_event
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    tail = LogTail(logs)
+    assert tail.read() == []
+    node = logs / "node_2.jsonl"
+    node.write_text('{"event":"start"}\n{"event":"iteration","iteration":0}\n{"event":"itera')
+    assert [(e["event"], e["rank"]) for e in tail.read()] == [("start", 2), ("iteration", 2)]
+    with node.open("a") as handle:
+        handle.write('tion","iteration":1}\n')
+    assert [e["iteration"] for e in tail.read()] == [1]
+    (logs / COLUMNAR_LOG).write_text(json.dumps(columnar_event("eval", [0, 1], {"test_acc": [0.5, 0.6]},
+                                                               iteration=10)) + "\n")
+    assert [(e["rank"], e["test_acc"]) for e in tail.read()] == [(0, 0.5), (1, 0.6)]
+    node.unlink()
+    node.write_text('{"event":"start"}\n')  # a rerun's fresh log
+    assert [e["event"] for e in tail.read()] == ["start"]
+
+
+def _events(nodes: int, iterations: int, bad: int | None = None) -> list[dict]:
+    events = [{"event": "start", "rank": r} for r in range(nodes)]
+    for it in range(iterations):
+        for r in range(nodes):
+            events.append({"event": "iteration", "rank": r, "iteration": it, "train": 0.01, "comm": 0.02,
+                           "train_loss": 2.0 - it * 0.1 + r * 0.01, "missing": 1 if r == 0 else 0,
+                           "chunks_missing": 2, "bytes_sent": 1000 * (it + 1)})
+        if (it + 1) % 5 == 0:
+            events += [{"event": "eval", "rank": r, "iteration": it + 1, "t": it * 0.1,
+                        "test_acc": 0.1 * (it + 1) / iterations + r / (10 * nodes), "test_loss": 1.0}
+                       for r in range(nodes)]
+    return events
+
+
+def test_a_run_board_shows_nodes_or_for_many_nodes_their_distribution():
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import ExperimentBoard, RunBoard
+
+    config = make_config({"nodes": 4, "iterations": 10, "byzantine": "3:sign-flip:10"})
+    board = RunBoard(config, "small")
+    board.add(_events(4, 10))
+    state = json.loads(json.dumps(board.snapshot(), allow_nan=False))
+    assert state["status"] == "running" and state["iteration"] == 10
+    assert state["eval"]["iteration"] == [5, 10] and len(state["eval"]["attackers_acc"]) == 2
+    assert state["eval"]["acc_mean"][-1] == pytest.approx(statistics_mean([0.1 + r / 40 for r in range(3)]))
+    assert state["train"]["iteration"] == list(range(1, 11))
+    assert [n["bad"] for n in state["nodes"]] == [None, None, None, "sign-flip:10"]
+    assert state["nodes"][0]["timeouts"] == 10 and state["nodes"][1]["chunks_missing"] == 20
+    assert state["totals"]["bytes_sent"] == 4 * 10_000 and "distribution" not in state
+
+    many = RunBoard(make_config({"nodes": 100, "iterations": 5, "engine": "batched"}), "many")
+    many.add(_events(100, 5))
+    state = many.snapshot()
+    assert state["nodes"] is None and state["distribution"]["count"] == 100
+    assert sum(state["distribution"]["histogram"]["counts"]) == 100
+
+    experiment = ExperimentBoard("study", ["a", "b"])
+    run = experiment.begin("a", config)
+    run.add(_events(4, 10))
+    experiment.end("a")
+    state = experiment.snapshot()
+    assert [(r["name"], r["status"]) for r in state["runs"]] == [("a", "done"), ("b", "waiting")]
+    assert state["runs"][0]["accuracy"] == pytest.approx(statistics_mean([0.1 + r / 40 for r in range(3)]))
+    assert state["current"]["status"] == "done"
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def test_the_requesters_watch_reports_progress_lost_providers_and_leader_changes():
+    from meshlearn.clock import FakeClock
+    from meshlearn.network.taskwatch import TaskWatch
+
+    sent, clock = [], FakeClock()
+    watch = TaskWatch(sent.append, clock=clock)
+
+    def status(iteration, leader, state="training"):
+        return {"state": state, "leader": leader,
+                "progress": {"iteration": iteration, "iterations": 20, "train_loss": float("nan"), "test_acc": 0.5,
+                             "evaluated_at": 4}}
+
+    watch.update([({"id": "p0"}, status(4, "p0")), ({"id": "p1"}, status(5, "p0"))])
+    assert sent[-1]["providers"]["p0"] == {"state": "training", "iteration": 4, "iterations": 20, "train_loss": None,
+                                           "test_acc": 0.5, "evaluated_at": 4, "leader": "p0"}
+    watch.update([({"id": "p0"}, status(6, "p0"))])
+    assert len(sent) == 1  # twice a second at most
+    clock.advance(1)
+    watch.lost("p1")
+    watch.update([({"id": "p0"}, status(8, "p0"))])
+    assert set(sent[-1]["providers"]) == {"p0", "p1"} and sent[-1]["providers"]["p1"]["state"] == "lost"
+    assert sent[-1]["faults"] == ["provider p1 stopped answering"]
+    clock.advance(1)
+    watch.update([({"id": "p0"}, status(9, "p2"))])
+    assert sent[-1]["faults"] == ["leader changed from p0 to p2"]
+    watch.finish({"accuracy": 0.9})
+    assert sent[-1]["result"] == {"accuracy": 0.9} and sent[-1]["faults"] == []
+    board = TaskBoard()
+    for body in sent:
+        board.report("t", body)  # what the requester sends, the bootstrap takes
+    assert board.view("t")["result"] == {"accuracy": 0.9} and len(board.view("t")["faults"]) == 2

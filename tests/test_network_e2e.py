@@ -22,13 +22,6 @@ from meshlearn.network.rpc import call
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
 
 
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.stop_all()
-
-
 def _request(procs: Processes, name: str, bootstrap: str, *args: str, timeout: float = 240, secret: str = SECRET):
     proc = procs.start(name, "request", "--bootstrap", bootstrap, "--output", str(procs.folder / name), *args,
                        secret=secret)

@@ -26,13 +26,6 @@ def lab():
         yield built
 
 
-@pytest.fixture
-def procs(tmp_path):
-    processes = Processes(tmp_path)
-    yield processes
-    processes.stop_all()
-
-
 def _start(procs: Processes, lab: NatLab, ns: str, name: str, *args: str):
     return procs.start(name, *args, prefix=tuple(lab.command(ns, [])),
                        env={"MESHLEARN_HOME": str(procs.folder / f"home-{name}")})
