@@ -115,6 +115,18 @@ def test_a_loopback_dashboard_answers_only_this_machine_and_a_bad_listen_value_i
         server.stop()
 
 
+def test_the_page_gets_plain_json_even_from_a_source_with_nan_or_one_that_fails():
+    from meshlearn.dashboard.server import Snapshots
+
+    assert json.loads(Snapshots(lambda: {"a": math.nan, "b": [1.5, -math.inf], "c": (1, "x")}).text()) == \
+        {"a": None, "b": [1.5, None], "c": [1, "x"]}
+
+    def broken():
+        raise RuntimeError("registry closed")
+    assert json.loads(Snapshots(broken).text()) == {"kind": "error", "title": "meshlearn",
+                                                    "message": "RuntimeError: registry closed"}
+
+
 # ---- what the bootstrap keeps for the page ----------------------------------------------------
 
 def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports():

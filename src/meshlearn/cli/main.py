@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import sys
 import typing
@@ -63,7 +64,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
     if args is not None:
         check_live_flags(args)
-    from meshlearn.sim import format_summary, simulate, write_report
+    from meshlearn.sim import format_summary, simulate
 
     if args is not None and (args.dashboard or args.tensorboard):
         result = _watched_simulation(config, quiet, args)
@@ -71,7 +72,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
         result = simulate(config, progress=not quiet)
     if not result.main:  # one of torchrun's other processes: the first one reports
         return {}
-    summary = write_report(result.output)
+    summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
     print(format_summary(summary))
     print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, topology.png, iteration_time.png, logs/)")
     return summary

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
 import socket
 import threading
 import time
@@ -15,6 +17,7 @@ from typing import Any, Callable
 from meshlearn.dashboard.access import TokenGate, is_loopback, new_token
 from meshlearn.errors import UserInputError
 
+log = logging.getLogger(__name__)
 Source = Callable[[], dict[str, Any]]
 PUSH_EVERY = 0.5  # seconds between looks at the source for each open page
 KEEPALIVE = 15.0  # seconds between comments on an idle event stream (proxies close silent ones)
@@ -56,13 +59,27 @@ class Snapshots:
     def text(self) -> str:
         with self._lock:
             if time.monotonic() - self._at >= self.every:
-                self._text = json.dumps(self.source(), separators=(",", ":"), allow_nan=False, default=_plain)
+                try:
+                    state = _finite(self.source())
+                except Exception as exc:  # noqa: BLE001 - the page says what broke; the service goes on
+                    log.exception("the dashboard's source failed")
+                    state = {"kind": "error", "title": "meshlearn", "message": f"{type(exc).__name__}: {exc}"}
+                self._text = json.dumps(state, separators=(",", ":"), allow_nan=False)
                 self._at = time.monotonic()
             return self._text
 
 
-def _plain(value):
-    raise TypeError(f"{type(value).__name__} is not JSON")
+def _finite(value):
+    """``value`` with every NaN or infinity replaced by None (JSON has neither)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if value is None or isinstance(value, (str, int, bool)):
+        return value
+    raise TypeError(f"{type(value).__name__} is not a plain JSON value")
 
 
 def make_app(source: Source, token: str | None, stopping: threading.Event):

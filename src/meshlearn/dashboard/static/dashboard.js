@@ -205,6 +205,7 @@ function render(state) {
   if (state.kind === "network") renderNetwork(state, fresh, keep);
   else if (state.kind === "experiment") renderExperiment(state, fresh, keep);
   else if (state.kind === "run") renderRun(state, fresh, keep, "");
+  else if (state.kind === "error") fresh.append(el("p", { class: "faults", text: `the service could not say its state: ${state.message}` }));
   else fresh.append(el("p", { class: "muted", text: `unknown view ${state.kind}` }));
   dropStaleCharts(keep);
   window.scrollTo(0, scrolled);
