@@ -261,7 +261,7 @@ def test_a_simulations_page_shows_its_nodes_live_and_its_tensorboard_files_equal
         port = free_port()
         output, tb = tmp_path / "run", tmp_path / "tb"
         procs.start("simulate", "simulate", "--nodes", "4", "--topology", "ring", "--dataset", "digits",
-                    "--iterations", "400", "--test-after", "50", "--byzantine", "3:sign-flip:10",
+                    "--iterations", "250", "--test-after", "50", "--byzantine", "3:sign-flip:10",
                     "--aggregation", "trimmed-mean:1", "--output", str(output), "--quiet",
                     "--dashboard", str(port), "--tensorboard", str(tb))
         procs.wait_for("simulate", rf"dashboard: http://127\.0\.0\.1:{port}/")
@@ -290,7 +290,7 @@ def test_a_simulations_page_shows_its_nodes_live_and_its_tensorboard_files_equal
     node = _tensorboard_scalars(tb / "run" / "node_1")
     log = [json.loads(line) for line in (output / "logs" / "node_1.jsonl").read_text().splitlines()]
     losses = {e["iteration"] + 1: e["train_loss"] for e in log if e["event"] == "iteration"}
-    assert len(node["train/loss"]) == 400
+    assert len(node["train/loss"]) == 250
     assert all(node["train/loss"][step] == pytest.approx(value, rel=1e-6) for step, value in losses.items())
     assert {"time/comm", "traffic/bytes_sent", "test/accuracy"} <= set(node)
     for png in ("topology.png", "iteration_time.png"):
