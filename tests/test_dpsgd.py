@@ -145,3 +145,30 @@ def test_single_run_plots_name_the_run_and_say_what_the_time_axis_leaves_out(tmp
     report.write_report(run)
     for name in ("accuracy.png", "loss.png"):
         assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_node_evaluates_once_per_evaluation_point_and_its_last_one_is_its_final_metrics(monkeypatch):
+    from meshlearn.node import Node
+
+    config = make_config({"nodes": 2, "topology": "ring", "iterations": 7, "test_after": 3, "dataset": "digits"})
+    calls = []
+    evaluate = Node.evaluate
+    monkeypatch.setattr(Node, "evaluate", lambda node, full=False: calls.append((node.rank, full)) or
+                        evaluate(node, full))
+    summaries = run_threads(_nodes(config), timeout=120)
+    # after iterations 3, 6 and 7 (the last, with every metric): three evaluations, not four
+    assert sorted(calls) == [(0, False), (0, False), (0, True), (1, False), (1, False), (1, True)]
+    assert all(s["metrics"]["f1"] is not None and "confusion" in s["metrics"] for s in summaries.values())
+
+
+def test_the_summary_times_an_evaluation_over_the_iterations_that_had_one():
+    from meshlearn.sim.report import format_summary, iteration_times
+
+    logs = {0: [{"event": "iteration", "train": 0.002, "comm": 0.001, **({"eval": 0.05} if i % 5 == 4 else {})}
+                for i in range(10)]}
+    times = iteration_times(logs)
+    assert times["eval"]["median"] == pytest.approx(0.05) and times["total"]["median"] == pytest.approx(0.003)
+    summary = {"nodes_finished": 1, "nodes_evaluated": 1, "final": {k: 0.5 for k in (
+        "accuracy", "accuracy_std", "loss", "precision", "recall", "f1")}, "iteration_time": times,
+        "bytes_sent": 0, "bytes_received": 0, "timeouts": 0, "stale_dropped": 0, "elapsed_max": 1.0}
+    assert "[train 2.0  encode 0.0  comm 1.0  average 0.0 ms]; an evaluation 50.0 ms" in format_summary(summary)

@@ -133,7 +133,7 @@ class Node:
                 done = iteration + 1
                 if evaluates and (done % config.test_after == 0 or done == config.iterations):
                     t2 = time.perf_counter()
-                    last = self.evaluate()
+                    last = self.evaluate(full=done == config.iterations)  # the last one is also the final one
                     record["eval"] = time.perf_counter() - t2
                     self._write({
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
@@ -144,7 +144,8 @@ class Node:
                 self._write(record)
                 for hook in self.hooks:
                     hook(self, iteration, record)
-            final = self.evaluate(full=True) if evaluates else None
+            final = (last if last is not None and config.iterations > 0 else self.evaluate(full=True)) \
+                if evaluates else None
             self.algorithm.stop()
             summary = {
                 "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,

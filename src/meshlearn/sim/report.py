@@ -88,7 +88,8 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
 
 def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
     """Median, mean and std of each phase of an iteration, of the whole, and of the overhead
-    (encode + send/wait + average, i.e. the iteration minus training and evaluation), over all nodes."""
+    (encode + send/wait + average, i.e. the iteration minus training and evaluation), over all nodes.
+    ``eval`` is over the iterations that evaluated (most do not: counted as 0 it had a median of 0)."""
     phases: dict[str, list[float]] = defaultdict(list)
     for events in logs.values():
         for event in events:
@@ -96,7 +97,8 @@ def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
                 continue
             values = {phase: event.get(phase, 0.0) or 0.0 for phase in PHASES}
             for phase, value in values.items():
-                phases[phase].append(value)
+                if phase != "eval" or event.get("eval") is not None:
+                    phases[phase].append(value)
             phases["total"].append(sum(values.values()))
             phases["overhead"].append(values["encode"] + values["comm"] + values["average"])
     return {
@@ -374,8 +376,9 @@ def format_summary(summary: dict[str, Any]) -> str:
                                                      for peer, count in summary["suspected"].items()))
     modelled = summary.get("clock") == "modelled"
     if "total" in times:
-        split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times)
+        split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times and p != "eval")
         lines.append(f"iteration (median)  {times['total']['median'] * 1000:.1f} ms  [{split} ms]"
+                     + (f"; an evaluation {times['eval']['median'] * 1000:.1f} ms" if "eval" in times else "")
                      + ("  (modelled)" if modelled else ""))
     lines += [
         f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent, {summary['bytes_received'] / 1e6:.1f} MB received",
