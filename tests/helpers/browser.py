@@ -12,12 +12,20 @@ from typing import Callable, Iterator
 
 import pytest
 
+INSTALL_WAIT = 600.0  # seconds a browser test waits for CI's background install of chromium
 ARTIFACTS = Path(os.environ.get("MESHLEARN_TEST_ARTIFACTS") or Path(__file__).resolve().parents[2] / "test-artifacts")
 
 
 @contextlib.contextmanager
 def chromium() -> Iterator[object]:
-    """A headless Chromium WebDriver that keeps the page's console log; quit at the end."""
+    """A headless Chromium WebDriver that keeps the page's console log; quit at the end. Where CI
+    is still installing the browser (``MESHLEARN_BROWSER_READY`` names a file it makes when done),
+    wait for that first."""
+    ready = os.environ.get("MESHLEARN_BROWSER_READY")
+    if ready:
+        deadline = time.monotonic() + INSTALL_WAIT
+        while not Path(ready).exists() and time.monotonic() < deadline:
+            time.sleep(1)
     binary = shutil.which("chromium") or shutil.which("chromium-browser")
     driver_path = shutil.which("chromedriver")
     if binary is None or driver_path is None:
