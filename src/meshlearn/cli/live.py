@@ -39,7 +39,7 @@ def _torchrun_follower() -> bool:
 
 
 @contextlib.contextmanager
-def dashboard(args: argparse.Namespace, source: Callable[[], dict], quiet: bool) -> Iterator[None]:
+def dashboard(args: argparse.Namespace, source: Callable[[], dict]) -> Iterator[None]:
     """Serve ``source`` on ``--dashboard`` for the ``with`` block (nothing without the flag)."""
     if not args.dashboard or _torchrun_follower():
         yield

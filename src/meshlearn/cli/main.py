@@ -89,7 +89,7 @@ def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Na
     if Path(config.output, "logs").is_dir():
         clear_earlier_run(Path(config.output))  # the watcher must not read the last run's logs
     board = RunBoard(config, Path(config.output).name)
-    with dashboard(args, board.snapshot, quiet), watch_run(args, config, [board] if args.dashboard else []):
+    with dashboard(args, board.snapshot), watch_run(args, config, [board] if args.dashboard else []):
         try:
             return simulate(config, progress=not quiet)
         except BaseException:
@@ -160,7 +160,7 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
                 raise
         board.end(name)
 
-    with dashboard(args, board.snapshot, args.quiet):
+    with dashboard(args, board.snapshot):
         return run_experiment(experiment, progress=not args.quiet, around_run=each_run)
 
 
