@@ -20,7 +20,7 @@ from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 
-RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5"]
+RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5", "clip:nearest"]
 
 
 def _t(rows):
@@ -59,6 +59,16 @@ def test_self_centred_clipping_by_hand():
     assert torch.allclose(get_rule("clip")(models, [1, 1, 1]), _t([(1.65 + 0.3) / 3, (2.2 + 0.4) / 3]))
     assert torch.allclose(get_rule("clip:100")(models, [2, 1, 1]), get_rule("mean")(models, [2, 1, 1]))
     assert torch.equal(get_rule("clip")(models[:1], [1]), models[0])  # alone: its own model
+
+
+def test_clipping_to_the_nearest_neighbour_holds_against_a_bad_majority():
+    # own model at 0; one honest neighbour at distance 1, two bad ones at 5 and 50
+    models = _t([[0, 0], [3, 4], [0.6, 0.8], [30, 40]])
+    # radius 1 (the nearest): every difference is cut to (0.6, 0.8), each weighing a quarter
+    assert torch.allclose(get_rule("clip:nearest")(models, [1] * 4), _t([0.45, 0.6]))
+    # the median radius (5) lets the bad majority through: it is moved 5 times further
+    assert torch.allclose(get_rule("clip")(models, [1] * 4), _t([0.25 * (3 + 0.6 + 3), 0.25 * (4 + 0.8 + 4)]))
+    assert str(get_rule("clip:nearest")) == "clip:nearest"
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -131,6 +141,7 @@ def test_refusal_and_suspicion():
 
 @pytest.mark.parametrize("text,message", [
     ("trimmed-mean", "write it trimmed-mean:B"), ("krum:x", "whole numbers"), ("clip:0", "positive"),
+    ("clip:far", "clip:nearest"),
     ("multi-krum:1:0", "positive"), ("median:2", "write it median"),
 ])
 def test_a_badly_written_rule_is_one_clear_error(text, message):

@@ -1,7 +1,7 @@
 """Names of aggregation rules and their arguments, checked without torch (configs and flags).
 
 A rule is named ``NAME`` or ``NAME:ARG[:ARG]``: ``mean``, ``median``, ``trimmed-mean:B``,
-``krum:F``, ``multi-krum:F:M``, ``clip`` or ``clip:TAU``. Rules a user registers (with
+``krum:F``, ``multi-krum:F:M``, ``clip``, ``clip:TAU`` or ``clip:nearest``. Rules a user registers (with
 ``register_rule``) take their arguments as written.
 """
 
@@ -23,8 +23,9 @@ BUILT_IN_RULES: dict[str, tuple[tuple[str, ...], int, type]] = {
 }
 RULE_MODULES = {"mean": "mean", "median": "median", "trimmed-mean": "trimmed_mean", "krum": "krum",
                 "multi-krum": "krum", "clip": "clipping"}
-RULE_HELP = ("mean | median | trimmed-mean:B | krum:F | multi-krum:F:M | clip[:TAU] (self-centred clipping; "
-             "TAU left out: the median distance to the neighbours)")
+RULE_HELP = ("mean | median | trimmed-mean:B | krum:F | multi-krum:F:M | clip[:TAU|:nearest] (self-centred "
+             "clipping; TAU left out: the median distance to the neighbours; nearest: the nearest one's)")
+NEAREST = "nearest"  # clip's radius: the distance to the nearest neighbour
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,14 @@ def parse_rule(text: str) -> RuleSpec:
     usage = ":".join([name, *names])
     if not len(names) - optional <= len(raw) <= len(names):
         raise ConfigError(f"aggregation rule {text!r}: write it {usage}" + (" or " + name if optional else ""))
+    if name == "clip" and raw == [NEAREST]:
+        return RuleSpec(name, (NEAREST,))
     try:
         args = tuple(kind(a) for a in raw)
     except ValueError:
         raise ConfigError(f"aggregation rule {text!r}: {', '.join(names)} must be "
-                          f"{'whole numbers' if kind is int else 'numbers'} ({usage})") from None
+                          f"{'whole numbers' if kind is int else 'numbers'} ({usage}"
+                          f"{' or clip:nearest' if name == 'clip' else ''})") from None
     if any(a < 0 for a in args) or (name == "multi-krum" and args[1] < 1) or (name == "clip" and args and args[0] <= 0):
         raise ConfigError(f"aggregation rule {text!r}: its arguments must be positive ({usage})")
     return RuleSpec(name, args)
