@@ -25,6 +25,7 @@ from meshlearn.batched.settings import BatchedSettings
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
 from meshlearn.settings import MAX_SEED, Settings
+from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
@@ -67,6 +68,7 @@ class ExperimentConfig(Settings):
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)
     byzantine: str = Field("", description=BYZANTINE_HELP)
+    sharing: str = Field("full", description="what a dpsgd node sends of its model: " + SHARING_HELP)
     transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
                                                                 "datagrams, tolerates loss)")
     net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
@@ -130,6 +132,23 @@ class ExperimentConfig(Settings):
         # a built-in rule's arguments are checked here; whether a name is registered, once the
         # user's --models-module has loaded (sim.checks, or the node when it builds its rule)
         return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
+
+    @field_validator("sharing")
+    @classmethod
+    def _valid_sharing(cls, value: str) -> str:
+        return str(parse_sharing(value))
+
+    @model_validator(mode="after")
+    def _sharing_fits(self) -> "ExperimentConfig":
+        if self.sharing == "full":
+            return self
+        for problem, fix in [(self.algorithm not in ("dpsgd", "local"), f"algorithm dpsgd (not {self.algorithm})"),
+                             (self.transport != "tcp", "transport tcp (a lost UDP chunk would garble a share)"),
+                             (self.aggregation != "mean", "aggregation mean (robust rules need whole models)"),
+                             (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")]:
+            if problem:
+                raise ValueError(f"sharing {self.sharing} needs {fix}; or use sharing full")
+        return self
 
     @field_validator("byzantine")
     @classmethod

@@ -22,51 +22,61 @@ def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tupl
 
 
 def _element_mask(msg: Message, numel: int, element_size: int) -> torch.Tensor:
-    """1.0 where the element's chunk arrived, else 0.0, over the whole state vector."""
+    """True where the element's chunk arrived, over the whole state vector."""
     per_chunk = msg.chunks.chunk_bytes // element_size
-    return msg.chunks.present.repeat_interleave(per_chunk)[:numel].to(torch.float32)
+    return msg.chunks.present.repeat_interleave(per_chunk)[:numel]
 
 
-def per_chunk_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
+def per_chunk_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, int]],
                       masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For every chunk, the Metropolis-Hastings weights renormalised over the node and the
-    neighbours whose chunk arrived, so a lost chunk biases toward neither side: with one of three
-    equally weighted neighbours missing, the node and the other two get a third each."""
+    """For every element, the Metropolis-Hastings weights renormalised over the node and the
+    neighbours that delivered it, so a missing value biases toward neither side: with one of three
+    equally weighted neighbours missing, the node and the other two get a third each.
+    (``received``: each neighbour's weight and degree; ``masks``: 1.0 where its value arrived.)"""
     weights = [mask * weight for mask, (weight, _) in zip(masks, received)]
     total = own_weight + (torch.stack(weights).sum(0) if weights else torch.zeros(state.numel(), device=state.device))
     return [w / total for w in weights]
 
 
-def fill_local_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
+def fill_local_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, int]],
                        masks: list[torch.Tensor]) -> list[torch.Tensor]:
     """The UDP study's rule: weights ``1 / (1 + max(k, d_j))`` with k the neighbours that delivered
-    any chunk and d_j the sender's degree; a missing chunk counts as the node's own values."""
+    anything and d_j the sender's degree; a missing value counts as the node's own."""
     senders = len(received)
-    return [mask * (1.0 / (1 + max(senders, msg.degree))) for mask, (_, msg) in zip(masks, received)]
+    return [mask * (1.0 / (1 + max(senders, degree))) for mask, (_, degree) in zip(masks, received)]
 
 
-MissingChunkRule = Callable[[torch.Tensor, float, list[tuple[float, Message]], list[torch.Tensor]], list[torch.Tensor]]
+MissingChunkRule = Callable[[torch.Tensor, float, list[tuple[float, int]], list[torch.Tensor]], list[torch.Tensor]]
 MISSING_CHUNK_RULES: dict[str, MissingChunkRule] = {"per-chunk": per_chunk_weights, "fill-local": fill_local_weights}
+
+
+def masked_average_(state: torch.Tensor, own_weight: float,
+                    received: list[tuple[float, int, torch.Tensor, torch.Tensor]], rule: MissingChunkRule) -> None:
+    """In place: Metropolis-Hastings averaging of models of which only some values arrived.
+
+    ``received`` holds, per neighbour, its Metropolis-Hastings weight, its degree, its values over
+    the whole state and a bool mask of those that arrived; ``own_weight`` is the node's own (the
+    weights of all neighbours and the node sum to one). ``rule`` (of ``MISSING_CHUNK_RULES``)
+    gives each neighbour's weight per value; the node keeps the rest. With everything present
+    every rule is plain Metropolis-Hastings averaging.
+    """
+    masks = [mask.to(state.device, torch.float32) for *_, mask in received]
+    with torch.no_grad():
+        weights = rule(state, own_weight, [(weight, degree) for weight, degree, *_ in received], masks)
+        own = 1.0 - (torch.stack(weights).sum(0) if weights else torch.zeros(state.numel(), device=state.device))
+        state.mul_(own.to(state.dtype))
+        for weight, (_, _, values, _) in zip(weights, received):
+            state.addcmul_(weight.to(state.dtype), values.to(state.device))
 
 
 def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
                      rule: MissingChunkRule | str) -> None:
-    """In place: Metropolis-Hastings averaging where some chunks of some models are missing.
-
-    ``received`` pairs each neighbour's model with its Metropolis-Hastings weight, and
-    ``own_weight`` is the node's own (the weights of all neighbours and the node sum to one).
-    ``rule`` (a function of ``MISSING_CHUNK_RULES``, or its name) gives each neighbour's weight per
-    element; the node keeps the rest. With nothing lost every rule equals plain Metropolis-Hastings.
-    """
+    """In place: Metropolis-Hastings averaging where some chunks of some models are missing
+    (``received``: each neighbour's weight and message; ``masked_average_`` for the rest)."""
     if isinstance(rule, str):
         if rule not in MISSING_CHUNK_RULES:
             raise ValueError(f"unknown missing-chunk rule {rule!r}")
         rule = MISSING_CHUNK_RULES[rule]
     numel, size = state.numel(), state.element_size()
-    masks = [_element_mask(msg, numel, size).to(state.device) for _, msg in received]
-    with torch.no_grad():
-        weights = rule(state, own_weight, received, masks)
-        own = 1.0 - (torch.stack(weights).sum(0) if weights else torch.zeros(numel, device=state.device))
-        state.mul_(own.to(state.dtype))
-        for weight, (_, msg) in zip(weights, received):
-            state.addcmul_(weight.to(state.dtype), msg.chunks.vector.to(state.device))
+    masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, _element_mask(msg, numel, size))
+                                        for weight, msg in received], rule)

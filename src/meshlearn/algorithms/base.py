@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 @dataclass
 class AlgorithmContext:
     """What an algorithm may use of its node: identity, state, link, its own settings, the run's
-    shape (seed, samples in the node's shard, iterations), the aggregation rule its node applies
-    and, for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
+    shape (seed, samples in the node's shard, iterations), the aggregation rule its node applies,
+    the sharing scheme (what it sends of its model) and, for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
     nodes it colludes with)."""
 
     rank: int
@@ -38,6 +38,7 @@ class AlgorithmContext:
     samples: int = 0
     iterations: int = 0
     rule: str = "mean"
+    sharing: str = "full"
     attack: "Attack | None" = None
     initial: torch.Tensor | None = None
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes

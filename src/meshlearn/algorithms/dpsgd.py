@@ -13,10 +13,12 @@ from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.averaging import (
     MISSING_CHUNK_RULES,
     chunked_average_,
+    masked_average_,
     weighted_average_,
 )
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.settings import DpsgdSettings
+from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.topology import mh_row
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
@@ -34,6 +36,10 @@ class DPSGD(Algorithm):
     With a robust ``aggregation`` rule the node applies it to its own model and those that arrived
     (per chunk of what arrived, over a lossy transport), with the same weights. A model holding
     NaN or Inf, or of another size or dtype, is refused before any rule sees it.
+
+    With a ``sharing`` scheme other than ``full`` the node sends what the scheme makes of its model
+    (a share of it, or a quantized copy) and averages each value over the neighbours that sent it,
+    by the same ``missing_chunks`` rule; CHOCO-SGD makes its own update.
     """
 
     name = "dpsgd"
@@ -48,8 +54,17 @@ class DPSGD(Algorithm):
         self.own_weight = 1.0 - sum(self.weights.values())
         self.lossy = ctx.transport.lossy
         self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
+        state = ctx.flat.state
+        self.sharing: Sharing | None = None if ctx.sharing == "full" else \
+            make_sharing(ctx.sharing, state.numel(), state.dtype, ctx.seed)
+
+    def start(self) -> None:
+        if self.sharing is not None:
+            self.sharing.start(self.ctx.flat.state)
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        if self.sharing is not None:
+            return self._exchange_shares(iteration)
         ctx = self.ctx
         t0 = time.perf_counter()
         received = None
@@ -84,6 +99,45 @@ class DPSGD(Algorithm):
             "partial": len(partial),
             "chunks_missing": sum(m.chunks.missing for m in partial),
         }
+
+    def _exchange_shares(self, iteration: int) -> dict[str, float]:
+        """Send what the sharing scheme makes of the model, then average what the neighbours sent
+        (each value over those who sent it), or let the scheme update the model (CHOCO-SGD)."""
+        ctx, sharing, state = self.ctx, self.sharing, self.ctx.flat.state
+        t0 = time.perf_counter()
+        tensors = sharing.encode(ctx.outgoing(state.detach(), iteration), ctx.rank, iteration)
+        t1 = time.perf_counter()
+        message = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), tensors)
+        ctx.transport.broadcast(self.neighbours, message)
+        received = ctx.transport.gather(iteration, self.neighbours)
+        t2 = time.perf_counter()
+        shared: dict[int, Shared] = {}
+        for sender in sorted(received):
+            try:
+                shared[sender] = sharing.decode(received[sender].tensors, sender, iteration)
+            except ValueError as exc:
+                self.watch.refused(sender, str(exc))
+                log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)
+            else:
+                self.watch.heard(sender)
+        if sharing.mixes:
+            for sender in sharing.mix_(state, self.weights, shared):
+                log.warning("node %d: missed an update of %d, whose estimate is now out of step: it is left out "
+                            "from now on", ctx.rank, sender)
+        else:
+            own = 1.0 - sum(self.weights[j] for j in shared)
+            if all(s.mask is None for s in shared.values()):
+                weighted_average_(state, own, [(self.weights[j], shared[j].values) for j in shared])
+            else:
+                everything = torch.ones(state.numel(), dtype=torch.bool)
+                masked_average_(state, own, [(self.weights[j], received[j].degree, s.values,
+                                              everything if s.mask is None else s.mask) for j, s in shared.items()],
+                                self.missing_chunk_rule)
+        sharing.averaged(state)
+        ctx.transport.recycle(received.values())
+        t3 = time.perf_counter()
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),
+                "missing": len(self.neighbours) - len(shared)}
 
     def _send(self, iteration: int, received: dict[int, Message] | None) -> None:
         """Send this node's model (or, for a bad node, what it forges) to every neighbour."""

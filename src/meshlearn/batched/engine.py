@@ -36,6 +36,7 @@ from meshlearn.models import build_model
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
 from meshlearn.sgd import StackedSGD, local_step
+from meshlearn.sharing import make_sharing
 from meshlearn.topology import Graph
 
 MEASURED_STEPS = 5
@@ -149,7 +150,9 @@ class BatchedSimulation:
         if shard.count > 1:
             plan = halo_plan(sender, receiver, shard, device)
             local = links.local(shard.start, shard.stop, plan.extended_index(shard))
-        clocks = VirtualClocks(config, self.step_time, stacked.row_bytes, sender, receiver)
+        message_bytes = stacked.row_bytes if config.sharing == "full" else \
+            make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed).wire_bytes()
+        clocks = VirtualClocks(config, self.step_time, message_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
         algorithm = BATCHED_ALGORITHMS.get(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,

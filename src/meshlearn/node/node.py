@@ -59,6 +59,7 @@ class Node:
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
             samples=len(self.loader.indices), iterations=config.iterations, rule=config.aggregation,
+            sharing=config.sharing,
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))
         self.log = log

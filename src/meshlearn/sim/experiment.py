@@ -160,6 +160,7 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
         "chunks_lost": sum(p["chunks_lost"] for p in per_node),
         "late_chunks_used": sum(p["late_chunks_used"] for p in per_node),
         "bytes_sent": final["bytes_sent"],
+        "bytes_per_iteration": final["bytes_per_iteration"],
         "elapsed_s": final["elapsed_max"],
     }
     return row, per_node, totals
@@ -223,12 +224,14 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
         writer = csv.DictWriter(handle, fieldnames=list(nodes[0]) if nodes else ["run"])
         writer.writeheader()
         writer.writerows(nodes)
-    header = "| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost (used late) | MB sent |"
-    lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * 7 + "|"]
+    header = ("| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost "
+              "(used late) | MB sent | kB per node-iteration |")
+    lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * 8 + "|"]
     for r in rows:
         lines.append(f"| {r['run']} | {r['accuracy']:.4f} | {r['f1']:.4f} | {r['iter_mean_ms']:.1f} / "
                      f"{r['iter_median_ms']:.1f} / {r['iter_std_ms']:.1f} | {r['timeout_share']:.3f} | "
-                     f"{r['chunks_lost']} ({r['late_chunks_used']}) | {r['bytes_sent'] / 1e6:.1f} |")
+                     f"{r['chunks_lost']} ({r['late_chunks_used']}) | {r['bytes_sent'] / 1e6:.1f} | "
+                     f"{r['bytes_per_iteration'] / 1e3:.1f} |")
     means = _seed_means(experiment.groups, rows)
     if means:
         lines += ["", "Mean over seeds:", "", "| run | seeds | accuracy mean (min .. max) | iteration mean (ms) |",

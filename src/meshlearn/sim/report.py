@@ -126,6 +126,8 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
     evaluated = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r not in attackers]
     modelled = any(e.get("event") == "final" and e.get("clock") == "modelled"
                    for events in logs.values() for e in events)
+    iterations = sum(1 for r, events in logs.items() if r in nodes for e in events if e.get("event") == "iteration")
+    bytes_sent = sum(n["stats"]["bytes_sent"] for n in nodes.values())
     means = {}
     for key in ("accuracy", "loss", "precision", "recall", "f1"):
         means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
@@ -142,7 +144,8 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
         "clock": "modelled" if modelled else "wall",
         "final": means,
         **extra,
-        "bytes_sent": sum(n["stats"]["bytes_sent"] for n in nodes.values()),
+        "bytes_sent": bytes_sent,
+        "bytes_per_iteration": bytes_sent / iterations if iterations else float("nan"),  # per node
         "bytes_received": sum(n["stats"]["bytes_received"] for n in nodes.values()),
         "timeouts": sum(n["stats"]["gather_timeouts"] for n in nodes.values()),
         "stale_dropped": sum(n["stats"]["stale_dropped"] for n in nodes.values()),
@@ -381,7 +384,8 @@ def format_summary(summary: dict[str, Any]) -> str:
                      + (f"; an evaluation {times['eval']['median'] * 1000:.1f} ms" if "eval" in times else "")
                      + ("  (modelled)" if modelled else ""))
     lines += [
-        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent, {summary['bytes_received'] / 1e6:.1f} MB received",
+        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent ({summary['bytes_per_iteration'] / 1e3:.1f} kB "
+        f"per node per iteration), {summary['bytes_received'] / 1e6:.1f} MB received",
         f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
     ]
     if modelled:

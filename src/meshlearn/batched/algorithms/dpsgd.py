@@ -13,6 +13,8 @@ from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, MetropolisMixing
 from meshlearn.batched.robust import RobustMixing
+from meshlearn.batched.sharing import SharedMixing
+from meshlearn.errors import ConfigError
 from meshlearn.transport.settings import default_chunk_bytes
 
 
@@ -44,6 +46,13 @@ class BatchedDPSGD(BatchedAlgorithm):
             self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
             self.chunked = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
         self.robust = RobustMixing(links, self.rule, chunk_elements) if self.rule.robust else None
+        self.shared: SharedMixing | None = None
+        if config.sharing != "full":
+            if ctx.plan is not None:
+                raise ConfigError(f"sharing {config.sharing} runs in one process of the batched engine, not under "
+                                  "torchrun: start it without torchrun, or use sharing full")
+            self.shared = SharedMixing(config.sharing, ctx.stacked.state, links, list(self.degree),
+                                       config.dpsgd.missing_chunks, config.seed)
 
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         ctx, local = self.ctx, self.ctx.local
@@ -53,7 +62,9 @@ class BatchedDPSGD(BatchedAlgorithm):
             arrived, waited = ctx.clocks.gather()
             arrived = arrived & ~self.bad.skipped
             mine = torch.from_numpy(arrived).to(local.weight.device)[local.ids]
-            if self.robust is not None:
+            if self.shared is not None:
+                self.shared.mix_(state, mine, iteration)
+            elif self.robust is not None:
                 self.robust.mix_(state, source, mine)
             else:
                 self.mixing.mix_(state, mine, source)
@@ -74,7 +85,7 @@ class BatchedDPSGD(BatchedAlgorithm):
             self.traffic.add("chunks_lost", lost)
             columns["chunks_missing"] = lost
         received = np.bincount(self.receivers, weights=arrived, minlength=ctx.graph.n).astype(np.int64)
-        size = ctx.stacked.row_bytes
+        size = ctx.clocks.message_bytes
         self.traffic.add("messages_sent", self.degree)
         self.traffic.add("bytes_sent", self.degree * size)
         self.traffic.add("messages_received", received)

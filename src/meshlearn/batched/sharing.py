@@ -1,0 +1,58 @@
+"""Sharing schemes in the batched engine: every node runs the process engine's own scheme object
+on its row (what it sends, what its neighbours read back, how they average it), one node after
+another, so both engines compute the same thing."""
+
+from __future__ import annotations
+
+import torch
+
+from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, masked_average_, weighted_average_
+from meshlearn.batched.mixing import Links
+from meshlearn.sharing import Shared, Sharing, make_sharing
+
+
+class SharedMixing:
+    """D-PSGD's exchange for every node when nodes send shares of their models (``sharing``):
+    each row is averaged with what its neighbours' schemes made of theirs, per value over those
+    who sent it (``missing_chunks``), or updated by the scheme itself (CHOCO-SGD)."""
+
+    def __init__(self, sharing: str, state: torch.Tensor, links: Links, degrees: list[int], missing_chunks: str,
+                 seed: int):
+        self.schemes: list[Sharing] = [make_sharing(sharing, state.shape[1], state.dtype, seed)
+                                       for _ in range(state.shape[0])]
+        self.links, self.degrees = links, degrees
+        self.rule = MISSING_CHUNK_RULES[missing_chunks]
+        self.incoming: list[list[tuple[int, int, float]]] = [[] for _ in range(state.shape[0])]
+        for link, (i, j, w) in enumerate(zip(links.receiver.tolist(), links.sender.tolist(), links.weight.tolist())):
+            self.incoming[i].append((link, j, w))
+        for scheme, row in zip(self.schemes, state):
+            scheme.start(row)
+
+    @property
+    def message_bytes(self) -> int:
+        """Bytes of tensors in one message (every node's is the same size)."""
+        return self.schemes[0].wire_bytes()
+
+    @torch.no_grad()
+    def mix_(self, state: torch.Tensor, arrived: torch.Tensor, iteration: int) -> None:
+        """Every row <- its average with what arrived of its neighbours' shares (``arrived``: per
+        link, whether its message was in time)."""
+        sent: list[Shared] = []
+        for rank, scheme in enumerate(self.schemes):
+            sent.append(scheme.decode(scheme.encode(state[rank], rank, iteration), rank, iteration))
+        arrived = arrived.tolist()
+        for rank, scheme in enumerate(self.schemes):
+            row = state[rank]
+            heard = [(j, w) for link, j, w in self.incoming[rank] if arrived[link]]
+            if scheme.mixes:
+                scheme.mix_(row, {j: w for _, j, w in self.incoming[rank]}, {j: sent[j] for j, _ in heard})
+            else:
+                own = 1.0 - sum(w for _, w in heard)
+                if all(sent[j].mask is None for j, _ in heard):
+                    weighted_average_(row, own, [(w, sent[j].values) for j, w in heard])
+                else:
+                    everything = torch.ones(row.numel(), dtype=torch.bool)
+                    masked_average_(row, own, [(w, self.degrees[j], sent[j].values,
+                                                everything if sent[j].mask is None else sent[j].mask)
+                                               for j, w in heard], self.rule)
+            scheme.averaged(row)

@@ -1,0 +1,60 @@
+"""Names of sharing schemes and their arguments, checked without torch (configs and flags).
+
+A scheme is named ``NAME`` or ``NAME:ARG[:ARG]``: ``full``, ``subsample:ALPHA``, ``topk:ALPHA``,
+``quantize:BITS`` or ``choco:ALPHA[:GAMMA]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshlearn.errors import ConfigError
+
+SHARING_HELP = ("full (the whole model) | subsample:ALPHA (a seeded random ALPHA share of the values; no "
+                "indices sent) | topk:ALPHA (the ALPHA share that changed most since the last average, with "
+                "their positions) | quantize:BITS (every value in 1, 2, 4 or 8 bits, stochastic rounding per "
+                "bucket) | choco:ALPHA[:GAMMA] (CHOCO-SGD: top-ALPHA of the change to the public estimate, "
+                "consensus step GAMMA, default 0.5)")
+# name -> (argument names, how many may be left out from the end)
+SCHEMES: dict[str, tuple[tuple[str, ...], int]] = {
+    "full": ((), 0), "subsample": (("ALPHA",), 0), "topk": (("ALPHA",), 0), "quantize": (("BITS",), 0),
+    "choco": (("ALPHA", "GAMMA"), 1),
+}
+QUANTIZE_BITS = (1, 2, 4, 8)
+
+
+@dataclass(frozen=True)
+class SharingSpec:
+    """A parsed scheme name: the scheme and its arguments."""
+
+    name: str
+    args: tuple[float, ...] = ()
+
+    def __str__(self) -> str:
+        return ":".join([self.name, *(f"{a:g}" for a in self.args)])
+
+    @property
+    def full(self) -> bool:
+        """Whether every value of the model is sent as it is (today's exchange)."""
+        return self.name == "full"
+
+
+def parse_sharing(text: str) -> SharingSpec:
+    """``"topk:0.1"`` -> SharingSpec("topk", (0.1,)); ConfigError on a bad name or argument."""
+    name, *raw = [part.strip() for part in str(text).strip().lower().split(":")]
+    if name not in SCHEMES:
+        raise ConfigError(f"unknown sharing scheme {text!r}: use one of {', '.join(SCHEMES)}")
+    names, optional = SCHEMES[name]
+    usage = ":".join([name, *names])
+    if not len(names) - optional <= len(raw) <= len(names):
+        raise ConfigError(f"sharing scheme {text!r}: write it {usage}")
+    try:
+        args = tuple(float(a) for a in raw)
+    except ValueError:
+        raise ConfigError(f"sharing scheme {text!r}: {', '.join(names)} must be numbers ({usage})") from None
+    if name == "quantize" and args[0] not in QUANTIZE_BITS:
+        raise ConfigError(f"sharing scheme {text!r}: BITS must be one of {', '.join(map(str, QUANTIZE_BITS))}")
+    if name in ("subsample", "topk", "choco") and not all(0 < a <= 1 for a in args):
+        raise ConfigError(f"sharing scheme {text!r}: {' and '.join(names[:len(args)])} must be in (0, 1] "
+                          f"(e.g. {name}:0.1)")
+    return SharingSpec(name, tuple(int(a) if name == "quantize" else a for a in args))

@@ -1,0 +1,41 @@
+"""Random subsampling (DecentralizePy's SubSampling): a random share of the model's values, at
+positions drawn from the run's seed, the sender and the iteration, so no positions are sent."""
+
+from __future__ import annotations
+
+import torch
+
+from meshlearn.sharing.base import Shared, Sharing, expect, finite, register_sharing, seeded_generator, share_count
+
+SALT = 0x5AB5  # keeps these draws apart from the run's other seeded draws
+
+
+@register_sharing
+class Subsample(Sharing):
+    """An ``alpha`` share of the values, at positions every receiver draws again itself."""
+
+    name = "subsample"
+
+    def __init__(self, numel: int, dtype: torch.dtype, seed: int, alpha: float):
+        super().__init__(numel, dtype, seed)
+        self.alpha, self.count = alpha, share_count(alpha, numel)
+
+    def positions(self, sender: int, iteration: int) -> torch.Tensor:
+        """The sorted positions ``sender`` shares at ``iteration``."""
+        draw = torch.randperm(self.numel, generator=seeded_generator(self.seed, SALT, sender, iteration))
+        return draw[:self.count].sort().values
+
+    def encode(self, vector: torch.Tensor, sender: int, iteration: int) -> dict[str, torch.Tensor]:
+        return {"values": vector.detach().cpu()[self.positions(sender, iteration)]}
+
+    def decode(self, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared:
+        expect(tensors, {"values": (self.dtype, (self.count,))})
+        positions = self.positions(sender, iteration)
+        values = torch.zeros(self.numel, dtype=self.dtype)
+        values[positions] = finite(tensors["values"])
+        mask = torch.zeros(self.numel, dtype=torch.bool)
+        mask[positions] = True
+        return Shared(values, mask)
+
+    def __str__(self) -> str:
+        return f"subsample:{self.alpha:g}"

@@ -1,0 +1,52 @@
+"""Top-k sharing (DecentralizePy's TopK, a partial model): the values that changed most since the
+node's last average, with their positions."""
+
+from __future__ import annotations
+
+import torch
+
+from meshlearn.sharing.base import (
+    Shared,
+    Sharing,
+    decode_sparse,
+    encode_sparse,
+    register_sharing,
+    share_count,
+)
+
+
+@register_sharing
+class TopK(Sharing):
+    """The ``alpha`` share of the values whose change since the last average (the local steps'
+    work) is largest in magnitude; positions as int32 indices or a bitmap, whichever is smaller."""
+
+    name = "topk"
+
+    def __init__(self, numel: int, dtype: torch.dtype, seed: int, alpha: float):
+        super().__init__(numel, dtype, seed)
+        self.alpha, self.count = alpha, share_count(alpha, numel)
+        self.reference: torch.Tensor | None = None
+
+    def start(self, state: torch.Tensor) -> None:
+        self.reference = state.detach().to("cpu", copy=True)
+
+    def positions(self, vector: torch.Tensor) -> torch.Tensor:
+        """The sorted positions of the largest changes of ``vector`` since the last average."""
+        change = vector if self.reference is None else vector - self.reference
+        return change.abs().topk(self.count, sorted=False).indices.sort().values
+
+    def encode(self, vector: torch.Tensor, sender: int, iteration: int) -> dict[str, torch.Tensor]:
+        vector = vector.detach().cpu()
+        return encode_sparse(vector, self.positions(vector))
+
+    def decode(self, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared:
+        return decode_sparse(tensors, self.numel, self.dtype, self.count)
+
+    def averaged(self, state: torch.Tensor) -> None:
+        if self.reference is None:
+            self.reference = state.detach().to("cpu", copy=True)
+        else:
+            self.reference.copy_(state.detach())
+
+    def __str__(self) -> str:
+        return f"topk:{self.alpha:g}"
