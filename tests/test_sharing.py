@@ -1,0 +1,175 @@
+"""Sharing schemes: what a node sends of its model, what its neighbours read back and average."""
+
+import json
+
+import pytest
+import torch
+
+from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, masked_average_
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.sharing import make_sharing
+from meshlearn.sharing.base import pack_bits, unpack_bits
+from meshlearn.sim import simulate
+from meshlearn.wire import Kind, Message, decode, encode
+
+
+def _t(values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def _over_the_wire(tensors):
+    """The tensors as a receiver gets them: encoded into frames and decoded (no pickle)."""
+    return decode(encode(Message(Kind.MODEL, 1, 7, 3, tensors))).tensors
+
+
+# --- what is sent ---------------------------------------------------------------------------------
+
+
+def test_topk_sends_the_values_that_changed_most_since_the_last_average():
+    scheme = make_sharing("topk:0.2", 10, torch.float32, seed=1)
+    scheme.start(torch.zeros(10))
+    model = _t([0.1, -5, 0.3, 2, 0, 0, 0, 0, 0, 0.5])
+    sent = _over_the_wire(scheme.encode(model, 1, 7))
+    # 2 values; 2 int32 indices (8 bytes) cost more than a 2-byte bitmap of 10 positions: bits 1 and 3
+    assert torch.equal(sent["values"], _t([-5, 2])) and torch.equal(sent["bitmap"], _t([0b1010, 0], torch.uint8))
+    shared = scheme.decode(sent, 1, 7)
+    assert torch.equal(shared.values, _t([0, -5, 0, 2, 0, 0, 0, 0, 0, 0]))
+    assert shared.mask.tolist() == [False, True, False, True] + [False] * 6
+    scheme.averaged(_t([0.1, -5, 0.3, 2, 0, 0, 0, 0, 0, 0]))  # the change is now counted from here
+    assert torch.equal(scheme.encode(_t([0.1, -5, 0.3, 2, 0, 0, 0, 0, 0, 0.5]) + _t([0] * 9 + [3]), 1, 8)["values"],
+                       _t([0, 3.5]))  # position 9 moved most; position 4's |0| ties and comes first
+
+
+def test_topk_of_a_large_model_sends_int32_indices():
+    scheme = make_sharing("topk:0.001", 100_000, torch.float32, seed=1)
+    model = torch.zeros(100_000)
+    model[[5, 70_000, 99_999]] = _t([1, -2, 3])
+    scheme.start(torch.zeros(100_000))
+    sent = scheme.encode(model, 0, 0)
+    assert sent["indices"].dtype == torch.int32 and sent["indices"].numel() == 100  # 100 * 4 bytes < 12,500
+    assert {5, 70_000, 99_999} <= set(sent["indices"].tolist())
+    assert sum(t.nbytes for t in sent.values()) == scheme.wire_bytes() == 800
+
+
+def test_subsampling_sends_values_only_at_positions_every_receiver_draws_itself():
+    scheme = make_sharing("subsample:0.25", 40, torch.float32, seed=5)
+    model = torch.arange(40, dtype=torch.float32)
+    sent = _over_the_wire(scheme.encode(model, 3, 9))
+    assert list(sent) == ["values"] and sent["values"].numel() == 10  # no positions on the wire
+    receiver = make_sharing("subsample:0.25", 40, torch.float32, seed=5)  # another node, same run
+    shared = receiver.decode(sent, 3, 9)
+    assert torch.equal(shared.values[shared.mask], sent["values"])
+    assert torch.equal(shared.values[shared.mask], model[shared.mask])  # the values of those positions
+    assert not torch.equal(receiver.positions(3, 9), receiver.positions(3, 10))  # new positions each iteration
+    assert not torch.equal(receiver.positions(3, 9), receiver.positions(4, 9))  # and each sender
+
+
+def test_quantization_by_hand_and_unbiased():
+    scheme = make_sharing("quantize:2", 4, torch.float32, seed=1)
+    sent = _over_the_wire(scheme.encode(_t([0, 1, 2, 3]), 0, 0))
+    # one bucket: low 0, 3 levels of step 1; codes 0 1 2 3 packed 4 to a byte, low bits first
+    assert torch.equal(sent["low"], _t([0])) and torch.equal(sent["step"], _t([1]))
+    assert sent["codes"][0] == 0 | 1 << 2 | 2 << 4 | 3 << 6 and sent["codes"].numel() == 512 // 4
+    assert torch.equal(scheme.decode(sent, 0, 0).values, _t([0, 1, 2, 3]))
+    one_bit = make_sharing("quantize:1", 1000, torch.float32, seed=1)
+    model = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    draws = torch.stack([one_bit.decode(one_bit.encode(model, 0, i), 0, i).values for i in range(400)])
+    assert all(len(draw[:512].unique()) <= 2 for draw in draws)  # one bit: a bucket's low end or high end
+    assert float((draws.mean(0) - model).abs().mean()) < 0.03  # stochastic rounding is unbiased
+
+
+def test_bits_pack_and_unpack():
+    for bits in (1, 2, 4, 8):
+        codes = torch.randint(0, 1 << bits, (37,))
+        assert torch.equal(unpack_bits(pack_bits(codes, bits), bits, 37), codes)
+
+
+# --- what is averaged ------------------------------------------------------------------------------
+
+
+def test_partial_models_are_averaged_per_value_over_those_who_sent_it():
+    own = torch.ones(4)
+    a = (0.25, 3, _t([3, 3, 0, 0]), torch.tensor([True, True, False, False]))
+    b = (0.25, 3, _t([0, 5, 5, 0]), torch.tensor([False, True, True, False]))
+    state = own.clone()
+    masked_average_(state, 0.5, [a, b], MISSING_CHUNK_RULES["per-chunk"])
+    # value 0: the node (0.5) and a (0.25), renormalised; value 1: everyone; value 3: the node alone
+    assert torch.allclose(state, _t([(0.5 + 0.75) / 0.75, 0.5 + 0.75 + 1.25, (0.5 + 1.25) / 0.75, 1]))
+    state = own.clone()
+    masked_average_(state, 0.5, [a, b], MISSING_CHUNK_RULES["fill-local"])  # 1/(1+max(2, 3)): the rest is own
+    assert torch.allclose(state, _t([0.75 + 0.75, 0.5 + 0.75 + 1.25, 0.75 + 1.25, 1]))
+
+
+def test_choco_sends_compressed_differences_and_steps_toward_the_estimates():
+    node = make_sharing("choco:0.5:0.5", 4, torch.float32, seed=1)
+    sent = _over_the_wire(node.encode(_t([4, -3, 1, 0]), 0, 0))
+    assert torch.equal(sent["values"], _t([4, -3]))  # top half of the difference to its estimate (0)
+    assert torch.equal(node.own, _t([4, -3, 0, 0]))  # which takes it in
+    neighbour = make_sharing("choco:0.5:0.5", 4, torch.float32, seed=1)
+    update = node.decode(_over_the_wire(neighbour.encode(_t([0, 0, 2, 2]), 1, 0)), 1, 0)
+    state = _t([4, -3, 1, 0])
+    assert node.mix_(state, {1: 0.25, 2: 0.25}, {1: update}) == [2]  # 2's update is missing: out of step
+    # x += gamma * w * (xhat_1 - xhat_own) = 0.125 * ([0, 0, 2, 2] - [4, -3, 0, 0])
+    assert torch.allclose(state, _t([3.5, -2.625, 1.25, 0.25]))
+    again = state.clone()
+    node.mix_(again, {1: 0.25, 2: 0.25}, {1: update, 2: update})  # 2 stays out; 1's estimate grows again
+    assert torch.allclose(again, state + 0.125 * (_t([0, 0, 4, 4]) - _t([4, -3, 0, 0])))
+
+
+# --- what is refused -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme,tensors,problem", [
+    ("topk:0.2", {"values": _t([1, 2]), "bitmap": _t([0b1000, 4], torch.uint8)}, "past the end"),
+    ("topk:0.2", {"values": _t([1, 2]), "bitmap": _t([0b1110, 0], torch.uint8)}, "3 positions for 2 values"),
+    ("topk:0.2", {"values": _t([1, float("nan")]), "bitmap": _t([0b1010, 0], torch.uint8)}, "NaN"),
+    ("topk:0.2", {"values": _t([1, 2], torch.float64), "bitmap": _t([0b1010, 0], torch.uint8)}, "float64"),
+    ("topk:0.2", {"values": _t([1, 2])}, "expected tensors"),
+    ("topk:0.0001", {"values": _t([1]), "indices": _t([10_000], torch.int32)}, "inside 0 .. 9999"),
+    ("topk:0.0002", {"values": _t([1, 2]), "indices": _t([5, 5], torch.int32)}, "rise strictly"),
+    ("topk:0.0002", {"values": _t([1, 2]), "indices": _t([-1, 5], torch.int32)}, "rise strictly"),
+    ("subsample:0.2", {"values": _t([1, 2, 3])}, "expected torch.float32 \\[2\\]"),
+    ("quantize:8", {"codes": torch.zeros(512, dtype=torch.uint8), "low": _t([0]), "step": _t([-1])}, "negative"),
+    ("quantize:8", {"codes": torch.zeros(512, dtype=torch.uint8), "low": _t([float("inf")]), "step": _t([1])},
+     "NaN or Inf"),
+    ("quantize:8", {"codes": torch.zeros(256, dtype=torch.uint8), "low": _t([0]), "step": _t([1])}, "codes"),
+    ("full", {"values": torch.zeros(9)}, "expected torch.float32 \\[10\\]"),
+])
+def test_a_bad_share_is_refused_with_what_is_wrong(scheme, tensors, problem):
+    numel = 10_000 if scheme.startswith("topk:0.000") else 10
+    with pytest.raises(ValueError, match=problem):
+        make_sharing(scheme, numel, torch.float32, seed=1).decode(tensors, 1, 0)
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"sharing": "topk"}, "write it topk:ALPHA"), ({"sharing": "topk:1.5"}, "in \\(0, 1\\]"),
+    ({"sharing": "quantize:3"}, "BITS must be one of 1, 2, 4, 8"), ({"sharing": "zip"}, "unknown sharing scheme"),
+    ({"sharing": "topk:0.1", "transport": "udp"}, "needs transport tcp"),
+    ({"sharing": "topk:0.1", "algorithm": "gossip"}, "needs algorithm dpsgd"),
+    ({"sharing": "topk:0.1", "aggregation": "median"}, "needs aggregation mean"),
+    ({"sharing": "choco:0.1", "byzantine": "1:stale"}, "no byzantine"),
+])
+def test_a_sharing_that_cannot_be_run_is_one_clear_error(values, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config(values)
+
+
+# --- a quick run -----------------------------------------------------------------------------------
+
+
+def test_a_tenth_of_the_model_costs_at_most_015x_the_bytes_and_keeps_the_accuracy(tmp_path):
+    summaries = {}
+    for scheme in ("full", "topk:0.1", "subsample:0.1", "quantize:8", "choco:0.1"):
+        config = make_config({"engine": "batched", "nodes": 8, "dataset": "digits", "iterations": 120, "lr": 0.1,
+                              "test_after": 120, "step_time": 0.001, "seed": 1, "sharing": scheme,
+                              "output": str(tmp_path / scheme)})
+        simulate(config, progress=False)
+        summaries[scheme] = json.loads((tmp_path / scheme / "summary.json").read_text())
+    full = summaries["full"]
+    assert full["final"]["accuracy"] > 0.9
+    for scheme in ("topk:0.1", "subsample:0.1"):  # positions included (top-k: a bitmap)
+        assert summaries[scheme]["bytes_per_iteration"] <= 0.15 * full["bytes_per_iteration"], scheme
+    assert summaries["quantize:8"]["bytes_per_iteration"] <= 0.27 * full["bytes_per_iteration"]
+    for scheme, summary in summaries.items():
+        assert summary["final"]["accuracy"] >= full["final"]["accuracy"] - 0.02, scheme
