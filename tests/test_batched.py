@@ -65,6 +65,18 @@ def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algo
         assert not torch.allclose(states[0], states[1])  # each node trained on its own shard
 
 
+def test_the_last_evaluation_is_the_final_one_not_a_second_pass(tmp_path, monkeypatch):
+    import meshlearn.batched.engine as engine
+
+    calls = []
+    evaluate = engine.evaluate_nodes
+    monkeypatch.setattr(engine, "evaluate_nodes", lambda *args: calls.append(args[4]) or evaluate(*args))
+    config = make_config({**BASE, "engine": "batched", "iterations": 7, "test_after": 3, "step_time": 0.001})
+    summaries = BatchedSimulation(config, build_topology(config.topology, config.nodes, config.seed), tmp_path).run()
+    assert calls == [False, False, True]  # after iterations 3, 6 and 7 (the last, with every metric)
+    assert all(s["metrics"]["f1"] is not None and "confusion" in s["metrics"] for s in summaries.values())
+
+
 def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_path):
     # ResNet-18's BatchNorm layers update running statistics in each node's own row. One step only:
     # ResNet-18 on 8x8 digits is chaotic in float32 (the process engine with 1 or 2 torch threads

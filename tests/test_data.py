@@ -213,7 +213,21 @@ def test_shards_are_non_iid():
     assert np.mean(classes_per_node("dirichlet:0.1")) < np.mean(classes_per_node("dirichlet:100"))
 
 
-@pytest.mark.parametrize("spec", ["random", "shards:0", "shards:x", "dirichlet:-1", "shards:1000"])
+def test_kshard_is_decentralizepys_k_shard_draw_for_draw():
+    labels = np.array([1, 0, 1, 0, 1, 0, 1, 0, 1, 0])  # by label: 1 3 5 7 9 (label 0), then 0 2 4 6 8
+    # seed 0: random.Random(0).randint(0, 9) = 6, so node 0 takes 5 samples from place 6, wrapping
+    # around: 2 4 6 8 and then 1; node 1 draws randint(0, 4) = 3 among 3 5 7 9 0: 9 0, then 3 5 7
+    node0, node1 = partition(labels, 2, "kshard:1", seed=0)
+    assert node0.tolist() == [1, 2, 4, 6, 8] and node1.tolist() == [0, 3, 5, 7, 9]
+    parts = partition(LABELS, 10, "kshard:2", seed=1)
+    assert all(len(p) == len(LABELS) // 10 // 2 * 2 for p in parts)  # int(N / n) // K per run
+    assert len(np.unique(np.concatenate(parts))) == sum(map(len, parts))  # disjoint
+    # runs of the label-sorted order, but of what earlier nodes left: 3-7 classes (iid: all 10)
+    assert max(len(np.unique(LABELS[p])) for p in parts) <= 7
+
+
+@pytest.mark.parametrize("spec", ["random", "shards:0", "shards:x", "dirichlet:-1", "shards:1000", "kshard:0",
+                                  "kshard:1000"])
 def test_bad_partitions(spec):
     with pytest.raises(DatasetError):
         partition(LABELS, 10, spec, seed=0)

@@ -58,7 +58,8 @@ class ExperimentConfig(Settings):
                                                    "erdos:P | file:PATH (a DecentralizePy graph file)")
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR")
-    partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
+    partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
+                           "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")

@@ -106,10 +106,10 @@ class BatchedSimulation:
                 driver = _Asynchronous(run, self.progress)
                 run.algorithm.drive(driver)
                 finish = driver.finish
+                final = run.collective.gather(_evaluations(run, full=True))
             else:
-                self._lockstep(run)
+                final = self._lockstep(run)  # its last evaluation is of the final models
                 finish = run.clocks.now
-            final = run.collective.gather(_evaluations(run, full=True))
             reports = run.algorithm.peers_report()
             peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
             if run.log is None:
@@ -169,8 +169,9 @@ class BatchedSimulation:
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
             samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None)
 
-    def _lockstep(self, run: "_Run") -> None:
-        """Every node takes each iteration's steps together, then the algorithm exchanges."""
+    def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
+        """Every node takes each iteration's steps together, then the algorithm exchanges; returns
+        the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
         for iteration in range(config.iterations):
             losses = torch.zeros(shard.size, dtype=torch.float64)
@@ -186,7 +187,7 @@ class BatchedSimulation:
             done = iteration + 1
             evaluation = consensus = None
             if run.evaluates_after(done):
-                evaluation = collective.gather(_evaluations(run))
+                evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
                 consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
             if run.log is not None:
                 columns["train_loss"] = train_loss
@@ -195,6 +196,7 @@ class BatchedSimulation:
                     run.write_evaluation(done, evaluation, clocks.now, consensus)
             if self.progress is not None:
                 self.progress(done)
+        return evaluation
 
 
 @dataclass

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
 
 from meshlearn.errors import DatasetError
 
-SPECS = "iid, shards:K, dirichlet:ALPHA"
+SPECS = "iid, shards:K, kshard:K, dirichlet:ALPHA"
 
 
 def _iid(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -14,13 +16,39 @@ def _iid(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.
 
 
 def _shards(labels: np.ndarray, n_parts: int, k: int, rng: np.random.Generator) -> list[np.ndarray]:
-    """DecentralizePy's k-shard: label-sorted data cut into n*K shards, K random shards per node."""
+    """McMahan et al.'s (2017) pathological non-IID split: label-sorted data cut into n*K equal
+    shards, K random shards per node; every sample is used."""
     if len(labels) < n_parts * k:
         raise DatasetError(f"shards:{k}: {len(labels)} samples cannot make {n_parts * k} shards; lower K")
     order = np.argsort(labels, kind="stable")
     shards = np.array_split(order, n_parts * k)
     assignment = rng.permutation(n_parts * k)
     return [np.concatenate([shards[s] for s in assignment[i * k:(i + 1) * k]]) for i in range(n_parts)]
+
+
+def _kshard(labels: np.ndarray, n_parts: int, k: int, seed: int) -> list[np.ndarray]:
+    """DecentralizePy's ``KShardDataPartitioner`` (``partition_niid = kshard``), draw for draw: the
+    samples grouped by label (in their order within a label); node after node takes K runs of
+    ``int(N / n) // K`` samples, each starting at a random place among those left (Python's
+    ``random.Random(seed).randint``) and wrapping around. What is left over is used by no node."""
+    order = np.argsort(labels, kind="stable").tolist()
+    run = int((1.0 / n_parts) * len(order)) // k
+    if run < 1:
+        raise DatasetError(f"kshard:{k}: {len(order)} samples cannot give {n_parts} nodes {k} runs each; lower K")
+    draw = random.Random(seed)
+    parts = []
+    for _ in range(n_parts):
+        part: list[int] = []
+        for _ in range(k):
+            start = draw.randint(0, len(order) - 1)
+            if start + run > len(order):  # wraps around: the tail, then the head
+                part += order[start:] + order[:start + run - len(order)]
+                order = order[start + run - len(order):start]
+            else:
+                part += order[start:start + run]
+                order = order[:start] + order[start + run:]
+        parts.append(np.array(part, dtype=np.int64))
+    return parts
 
 
 def _dirichlet(labels: np.ndarray, n_parts: int, alpha: float, rng: np.random.Generator) -> list[np.ndarray]:
@@ -39,7 +67,8 @@ def _dirichlet(labels: np.ndarray, n_parts: int, alpha: float, rng: np.random.Ge
 
 
 def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np.ndarray]:
-    """Disjoint index arrays (sorted) covering every sample, one per node; same seed, same split."""
+    """Disjoint index arrays (sorted), one per node, covering every sample (but for ``kshard``'s
+    leftovers); same seed, same split."""
     labels = np.asarray(labels)
     if n_parts < 1 or n_parts > len(labels):
         raise DatasetError(f"cannot split {len(labels)} samples among {n_parts} nodes")
@@ -53,6 +82,11 @@ def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np
             if k < 1:
                 raise ValueError
             parts = _shards(labels, n_parts, k, rng)
+        elif name == "kshard" and arg:
+            k = int(arg)
+            if k < 1:
+                raise ValueError
+            parts = _kshard(labels, n_parts, k, seed)
         elif name == "dirichlet" and arg:
             alpha = float(arg)
             if not alpha > 0:

@@ -384,7 +384,7 @@ def format_summary(summary: dict[str, Any]) -> str:
                      + (f"; an evaluation {times['eval']['median'] * 1000:.1f} ms" if "eval" in times else "")
                      + ("  (modelled)" if modelled else ""))
     lines += [
-        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent ({summary['bytes_per_iteration'] / 1e3:.1f} kB "
+        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent ({summary.get('bytes_per_iteration', math.nan) / 1e3:.1f} kB "
         f"per node per iteration), {summary['bytes_received'] / 1e6:.1f} MB received",
         f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
     ]
