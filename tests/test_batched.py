@@ -54,7 +54,8 @@ def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
     ("dpsgd", {"aggregation": "trimmed-mean:1", "byzantine": "2:sign-flip:3,4:alie,5:alie"}),
     ("dpsgd", {"aggregation": "clip", "byzantine": "1:label-flip,3:stale,5:gaussian:0.5"}),
     ("dpsgd", {"sharing": "topk:0.1", "momentum": 0.9}), ("dpsgd", {"sharing": "subsample:0.1"}),
-    ("dpsgd", {"sharing": "quantize:4"}), ("dpsgd", {"sharing": "choco:0.2"})])
+    ("dpsgd", {"sharing": "quantize:4"}), ("dpsgd", {"sharing": "choco:0.2"}),
+    ("dpsgd", {"peer_sampling": "graph"}), ("dpsgd", {"peer_sampling": "epidemic:2", "momentum": 0.9})])
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = _process_engine_states(values)

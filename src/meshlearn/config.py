@@ -15,17 +15,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
-from meshlearn.errors import ConfigError
+from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
+from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
@@ -56,6 +57,7 @@ class ExperimentConfig(Settings):
         "in one process, trained together, time modelled: thousands of nodes)")
     topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | "
                                                    "erdos:P | file:PATH (a DecentralizePy graph file)")
+    peer_sampling: str = Field("off", description="dynamic topologies (dpsgd): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR")
     partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
@@ -149,6 +151,28 @@ class ExperimentConfig(Settings):
                              (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")]:
             if problem:
                 raise ValueError(f"sharing {self.sharing} needs {fix}; or use sharing full")
+        return self
+
+    @field_validator("peer_sampling")
+    @classmethod
+    def _valid_sampling(cls, value: str, info: ValidationInfo) -> str:
+        if "topology" not in info.data or "nodes" not in info.data:
+            return value  # the error is theirs
+        try:
+            return check_sampling(value, info.data["topology"], info.data["nodes"])
+        except TopologyError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _sampling_fits(self) -> "ExperimentConfig":
+        if self.peer_sampling == "off":
+            return self
+        for problem, fix in [(self.algorithm != "dpsgd", f"algorithm dpsgd (not {self.algorithm})"),
+                             (self.transport != "tcp", "transport tcp"),
+                             (self.aggregation != "mean", "aggregation mean"),
+                             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full")]:
+            if problem:
+                raise ValueError(f"peer_sampling {self.peer_sampling} needs {fix}; or use peer_sampling off")
         return self
 
     @field_validator("byzantine")

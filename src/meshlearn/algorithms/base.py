@@ -20,13 +20,15 @@ from meshlearn.transport.base import Endpoint, Unconnected
 
 if TYPE_CHECKING:
     from meshlearn.attacks.forge import Attack
+    from meshlearn.topology.sampling import PeerSampler
 
 
 @dataclass
 class AlgorithmContext:
     """What an algorithm may use of its node: identity, state, link, its own settings, the run's
     shape (seed, samples in the node's shard, iterations), the aggregation rule its node applies,
-    the sharing scheme (what it sends of its model) and, for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
+    the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology and,
+    for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
     nodes it colludes with)."""
 
     rank: int
@@ -39,6 +41,7 @@ class AlgorithmContext:
     iterations: int = 0
     rule: str = "mean"
     sharing: str = "full"
+    sampler: "PeerSampler | None" = None  # dynamic topologies: each iteration's peers
     attack: "Attack | None" = None
     initial: torch.Tensor | None = None
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes

@@ -39,7 +39,8 @@ class DPSGD(Algorithm):
 
     With a ``sharing`` scheme other than ``full`` the node sends what the scheme makes of its model
     (a share of it, or a quantized copy) and averages each value over the neighbours that sent it,
-    by the same ``missing_chunks`` rule; CHOCO-SGD makes its own update.
+    by the same ``missing_chunks`` rule; CHOCO-SGD makes its own update. With a peer sampler
+    (``peer_sampling``) its peers and their weights change every iteration.
     """
 
     name = "dpsgd"
@@ -49,7 +50,10 @@ class DPSGD(Algorithm):
         super().__init__(ctx)
         settings = ctx.settings or DpsgdSettings()
         row = mh_row(ctx.graph, ctx.rank)
-        self.neighbours = ctx.graph.neighbours(ctx.rank)
+        self.neighbours = ctx.graph.neighbours(ctx.rank)  # whom it hears from
+        self.targets = self.neighbours  # whom it sends to
+        if ctx.sampler is not None:  # a new round, new peers: it may meet anyone
+            self.talks_to = "everyone"
         self.weights = {j: w for j, w in row.items() if j != ctx.rank}
         self.own_weight = 1.0 - sum(self.weights.values())
         self.lossy = ctx.transport.lossy
@@ -63,6 +67,8 @@ class DPSGD(Algorithm):
             self.sharing.start(self.ctx.flat.state)
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        if self.ctx.sampler is not None:
+            self._join_round(iteration)
         if self.sharing is not None:
             return self._exchange_shares(iteration)
         ctx = self.ctx
@@ -100,6 +106,13 @@ class DPSGD(Algorithm):
             "chunks_missing": sum(m.chunks.missing for m in partial),
         }
 
+    def _join_round(self, iteration: int) -> None:
+        """Take this iteration's peers and weights from the run's peer sampler."""
+        exchange, rank = self.ctx.sampler.round(iteration), self.ctx.rank
+        self.targets, self.neighbours = list(exchange.send_to[rank]), list(exchange.receive_from[rank])
+        self.weights = dict(exchange.weights[rank])
+        self.own_weight = 1.0 - sum(self.weights.values())
+
     def _exchange_shares(self, iteration: int) -> dict[str, float]:
         """Send what the sharing scheme makes of the model, then average what the neighbours sent
         (each value over those who sent it), or let the scheme update the model (CHOCO-SGD)."""
@@ -108,7 +121,7 @@ class DPSGD(Algorithm):
         tensors = sharing.encode(ctx.outgoing(state.detach(), iteration), ctx.rank, iteration)
         t1 = time.perf_counter()
         message = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), tensors)
-        ctx.transport.broadcast(self.neighbours, message)
+        ctx.transport.broadcast(self.targets, message)
         received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
         shared: dict[int, Shared] = {}
@@ -145,14 +158,14 @@ class DPSGD(Algorithm):
         if ctx.attack is None:
             snapshot = ctx.flat.snapshot()
             msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
-            ctx.flat.release(snapshot, ctx.transport.broadcast(self.neighbours, msg))
+            ctx.flat.release(snapshot, ctx.transport.broadcast(self.targets, msg))
             return
         seen = None
         if received:
             seen = torch.stack([_vector(ctx.flat, received[j]) for j in sorted(received)
                                 if ctx.flat.check_compatible(received[j].tensors) is None])
         forged = ctx.outgoing(ctx.flat.state.detach(), iteration, seen)
-        ctx.transport.broadcast(self.neighbours, Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours),
+        ctx.transport.broadcast(self.targets, Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours),
                                                          ctx.flat.segments_of(forged)))
 
     def _admit(self, received: dict[int, Message]) -> list[int]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlearn.topology import Graph, mh_row
+from meshlearn.topology.sampling import Round
 
 
 @dataclass
@@ -40,6 +41,21 @@ class Links:
                 weights.append(row[j])
         sender = torch.tensor(senders, dtype=torch.int64, device=device)
         return cls(graph.n, graph.n, torch.tensor(receivers, dtype=torch.int64, device=device), sender, sender,
+                   torch.tensor(weights, dtype=torch.float64, device=device),
+                   torch.arange(len(receivers), device=device))
+
+    @classmethod
+    def of_round(cls, exchange: "Round", device: torch.device | str = "cpu") -> "Links":
+        """The links of one round of a dynamic topology (``topology.sampling``), with its weights."""
+        receivers, senders, weights = [], [], []
+        for i, heard in enumerate(exchange.receive_from):
+            for j in sorted(heard):
+                receivers.append(i)
+                senders.append(j)
+                weights.append(exchange.weights[i][j])
+        sender = torch.tensor(senders, dtype=torch.int64, device=device)
+        n = len(exchange.receive_from)
+        return cls(n, n, torch.tensor(receivers, dtype=torch.int64, device=device), sender, sender,
                    torch.tensor(weights, dtype=torch.float64, device=device),
                    torch.arange(len(receivers), device=device))
 

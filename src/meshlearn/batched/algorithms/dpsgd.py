@@ -11,10 +11,11 @@ from meshlearn.aggregation.base import get_rule
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.loss import ChunkLoss
-from meshlearn.batched.mixing import ChunkedMixing, MetropolisMixing
+from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
 from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
 from meshlearn.errors import ConfigError
+from meshlearn.topology.sampling import PeerSampler
 from meshlearn.transport.settings import default_chunk_bytes
 
 
@@ -46,6 +47,12 @@ class BatchedDPSGD(BatchedAlgorithm):
             self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
             self.chunked = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
         self.robust = RobustMixing(links, self.rule, chunk_elements) if self.rule.robust else None
+        self.sampler = None
+        if config.peer_sampling != "off":
+            if ctx.plan is not None:
+                raise ConfigError(f"peer_sampling {config.peer_sampling} runs in one process of the batched engine, "
+                                  "not under torchrun: start it without torchrun")
+            self.sampler = PeerSampler(config.peer_sampling, config.topology, config.nodes, config.seed)
         self.shared: SharedMixing | None = None
         if config.sharing != "full":
             if ctx.plan is not None:
@@ -55,6 +62,8 @@ class BatchedDPSGD(BatchedAlgorithm):
                                        config.dpsgd.missing_chunks, config.seed)
 
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
+        if self.sampler is not None:
+            self._join_round(iteration)
         ctx, local = self.ctx, self.ctx.local
         columns = {}
         state, source = ctx.stacked.state, self._sources(iteration)
@@ -92,6 +101,18 @@ class BatchedDPSGD(BatchedAlgorithm):
         self.traffic.add("bytes_received", received * size)
         self.traffic.add("gather_timeouts", np.bincount(self.receivers, weights=~complete, minlength=ctx.graph.n) > 0)
         return {"comm": waited, "received": received, "missing": self.degree - received, **columns}
+
+    def _join_round(self, iteration: int) -> None:
+        """This iteration's links, weights and senders, from the peer sampler."""
+        exchange = self.sampler.round(iteration)
+        ctx = self.ctx
+        links = Links.of_round(exchange, ctx.links.receiver.device)
+        ctx.local = ctx.links = links
+        self.mixing = MetropolisMixing(links)
+        self.bad = BadNodes(ctx.config, ctx.shard.start, ctx.stacked.state, links, links)
+        self.degree = np.array([len(targets) for targets in exchange.send_to])
+        self.receivers = links.receiver.cpu().numpy()
+        ctx.clocks.sender, ctx.clocks.receiver = links.sender.cpu().numpy(), self.receivers
 
     def _sources(self, iteration: int) -> torch.Tensor:
         """The rows the links read: this block's, those of other blocks, then this block's bad
