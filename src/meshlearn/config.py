@@ -19,7 +19,7 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
-from meshlearn.algorithms.settings import DpsgdSettings, GossipSettings, LeaderSettings
+from meshlearn.algorithms.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError
@@ -31,7 +31,7 @@ from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
-    "batched": BatchedSettings,
+    "fedavg": FedAvgSettings, "batched": BatchedSettings,
 }
 
 
@@ -65,9 +65,10 @@ class ExperimentConfig(Settings):
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
-    algorithm: Literal["dpsgd", "gossip", "leader", "local"] = Field(
+    algorithm: Literal["dpsgd", "gossip", "leader", "fedavg", "local"] = Field(
         "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
-        "leader aggregation, CloudMesh) | local (no exchange)")
+        "leader aggregation, CloudMesh) | fedavg (a parameter server, node 0: the federated baseline; the "
+        "topology is not used) | local (no exchange)")
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)
     byzantine: str = Field("", description=BYZANTINE_HELP)
@@ -101,6 +102,7 @@ class ExperimentConfig(Settings):
     dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
     gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
+    fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg with a parameter server")
     batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
 
     @model_validator(mode="before")
@@ -207,6 +209,17 @@ class ExperimentConfig(Settings):
     def _pull_and_push_over_tcp(self) -> "ExperimentConfig":
         if self.algorithm in ("gossip", "leader") and self.transport != "tcp":
             raise ValueError(f"{self.algorithm} exchanges models by request and answer over TCP: use transport tcp")
+        return self
+
+    @model_validator(mode="after")
+    def _fedavg_fits(self) -> "ExperimentConfig":
+        if self.algorithm != "fedavg":
+            return self
+        for problem, fix in [(self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"),
+                             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full"),
+                             (self.peer_sampling != "off", "peer_sampling off")]:
+            if problem:
+                raise ValueError(f"algorithm fedavg needs {fix}")
         return self
 
     @model_validator(mode="after")

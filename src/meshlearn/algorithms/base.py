@@ -64,12 +64,13 @@ class Algorithm(ABC):
     (gossip, the leader's watcher) start their helpers in ``start`` and stop them in ``stop``.
     ``endpoint`` is the class of endpoint the algorithm needs, which the node factory builds (a
     ``Transport`` means TCP or UDP, as configured); ``talks_to`` says whether it exchanges with
-    its neighbours in the topology or with everyone.
+    its neighbours in the topology, with everyone, or (``server``) node 0 with everyone and the
+    others with node 0.
     """
 
     name: ClassVar[str]
     endpoint: ClassVar[type[Endpoint]] = Unconnected
-    talks_to: ClassVar[Literal["neighbours", "everyone"]] = "neighbours"
+    talks_to: ClassVar[Literal["neighbours", "everyone", "server"]] = "neighbours"
 
     def __init__(self, ctx: AlgorithmContext):
         if not isinstance(ctx.transport, self.endpoint):
@@ -109,7 +110,7 @@ class Algorithm(ABC):
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
-BUILT_IN = ("dpsgd", "gossip", "leader")  # modules of meshlearn.algorithms that register algorithms
+BUILT_IN = ("dpsgd", "gossip", "leader", "fedavg")  # modules of meshlearn.algorithms that register algorithms
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:

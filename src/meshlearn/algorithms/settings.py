@@ -48,3 +48,12 @@ class LeaderSettings(Settings):
     weighting: Literal["staleness", "samples", "equal"] = Field(
         "staleness", description="how much each member's latest model counts: samples / (1 + cycles behind) "
         "(staleness), samples, or equal")
+
+
+class FedAvgSettings(Settings):
+    """FedAvg's settings (flat name: ``fedavg_fraction``)."""
+
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction"}
+
+    fraction: float = Field(1.0, gt=0, le=1, description="share of the nodes whose models the server takes each "
+                            "round (drawn from the seed; DecentralizePy's working_fraction)")

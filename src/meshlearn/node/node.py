@@ -69,10 +69,13 @@ class Node:
         self.slowdown = config.slowdown_of(rank)
 
     def contacts(self, book: Mapping[int, str]) -> dict[int, str]:
-        """The addresses, from everyone's ``book``, that this node talks to: its neighbours, or
-        every other node for an algorithm whose group is the whole run (leader aggregation)."""
-        if self.algorithm.talks_to == "everyone":
+        """The addresses, from everyone's ``book``, that this node talks to: its neighbours, every
+        other node for an algorithm whose group is the whole run (leader aggregation), or the
+        server (node 0, which talks to everyone) for FedAvg."""
+        if self.algorithm.talks_to == "everyone" or (self.algorithm.talks_to == "server" and self.rank == 0):
             return {j: address for j, address in book.items() if j != self.rank}
+        if self.algorithm.talks_to == "server":
+            return {0: book[0]}
         return {j: book[j] for j in self.graph.neighbours(self.rank)}
 
     def train_step(self) -> float:

@@ -117,7 +117,7 @@ class BatchedAlgorithm(ABC):
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
     "algorithm of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
-                                                 for name in ("local", "dpsgd", "gossip", "leader")})
+                                                 for name in ("local", "dpsgd", "gossip", "leader", "fedavg")})
 
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:

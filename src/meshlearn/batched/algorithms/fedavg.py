@@ -1,0 +1,62 @@
+"""FedAvg for every node at once: the drawn nodes' rows go to node 0 (in modelled time), whose
+sample-weighted average every row then takes, as the process engine's ``algorithms.fedavg``."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from meshlearn.algorithms.averaging import weighted_average_
+from meshlearn.algorithms.fedavg import SERVER, participants, sample_weights
+from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.errors import ConfigError
+
+
+@register_batched
+class BatchedFedAvg(BatchedAlgorithm):
+    """Synchronous FedAvg with node 0 as the parameter server (see ``algorithms.fedavg``)."""
+
+    name = "fedavg"
+
+    def __init__(self, ctx: BatchedContext, traffic: Traffic):
+        super().__init__(ctx, traffic)
+        if ctx.plan is not None:
+            raise ConfigError("fedavg runs in one process of the batched engine, not under torchrun: start it "
+                              "without torchrun")
+        self.fraction = ctx.config.fedavg.fraction
+        self.nodes = ctx.config.nodes
+        self.clients = np.arange(1, self.nodes)
+
+    @torch.no_grad()
+    def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
+        ctx, clocks, n = self.ctx, self.ctx.clocks, self.nodes
+        state = ctx.stacked.state
+        chosen = participants(ctx.config.seed, iteration, n, self.fraction)
+        pushing = np.array([j for j in chosen if j != SERVER], dtype=np.int64)
+        clocks.sender, clocks.receiver = pushing, np.zeros(len(pushing), dtype=np.int64)
+        pushed, wait_up = clocks.gather()
+        samples = {SERVER: float(ctx.samples[SERVER])} if SERVER in chosen else {}
+        samples.update({int(j): float(ctx.samples[j]) for j in pushing[pushed]})
+        if samples:
+            weights = sample_weights(samples)
+            weighted_average_(state[SERVER], weights.get(SERVER, 0.0),
+                              [(weights[j], state[j]) for j in sorted(samples) if j != SERVER])
+        clocks.sender, clocks.receiver = np.zeros(n - 1, dtype=np.int64), self.clients
+        answered, wait_down = clocks.gather()
+        taking = torch.from_numpy(self.clients[answered]).to(state.device)
+        state[taking] = state[SERVER].clone()
+        size = clocks.message_bytes
+        sent = np.zeros(n, dtype=np.int64)
+        sent[pushing] = 1
+        sent[SERVER] = n - 1
+        received = np.zeros(n, dtype=np.int64)
+        received[SERVER] = int(pushed.sum())
+        received[self.clients[answered]] = 1
+        expected = np.ones(n, dtype=np.int64)
+        expected[SERVER] = len(pushing)
+        self.traffic.add("messages_sent", sent)
+        self.traffic.add("bytes_sent", sent * size)
+        self.traffic.add("messages_received", received)
+        self.traffic.add("bytes_received", received * size)
+        self.traffic.add("gather_timeouts", received < expected)
+        return {"comm": wait_up + wait_down, "received": received, "missing": expected - received}
