@@ -216,8 +216,8 @@ class ExperimentConfig(Settings):
         if self.algorithm != "fedavg":
             return self
         for problem, fix in [(self.transport != "tcp", "transport tcp"),
-                             (self.aggregation != "mean", "aggregation mean"), (bool(self.byzantine), "no byzantine nodes"),
-                             (self.sharing != "full", "sharing full"),
+                             (self.aggregation != "mean", "aggregation mean"),
+                             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full"),
                              (self.peer_sampling != "off", "peer_sampling off")]:
             if problem:
                 raise ValueError(f"algorithm fedavg needs {fix}")
