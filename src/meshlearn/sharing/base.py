@@ -111,17 +111,37 @@ def finite(values: torch.Tensor, what: str = "values") -> torch.Tensor:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes below ``2**bits`` (any integer dtype), ``8 // bits`` to a byte, low bits first."""
+    """Codes below ``2**bits`` (any integer or bool dtype), ``8 // bits`` to a byte, low bits first."""
+    values = codes.numpy().astype(np.uint8, copy=False)
+    if bits == 8:
+        return torch.from_numpy(values.copy())
+    if bits == 1:
+        return torch.from_numpy(np.packbits(values, bitorder="little"))
     per_byte = 8 // bits
-    padded = torch.nn.functional.pad(codes.to(torch.int32), (0, -codes.numel() % per_byte))
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
-    return (padded.view(-1, per_byte) << shifts).sum(1).to(torch.uint8)
+    padded = np.pad(values, (0, -len(values) % per_byte)).reshape(-1, per_byte)
+    packed = padded[:, 0].copy()
+    for slot in range(1, per_byte):
+        packed |= padded[:, slot] << (slot * bits)
+    return torch.from_numpy(packed)
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
-    """The first ``count`` codes of ``pack_bits`` (int64)."""
-    shifts = torch.arange(8 // bits, dtype=torch.int64) * bits
-    return ((packed.to(torch.int64)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count]
+    """The first ``count`` codes of ``pack_bits`` (uint8)."""
+    values = packed.numpy()
+    if bits == 8:
+        return torch.from_numpy(values[:count].copy())
+    if bits == 1:
+        return torch.from_numpy(np.unpackbits(values, count=count, bitorder="little"))
+    shifts = np.arange(8 // bits, dtype=np.uint8) * bits
+    return torch.from_numpy(((values[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].astype(np.uint8))
+
+
+def largest(values: torch.Tensor, count: int) -> torch.Tensor:
+    """The sorted positions of the ``count`` largest of ``values`` (a CPU vector)."""
+    array = values.numpy()
+    if count >= len(array):
+        return torch.arange(len(array))
+    return torch.from_numpy(np.sort(np.argpartition(array, len(array) - count)[len(array) - count:]))
 
 
 def encode_sparse(vector: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -151,10 +171,10 @@ def decode_sparse(tensors: dict[str, torch.Tensor], numel: int, dtype: torch.dty
         mask[positions] = True
     else:
         expect(tensors, {"values": (dtype, (count,)), "bitmap": (torch.uint8, (bitmap,))})
-        bits = unpack_bits(tensors["bitmap"], 1, bitmap * 8)
+        bits = unpack_bits(tensors["bitmap"], 1, bitmap * 8).bool()
         if bool(bits[numel:].any()):
             raise ValueError("the bitmap marks positions past the end of the model")
-        mask = bits[:numel].bool()
+        mask = bits[:numel]
         if int(mask.sum()) != count:
             raise ValueError(f"the bitmap marks {int(mask.sum())} positions for {count} values")
     values = torch.zeros(numel, dtype=dtype)

@@ -19,6 +19,7 @@ from meshlearn.sharing.base import (
     Sharing,
     decode_sparse,
     encode_sparse,
+    largest,
     register_sharing,
     share_count,
 )
@@ -47,7 +48,7 @@ class Choco(Sharing):
         """The compressed difference to the node's own estimate; the estimate takes it in (call it
         once per iteration)."""
         difference = vector.detach().cpu() - self.own
-        positions = difference.abs().topk(self.count, sorted=False).indices.sort().values
+        positions = largest(difference.abs(), self.count)
         payload = encode_sparse(difference, positions)
         self.own[positions] += payload["values"]
         return payload

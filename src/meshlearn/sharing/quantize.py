@@ -41,7 +41,7 @@ class Quantize(Sharing):
         scaled = (values - low[:, None]) / step.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
         noise = torch.rand(values.shape, generator=seeded_generator(self.seed, SALT, sender, iteration))
         codes = (scaled + noise).floor_().clamp_(0, self.levels)
-        return {"codes": pack_bits(codes.view(-1), self.bits), "low": low, "step": step}
+        return {"codes": pack_bits(codes.view(-1).to(torch.uint8), self.bits), "low": low, "step": step}
 
     def decode(self, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared:
         expect(tensors, {"codes": (torch.uint8, (self.buckets * BUCKET * self.bits // 8,)),

@@ -3,9 +3,10 @@ positions drawn from the run's seed, the sender and the iteration, so no positio
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from meshlearn.sharing.base import Shared, Sharing, expect, finite, register_sharing, seeded_generator, share_count
+from meshlearn.sharing.base import Shared, Sharing, expect, finite, register_sharing, share_count
 
 SALT = 0x5AB5  # keeps these draws apart from the run's other seeded draws
 
@@ -22,8 +23,8 @@ class Subsample(Sharing):
 
     def positions(self, sender: int, iteration: int) -> torch.Tensor:
         """The sorted positions ``sender`` shares at ``iteration``."""
-        draw = torch.randperm(self.numel, generator=seeded_generator(self.seed, SALT, sender, iteration))
-        return draw[:self.count].sort().values
+        draw = np.random.default_rng([self.seed, SALT, sender, iteration]).choice(self.numel, self.count, replace=False)
+        return torch.from_numpy(np.sort(draw))
 
     def encode(self, vector: torch.Tensor, sender: int, iteration: int) -> dict[str, torch.Tensor]:
         return {"values": vector.detach().cpu()[self.positions(sender, iteration)]}

@@ -10,6 +10,7 @@ from meshlearn.sharing.base import (
     Sharing,
     decode_sparse,
     encode_sparse,
+    largest,
     register_sharing,
     share_count,
 )
@@ -33,7 +34,7 @@ class TopK(Sharing):
     def positions(self, vector: torch.Tensor) -> torch.Tensor:
         """The sorted positions of the largest changes of ``vector`` since the last average."""
         change = vector if self.reference is None else vector - self.reference
-        return change.abs().topk(self.count, sorted=False).indices.sort().values
+        return largest(change.abs(), self.count)
 
     def encode(self, vector: torch.Tensor, sender: int, iteration: int) -> dict[str, torch.Tensor]:
         vector = vector.detach().cpu()
