@@ -56,7 +56,9 @@ def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
     ("dpsgd", {"sharing": "topk:0.1", "momentum": 0.9}), ("dpsgd", {"sharing": "subsample:0.1"}),
     ("dpsgd", {"sharing": "quantize:4"}), ("dpsgd", {"sharing": "choco:0.2"}),
     ("dpsgd", {"peer_sampling": "graph"}), ("dpsgd", {"peer_sampling": "epidemic:2", "momentum": 0.9}),
-    ("fedavg", {}), ("fedavg", {"fedavg_fraction": 0.5, "momentum": 0.9})])
+    ("fedavg", {}), ("fedavg", {"fedavg_fraction": 0.5, "momentum": 0.9}),
+    ("dpsgd", {"optimizer": "adam:betas=0.8 0.99", "lr": 0.01, "weight_decay": 1e-4}),
+    ("dpsgd", {"full_epochs": True, "rounds": 1, "iterations": 2})])
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = _process_engine_states(values)

@@ -24,6 +24,7 @@ from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
+from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
@@ -83,7 +84,10 @@ class ExperimentConfig(Settings):
                           "e.g. 0:3 (node 0 trains 3x slower) or *:+20ms,0:+60ms (sleep per step)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
     batch_size: int = Field(32, ge=1, description="mini-batch size")
-    lr: float = Field(0.05, gt=0, description="SGD learning rate")
+    lr: float = Field(0.05, gt=0, description="learning rate")
+    optimizer: str = Field("sgd", description=OPTIMIZER_HELP)
+    full_epochs: bool = Field(False, description="rounds count passes over the node's shard, not mini-batches "
+                              "(DecentralizePy's full_epochs)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, description="SGD weight decay")
     iterations: int = Field(100, ge=1, description="iterations (rounds + one exchange each)")
@@ -137,6 +141,23 @@ class ExperimentConfig(Settings):
         # a built-in rule's arguments are checked here; whether a name is registered, once the
         # user's --models-module has loaded (sim.checks, or the node when it builds its rule)
         return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
+
+    @field_validator("optimizer")
+    @classmethod
+    def _valid_optimizer(cls, value: str) -> str:
+        parse_optimizer(value)
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _batched_can_train_it(self) -> "ExperimentConfig":
+        if self.engine == "batched" and self.algorithm in ("gossip", "leader") and self.full_epochs:
+            raise ValueError(f"full_epochs: {self.algorithm} on the batched engine counts rounds in mini-batches: use "
+                             "the process engine")
+        if self.engine == "batched" and self.algorithm in ("gossip", "leader") and \
+                parse_optimizer(self.optimizer) != ("SGD", {}):
+            raise ValueError(f"optimizer {self.optimizer} steps every node together; {self.algorithm} on the batched "
+                             "engine steps them one by one: use optimizer sgd, or the process engine")
+        return self
 
     @field_validator("sharing")
     @classmethod

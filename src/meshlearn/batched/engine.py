@@ -35,7 +35,8 @@ from meshlearn.flat import FlatState
 from meshlearn.models import build_model
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
-from meshlearn.sgd import StackedSGD, local_step
+from meshlearn.optim import make_optimizer
+from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
 from meshlearn.topology import Graph
 
@@ -60,7 +61,8 @@ def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, c
     with torch.random.fork_rng(devices=[]):
         alone = copy.deepcopy(model).to(device)
         flat = FlatState(alone)
-        optimizer = StackedSGD(flat.params.unsqueeze(0), config.lr, config.momentum, config.weight_decay)
+        optimizer = make_optimizer(config.optimizer, flat.params.unsqueeze(0), config.lr, config.momentum,
+                                   config.weight_decay)
         parameters = list(alone.parameters())
         batch = torch.as_tensor(indices[:config.batch_size])
         x, y = dataset.normalize(dataset.train_x[batch]).to(device), dataset.train_y[batch].to(device)
@@ -162,12 +164,13 @@ class BatchedSimulation:
                               "ordered in modelled time), not under torchrun: start it without torchrun")
         return _Run(
             config=config, shard=shard, collective=collective, dataset=dataset, stacked=stacked, models=models,
-            sgd=StackedSGD(stacked.params, config.lr, config.momentum, config.weight_decay),
+            sgd=make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay),
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
-            samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None)
+            samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None,
+            steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1))
 
     def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
         """Every node takes each iteration's steps together, then the algorithm exchanges; returns
@@ -175,14 +178,14 @@ class BatchedSimulation:
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
         for iteration in range(config.iterations):
             losses = torch.zeros(shard.size, dtype=torch.float64)
-            for _ in range(config.rounds):
+            for _ in range(run.steps):
                 grads, loss = run.models.gradients(run.batches.next())
                 run.sgd.step(grads)
                 losses += loss.double().cpu()
-            compute = clocks.train(config.rounds)
+            compute = clocks.train(run.steps)
             columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
                        **run.algorithm.after_local_steps(iteration)}
-            train_loss = collective.gather((losses / config.rounds).tolist() if config.rounds else [None] * shard.size)
+            train_loss = collective.gather((losses / run.steps).tolist() if run.steps else [None] * shard.size)
             columns["t"] = clocks.now
             done = iteration + 1
             evaluation = consensus = None
@@ -209,7 +212,7 @@ class _Run:
     dataset: Dataset
     stacked: StackedState
     models: NodeModels
-    sgd: StackedSGD
+    sgd: Any  # StackedSGD, or a torch.optim optimizer over the rows (optim.make_optimizer)
     batches: NodeBatches
     clocks: VirtualClocks
     traffic: Traffic
@@ -219,6 +222,7 @@ class _Run:
     samples: list[int]
     log: JsonlLog | None
     began: float = field(default_factory=time.perf_counter)
+    steps: int = 1  # local steps per iteration: rounds, or rounds x the shards' batches (full_epochs)
 
     def evaluates_after(self, done: int) -> bool:
         """Whether the nodes are evaluated once ``done`` iterations are done."""
@@ -287,6 +291,17 @@ class _Asynchronous:
                 run.write_evaluation(done, evaluation, columns["t"], consensus)
         if self.progress is not None:
             self.progress(done)
+
+
+def _batches_per_epoch(parts: list[np.ndarray], batch_size: int) -> int:
+    """The mini-batches in one pass over a shard, the same for every node; ConfigError if not
+    (every node of the batched engine takes its steps with all the others)."""
+    counts = sorted({-(-len(part) // min(batch_size, len(part))) for part in parts})
+    if len(counts) > 1:
+        raise ConfigError(f"full_epochs on the batched engine needs every shard to make as many batches of "
+                          f"{batch_size}; these make {counts[0]} to {counts[-1]}: use the process engine, or a batch "
+                          "size that divides the shards alike")
+    return counts[0]
 
 
 def _evaluations(run: _Run, full: bool = False, rows: torch.Tensor | None = None) -> list[tuple[int, Evaluation]]:

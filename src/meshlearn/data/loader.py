@@ -28,6 +28,11 @@ class ShardLoader:
         self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
         self._pos = 0
 
+    @property
+    def batches_per_epoch(self) -> int:
+        """Mini-batches in one pass over the shard (the last may be smaller)."""
+        return -(-len(self.indices) // self.batch_size)
+
     def next_indices(self) -> torch.Tensor:
         """The training-set indices of the next batch (the order ``next_batch`` follows)."""
         if self._pos >= len(self._order):

@@ -15,7 +15,8 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.runlog import JsonlLog
-from meshlearn.sgd import StackedSGD, local_step
+from meshlearn.optim import make_optimizer
+from meshlearn.sgd import local_step
 from meshlearn.topology import Graph
 from meshlearn.topology.sampling import PeerSampler
 from meshlearn.transport import Endpoint
@@ -50,8 +51,10 @@ class Node:
         self.model = model.to(self.device)
         self.flat = FlatState(self.model)
         self.parameters = list(self.model.parameters())  # views into self.flat.params, in its order
-        self.optimizer = StackedSGD(self.flat.params.unsqueeze(0), config.lr, config.momentum, config.weight_decay)
+        self.optimizer = make_optimizer(config.optimizer, self.flat.params.unsqueeze(0), config.lr, config.momentum,
+                                        config.weight_decay)
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
+        self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
         self.transport = make_transport(self.flat)
         transport = self.transport
         attackers = config.attackers()
@@ -125,7 +128,7 @@ class Node:
             for iteration in range(config.iterations):
                 self.algorithm.before_local_steps(iteration)
                 losses, train_time = [], 0.0
-                for _ in range(config.rounds):
+                for _ in range(self.steps):
                     self.algorithm.before_step()
                     t0 = time.perf_counter()
                     losses.append(self.train_step())

@@ -1,0 +1,76 @@
+"""Any elementwise torch.optim optimizer by name, on one node's flat row or every node's rows."""
+
+import pytest
+import torch
+
+from meshlearn.config import make_config
+from meshlearn.errors import ConfigError
+from meshlearn.optim import make_optimizer, parse_optimizer
+from meshlearn.sgd import StackedSGD
+
+
+def test_an_optimizer_is_named_with_its_arguments():
+    assert parse_optimizer("adam:betas=0.9 0.99,eps=1e-7,amsgrad=true") == (
+        "Adam", {"betas": (0.9, 0.99), "eps": 1e-7, "amsgrad": True})
+    assert parse_optimizer("RMSprop:alpha=0.9") == ("RMSprop", {"alpha": 0.9})
+
+
+@pytest.mark.parametrize("text,message", [
+    ("lbfgs", "unknown optimizer 'lbfgs'"), ("adam:lr=0.1", "lr comes from the run's own setting"),
+    ("adam:eps", "is not KEY=VALUE"), ("adam:eps=small", "is not a number"),
+])
+def test_a_bad_optimizer_is_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({"optimizer": text})
+
+
+def test_an_argument_torch_refuses_is_one_clear_error():
+    with pytest.raises(ConfigError, match="torch.optim.Adam says"):
+        make_optimizer("adam:betas=2 0.9", torch.zeros(1, 4), lr=0.1)
+
+
+@pytest.mark.parametrize("spec", ["adam", "adamw:weight_decay=0.01", "rmsprop:alpha=0.9", "adagrad", "nadam"])
+def test_each_row_follows_the_optimizer_of_one_node_alone(spec):
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(3, 5, generator=generator)
+    grads = [torch.randn(3, 5, generator=generator) for _ in range(4)]
+    stacked = rows.clone()
+    optimizer = make_optimizer(spec, stacked, lr=0.01)
+    for g in grads:
+        optimizer.step(g.clone())
+    for i in range(3):  # node i alone, with torch's own optimizer on its own parameter
+        alone = torch.nn.Parameter(rows[i].clone())
+        name, args = parse_optimizer(spec)
+        reference = getattr(torch.optim, name)([alone], lr=0.01, **args)
+        for g in grads:
+            alone.grad = g[i].clone()
+            reference.step()
+        assert torch.allclose(stacked[i], alone.detach(), atol=1e-6), (spec, i)
+
+
+def test_plain_sgd_stays_meshlearns_own():
+    assert isinstance(make_optimizer("sgd", torch.zeros(1, 3), lr=0.1, momentum=0.9), StackedSGD)
+
+
+def test_full_epochs_make_a_round_one_pass_over_each_nodes_shard(tmp_path):
+    from meshlearn.node import build_node
+    from meshlearn.sim.inprocess import run_threads
+    from meshlearn.topology import build_topology
+
+    config = make_config({"nodes": 2, "topology": "ring", "iterations": 2, "rounds": 1, "full_epochs": True,
+                          "batch_size": 100, "dataset": "digits", "test_after": 100, "optimizer": "adam", "lr": 0.001})
+    graph = build_topology(config.topology, config.nodes, config.seed)
+    nodes = [build_node(config, rank, graph) for rank in range(2)]
+    run_threads(nodes, timeout=120)
+    for node in nodes:  # 718 or 719 samples: 8 batches of at most 100, twice over
+        assert node.steps == 8 and node.loader.samples_seen == 2 * len(node.loader.indices)
+
+
+def test_full_epochs_on_the_batched_engine_need_shards_of_as_many_batches(tmp_path):
+    from meshlearn.batched import BatchedSimulation
+    from meshlearn.topology import build_topology
+
+    config = make_config({"engine": "batched", "nodes": 8, "batch_size": 179, "full_epochs": True, "dataset": "digits",
+                          "step_time": 0.001})  # 179 or 180 samples: 1 or 2 batches
+    with pytest.raises(ConfigError, match="these make 1 to 2: use the process engine"):
+        BatchedSimulation(config, build_topology(config.topology, 8, config.seed), tmp_path).run()
