@@ -33,9 +33,9 @@ from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
+from meshlearn.optim import make_optimizer
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
-from meshlearn.optim import make_optimizer
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
 from meshlearn.topology import Graph

@@ -14,8 +14,8 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
-from meshlearn.runlog import JsonlLog
 from meshlearn.optim import make_optimizer
+from meshlearn.runlog import JsonlLog
 from meshlearn.sgd import local_step
 from meshlearn.topology import Graph
 from meshlearn.topology.sampling import PeerSampler
