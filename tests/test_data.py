@@ -2,6 +2,7 @@
 
 import gzip
 import io
+import json
 import pickle
 import struct
 import tarfile
@@ -11,7 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from meshlearn.data import ShardLoader, load_cifar10, load_dataset, load_digits, load_idx, load_imagefolder, partition
+from meshlearn.data import (
+    ShardLoader,
+    load_cifar10,
+    load_dataset,
+    load_digits,
+    load_idx,
+    load_imagefolder,
+    load_leaf,
+    partition,
+    partition_dataset,
+)
 from meshlearn.errors import DatasetError
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
@@ -267,3 +278,50 @@ def test_a_registered_dataset_is_named_like_a_built_in_one_and_checked(tmp_path)
         make_dataset("bad", x, [0, 1, 2, 0], x, [0, 0, 0, 0], ["a", "b"])
     with pytest.raises(DatasetError, match=r"\(N, C, H, W\)"):
         make_dataset("bad", x[:, 0], [0] * 4, x[:, 0], [0] * 4, ["a"])
+
+
+def _leaf_folder(root: Path, side: int = 28) -> Path:
+    """A small LEAF (FEMNIST-style) folder: 6 writers in 2 files per split, pixels in 0..1."""
+    rng = np.random.default_rng(0)
+    for split, per_writer in (("train", 4), ("test", 2)):
+        (root / split).mkdir(parents=True)
+        for f in range(2):
+            users = [f"w{f}{u}" for u in range(3)]
+            data = {"users": users, "num_samples": [per_writer] * 3, "user_data": {
+                u: {"x": rng.random((per_writer, side * side)).round(3).tolist(),
+                    "y": [(3 * f + i) % 62 for i in range(per_writer)]} for i, u in enumerate(users)}}
+            (root / split / f"part{f}.json").write_text(json.dumps(data))
+    return root
+
+
+def test_leaf_writers_become_nodes(tmp_path, monkeypatch):
+    monkeypatch.setenv("MESHLEARN_CACHE", str(tmp_path / "cache"))
+    data = load_leaf(_leaf_folder(tmp_path / "leaf"))
+    assert data.train_x.shape == (24, 1, 28, 28) and data.train_x.dtype == torch.uint8
+    assert data.test_x.shape == (12, 1, 28, 28) and data.num_classes == int(data.train_y.max()) + 1
+    assert data.train_groups.tolist() == [w for w in range(6) for _ in range(4)]  # file order, writer order
+    parts = partition_dataset(data, 3, "writers", seed=0)
+    assert [p.tolist() for p in parts] == [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
+    again = load_dataset(f"femnist:{tmp_path / 'leaf'}")  # the cache, with its writers
+    assert torch.equal(again.train_groups, data.train_groups) and torch.equal(again.train_x, data.train_x)
+    with pytest.raises(DatasetError, match="6 writers cannot be shared by 7 nodes"):
+        partition_dataset(data, 7, "writers", seed=0)
+    with pytest.raises(DatasetError, match="needs a dataset of writers"):
+        partition(LABELS, 3, "writers", seed=0)
+
+
+@pytest.mark.parametrize("breakage,message", [
+    (lambda root: (root / "test" / "part0.json").unlink() or (root / "test" / "part1.json").unlink(),
+     "holds no .json files"),
+    (lambda root: (root / "train" / "part0.json").write_text('{"users": ["a"]}'), "not a LEAF file"),
+    (lambda root: (root / "train" / "part0.json").write_text(
+        json.dumps({"users": ["a"], "user_data": {"a": {"x": [[0.5] * 10], "y": [1]}}})), "square images"),
+    (lambda root: (root / "train" / "part0.json").write_text(
+        json.dumps({"users": ["a"], "user_data": {"a": {"x": [[0.5] * 784], "y": [1, 2]}}})), "as many samples"),
+])
+def test_a_bad_leaf_folder_is_one_clear_error(tmp_path, monkeypatch, breakage, message):
+    monkeypatch.setenv("MESHLEARN_CACHE", str(tmp_path / "cache"))
+    root = _leaf_folder(tmp_path / "leaf")
+    breakage(root)
+    with pytest.raises(DatasetError, match=message):
+        load_leaf(root)

@@ -28,7 +28,7 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, load_dataset, partition
+from meshlearn.data import Dataset, load_dataset, partition_dataset
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
@@ -138,7 +138,7 @@ class BatchedSimulation:
         if config.models_module:
             load_user_module(config.models_module)
         dataset = load_dataset(config.dataset)
-        parts = partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
+        parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
         device = torch.device(config.device)
         torch.manual_seed(config.seed)  # every node starts from this one model, as in the process engine
         model = build_model(config.model, dataset.input_shape, dataset.num_classes).to(device)

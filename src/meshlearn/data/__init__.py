@@ -2,14 +2,14 @@
 
 Names are imported on first use: ``data.specs`` checks a dataset spec without loading torch."""
 
-from meshlearn.data.partition import partition  # eager: the function shares its module's name (numpy only)
+from meshlearn.data.partition import partition, partition_dataset  # eager: partition shares its module's name
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_dataset", "load_digits", "load_idx",
-                                      "load_imagefolder", "make_dataset")},
+                                      "load_imagefolder", "load_leaf", "make_dataset")},
     "ShardLoader": "loader", "loader_seed": "loader", "parse_spec": "specs", "register_dataset": "specs",
 }
-__all__ = sorted(_WHERE) + ["partition"]
+__all__ = sorted(_WHERE) + ["partition", "partition_dataset"]
 
 __getattr__ = lazy_exports(__name__, _WHERE)

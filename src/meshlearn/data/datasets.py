@@ -36,6 +36,7 @@ class Dataset:
     class_names: tuple[str, ...]
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    train_groups: torch.Tensor | None = None  # per training sample, its writer (LEAF): partition "writers"
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -121,22 +122,27 @@ ARRAYS = ("train_x", "train_y", "test_x", "test_y")
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[str]]  # + class names
 
 
-def _cached(kind: str, key: str, build: Callable[[], Arrays], classes: list[str] | None = None) -> Dataset:
+def _cached(kind: str, key: str, build: Callable[[], Arrays], classes: list[str] | None = None,
+            extras: tuple[str, ...] = ()) -> Dataset:
     """The dataset ``build`` decodes, kept on disk as .npy files (with its class names and channel
     statistics) under the cache and memory-mapped: decoded once per machine, and every process
     of it reads the same pages instead of holding its own copy. ``key`` names the source's version;
-    ``classes``, where the caller knows them, name the classes of a cache that did not record them."""
+    ``classes``, where the caller knows them, name the classes of a cache that did not record them;
+    ``extras`` name more arrays ``build`` returns after the four, Dataset fields (``train_groups``)."""
+    names = ARRAYS + extras
     cache = _cache_root() / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     meta_path = cache / "meta.json"
-    if not all((cache / f"{n}.npy").is_file() for n in ARRAYS):
+    if not all((cache / f"{n}.npy").is_file() for n in names):
         *arrays, built_classes = build()
         cache.mkdir(parents=True, exist_ok=True)
-        for name, array in zip(ARRAYS, arrays):
+        for name, array in zip(names, arrays):
             tmp = cache / f"{name}.{os.getpid()}.tmp.npy"
             np.save(tmp, array)
             tmp.replace(cache / f"{name}.npy")
         _write_json(meta_path, {"classes": list(built_classes)})
-    arrays = [np.load(cache / f"{n}.npy", mmap_mode="r") for n in ARRAYS]
+    arrays = [np.load(cache / f"{n}.npy", mmap_mode="r") for n in names]
+    more = {name: torch.from_numpy(np.array(array)) for name, array in zip(extras, arrays[len(ARRAYS):])}  # small
+    arrays = arrays[:len(ARRAYS)]
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
@@ -148,7 +154,8 @@ def _cached(kind: str, key: str, build: Callable[[], Arrays], classes: list[str]
     else:  # computed once, then read by every process (computing them touches 10,000 samples)
         stats = _channel_stats(arrays[0])
         _write_json(meta_path, {"classes": list(classes), "mean": list(stats[0]), "std": list(stats[1])})
-    return _make(kind, *arrays, classes, stats)
+    dataset = _make(kind, *arrays, classes, stats)
+    return Dataset(**{**dataset.__dict__, **more}) if more else dataset
 
 
 def _write_json(path: Path, value: dict) -> None:
@@ -240,6 +247,74 @@ def load_idx(path: str | Path, name: str = "fashion-mnist") -> Dataset:
 
     dataset = _cached("idx", _file_key(*files.values()), build)
     return Dataset(**{**dataset.__dict__, "name": name})
+
+
+# --- LEAF (FEMNIST and its kin): per-writer JSON -----------------------------------------------
+
+MAX_LEAF_FILE = 2 * 1024 ** 3  # bytes of one LEAF JSON file (FEMNIST's are about 100 MB)
+
+
+def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Every writer's samples (x, y) in ``folder``'s LEAF JSON files, in file and writer order."""
+    files = sorted(folder.glob("*.json"))
+    if not files:
+        raise DatasetError(f"{folder} holds no .json files: give a LEAF folder with train/ and test/ of LEAF JSON")
+    xs, ys, writers = [], [], []
+    for path in files:
+        if path.stat().st_size > MAX_LEAF_FILE:
+            raise DatasetError(f"{path} is larger than {MAX_LEAF_FILE} bytes: not a LEAF file")
+        try:
+            data = json.loads(path.read_text())
+            users, user_data = data["users"], data["user_data"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DatasetError(f"{path} is not a LEAF file (JSON with users and user_data): {exc}") from None
+        for user in users:
+            record = user_data.get(user) if isinstance(user_data, dict) else None
+            try:
+                x = np.asarray(record["x"], dtype=np.float32)
+                y = np.asarray(record["y"], dtype=np.int64)
+            except (KeyError, TypeError, ValueError):
+                raise DatasetError(f"{path}: writer {user!r} has no numeric x and y lists") from None
+            if x.ndim != 2 or y.ndim != 1 or len(x) != len(y) or not len(y):
+                raise DatasetError(f"{path}: writer {user!r} needs as many samples (x, flat pixel lists of one "
+                                   f"length) as labels (y); got x {list(x.shape)}, y {list(y.shape)}")
+            xs.append(x)
+            ys.append(y)
+            writers.append(str(user))
+    return xs, ys, writers
+
+
+def load_leaf(path: str | Path) -> Dataset:
+    """A LEAF dataset (FEMNIST's per-writer JSON: ``train/*.json``, ``test/*.json``, each with
+    ``users`` and ``user_data: {user: {x: [[pixels]], y: [labels]}}``), square grey images of
+    pixels in 0..1, decoded once into the cache; ``train_groups`` says each training sample's
+    writer, for the ``writers`` partition."""
+    root = Path(path)
+    require_path(root, "leaf")
+    folders = [root / "train", root / "test"]
+    for folder in folders:
+        if not folder.is_dir():
+            raise DatasetError(f"{root} has no {folder.name}/ folder: give a LEAF folder with train/ and test/")
+
+    def build():
+        (train_x, train_y, writers), (test_x, test_y, _) = (_read_leaf_split(f) for f in folders)
+        width = {x.shape[1] for x in train_x + test_x}
+        side = int(round(next(iter(width)) ** 0.5))
+        if len(width) != 1 or side * side != next(iter(width)):
+            raise DatasetError(f"{root}: samples must be square images of one size; their lengths are {sorted(width)}")
+        def to_images(parts: list[np.ndarray]) -> np.ndarray:
+            pixels = np.clip(np.rint(np.concatenate(parts) * 255), 0, 255).astype(np.uint8)
+            return pixels.reshape(-1, 1, side, side)
+
+        labels = np.concatenate(train_y + test_y)
+        if labels.min() < 0:
+            raise DatasetError(f"{root}: labels must be 0 or more")
+        groups = np.concatenate([np.full(len(y), i, dtype=np.int64) for i, y in enumerate(train_y)])
+        classes = [str(c) for c in range(int(labels.max()) + 1)]
+        return to_images(train_x), np.concatenate(train_y), to_images(test_x), np.concatenate(test_y), groups, classes
+
+    key = _file_key(*sorted(root.glob("train/*.json")), *sorted(root.glob("test/*.json")))
+    return _cached("leaf", key, build, extras=("train_groups",))
 
 
 # --- CIFAR-10 ---------------------------------------------------------------------------------
@@ -430,6 +505,8 @@ def load_dataset(spec: str) -> Dataset:
         dataset = load_digits()
     elif kind in ("fashion-mnist", "mnist"):
         dataset = load_idx(path, kind)
+    elif kind == "leaf":
+        dataset = load_leaf(path)
     elif kind == "cifar10":
         dataset = load_cifar10(path)
     else:

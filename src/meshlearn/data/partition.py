@@ -8,7 +8,7 @@ import numpy as np
 
 from meshlearn.errors import DatasetError
 
-SPECS = "iid, shards:K, kshard:K, dirichlet:ALPHA"
+SPECS = "iid, shards:K, kshard:K, dirichlet:ALPHA, writers"
 
 
 def _iid(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -66,9 +66,20 @@ def _dirichlet(labels: np.ndarray, n_parts: int, alpha: float, rng: np.random.Ge
     raise DatasetError(f"dirichlet:{alpha} left a node without samples in 100 draws; use a larger ALPHA")
 
 
-def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np.ndarray]:
+def _writers(groups: np.ndarray, n_parts: int) -> list[np.ndarray]:
+    """LEAF's natural split (DecentralizePy's FEMNIST): the writers, in their files' order, cut into
+    ``n_parts`` contiguous blocks; a node holds every sample of its writers."""
+    writers = np.unique(groups)
+    if len(writers) < n_parts:
+        raise DatasetError(f"partition writers: {len(writers)} writers cannot be shared by {n_parts} nodes; "
+                           "use fewer nodes")
+    return [np.flatnonzero(np.isin(groups, block)) for block in np.array_split(writers, n_parts)]
+
+
+def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int, groups=None) -> list[np.ndarray]:
     """Disjoint index arrays (sorted), one per node, covering every sample (but for ``kshard``'s
-    leftovers); same seed, same split."""
+    leftovers); same seed, same split. ``groups`` (a dataset's ``train_groups``: each sample's
+    writer) serve the ``writers`` partition."""
     labels = np.asarray(labels)
     if n_parts < 1 or n_parts > len(labels):
         raise DatasetError(f"cannot split {len(labels)} samples among {n_parts} nodes")
@@ -87,6 +98,10 @@ def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np
             if k < 1:
                 raise ValueError
             parts = _kshard(labels, n_parts, k, seed)
+        elif name == "writers" and not arg:
+            if groups is None:
+                raise DatasetError("partition writers needs a dataset of writers (leaf:DIR); this one has none")
+            parts = _writers(np.asarray(groups), n_parts)
         elif name == "dirichlet" and arg:
             alpha = float(arg)
             if not alpha > 0:
@@ -97,3 +112,9 @@ def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int) -> list[np
     except ValueError:
         raise DatasetError(f"partition {spec!r}: K must be a whole number >= 1 and ALPHA a number > 0") from None
     return [np.sort(p).astype(np.int64) for p in parts]
+
+
+def partition_dataset(dataset, n_parts: int, spec: str, seed: int) -> list[np.ndarray]:
+    """``partition`` of a Dataset's training samples (with its writers, where it has them)."""
+    groups = getattr(dataset, "train_groups", None)
+    return partition(dataset.train_y.numpy(), n_parts, spec, seed, None if groups is None else groups.numpy())

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load as load_safetensors
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.data import Dataset, load_dataset, partition
+from meshlearn.data import Dataset, load_dataset, partition_dataset
 from meshlearn.errors import (
     NetworkError,
     RemoteError,
@@ -164,7 +164,7 @@ class Requester:
     def _write_shares(self, share: FileShare, dataset, count: int, folder: Path) -> None:
         """Each provider's shard and the test set, written into ``folder`` and offered by ``share``."""
         req = self.request
-        parts = partition(dataset.train_y.numpy(), count, req.partition, req.seed)
+        parts = partition_dataset(dataset, count, req.partition, req.seed)
         for i, indices in enumerate(parts):
             path = folder / f"shard-{i}.safetensors"
             write_shard(path, dataset.train_x[indices], dataset.train_y[indices])

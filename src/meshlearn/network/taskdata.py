@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from meshlearn.data import Dataset, load_dataset, partition
+from meshlearn.data import Dataset, load_dataset, partition_dataset
 from meshlearn.errors import BadMessage
 from meshlearn.network.datashare import dataset_from_shards, download, read_shard
 from meshlearn.network.task import TaskSpec
@@ -31,7 +31,7 @@ def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender
         return dataset, list(range(len(dataset.train_y)))
     if mode == "local":
         dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root))
-        parts = partition(dataset.train_y.numpy(), len(spec.peers), spec.partition, spec.seed)
+        parts = partition_dataset(dataset, len(spec.peers), spec.partition, spec.seed)
         return dataset, parts[index]
     raise BadMessage(f"data mode {mode!r} is not served or local")
 

@@ -8,7 +8,7 @@ import torch
 
 from meshlearn.algorithms import algorithm_class
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import load_dataset, partition
+from meshlearn.data import load_dataset, partition_dataset
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -72,7 +72,7 @@ def build_node(
     if config.models_module:
         load_user_module(config.models_module)
     dataset = load_dataset(config.dataset)
-    parts = partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
+    parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
     log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl") if log_dir is not None else None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import load_dataset, partition
+from meshlearn.data import load_dataset, partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.sim.checks import check_before_start
@@ -79,7 +79,7 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     check_device(config.device)
     say(f"loading dataset {config.dataset}")
     dataset = load_dataset(config.dataset)
-    partition(dataset.train_y.numpy(), config.nodes, config.partition, config.seed)
+    partition_dataset(dataset, config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
     output = Path(config.output) if config.output else default_output()
     output.mkdir(parents=True, exist_ok=True)
