@@ -94,6 +94,9 @@ class ExperimentConfig(Settings):
     test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
     eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
     eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    validation: float = Field(0.0, ge=0, lt=1, description="share of the test set held out as a validation set "
+                              "(seeded, the same for every node): every evaluation also reports validation loss "
+                              "and accuracy, and test metrics use the rest (0 = none)")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
     host: str = Field("127.0.0.1", description="address nodes listen on")
     base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")

@@ -28,7 +28,7 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, load_dataset, partition_dataset
+from meshlearn.data import Dataset, load_dataset, partition_dataset, split_validation
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
@@ -137,7 +137,7 @@ class BatchedSimulation:
         collective = Collective(shard)
         if config.models_module:
             load_user_module(config.models_module)
-        dataset = load_dataset(config.dataset)
+        dataset, validation = split_validation(load_dataset(config.dataset), config.validation, config.seed)
         parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
         device = torch.device(config.device)
         torch.manual_seed(config.seed)  # every node starts from this one model, as in the process engine
@@ -163,7 +163,8 @@ class BatchedSimulation:
             raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
                               "ordered in modelled time), not under torchrun: start it without torchrun")
         return _Run(
-            config=config, shard=shard, collective=collective, dataset=dataset, stacked=stacked, models=models,
+            config=config, shard=shard, collective=collective, dataset=dataset, validation=validation, stacked=stacked,
+            models=models,
             sgd=make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay),
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
@@ -191,12 +192,13 @@ class BatchedSimulation:
             evaluation = consensus = None
             if run.evaluates_after(done):
                 evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
+                validation = collective.gather(_evaluations(run, on=run.validation)) if run.validation else None
                 consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
             if run.log is not None:
                 columns["train_loss"] = train_loss
                 run.write_iteration(iteration, _lists(columns))
                 if evaluation:
-                    run.write_evaluation(done, evaluation, clocks.now, consensus)
+                    run.write_evaluation(done, evaluation, clocks.now, consensus, validation)
             if self.progress is not None:
                 self.progress(done)
         return evaluation
@@ -210,6 +212,7 @@ class _Run:
     shard: Shard
     collective: Collective
     dataset: Dataset
+    validation: Dataset | None
     stacked: StackedState
     models: NodeModels
     sgd: Any  # StackedSGD, or a torch.optim optimizer over the rows (optim.make_optimizer)
@@ -234,12 +237,14 @@ class _Run:
         self.log.write(columnar_event("iteration", self.ranks, columns, iteration=iteration,
                                       wall=time.perf_counter() - self.began))  # real seconds, for benchmarks
 
-    def write_evaluation(self, done: int, evaluation: list[tuple[int, Evaluation]], times, consensus: float) -> None:
+    def write_evaluation(self, done: int, evaluation: list[tuple[int, Evaluation]], times, consensus: float,
+                         validation: list[tuple[int, Evaluation]] | None = None) -> None:
         tested = [rank for rank, _ in evaluation]
-        self.log.write(columnar_event("eval", tested, {"t": [float(times[r]) for r in tested],
-                                                       "test_loss": [e.loss for _, e in evaluation],
-                                                       "test_acc": [e.accuracy for _, e in evaluation]},
-                                      iteration=done, consensus=consensus))
+        columns = {"t": [float(times[r]) for r in tested], "test_loss": [e.loss for _, e in evaluation],
+                   "test_acc": [e.accuracy for _, e in evaluation]}
+        if validation:
+            columns.update(val_loss=[e.loss for _, e in validation], val_acc=[e.accuracy for _, e in validation])
+        self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus))
 
 
 class _Asynchronous:
@@ -286,9 +291,10 @@ class _Asynchronous:
         rows = self.snapshots.pop(iteration, None)
         if rows is not None:
             evaluation = _evaluations(run, rows=rows)
+            validation = _evaluations(run, rows=rows, on=run.validation) if run.validation else None
             consensus = consensus_distance(run.stacked.consensus_sums(rows))
             if run.log is not None:
-                run.write_evaluation(done, evaluation, columns["t"], consensus)
+                run.write_evaluation(done, evaluation, columns["t"], consensus, validation)
         if self.progress is not None:
             self.progress(done)
 
@@ -304,13 +310,14 @@ def _batches_per_epoch(parts: list[np.ndarray], batch_size: int) -> int:
     return counts[0]
 
 
-def _evaluations(run: _Run, full: bool = False, rows: torch.Tensor | None = None) -> list[tuple[int, Evaluation]]:
+def _evaluations(run: _Run, full: bool = False, rows: torch.Tensor | None = None,
+                 on: Dataset | None = None) -> list[tuple[int, Evaluation]]:
     """(rank, evaluation) of this process's evaluating nodes, of their current models or of
     ``rows`` (a snapshot of this process's rows)."""
     first = run.shard.start
     local = [rank - first for rank in run.evaluating]
     chosen = None if rows is None else rows[torch.tensor(local, dtype=torch.int64, device=rows.device)]
-    results = evaluate_nodes(run.models, local, run.dataset, run.config.eval_samples, full, chosen)
+    results = evaluate_nodes(run.models, local, on or run.dataset, run.config.eval_samples, full, chosen)
     return [(rank, results[rank - first]) for rank in run.evaluating]
 
 

@@ -116,6 +116,25 @@ def _make(name, train_x, train_y, test_x, test_y, class_names, stats=None) -> Da
     )
 
 
+VALIDATION_SALT = 0x7A1
+
+
+def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Dataset, Dataset | None]:
+    """The dataset with a seeded ``fraction`` of its test set held out, and a dataset whose test
+    set is that held-out part (None when ``fraction`` is 0): the same split on every node
+    (DecentralizePy's ``validation_source = Test``)."""
+    if not fraction:
+        return dataset, None
+    order = np.random.default_rng([seed, VALIDATION_SALT]).permutation(len(dataset.test_y))
+    count = int(round(fraction * len(order)))
+    if not 0 < count < len(order):
+        raise DatasetError(f"validation {fraction:g} of {len(order)} test samples leaves none on one side; "
+                           "choose another share")
+    held, rest = (torch.from_numpy(np.sort(part)) for part in (order[:count], order[count:]))
+    test = Dataset(**{**dataset.__dict__, "test_x": dataset.test_x[rest], "test_y": dataset.test_y[rest]})
+    return test, Dataset(**{**dataset.__dict__, "test_x": dataset.test_x[held], "test_y": dataset.test_y[held]})
+
+
 # --- the decode cache: one uint8 copy per machine -------------------------------------------
 
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")

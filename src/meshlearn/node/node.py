@@ -11,7 +11,7 @@ from torch import nn
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.attacks.forge import LabelFlip, make_attack
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, ShardLoader, loader_seed
+from meshlearn.data import Dataset, ShardLoader, loader_seed, split_validation
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer
@@ -46,7 +46,7 @@ class Node:
         self.rank = rank
         self.config = config
         self.graph = graph
-        self.dataset = dataset
+        self.dataset, self.validation = split_validation(dataset, config.validation, config.seed)
         self.device = torch.device(config.device)
         self.model = model.to(self.device)
         self.flat = FlatState(self.model)
@@ -106,6 +106,13 @@ class Node:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
         return evaluate_model(self.model, self.dataset, self.device, self.config.eval_samples, full)
 
+    def validate(self) -> dict[str, float]:
+        """Loss and accuracy on the validation set, as an eval event's fields (none without one)."""
+        if self.validation is None:
+            return {}
+        result = evaluate_model(self.model, self.validation, self.device, self.config.eval_samples)
+        return {"val_loss": result.loss, "val_acc": result.accuracy}
+
     def _write(self, event: dict) -> None:
         if self.log is not None:
             self.log.write(event)
@@ -146,7 +153,7 @@ class Node:
                     record["eval"] = time.perf_counter() - t2
                     self._write({
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
-                        "test_loss": last.loss, "test_acc": last.accuracy,
+                        "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(),
                     })
                     record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks
                 record["t"] = time.perf_counter() - start

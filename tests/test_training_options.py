@@ -1,4 +1,4 @@
-"""Any elementwise torch.optim optimizer by name, on one node's flat row or every node's rows."""
+"""Training options: any elementwise torch.optim optimizer by name, full epochs, a validation split."""
 
 import pytest
 import torch
@@ -74,3 +74,37 @@ def test_full_epochs_on_the_batched_engine_need_shards_of_as_many_batches(tmp_pa
                           "step_time": 0.001})  # 179 or 180 samples: 1 or 2 batches
     with pytest.raises(ConfigError, match="these make 1 to 2: use the process engine"):
         BatchedSimulation(config, build_topology(config.topology, 8, config.seed), tmp_path).run()
+
+
+def test_a_validation_split_is_seeded_disjoint_and_the_same_everywhere():
+    from meshlearn.data import load_digits, split_validation
+
+    data = load_digits()
+    test, validation = split_validation(data, 0.25, seed=3)
+    again, _ = split_validation(data, 0.25, seed=3)
+    assert len(validation.test_y) == round(0.25 * len(data.test_y)) and torch.equal(again.test_x, test.test_x)
+    rows = {tuple(x.flatten().tolist()) for x in torch.cat([test.test_x, validation.test_x])}
+    assert len(test.test_y) + len(validation.test_y) == len(data.test_y) == len(rows)  # disjoint, nothing lost
+    assert torch.equal(test.train_x, data.train_x)  # training data untouched
+    assert split_validation(data, 0, seed=3) == (data, None)
+
+
+def test_both_engines_report_the_same_validation_accuracy(tmp_path):
+    import json
+
+    from meshlearn.sim import simulate
+
+    summaries = {}
+    for engine in ("process", "batched"):
+        config = make_config({"engine": engine, "nodes": 3, "topology": "ring", "dataset": "digits", "iterations": 10,
+                              "test_after": 5, "validation": 0.5, "step_time": 0.001,
+                              "output": str(tmp_path / engine)})
+        simulate(config, progress=False)
+        summaries[engine] = (tmp_path / engine / "summary.csv").read_text().splitlines()
+        assert json.loads((tmp_path / engine / "summary.json").read_text())["final"]["accuracy"] > 0
+    header = summaries["process"][0].split(",")
+    assert "val_acc_mean" in header and "val_loss_mean" in header
+    for engine in summaries:
+        rows = [dict(zip(summaries[engine][0].split(","), line.split(","))) for line in summaries[engine][1:]]
+        summaries[engine] = [(r["iteration"], round(float(r["val_acc_mean"]), 6)) for r in rows]
+    assert summaries["process"] == summaries["batched"] and len(summaries["process"]) == 2
