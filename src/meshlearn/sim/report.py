@@ -386,9 +386,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         lines.append(f"iteration (median)  {times['total']['median'] * 1000:.1f} ms  [{split} ms]"
                      + (f"; an evaluation {times['eval']['median'] * 1000:.1f} ms" if "eval" in times else "")
                      + ("  (modelled)" if modelled else ""))
+    per_iteration = summary.get("bytes_per_iteration", math.nan) / 1e3
     lines += [
-        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent ({summary.get('bytes_per_iteration', math.nan) / 1e3:.1f} kB "
-        f"per node per iteration), {summary['bytes_received'] / 1e6:.1f} MB received",
+        f"traffic             {summary['bytes_sent'] / 1e6:.1f} MB sent ({per_iteration:.1f} kB per node per "
+        f"iteration), {summary['bytes_received'] / 1e6:.1f} MB received",
         f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
     ]
     if modelled:
