@@ -89,7 +89,7 @@ def test_a_validation_split_is_seeded_disjoint_and_the_same_everywhere():
     assert split_validation(data, 0, seed=3) == (data, None)
 
 
-def test_both_engines_report_the_same_validation_accuracy(tmp_path):
+def test_both_engines_report_the_same_validation_and_training_shard_accuracy(tmp_path):
     import json
 
     from meshlearn.sim import simulate
@@ -97,14 +97,15 @@ def test_both_engines_report_the_same_validation_accuracy(tmp_path):
     summaries = {}
     for engine in ("process", "batched"):
         config = make_config({"engine": engine, "nodes": 3, "topology": "ring", "dataset": "digits", "iterations": 10,
-                              "test_after": 5, "validation": 0.5, "step_time": 0.001,
+                              "test_after": 5, "validation": 0.5, "train_evaluate": True, "step_time": 0.001,
                               "output": str(tmp_path / engine)})
         simulate(config, progress=False)
         summaries[engine] = (tmp_path / engine / "summary.csv").read_text().splitlines()
         assert json.loads((tmp_path / engine / "summary.json").read_text())["final"]["accuracy"] > 0
     header = summaries["process"][0].split(",")
-    assert "val_acc_mean" in header and "val_loss_mean" in header
+    assert {"val_acc_mean", "val_loss_mean", "shard_acc_mean", "shard_loss_mean"} <= set(header)
     for engine in summaries:
         rows = [dict(zip(summaries[engine][0].split(","), line.split(","))) for line in summaries[engine][1:]]
-        summaries[engine] = [(r["iteration"], round(float(r["val_acc_mean"]), 6)) for r in rows]
+        summaries[engine] = [(r["iteration"], round(float(r["val_acc_mean"]), 6), round(float(r["shard_acc_mean"]), 6),
+                              round(float(r["shard_loss_mean"]), 5)) for r in rows]
     assert summaries["process"] == summaries["batched"] and len(summaries["process"]) == 2

@@ -28,7 +28,7 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, load_dataset, partition_dataset, split_validation
+from meshlearn.data import Dataset, load_dataset, partition_dataset, shard_as_test_set, split_validation
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
@@ -163,7 +163,8 @@ class BatchedSimulation:
             raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
                               "ordered in modelled time), not under torchrun: start it without torchrun")
         return _Run(
-            config=config, shard=shard, collective=collective, dataset=dataset, validation=validation, stacked=stacked,
+            config=config, shard=shard, collective=collective, dataset=dataset, validation=validation,
+            shards=parts[shard.start:shard.stop], stacked=stacked,
             models=models,
             sgd=make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay),
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
@@ -193,12 +194,13 @@ class BatchedSimulation:
             if run.evaluates_after(done):
                 evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
                 validation = collective.gather(_evaluations(run, on=run.validation)) if run.validation else None
+                on_shards = collective.gather(_shard_evaluations(run)) if config.train_evaluate else None
                 consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
             if run.log is not None:
                 columns["train_loss"] = train_loss
                 run.write_iteration(iteration, _lists(columns))
                 if evaluation:
-                    run.write_evaluation(done, evaluation, clocks.now, consensus, validation)
+                    run.write_evaluation(done, evaluation, clocks.now, consensus, validation, on_shards)
             if self.progress is not None:
                 self.progress(done)
         return evaluation
@@ -213,6 +215,7 @@ class _Run:
     collective: Collective
     dataset: Dataset
     validation: Dataset | None
+    shards: list[np.ndarray]  # this process's nodes' training samples
     stacked: StackedState
     models: NodeModels
     sgd: Any  # StackedSGD, or a torch.optim optimizer over the rows (optim.make_optimizer)
@@ -238,12 +241,15 @@ class _Run:
                                       wall=time.perf_counter() - self.began))  # real seconds, for benchmarks
 
     def write_evaluation(self, done: int, evaluation: list[tuple[int, Evaluation]], times, consensus: float,
-                         validation: list[tuple[int, Evaluation]] | None = None) -> None:
+                         validation: list[tuple[int, Evaluation]] | None = None,
+                         on_shards: list[tuple[int, Evaluation]] | None = None) -> None:
         tested = [rank for rank, _ in evaluation]
         columns = {"t": [float(times[r]) for r in tested], "test_loss": [e.loss for _, e in evaluation],
                    "test_acc": [e.accuracy for _, e in evaluation]}
         if validation:
             columns.update(val_loss=[e.loss for _, e in validation], val_acc=[e.accuracy for _, e in validation])
+        if on_shards:
+            columns.update(shard_loss=[e.loss for _, e in on_shards], shard_acc=[e.accuracy for _, e in on_shards])
         self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus))
 
 
@@ -292,11 +298,24 @@ class _Asynchronous:
         if rows is not None:
             evaluation = _evaluations(run, rows=rows)
             validation = _evaluations(run, rows=rows, on=run.validation) if run.validation else None
+            on_shards = _shard_evaluations(run, rows) if run.config.train_evaluate else None
             consensus = consensus_distance(run.stacked.consensus_sums(rows))
             if run.log is not None:
-                run.write_evaluation(done, evaluation, columns["t"], consensus, validation)
+                run.write_evaluation(done, evaluation, columns["t"], consensus, validation, on_shards)
         if self.progress is not None:
             self.progress(done)
+
+
+def _shard_evaluations(run: _Run, rows: torch.Tensor | None = None) -> list[tuple[int, Evaluation]]:
+    """(rank, evaluation) of this process's evaluating nodes over their own training shards (one
+    node at a time: each has its own data), of their current models or of ``rows``."""
+    first, out = run.shard.start, []
+    for rank in run.evaluating:
+        local = rank - first
+        own = shard_as_test_set(run.dataset, run.shards[local])
+        chosen = None if rows is None else rows[local:local + 1]
+        out.append((rank, evaluate_nodes(run.models, [local], own, 0, False, chosen)[local]))
+    return out
 
 
 def _batches_per_epoch(parts: list[np.ndarray], batch_size: int) -> int:

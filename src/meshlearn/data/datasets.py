@@ -135,6 +135,13 @@ def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Data
     return test, Dataset(**{**dataset.__dict__, "test_x": dataset.test_x[held], "test_y": dataset.test_y[held]})
 
 
+def shard_as_test_set(dataset: Dataset, indices) -> Dataset:
+    """The dataset whose test set is the training samples ``indices`` (a node's shard), to measure
+    a model's loss over its own training data (``train_evaluate``)."""
+    chosen = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+    return Dataset(**{**dataset.__dict__, "test_x": dataset.train_x[chosen], "test_y": dataset.train_y[chosen]})
+
+
 # --- the decode cache: one uint8 copy per machine -------------------------------------------
 
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")

@@ -11,7 +11,7 @@ from torch import nn
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.attacks.forge import LabelFlip, make_attack
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, ShardLoader, loader_seed, split_validation
+from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer
@@ -47,6 +47,7 @@ class Node:
         self.config = config
         self.graph = graph
         self.dataset, self.validation = split_validation(dataset, config.validation, config.seed)
+        self._shard_set: Dataset | None = None  # its shard as a test set, built at its first use
         self.device = torch.device(config.device)
         self.model = model.to(self.device)
         self.flat = FlatState(self.model)
@@ -113,6 +114,16 @@ class Node:
         result = evaluate_model(self.model, self.validation, self.device, self.config.eval_samples)
         return {"val_loss": result.loss, "val_acc": result.accuracy}
 
+    def evaluate_shard(self) -> dict[str, float]:
+        """Loss and accuracy over the node's whole training shard, as an eval event's fields (none
+        unless ``train_evaluate``)."""
+        if not self.config.train_evaluate:
+            return {}
+        if self._shard_set is None:
+            self._shard_set = shard_as_test_set(self.dataset, self.loader.indices)
+        result = evaluate_model(self.model, self._shard_set, self.device)
+        return {"shard_loss": result.loss, "shard_acc": result.accuracy}
+
     def _write(self, event: dict) -> None:
         if self.log is not None:
             self.log.write(event)
@@ -153,7 +164,7 @@ class Node:
                     record["eval"] = time.perf_counter() - t2
                     self._write({
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
-                        "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(),
+                        "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(), **self.evaluate_shard(),
                     })
                     record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks
                 record["t"] = time.perf_counter() - start

@@ -1,8 +1,15 @@
 """Sharing schemes: what a node sends of its model (all of it, a random or top-k share, a
-quantized copy, or CHOCO-SGD's compressed differences), one file each, behind ``Sharing``."""
+quantized copy, or CHOCO-SGD's compressed differences), one file each, behind ``Sharing``.
 
-from meshlearn.sharing.base import SHARINGS, Shared, Sharing, make_sharing, register_sharing
-from meshlearn.sharing.spec import SHARING_HELP, SharingSpec, parse_sharing
+Names are imported on first use, so reading settings (``spec``) does not load torch.
+"""
 
-__all__ = ["SHARINGS", "SHARING_HELP", "Shared", "Sharing", "SharingSpec", "make_sharing", "parse_sharing",
-           "register_sharing"]
+from meshlearn.lazy import lazy_exports
+
+_WHERE = {
+    "SHARINGS": "base", "Shared": "base", "Sharing": "base", "make_sharing": "base", "register_sharing": "base",
+    "SHARING_HELP": "spec", "SharingSpec": "spec", "parse_sharing": "spec",
+}
+__all__ = sorted(_WHERE)
+
+__getattr__ = lazy_exports(__name__, _WHERE)

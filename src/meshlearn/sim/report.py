@@ -81,9 +81,10 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
     }
     if group and all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
         row["consensus_distance"] = group[0]["consensus"]
-    if group and all("val_acc" in e for e in group):  # a validation split (validation: SHARE)
-        row["val_acc_mean"], row["val_acc_std"] = _mean_std([e["val_acc"] for e in group])
-        row["val_loss_mean"] = _mean_std([e["val_loss"] for e in group])[0]
+    for prefix in ("val", "shard"):  # a validation split (validation: SHARE); train_evaluate
+        if group and all(f"{prefix}_acc" in e for e in group):
+            row[f"{prefix}_acc_mean"], row[f"{prefix}_acc_std"] = _mean_std([e[f"{prefix}_acc"] for e in group])
+            row[f"{prefix}_loss_mean"] = _mean_std([e[f"{prefix}_loss"] for e in group])[0]
     if bad is not None:
         row["attackers_acc_mean"] = _mean_std([e["test_acc"] for e in bad])[0]
     return row
