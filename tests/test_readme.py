@@ -18,6 +18,11 @@ DOCS = [ROOT / "README.md", ROOT / "docs" / "extending.md"]
 
 # The first line of each block that is not run here, and why.
 NOT_RUN = {
+    "meshlearn simulate --nodes 8 --dataset digits --sharing topk:0.1":
+        "the experiment file takes 5 minutes; test_sharing runs every scheme on digits (batched engine) and asserts "
+        "bytes and accuracy, and test_batched runs each on the process engine",
+    "meshlearn simulate --nodes 16 --topology regular:3 --peer-sampling graph":
+        "16 node processes; test_sampling runs both modes on digits and test_batched on the process engine",
     "python3 -m pip install torch==2.13.0 -e . && python3 -m meshlearn demo":
         "installs the package and runs this suite (CI runs exactly this); the demo: test_the_demo_runs (slow)",
     "meshlearn simulate --nodes 16 --topology regular:3 --dataset cifar10:PATH --model lenet \\":

@@ -173,12 +173,11 @@ class ExperimentConfig(Settings):
     def _sharing_fits(self) -> "ExperimentConfig":
         if self.sharing == "full":
             return self
-        for problem, fix in [(self.algorithm not in ("dpsgd", "local"), f"algorithm dpsgd (not {self.algorithm})"),
-                             (self.transport != "tcp", "transport tcp (a lost UDP chunk would garble a share)"),
-                             (self.aggregation != "mean", "aggregation mean (robust rules need whole models)"),
-                             (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")]:
-            if problem:
-                raise ValueError(f"sharing {self.sharing} needs {fix}; or use sharing full")
+        _require(f"sharing {self.sharing}", "sharing full", [
+            (self.algorithm not in ("dpsgd", "local"), f"algorithm dpsgd (not {self.algorithm})"),
+            (self.transport != "tcp", "transport tcp (a lost UDP chunk would garble a share)"),
+            (self.aggregation != "mean", "aggregation mean (robust rules need whole models)"),
+            (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")])
         return self
 
     @field_validator("peer_sampling")
@@ -195,12 +194,10 @@ class ExperimentConfig(Settings):
     def _sampling_fits(self) -> "ExperimentConfig":
         if self.peer_sampling == "off":
             return self
-        for problem, fix in [(self.algorithm != "dpsgd", f"algorithm dpsgd (not {self.algorithm})"),
-                             (self.transport != "tcp", "transport tcp"),
-                             (self.aggregation != "mean", "aggregation mean"),
-                             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full")]:
-            if problem:
-                raise ValueError(f"peer_sampling {self.peer_sampling} needs {fix}; or use peer_sampling off")
+        _require(f"peer_sampling {self.peer_sampling}", "peer_sampling off", [
+            (self.algorithm != "dpsgd", f"algorithm dpsgd (not {self.algorithm})"),
+            (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"), (bool(self.byzantine), "no byzantine nodes"),
+            (self.sharing != "full", "sharing full")])
         return self
 
     @field_validator("byzantine")
@@ -241,12 +238,10 @@ class ExperimentConfig(Settings):
     def _fedavg_fits(self) -> "ExperimentConfig":
         if self.algorithm != "fedavg":
             return self
-        for problem, fix in [(self.transport != "tcp", "transport tcp"),
-                             (self.aggregation != "mean", "aggregation mean"),
-                             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full"),
-                             (self.peer_sampling != "off", "peer_sampling off")]:
-            if problem:
-                raise ValueError(f"algorithm fedavg needs {fix}")
+        _require("algorithm fedavg", "", [
+            (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"),
+            (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full"),
+            (self.peer_sampling != "off", "peer_sampling off")])
         return self
 
     @model_validator(mode="after")
@@ -289,6 +284,14 @@ class ExperimentConfig(Settings):
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (written next to every run's results)."""
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def _require(what: str, otherwise: str, needs: list[tuple[bool, str]]) -> None:
+    """ValueError naming the first thing ``what`` needs that the run lacks (each entry: whether it is
+    lacking, and what it needs), and ``otherwise``, the setting that does without it."""
+    for lacking, need in needs:
+        if lacking:
+            raise ValueError(f"{what} needs {need}" + (f"; or use {otherwise}" if otherwise else ""))
 
 
 def _slowdown_amount(text: str) -> tuple[float, float] | None:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 OPTIMIZERS = {"sgd": "SGD", "adam": "Adam", "adamw": "AdamW", "adamax": "Adamax", "nadam": "NAdam",
               "radam": "RAdam", "rmsprop": "RMSprop", "adagrad": "Adagrad", "adadelta": "Adadelta", "rprop": "Rprop",
               "asgd": "ASGD"}
-OPTIMIZER_HELP = ("sgd (default) | adam | adamw | adamax | nadam | radam | rmsprop | adagrad | adadelta | rprop | "
+OPTIMIZER_HELP = ("sgd | adam | adamw | adamax | nadam | radam | rmsprop | adagrad | adadelta | rprop | "
                   "asgd, optionally with torch.optim arguments: NAME:KEY=VALUE,... (e.g. adam:betas=0.9 0.99,eps=1e-7)")
 _KEY = re.compile(r"[a-z_][a-z0-9_]*")
 

@@ -14,7 +14,7 @@ SHARING_HELP = ("full (the whole model) | subsample:ALPHA (a seeded random ALPHA
                 "indices sent) | topk:ALPHA (the ALPHA share that changed most since the last average, with "
                 "their positions) | quantize:BITS (every value in 1, 2, 4 or 8 bits, stochastic rounding per "
                 "bucket) | choco:ALPHA[:GAMMA] (CHOCO-SGD: top-ALPHA of the change to the public estimate, "
-                "consensus step GAMMA, default 0.5)")
+                "consensus step GAMMA, 0.5 if left out)")
 # name -> (argument names, how many may be left out from the end)
 SCHEMES: dict[str, tuple[tuple[str, ...], int]] = {
     "full": ((), 0), "subsample": (("ALPHA",), 0), "topk": (("ALPHA",), 0), "quantize": (("BITS",), 0),
