@@ -196,8 +196,8 @@ class ExperimentConfig(Settings):
             return self
         _require(f"peer_sampling {self.peer_sampling}", "peer_sampling off", [
             (self.algorithm != "dpsgd", f"algorithm dpsgd (not {self.algorithm})"),
-            (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"), (bool(self.byzantine), "no byzantine nodes"),
-            (self.sharing != "full", "sharing full")])
+            (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"),
+            (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full")])
         return self
 
     @field_validator("byzantine")
