@@ -295,7 +295,7 @@ def _run(command: list[str], folder, timeout: float = 240) -> subprocess.Complet
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
-@pytest.mark.parametrize("net", ["tcp", "udp-lossy"])
+@pytest.mark.parametrize("net", [pytest.param("tcp", marks=pytest.mark.slow), "udp-lossy"])  # lossy UDP: the harder
 def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_path, net):
     flags = ["--engine", "batched", "--nodes", "7", "--topology", "regular:4", "--iterations", "4", "--rounds", "2",
              "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]

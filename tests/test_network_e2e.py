@@ -40,7 +40,8 @@ def network(tmp_path_factory):
         processes.stop_all()
 
 
-@pytest.mark.parametrize("algorithm", ["leader", "dpsgd", "gossip"])
+@pytest.mark.parametrize("algorithm", ["leader", pytest.param("dpsgd", marks=pytest.mark.slow),
+                                       pytest.param("gossip", marks=pytest.mark.slow)])
 def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network, algorithm):
     procs, bootstrap, ids = network
     code, out = _request(procs, f"req-{algorithm}", bootstrap, *TASK, "--algorithm", algorithm,

@@ -83,6 +83,7 @@ def test_every_shell_block_is_run_here_or_says_why_not():
     assert not unclassified, f"classify these README blocks in tests/test_readme.py: {unclassified}"
 
 
+@pytest.mark.slow  # the same workers run in test_gossip (four of them, to 90%)
 def test_the_gossip_workers_run_as_printed_and_learn(tmp_path):
     result = _run_block(_block(RUN_HERE[0]), tmp_path)
     assert result.returncode == 0, result.stdout
