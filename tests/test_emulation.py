@@ -57,6 +57,7 @@ def test_auto_loss_mode(monkeypatch, caplog):
 
 
 @KERNEL
+@pytest.mark.slow  # 25 s; the kernel path's setup and its errors are tested in the default run
 def test_kernel_loss_drops_real_packets_and_tcp_still_delivers_everything(tmp_path):
     base = {"nodes": 4, "topology": "ring", "iterations": 12, "test_after": 6, "seed": 5, "rounds": 1}
     clean = simulate(make_config({**base, "output": str(tmp_path / "clean")}), progress=False)

@@ -181,6 +181,7 @@ def test_a_provider_whose_port_is_taken_picks_another(procs):
         procs.wait_for("late", "registered with")
 
 
+@pytest.mark.slow  # test_cli refuses bad requests before any provider is claimed, in the default run
 def test_request_refuses_bad_input_in_one_line(procs, tmp_path):
     port = free_port()
     for args, text in [(["--bootstrap", "127.0.0.1:70000", "--data", "digits"], "outside 1..65535"),
@@ -198,6 +199,7 @@ def test_request_refuses_bad_input_in_one_line(procs, tmp_path):
         assert text in out and len(out.splitlines()) == 1 and "Traceback" not in out
 
 
+@pytest.mark.slow
 def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partitions_and_seed(network, tmp_path):
     """`meshlearn simulate --algorithm leader` runs CloudMesh's scheme as the providers do: same
     shards, initial model and batch order; asynchrony moves the result by about a point at most."""

@@ -110,6 +110,7 @@ def test_the_custom_model_and_dataset_example_runs_as_printed(tmp_path):
     assert "models_module: examples/my_models.py" in config and "model: tiny-cnn" in config
 
 
+@pytest.mark.slow  # 22 s; test_batched runs the batched engine through simulate in the default run
 def test_the_batched_engine_example_runs_as_printed(tmp_path):
     result = _run_block(_block(RUN_HERE[3]), tmp_path)
     assert result.returncode == 0, result.stdout
