@@ -71,6 +71,10 @@ def test_six_nodes_on_digits_reach_90_percent_and_write_every_result_file(tmp_pa
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [int(r["iteration"]) for r in rows] == [20, 40, 60, 80, 100, 120]
     assert all(int(r["nodes"]) == 6 for r in rows)
+    # accuracy against bytes: what the nodes had sent by each evaluation, counted on their sockets
+    sent = [float(r["mb_sent_mean"]) for r in rows]
+    assert all(0 < a < b for a, b in zip(sent, sent[1:]))
+    assert sent[-1] * 1e6 == pytest.approx(json.loads((out / "summary.json").read_text())["bytes_sent"] / 6)
     for name in ("accuracy.png", "loss.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads((out / "summary.json").read_text())

@@ -119,6 +119,32 @@ def test_comparison_plot_keeps_identical_curves_apart():
         plt.close(fig)
 
 
+def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_them():
+    import matplotlib.pyplot as plt
+
+    from meshlearn.sim.experiment import comparison_figure
+    from meshlearn.sim.report import BYTES_LABEL, TIME_LABEL
+
+    counted = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.01 * i, "mb_sent_mean": 0.5 * i}
+               for i in range(1, 11)]
+    uncounted = [{k: v for k, v in row.items() if k != "mb_sent_mean"} for row in counted]
+    fig = comparison_figure("mini", [("full", counted), ("topk", [dict(r, mb_sent_mean=0.05 * r["iteration"])
+                                                                  for r in counted])])
+    try:
+        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", TIME_LABEL, BYTES_LABEL]
+        full, topk = fig.axes[2].get_lines()
+        assert list(full.get_xdata()) == pytest.approx([0.5 * i for i in range(1, 11)])
+        assert list(topk.get_xdata()) == pytest.approx([0.05 * i for i in range(1, 11)])
+        assert list(topk.get_ydata()) == list(full.get_ydata())
+    finally:
+        plt.close(fig)
+    fig = comparison_figure("mini", [("full", counted), ("torchrun", uncounted)])  # not every run counts bytes
+    try:
+        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", TIME_LABEL]
+    finally:
+        plt.close(fig)
+
+
 def test_quick_on_a_file_without_a_quick_section_is_refused_not_run_at_full_scale(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("runs:\n  - {name: a, nodes: 2}\n")
@@ -127,3 +153,20 @@ def test_quick_on_a_file_without_a_quick_section_is_refused_not_run_at_full_scal
     assert load_experiment(path, quick=False).runs[0][1].nodes == 2
     path.write_text("runs:\n  - {name: a, nodes: 4, quick: {nodes: 2}}\n")  # a run's own quick map counts
     assert load_experiment(path, quick=True).runs[0][1].nodes == 2
+
+
+def test_a_run_repeated_over_seeds_is_drawn_as_one_curve_the_mean_of_its_seeds():
+    from meshlearn.sim.experiment import _seed_curves
+
+    def table(scale, iterations=(10, 20, 30)):
+        return [{"iteration": i, "time_mean": scale * i, "test_acc_mean": scale, "mb_sent_mean": 2 * scale * i}
+                for i in iterations]
+
+    curves = [("full-s1", table(0.5)), ("full-s2", table(0.7, (10, 20))), ("local", table(0.1)),
+              ("topk-s1", table(0.2))]
+    drawn = _seed_curves({"full": ["full-s1", "full-s2"], "topk": ["topk-s1"]}, curves)
+    assert [name for name, _ in drawn] == ["full (mean of 2 seeds)", "local", "topk (mean of 1 seed)"]
+    full = drawn[0][1]
+    assert [r["iteration"] for r in full] == [10, 20]  # the iterations every seed reached
+    assert full[1] == pytest.approx({"iteration": 20, "time_mean": 12.0, "test_acc_mean": 0.6, "mb_sent_mean": 24.0})
+    assert drawn[1][1] == table(0.1)

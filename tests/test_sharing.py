@@ -1,5 +1,6 @@
 """Sharing schemes: what a node sends of its model, what its neighbours read back and average."""
 
+import csv
 import json
 
 import pytest
@@ -158,10 +159,9 @@ def test_a_sharing_that_cannot_be_run_is_one_clear_error(values, message):
 # --- a quick run -----------------------------------------------------------------------------------
 
 
-def test_a_tenth_of_the_model_costs_at_most_015x_the_bytes_and_keeps_the_accuracy(tmp_path):
+def test_quick_digits_runs_of_every_scheme_send_what_they_should_and_keep_the_accuracy(tmp_path):
     summaries = {}
-    # quantize and choco run on both engines in test_batched, and by hand above
-    for scheme in ("full", "topk:0.1", "subsample:0.1"):
+    for scheme in ("full", "topk:0.1", "subsample:0.1", "quantize:8", "choco:0.1"):
         config = make_config({"engine": "batched", "nodes": 8, "dataset": "digits", "iterations": 120, "lr": 0.1,
                               "test_after": 120, "step_time": 0.001, "seed": 1, "sharing": scheme,
                               "output": str(tmp_path / scheme)})
@@ -169,7 +169,12 @@ def test_a_tenth_of_the_model_costs_at_most_015x_the_bytes_and_keeps_the_accurac
         summaries[scheme] = json.loads((tmp_path / scheme / "summary.json").read_text())
     full = summaries["full"]
     assert full["final"]["accuracy"] > 0.9
-    for scheme in ("topk:0.1", "subsample:0.1"):  # positions included (top-k: a bitmap)
+    for scheme in ("topk:0.1", "subsample:0.1", "choco:0.1"):  # positions included (top-k: a bitmap)
         assert summaries[scheme]["bytes_per_iteration"] <= 0.15 * full["bytes_per_iteration"], scheme
+    # 8 bits a value, plus a low end and a step per bucket of 512 values
+    assert summaries["quantize:8"]["bytes_per_iteration"] <= 0.26 * full["bytes_per_iteration"]
     for scheme, summary in summaries.items():
         assert summary["final"]["accuracy"] >= full["final"]["accuracy"] - 0.02, scheme
+        # accuracy against bytes: summary.csv's last row has what each node sent in the run
+        last = list(csv.DictReader((tmp_path / scheme / "summary.csv").open()))[-1]
+        assert float(last["mb_sent_mean"]) * 1e6 == pytest.approx(summary["bytes_sent"] / 8), scheme

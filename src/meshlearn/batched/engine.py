@@ -250,6 +250,8 @@ class _Run:
             columns.update(val_loss=[e.loss for _, e in validation], val_acc=[e.accuracy for _, e in validation])
         if on_shards:
             columns.update(shard_loss=[e.loss for _, e in on_shards], shard_acc=[e.accuracy for _, e in on_shards])
+        if self.shard.count == 1:  # as write_iteration: each process counts its own nodes' traffic
+            columns["bytes_sent"] = [int(self.traffic.counters["bytes_sent"][r]) for r in tested]
         self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus))
 
 

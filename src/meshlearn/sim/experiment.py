@@ -44,6 +44,7 @@ from meshlearn.sim.report import (
     evaluation_table,
     final_summary,
     load_logs,
+    x_axes,
 )
 
 RUN_KEYS = {"name", "quick", "seeds", "batched"}
@@ -177,29 +178,53 @@ def _seed_means(groups: dict[str, list[str]], rows: list[dict[str, Any]]) -> lis
     return means
 
 
+def _seed_curves(groups: dict[str, list[str]], curves: list[tuple[str, list[dict[str, Any]]]]
+                 ) -> list[tuple[str, list[dict[str, Any]]]]:
+    """The curves to draw: a run repeated over seeds as one curve, the mean of its seeds' evaluation
+    tables at the iterations they all have (one curve per seed makes a figure nobody can read)."""
+    tables = dict(curves)
+    member_of = {member: name for name, members in groups.items() for member in members}
+    drawn: list[tuple[str, list[dict[str, Any]]]] = []
+    for name, table in curves:
+        if name not in member_of:
+            drawn.append((name, table))
+        elif name == groups[member_of[name]][0]:
+            members = [{row["iteration"]: row for row in tables[m]} for m in groups[member_of[name]]]
+            shared = sorted(set.intersection(*(set(m) for m in members)))
+            keys = [k for k in ("time_mean", "test_acc_mean", "mb_sent_mean") if all(k in m[i] for m in members
+                                                                                      for i in shared)]
+            seeds = f"{len(members)} seeds" if len(members) > 1 else "1 seed"
+            drawn.append((f"{member_of[name]} (mean of {seeds})",
+                          [{"iteration": i, **{k: statistics.fmean(m[i][k] for m in members) for k in keys}}
+                           for i in shared]))
+    return drawn
+
+
 LINE_STYLES = ("-", "--", ":", "-.")
 MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
 
 
 def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]], time_axis: str = TIME_LABEL):
-    """Mean test accuracy of each run (name, evaluation table) against iteration and against
-    time (labelled ``time_axis``); every run gets its own line style and (hollow) marker, so identical curves
-    stay visible. The caller saves and closes the matplotlib Figure."""
+    """Mean test accuracy of each run (name, evaluation table) against iteration, against time
+    (labelled ``time_axis``) and, where every run counts them, against the bytes each node sent
+    (accuracy for the traffic); every run gets its own line style and (hollow) marker, so identical
+    curves stay visible. The caller saves and closes the matplotlib Figure."""
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    axes_keys = x_axes([table for _, table in curves], time_axis)
+    fig, axes = plt.subplots(1, len(axes_keys), figsize=(6 * len(axes_keys), 4.5))
     for index, (name, table) in enumerate(curves):
         every = max(1, len(table) // 12)  # about 12 hollow markers a curve, staggered between runs
         style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "marker": MARKERS[index % len(MARKERS)],
                  "ms": 5, "mfc": "none", "markevery": (index % every, every), "label": name}
         accuracy = [r["test_acc_mean"] for r in table]
-        axes[0].plot([r["iteration"] for r in table], accuracy, **style)
-        axes[1].plot([r["time_mean"] for r in table], accuracy, **style)
-    for ax, label in ((axes[0], "iteration"), (axes[1], time_axis)):
+        for ax, (x_key, _) in zip(axes, axes_keys):
+            ax.plot([r[x_key] for r in table], accuracy, **style)
+    for ax, (_, label) in zip(axes, axes_keys):
         ax.set_xlabel(label)
         ax.set_ylabel("mean test accuracy")
         ax.grid(alpha=0.3)
-        ax.legend()
+    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # one legend, beside the plots
     fig.suptitle(title)
     fig.tight_layout()
     return fig
@@ -244,7 +269,7 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
 
     engines = {config.engine for _, config in experiment.runs}
     axis = MODELLED_TIME_LABEL if engines == {"batched"} else MIXED_TIME_LABEL if "batched" in engines else TIME_LABEL
-    fig = comparison_figure(experiment.name, curves, axis)
+    fig = comparison_figure(experiment.name, _seed_curves(experiment.groups, curves), axis)
     fig.savefig(output / "comparison.png", dpi=100)
     plt.close(fig)
 

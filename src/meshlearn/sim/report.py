@@ -71,7 +71,8 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
 
 def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = None) -> dict[str, float]:
     """One row of summary.csv: the honest nodes' ``eval`` events of one iteration (``group``), as
-    mean and std of time, test accuracy and loss; ``bad``: the bad nodes' events, where a run has any."""
+    mean and std of time, test accuracy and loss, and the MB each had sent by then (where the
+    engine counts it); ``bad``: the bad nodes' events, where a run has any."""
     t_mean, t_std = _mean_std([e["t"] for e in group])
     a_mean, a_std = _mean_std([e["test_acc"] for e in group])
     l_mean, l_std = _mean_std([e["test_loss"] for e in group])
@@ -79,6 +80,8 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
         "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
         "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
     }
+    if group and all(e.get("bytes_sent") is not None for e in group):  # accuracy against bytes on the wire
+        row["mb_sent_mean"] = statistics.fmean(e["bytes_sent"] for e in group) / 1e6
     if group and all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
         row["consensus_distance"] = group[0]["consensus"]
     for prefix in ("val", "shard"):  # a validation split (validation: SHARE); train_evaluate
@@ -195,13 +198,27 @@ def run_title(output: Path) -> str:
     return f"{name} ({config['algorithm']}, {config['nodes']} nodes)"
 
 
+BYTES_LABEL = "MB sent per node"
+
+
+def x_axes(tables: list[list[dict]], time_axis: str) -> list[tuple[str, str]]:
+    """(column, label) of the x axes a figure of these evaluation tables has: iteration, time, and
+    the MB sent per node where every row of every table counts it."""
+    axes = [("iteration", "iteration"), ("time_mean", time_axis)]
+    if all(table and all("mb_sent_mean" in r for r in table) for table in tables):
+        axes.append(("mb_sent_mean", BYTES_LABEL))
+    return axes
+
+
 def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis: str = TIME_LABEL):
-    """One metric (``key``: test_acc or test_loss) against iteration and against time (labelled
-    ``time_axis``), mean over nodes ± std, titled ``title``; the caller saves and closes the Figure."""
+    """One metric (``key``: test_acc or test_loss) against iteration, against time (labelled
+    ``time_axis``) and against the bytes sent (where counted), mean over nodes ± std, titled
+    ``title``; the caller saves and closes the Figure."""
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, x_key, x_label in ((axes[0], "iteration", "iteration"), (axes[1], "time_mean", time_axis)):
+    axes_keys = x_axes([rows], time_axis)
+    fig, axes = plt.subplots(1, len(axes_keys), figsize=(5.5 * len(axes_keys), 4))
+    for ax, (x_key, x_label) in zip(axes, axes_keys):
         xs = [r[x_key] for r in rows]
         mean = [r[f"{key}_mean"] for r in rows]
         std = [r[f"{key}_std"] for r in rows]

@@ -6,7 +6,8 @@ done: ``train/loss``, ``time/<phase>`` and ``time/iteration`` (seconds), ``traff
 ``test/loss``. The ``mean`` writer holds summary.csv's rows, each written once every honest
 evaluating node has reported it (the rest when the run ends): ``test/accuracy`` and
 ``test/accuracy_std``, ``test/loss`` and ``test/loss_std``, ``time/elapsed`` and
-``time/elapsed_std``, ``consensus/distance`` (batched engine), ``bad_nodes/accuracy``; and per
+``time/elapsed_std``, ``consensus/distance`` (batched engine), ``bad_nodes/accuracy``,
+``traffic/mb_sent`` (MB sent per node by then); and per
 iteration, once every node has done it, the mean ``train/loss`` and ``time/<phase>``.
 """
 
@@ -24,7 +25,8 @@ from meshlearn.tblog import MEAN, ScalarLog
 # summary.csv's column -> the mean writer's tag
 ROW_TAGS = {"test_acc_mean": "test/accuracy", "test_acc_std": "test/accuracy_std", "test_loss_mean": "test/loss",
             "test_loss_std": "test/loss_std", "time_mean": "time/elapsed", "time_std": "time/elapsed_std",
-            "consensus_distance": "consensus/distance", "attackers_acc_mean": "bad_nodes/accuracy"}
+            "consensus_distance": "consensus/distance", "attackers_acc_mean": "bad_nodes/accuracy",
+            "mb_sent_mean": "traffic/mb_sent"}
 NODE_TAGS = {"train_loss": "train/loss", "bytes_sent": "traffic/bytes_sent", "missing": "link/missing",
              "chunks_missing": "link/chunks_missing", **{p: f"time/{p}" for p in PHASES}}
 
