@@ -172,6 +172,26 @@ def test_imagefolder_and_its_cache(tmp_path):
     assert load_cifar10(tmp_path).num_classes == 2  # a parent holding one tree
 
 
+def test_a_limited_evaluation_samples_every_class_of_a_test_set_stored_class_by_class(tmp_path):
+    from meshlearn.data import test_samples
+    from meshlearn.evaluation import evaluate_model
+
+    _write_tree(tmp_path / "tree", classes=("a", "b", "c", "d"), per_class=5)
+    data = load_imagefolder(tmp_path / "tree")
+    assert data.test_y.tolist() == [0] * 5 + [1] * 5 + [2] * 5 + [3] * 5  # stored class by class
+    x, y = test_samples(data, 8)
+    assert y.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # positions 0, 2, 5, 7, 10, 12, 15, 17
+    assert torch.equal(x[2], data.test_x[5]) and torch.equal(x[7], data.test_x[17])
+    assert test_samples(data, 0)[1] is data.test_y and test_samples(data, 99)[1] is data.test_y
+
+    class AlwaysA(torch.nn.Module):
+        def forward(self, x):
+            return torch.tensor([10.0, 0, 0, 0]).expand(len(x), 4)
+
+    # the first 8 samples would be 5 a's and 3 b's: 62.5% for a model that always answers a
+    assert evaluate_model(AlwaysA(), data, limit=8).accuracy == pytest.approx(0.25)
+
+
 def test_tar_gz_and_path_traversal(tmp_path):
     _write_tree(tmp_path / "src" / "set")
     archive = tmp_path / "set.tar.gz"

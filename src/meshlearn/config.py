@@ -93,7 +93,7 @@ class ExperimentConfig(Settings):
     iterations: int = Field(100, ge=1, description="iterations (rounds + one exchange each)")
     test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
     eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
-    eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    eval_samples: int = Field(0, ge=0, description="evaluate on N test samples, evenly spaced (0 = all)")
     train_evaluate: bool = Field(False, description="every evaluation also measures each node's loss and accuracy "
                                  "over its whole training shard (DecentralizePy's train_evaluate_after)")
     validation: float = Field(0.0, ge=0, lt=1, description="share of the test set held out as a validation set "

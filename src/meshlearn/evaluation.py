@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from meshlearn.data import Dataset
+from meshlearn.data import Dataset, test_samples
 from meshlearn.metrics import classification_report, confusion_matrix
 
 EVAL_BATCH = 128  # test samples per forward pass: bounds a node's activations (LeNet: 17 MB a layer)
@@ -28,9 +28,9 @@ class Evaluation:
 @torch.no_grad()
 def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | str = "cpu",
                    limit: int = 0, full: bool = False) -> Evaluation:
-    """A model's loss and accuracy on the test set (first ``limit`` samples; 0 = all); all metrics if ``full``."""
-    limit = limit or len(dataset.test_y)
-    xs, ys = dataset.test_x[:limit], dataset.test_y[:limit]
+    """A model's loss and accuracy on the test set (``limit`` samples of it, ``test_samples``; 0 =
+    all); all metrics if ``full``."""
+    xs, ys = test_samples(dataset, limit)
     model.eval()
     total_loss = 0.0
     preds = []

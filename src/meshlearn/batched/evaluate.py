@@ -6,20 +6,19 @@ import torch
 from torch import nn
 
 from meshlearn.batched.models import NodeModels
-from meshlearn.data import Dataset
+from meshlearn.data import Dataset, test_samples
 from meshlearn.evaluation import EVAL_BATCH, Evaluation, evaluation_of
 
 
 @torch.no_grad()
 def evaluate_nodes(models: NodeModels, ranks: list[int], dataset: Dataset, limit: int = 0,
                    full: bool = False, rows: torch.Tensor | None = None) -> dict[int, Evaluation]:
-    """Each of ``ranks``' models on the test set (first ``limit`` samples; 0 = all), as
+    """Each of ``ranks``' models on the test set (``limit`` samples of it, ``test_samples``; 0 = all), as
     ``evaluate_model`` measures one model; all metrics if ``full``. ``rows``: the states to
     evaluate (one per rank: a snapshot) instead of the nodes' current ones."""
     if not ranks:
         return {}
-    limit = limit or len(dataset.test_y)
-    xs, ys = dataset.test_x[:limit], dataset.test_y[:limit]
+    xs, ys = test_samples(dataset, limit)
     device = models.stacked.state.device
     losses = torch.zeros(len(ranks), dtype=torch.float64)
     preds = []

@@ -135,6 +135,18 @@ def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Data
     return test, Dataset(**{**dataset.__dict__, "test_x": dataset.test_x[held], "test_y": dataset.test_y[held]})
 
 
+def test_samples(dataset: Dataset, limit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test samples (images, labels) an evaluation limited to ``limit`` samples uses (0 = all):
+    evenly spaced over the whole test set, so a test set stored class by class (ImageFolder trees,
+    CIFAR-10's JPEGs) gives every class its share, not the first classes only; the same samples
+    on every node, engine and provider."""
+    count = len(dataset.test_y)
+    if not limit or limit >= count:
+        return dataset.test_x, dataset.test_y
+    chosen = torch.arange(limit, dtype=torch.int64) * count // limit
+    return dataset.test_x[chosen], dataset.test_y[chosen]
+
+
 def shard_as_test_set(dataset: Dataset, indices) -> Dataset:
     """The dataset whose test set is the training samples ``indices`` (a node's shard), to measure
     a model's loss over its own training data (``train_evaluate``)."""

@@ -12,7 +12,7 @@ import yaml
 from safetensors.torch import load as load_safetensors
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.data import Dataset, load_dataset, partition_dataset
+from meshlearn.data import Dataset, load_dataset, partition_dataset, test_samples
 from meshlearn.errors import (
     NetworkError,
     RemoteError,
@@ -170,8 +170,7 @@ class Requester:
             write_shard(path, dataset.train_x[indices], dataset.train_y[indices])
             share.add(path.name, path)
         test = folder / "test.safetensors"
-        limit = req.eval_samples or len(dataset.test_y)
-        write_shard(test, dataset.test_x[:limit], dataset.test_y[:limit])
+        write_shard(test, *test_samples(dataset, req.eval_samples))
         share.add(test.name, test)
 
     def _write_config(self, spec: TaskSpec) -> None:

@@ -46,7 +46,7 @@ class TaskRequest(Settings):
     aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="seed of partitions and initial model")
     partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
-    eval_samples: int = Field(0, ge=0, description="evaluate on the first N test samples only (0 = all)")
+    eval_samples: int = Field(0, ge=0, description="evaluate on N test samples, evenly spaced (0 = all)")
     eval_every: int = Field(0, ge=0, description="evaluate on every provider every N iterations, for live accuracy "
                             "curves (bootstrap dashboard, --tensorboard); 0: only the final model")
     peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
