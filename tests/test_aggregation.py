@@ -141,7 +141,7 @@ def test_refusal_and_suspicion():
 
 @pytest.mark.parametrize("text,message", [
     ("trimmed-mean", "write it trimmed-mean:B"), ("krum:x", "whole numbers"), ("clip:0", "positive"),
-    ("clip:far", "clip:nearest"),
+    ("clip:far", "clip:nearest"), ("clip:nan", "positive numbers"), ("clip:inf", "positive numbers"),
     ("multi-krum:1:0", "positive"), ("median:2", "write it median"),
 ])
 def test_a_badly_written_rule_is_one_clear_error(text, message):

@@ -338,6 +338,10 @@ def test_leaf_writers_become_nodes(tmp_path, monkeypatch):
         json.dumps({"users": ["a"], "user_data": {"a": {"x": [[0.5] * 10], "y": [1]}}})), "square images"),
     (lambda root: (root / "train" / "part0.json").write_text(
         json.dumps({"users": ["a"], "user_data": {"a": {"x": [[0.5] * 784], "y": [1, 2]}}})), "as many samples"),
+    (lambda root: (root / "train" / "part0.json").write_text('{"users": 5, "user_data": {}}'), "list of names"),
+    (lambda root: (root / "train" / "part0.json").write_text('{"users": [["a"]], "user_data": {}}'), "list of names"),
+    (lambda root: (root / "train" / "part0.json").write_text(
+        json.dumps({"users": ["a"], "user_data": {"a": {"x": [[0.5] * 784], "y": [10 ** 12]}}})), "labels must lie"),
 ])
 def test_a_bad_leaf_folder_is_one_clear_error(tmp_path, monkeypatch, breakage, message):
     monkeypatch.setenv("MESHLEARN_CACHE", str(tmp_path / "cache"))

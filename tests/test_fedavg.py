@@ -19,8 +19,31 @@ def test_the_drawn_share_of_nodes_is_seeded_and_changes_each_round():
     assert len({tuple(r) for r in rounds}) > 5 and participants(1, 0, 6, 0.01) != []  # at least one node
 
 
-def test_contributions_weigh_by_training_samples():
-    assert sample_weights({0: 100.0, 3: 300.0}) == {0: 0.25, 3: 0.75}
+def test_contributions_weigh_by_the_partitions_shard_sizes():
+    # the sizes are the seeded partition's, which the server computes: nothing a client claims
+    assert sample_weights([0, 3], [100, 5, 5, 300]) == {0: 0.25, 3: 0.75}
+    assert participants(1, 0, 100, 0.07) == sorted(set(participants(1, 0, 100, 0.07))) and \
+        len(participants(1, 0, 100, 0.07)) == 7  # 0.07 * 100 is 7.000000000000001 in floats: still 7
+
+
+def test_the_server_knows_every_shard_size_from_the_partition_and_needs_them(tmp_path):
+    from dataclasses import replace
+
+    from meshlearn.algorithms import make_algorithm
+    from meshlearn.data import load_dataset, partition_dataset
+    from meshlearn.node import build_node
+    from meshlearn.topology import build_topology
+
+    config = make_config({"algorithm": "fedavg", "nodes": 3, "topology": "full", "partition": "dirichlet:0.5",
+                          "seed": 4, "output": str(tmp_path)})
+    node = build_node(config, 0, build_topology("full", 3, seed=4))
+    try:
+        sizes = [len(p) for p in partition_dataset(load_dataset("digits"), 3, "dirichlet:0.5", 4)]
+        assert len(set(sizes)) == 3 and node.algorithm.ctx.shard_sizes == tuple(sizes)
+        with pytest.raises(ConfigError, match="shard sizes"):
+            make_algorithm("fedavg", replace(node.algorithm.ctx, shard_sizes=()))
+    finally:
+        node.transport.close()
 
 
 def test_fedavg_that_cannot_be_run_is_one_clear_error():

@@ -118,6 +118,19 @@ def test_choco_sends_compressed_differences_and_steps_toward_the_estimates():
     assert torch.allclose(again, state + 0.125 * (_t([0, 0, 4, 4]) - _t([4, -3, 0, 0])))
 
 
+def test_choco_leaves_out_a_neighbour_whose_finite_updates_add_up_past_floats_range():
+    node = make_sharing("choco:1", 2, torch.float32, seed=1)
+    node.encode(_t([1, 2]), 0, 0)
+    huge = node.decode({"values": _t([3e38, 3e38]), "bitmap": _t([3], torch.uint8)}, 1, 0)  # finite: decode takes it
+    state = _t([1, 2])
+    assert node.mix_(state, {1: 0.5}, {1: huge}) == []
+    assert bool(torch.isfinite(state).all())
+    assert node.mix_(state, {1: 0.5}, {1: huge}) == [1]  # the estimate would reach 6e38: out of step
+    before = state.clone()
+    node.mix_(state, {1: 0.5}, {1: huge})
+    assert torch.equal(state, before) and 1 in node.out_of_step
+
+
 # --- what is refused -------------------------------------------------------------------------------
 
 
@@ -145,7 +158,7 @@ def test_a_bad_share_is_refused_with_what_is_wrong(scheme, tensors, problem):
 
 @pytest.mark.parametrize("values,message", [
     ({"sharing": "topk"}, "write it topk:ALPHA"), ({"sharing": "topk:1.5"}, "in \\(0, 1\\]"),
-    ({"sharing": "quantize:3"}, "BITS must be one of 1, 2, 4, 8"), ({"sharing": "zip"}, "unknown sharing scheme"),
+    ({"sharing": "quantize:3"}, "BITS must be one of 1, 2, 4, 8"),
     ({"sharing": "topk:0.1", "transport": "udp"}, "needs transport tcp"),
     ({"sharing": "topk:0.1", "algorithm": "gossip"}, "needs algorithm dpsgd"),
     ({"sharing": "topk:0.1", "aggregation": "median"}, "needs aggregation mean"),
@@ -154,6 +167,39 @@ def test_a_bad_share_is_refused_with_what_is_wrong(scheme, tensors, problem):
 def test_a_sharing_that_cannot_be_run_is_one_clear_error(values, message):
     with pytest.raises(ConfigError, match=message):
         make_config(values)
+
+
+def test_a_users_own_scheme_is_named_like_a_built_in_one_and_an_unknown_one_is_refused_before_start(tmp_path):
+    from meshlearn.sim.checks import check_before_start
+
+    with pytest.raises(ConfigError, match="unknown sharing scheme 'zip'"):
+        check_before_start(make_config({"sharing": "zip"}))
+    module = tmp_path / "halves.py"
+    module.write_text(
+        "import torch\n"
+        "from meshlearn.sharing import Shared, register_sharing\n"
+        "from meshlearn.sharing.full import FullSharing\n\n"
+        "@register_sharing\n"
+        "class FirstPart(FullSharing):\n"
+        "    name = 'first-part'\n"
+        "    def __init__(self, numel, dtype, seed, share):\n"
+        "        super().__init__(numel, dtype, seed)\n"
+        "        self.count = int(numel * float(share))\n"
+        "    def encode(self, vector, sender, iteration):\n"
+        "        return {'values': vector.detach()[:self.count].clone()}\n"
+        "    def decode(self, tensors, sender, iteration):\n"
+        "        values, mask = torch.zeros(self.numel), torch.zeros(self.numel, dtype=torch.bool)\n"
+        "        values[:self.count], mask[:self.count] = tensors['values'], True\n"
+        "        return Shared(values, mask)\n")
+    summaries = {}
+    for scheme in ("full", "first-part:0.5"):
+        config = make_config({"engine": "batched", "nodes": 4, "dataset": "digits", "iterations": 5, "test_after": 5,
+                              "step_time": 0.001, "sharing": scheme, "models_module": str(module),
+                              "output": str(tmp_path / scheme)})
+        check_before_start(config)
+        simulate(config, progress=False)
+        summaries[scheme] = json.loads((tmp_path / scheme / "summary.json").read_text())
+    assert summaries["first-part:0.5"]["bytes_sent"] == pytest.approx(summaries["full"]["bytes_sent"] / 2, rel=1e-3)
 
 
 # --- a quick run -----------------------------------------------------------------------------------

@@ -24,6 +24,15 @@ def test_a_bad_optimizer_is_one_clear_error(text, message):
         make_config({"optimizer": text})
 
 
+@pytest.mark.parametrize("values", [{"optimizer": "adam:foo=1"}, {"optimizer": "adam", "momentum": 0.9}])
+def test_an_optimizer_torch_refuses_stops_the_run_before_any_node_starts(tmp_path, values):
+    from meshlearn.sim.launcher import prepare_run
+
+    with pytest.raises(ConfigError, match="torch.optim.Adam says"):
+        prepare_run(make_config({**values, "output": str(tmp_path / "run")}))
+    assert not (tmp_path / "run" / "config.yaml").exists()  # nothing was written, no node started
+
+
 def test_an_argument_torch_refuses_is_one_clear_error():
     with pytest.raises(ConfigError, match="torch.optim.Adam says"):
         make_optimizer("adam:betas=2 0.9", torch.zeros(1, 4), lr=0.1)

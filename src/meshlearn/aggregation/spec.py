@@ -7,6 +7,7 @@ A rule is named ``NAME`` or ``NAME:ARG[:ARG]``: ``mean``, ``median``, ``trimmed-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshlearn.errors import ConfigError
@@ -57,8 +58,9 @@ def parse_rule(text: str) -> RuleSpec:
         raise ConfigError(f"aggregation rule {text!r}: {', '.join(names)} must be "
                           f"{'whole numbers' if kind is int else 'numbers'} ({usage}"
                           f"{' or clip:nearest' if name == 'clip' else ''})") from None
-    if any(a < 0 for a in args) or (name == "multi-krum" and args[1] < 1) or (name == "clip" and args and args[0] <= 0):
-        raise ConfigError(f"aggregation rule {text!r}: its arguments must be positive ({usage})")
+    if any(not math.isfinite(a) or a < 0 for a in args) or (name == "multi-krum" and args[1] < 1) or \
+            (name == "clip" and args and args[0] <= 0):
+        raise ConfigError(f"aggregation rule {text!r}: its arguments must be positive numbers ({usage})")
     return RuleSpec(name, args)
 
 

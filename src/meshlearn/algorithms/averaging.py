@@ -69,6 +69,20 @@ def masked_average_(state: torch.Tensor, own_weight: float,
             state.addcmul_(weight.to(state.dtype), values.to(state.device))
 
 
+def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Tensor, torch.Tensor | None]],
+                    rule: MissingChunkRule) -> None:
+    """In place: ``state`` <- its average with the neighbours' shares (weight, degree, values,
+    mask of the values sent, or None for all of them), each value over those who sent it by
+    ``rule``; the node keeps the weight of the neighbours that sent nothing."""
+    own = 1.0 - sum(w for w, _, _, _ in shares)
+    if all(mask is None for _, _, _, mask in shares):
+        weighted_average_(state, own, [(w, values) for w, _, values, _ in shares])
+        return
+    everything = torch.ones(state.numel(), dtype=torch.bool)
+    masked_average_(state, own, [(w, degree, values, everything if mask is None else mask)
+                                 for w, degree, values, mask in shares], rule)
+
+
 def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
                      rule: MissingChunkRule | str) -> None:
     """In place: Metropolis-Hastings averaging where some chunks of some models are missing

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 @dataclass
 class AlgorithmContext:
     """What an algorithm may use of its node: identity, state, link, its own settings, the run's
-    shape (seed, samples in the node's shard, iterations), the aggregation rule its node applies,
+    shape (seed, samples in the node's shard and in every node's, iterations), the aggregation rule its node applies,
     the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology and,
     for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
     nodes it colludes with)."""
@@ -38,6 +38,7 @@ class AlgorithmContext:
     settings: Settings | None = None
     seed: int = 0
     samples: int = 0
+    shard_sizes: tuple[int, ...] = ()  # every node's training samples (the seeded partition), where known
     iterations: int = 0
     rule: str = "mean"
     sharing: str = "full"

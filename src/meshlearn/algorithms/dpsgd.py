@@ -12,8 +12,8 @@ from meshlearn.aggregation.present import aggregate_present
 from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.averaging import (
     MISSING_CHUNK_RULES,
+    average_shares_,
     chunked_average_,
-    masked_average_,
     weighted_average_,
 )
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
@@ -138,14 +138,8 @@ class DPSGD(Algorithm):
                 log.warning("node %d: missed an update of %d, whose estimate is now out of step: it is left out "
                             "from now on", ctx.rank, sender)
         else:
-            own = 1.0 - sum(self.weights[j] for j in shared)
-            if all(s.mask is None for s in shared.values()):
-                weighted_average_(state, own, [(self.weights[j], shared[j].values) for j in shared])
-            else:
-                everything = torch.ones(state.numel(), dtype=torch.bool)
-                masked_average_(state, own, [(self.weights[j], received[j].degree, s.values,
-                                              everything if s.mask is None else s.mask) for j, s in shared.items()],
-                                self.missing_chunk_rule)
+            average_shares_(state, [(self.weights[j], received[j].degree, s.values, s.mask) for j, s in shared.items()],
+                            self.missing_chunk_rule)
         sharing.averaged(state)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()

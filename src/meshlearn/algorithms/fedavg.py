@@ -3,7 +3,8 @@ federated and decentralized runs compare in one experiment file.
 
 Node 0 is the server and trains as a client too. Each round a seeded share of the nodes (every
 node draws the same ones) sends its trained model to the server, which averages them weighted by
-their training samples and sends the result to every node; every node trains on from it. Nodes
+their training samples (the seeded partition's shard sizes; a round in which no model came keeps
+the last average) and sends the result to every node; every node trains on from it. Nodes
 that were not drawn train that round too, but their models are replaced by the server's before
 they are used, so the result is FedAvg's (only their compute is spent for nothing), and every
 node's evaluation is the global model's.
@@ -12,17 +13,21 @@ node's evaluation is the global model's.
 from __future__ import annotations
 
 import logging
-import math
 import time
+from typing import Sequence
 
 import numpy as np
+import torch
 
 from meshlearn.aggregation.suspects import refusal
+from meshlearn.aggregation.weights import by_samples
 from meshlearn.algorithms.averaging import weighted_average_
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.settings import FedAvgSettings
+from meshlearn.errors import ConfigError
+from meshlearn.sharing.base import share_count
 from meshlearn.transport import Transport
-from meshlearn.wire import Kind, Message, meta_number
+from meshlearn.wire import Kind, Message
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +37,19 @@ SALT = 0xFEDA
 
 def participants(seed: int, iteration: int, nodes: int, fraction: float) -> list[int]:
     """The nodes whose models the server takes at ``iteration`` (sorted; all of them at 1.0)."""
-    count = max(1, min(nodes, math.ceil(fraction * nodes)))
+    count = share_count(fraction, nodes)
     if count == nodes:
         return list(range(nodes))
     return sorted(int(i) for i in np.random.default_rng([seed, SALT, iteration]).choice(nodes, count, replace=False))
 
 
-def sample_weights(samples: dict[int, float]) -> dict[int, float]:
-    """Each contributor's weight: its share of the contributors' training samples."""
-    total = sum(samples.values())
-    return {rank: count / total for rank, count in samples.items()}
+def sample_weights(contributors: list[int], shard_sizes: Sequence[int]) -> dict[int, float]:
+    """Each contributor's weight: its share of the contributors' training samples. The sizes come
+    from the run's seeded partition, which the server computes itself: a count a client claimed
+    over the network could make it outweigh everyone (or, huge, zero every weight)."""
+    counts = by_samples([shard_sizes[rank] for rank in contributors])
+    total = sum(counts)
+    return {rank: count / total for rank, count in zip(contributors, counts)}
 
 
 @register_algorithm
@@ -56,6 +64,15 @@ class FedAvg(Algorithm):
         super().__init__(ctx)
         self.fraction = (ctx.settings or FedAvgSettings()).fraction
         self.nodes = ctx.graph.n
+        if len(ctx.shard_sizes) != self.nodes:
+            raise ConfigError("fedavg's server weighs the nodes by their shard sizes: build its nodes with "
+                              "every node's shard size (build_node does)")
+        self.global_model: torch.Tensor | None = None  # the server's: the last average it sent
+
+    def start(self) -> None:
+        super().start()
+        if self.ctx.rank == SERVER:
+            self.global_model = self.ctx.flat.state.detach().clone()
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
@@ -73,31 +90,34 @@ class FedAvg(Algorithm):
         """Average the drawn nodes' models (its own among them if drawn) and send the result to all."""
         ctx = self.ctx
         received = ctx.transport.gather(iteration, [j for j in chosen if j != SERVER])
-        samples = {SERVER: float(ctx.samples)} if SERVER in chosen else {}
+        contributors = [SERVER] if SERVER in chosen else []
         for sender in sorted(received):
-            msg = received[sender]
-            problem = ctx.flat.check_compatible(msg.tensors) or next(filter(None, map(refusal, msg.tensors.values())),
-                                                                      None)
-            count = meta_number(msg.meta, "samples", -1.0)
-            if problem is None and not count:
-                problem = f"its sample count {msg.meta.get('samples')!r} is not a positive number"
+            problem = self._problem(received[sender])
             if problem is None:
-                samples[sender] = count
+                contributors.append(sender)
                 self.watch.heard(sender)
             else:
                 self.watch.refused(sender, problem)
                 log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, problem)
-        if samples:
-            weights = sample_weights(samples)
-            others = [(weights[j], received[j]) for j in sorted(samples) if j != SERVER]
+        if contributors:
+            weights = sample_weights(contributors, ctx.shard_sizes)
+            others = [(weights[j], received[j]) for j in contributors if j != SERVER]
             for name, target in ctx.flat.tensors().items():
                 weighted_average_(target, weights.get(SERVER, 0.0), [(w, msg.tensors[name]) for w, msg in others])
+        else:  # nobody's model this round: the global model stays what it was
+            ctx.flat.state.copy_(self.global_model)
+        self.global_model.copy_(ctx.flat.state)
         snapshot = ctx.flat.snapshot()
         everyone = [j for j in range(self.nodes) if j != SERVER]
         ctx.flat.release(snapshot, ctx.transport.broadcast(everyone, Message(Kind.MODEL, ctx.rank, iteration,
                                                                               len(everyone), snapshot)))
         ctx.transport.recycle(received.values())
-        return len(samples) - (SERVER in samples)
+        return len(contributors) - (SERVER in contributors)
+
+    def _problem(self, msg: Message) -> str | None:
+        """Why a model that arrived cannot be averaged (None if it can)."""
+        return self.ctx.flat.check_compatible(msg.tensors) or next(filter(None, map(refusal, msg.tensors.values())),
+                                                                    None)
 
     def _take_part(self, iteration: int, chosen: list[int]) -> int:
         """Send the trained model if drawn, then take the server's average (1 if it came)."""
@@ -105,12 +125,12 @@ class FedAvg(Algorithm):
         if ctx.rank in chosen:
             snapshot = ctx.flat.snapshot()
             ctx.flat.release(snapshot, ctx.transport.broadcast([SERVER], Message(
-                Kind.MODEL, ctx.rank, iteration, 1, snapshot, meta={"samples": ctx.samples})))
+                Kind.MODEL, ctx.rank, iteration, 1, snapshot)))
         received = ctx.transport.gather(iteration, [SERVER])
         if SERVER not in received:
             return 0  # late: it trains on from its own model, and takes the next round's average
         msg = received[SERVER]
-        problem = ctx.flat.check_compatible(msg.tensors) or next(filter(None, map(refusal, msg.tensors.values())), None)
+        problem = self._problem(msg)
         if problem is not None:
             self.watch.refused(SERVER, problem)
             log.warning("node %d: refused the server's model: %s", ctx.rank, problem)

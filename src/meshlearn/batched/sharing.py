@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, masked_average_, weighted_average_
+from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, average_shares_
 from meshlearn.batched.mixing import Links
 from meshlearn.sharing import Shared, Sharing, make_sharing
 
@@ -28,11 +28,6 @@ class SharedMixing:
         for scheme, row in zip(self.schemes, state):
             scheme.start(row)
 
-    @property
-    def message_bytes(self) -> int:
-        """Bytes of tensors in one message (every node's is the same size)."""
-        return self.schemes[0].wire_bytes()
-
     @torch.no_grad()
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor, iteration: int) -> None:
         """Every row <- its average with what arrived of its neighbours' shares (``arrived``: per
@@ -47,12 +42,5 @@ class SharedMixing:
             if scheme.mixes:
                 scheme.mix_(row, {j: w for _, j, w in self.incoming[rank]}, {j: sent[j] for j, _ in heard})
             else:
-                own = 1.0 - sum(w for _, w in heard)
-                if all(sent[j].mask is None for j, _ in heard):
-                    weighted_average_(row, own, [(w, sent[j].values) for j, w in heard])
-                else:
-                    everything = torch.ones(row.numel(), dtype=torch.bool)
-                    masked_average_(row, own, [(w, self.degrees[j], sent[j].values,
-                                                everything if sent[j].mask is None else sent[j].mask)
-                                               for j, w in heard], self.rule)
+                average_shares_(row, [(w, self.degrees[j], sent[j].values, sent[j].mask) for j, w in heard], self.rule)
             scheme.averaged(row)

@@ -290,6 +290,7 @@ def load_idx(path: str | Path, name: str = "fashion-mnist") -> Dataset:
 # --- LEAF (FEMNIST and its kin): per-writer JSON -----------------------------------------------
 
 MAX_LEAF_FILE = 2 * 1024 ** 3  # bytes of one LEAF JSON file (FEMNIST's are about 100 MB)
+MAX_LEAF_CLASSES = 10_000  # FEMNIST has 62; a label beyond this is a broken file, not a class list to build
 
 
 def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
@@ -306,8 +307,11 @@ def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], 
             users, user_data = data["users"], data["user_data"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DatasetError(f"{path} is not a LEAF file (JSON with users and user_data): {exc}") from None
+        if not isinstance(users, list) or not all(isinstance(u, str) for u in users) or not isinstance(user_data, dict):
+            raise DatasetError(f"{path} is not a LEAF file: users must be a list of names and user_data a map "
+                               "from each name to its samples")
         for user in users:
-            record = user_data.get(user) if isinstance(user_data, dict) else None
+            record = user_data.get(user)
             try:
                 x = np.asarray(record["x"], dtype=np.float32)
                 y = np.asarray(record["y"], dtype=np.int64)
@@ -345,8 +349,9 @@ def load_leaf(path: str | Path) -> Dataset:
             return pixels.reshape(-1, 1, side, side)
 
         labels = np.concatenate(train_y + test_y)
-        if labels.min() < 0:
-            raise DatasetError(f"{root}: labels must be 0 or more")
+        if labels.min() < 0 or labels.max() >= MAX_LEAF_CLASSES:
+            raise DatasetError(f"{root}: labels must lie in 0 .. {MAX_LEAF_CLASSES - 1}; found {labels.min()} .. "
+                               f"{labels.max()}")
         groups = np.concatenate([np.full(len(y), i, dtype=np.int64) for i, y in enumerate(train_y)])
         classes = [str(c) for c in range(int(labels.max()) + 1)]
         return to_images(train_x), np.concatenate(train_y), to_images(test_x), np.concatenate(test_y), groups, classes

@@ -77,4 +77,5 @@ def build_node(
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
     log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl") if log_dir is not None else None
     return Node(rank, config, graph, dataset, parts[rank], model,
-                lambda flat: make_transport(config, rank, flat, host, port), log)
+                lambda flat: make_transport(config, rank, flat, host, port), log,
+                shard_sizes=[len(part) for part in parts])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ class Node:
         model: nn.Module,
         make_transport: Callable[[FlatState], Endpoint],
         log: JsonlLog | None = None,
+        shard_sizes: Sequence[int] = (),
     ):
         self.rank = rank
         self.config = config
@@ -63,8 +64,8 @@ class Node:
         self.attack = None if self.behaviour is None else make_attack(self.behaviour)
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
-            samples=len(self.loader.indices), iterations=config.iterations, rule=config.aggregation,
-            sharing=config.sharing, sampler=None if config.peer_sampling == "off" else
+            samples=len(self.loader.indices), shard_sizes=tuple(shard_sizes), iterations=config.iterations,
+            rule=config.aggregation, sharing=config.sharing, sampler=None if config.peer_sampling == "off" else
             PeerSampler(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))

@@ -18,8 +18,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from meshlearn.plugins import Registry
-from meshlearn.sharing.spec import parse_sharing
+from meshlearn.sharing.spec import SHARINGS, parse_sharing
 
 
 @dataclass
@@ -65,11 +64,6 @@ class Sharing(ABC):
         return self.name
 
 
-SHARINGS: Registry[type[Sharing]] = Registry("sharing scheme", built_in={
-    "full": "meshlearn.sharing.full", "subsample": "meshlearn.sharing.subsample", "topk": "meshlearn.sharing.topk",
-    "quantize": "meshlearn.sharing.quantize", "choco": "meshlearn.sharing.choco"})
-
-
 def register_sharing(cls: type[Sharing]) -> type[Sharing]:
     """Class decorator adding a scheme to the registry under ``cls.name``."""
     return SHARINGS.add(cls.name, cls)
@@ -82,8 +76,20 @@ def make_sharing(text: str, numel: int, dtype: torch.dtype, seed: int) -> Sharin
 
 
 def share_count(alpha: float, numel: int) -> int:
-    """How many of ``numel`` values an ``alpha`` share is (at least one)."""
-    return max(1, min(numel, math.ceil(alpha * numel)))
+    """How many of ``numel`` values (or nodes) an ``alpha`` share is (at least one): ``alpha *
+    numel`` rounded up, after rounding away float noise (0.07 * 100 is 7.000000000000001: 7, not 8)."""
+    return max(1, min(numel, math.ceil(round(alpha * numel, 9))))
+
+
+def sends_indices(count: int, numel: int) -> bool:
+    """Whether ``count`` positions of ``numel`` travel as int32 indices (else as a bitmap of
+    ``numel`` bits): whichever is smaller. Sender, receiver and byte count all ask this."""
+    return count * 4 <= -(-numel // 8)
+
+
+def sparse_bytes(count: int, numel: int, element_size: int) -> int:
+    """Bytes ``encode_sparse`` sends for ``count`` of ``numel`` values."""
+    return count * element_size + (count * 4 if sends_indices(count, numel) else -(-numel // 8))
 
 
 def seeded_generator(*keys: int) -> torch.Generator:
@@ -138,7 +144,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 def largest(values: torch.Tensor, count: int) -> torch.Tensor:
     """The sorted positions of the ``count`` largest of ``values`` (a CPU vector)."""
-    array = values.numpy()
+    array = values.float().numpy() if values.dtype == torch.bfloat16 else values.numpy()  # numpy has no bfloat16
     if count >= len(array):
         return torch.arange(len(array))
     return torch.from_numpy(np.sort(np.argpartition(array, len(array) - count)[len(array) - count:]))
@@ -148,7 +154,7 @@ def encode_sparse(vector: torch.Tensor, positions: torch.Tensor) -> dict[str, to
     """The values of ``vector`` at sorted ``positions``, and the positions: as int32 indices or as
     a bitmap of the whole state, whichever is smaller."""
     out = {"values": vector[positions].contiguous()}
-    if positions.numel() * 4 <= -(-vector.numel() // 8):
+    if sends_indices(positions.numel(), vector.numel()):
         out["indices"] = positions.to(torch.int32)
     else:
         bitmap = torch.zeros(vector.numel(), dtype=torch.bool)
@@ -160,8 +166,8 @@ def encode_sparse(vector: torch.Tensor, positions: torch.Tensor) -> dict[str, to
 def decode_sparse(tensors: dict[str, torch.Tensor], numel: int, dtype: torch.dtype, count: int) -> Shared:
     """``encode_sparse``'s tensors, checked to hold ``count`` finite values at distinct positions
     inside the state; ValueError otherwise."""
-    bitmap = numel // 8 + (numel % 8 > 0)
-    if count * 4 <= bitmap:
+    bitmap = -(-numel // 8)
+    if sends_indices(count, numel):
         expect(tensors, {"values": (dtype, (count,)), "indices": (torch.int32, (count,))})
         positions = tensors["indices"].to(torch.int64)
         if count and (int(positions[0]) < 0 or int(positions[-1]) >= numel or

@@ -12,6 +12,8 @@ step for good, so it is left out of the average from then on (and the run log sa
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from meshlearn.sharing.base import (
@@ -22,12 +24,10 @@ from meshlearn.sharing.base import (
     largest,
     register_sharing,
     share_count,
+    sparse_bytes,
 )
 
-
-def sparse_bytes(count: int, numel: int, element_size: int) -> int:
-    """Bytes ``encode_sparse`` sends for ``count`` of ``numel`` values."""
-    return count * element_size + min(count * 4, -(-numel // 8))
+log = logging.getLogger(__name__)
 
 
 @register_sharing
@@ -69,9 +69,18 @@ class Choco(Sharing):
                 self.out_of_step.add(sender)
                 lost.append(sender)
                 continue
-            estimate = self.estimates.setdefault(sender, torch.zeros_like(self.own))
-            estimate += received[sender].values
-            step.add_(estimate - self.own, alpha=weight)
+            estimate = self.estimates.setdefault(sender, torch.zeros_like(self.own)) + received[sender].values
+            term = (estimate - self.own) * weight
+            if not bool(torch.isfinite(term).all()):  # finite updates can still add up past float's range
+                self.out_of_step.add(sender)
+                lost.append(sender)
+                log.warning("choco: the estimate of node %d overflowed; it is left out from now on", sender)
+                continue
+            self.estimates[sender] = estimate
+            step += term
+        if not bool(torch.isfinite(step).all()):
+            log.warning("choco: the neighbours' estimates add up past float's range; this round's step is skipped")
+            return lost
         with torch.no_grad():
             state.add_(step.to(state.device), alpha=self.gamma)
         return lost

@@ -1,7 +1,8 @@
 """Names of sharing schemes and their arguments, checked without torch (configs and flags).
 
 A scheme is named ``NAME`` or ``NAME:ARG[:ARG]``: ``full``, ``subsample:ALPHA``, ``topk:ALPHA``,
-``quantize:BITS`` or ``choco:ALPHA[:GAMMA]``.
+``quantize:BITS`` or ``choco:ALPHA[:GAMMA]``. Schemes a user registers (``register_sharing``, in a
+``--models-module``) take their arguments as written, checked when the scheme is built.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlearn.errors import ConfigError
+from meshlearn.plugins import Registry
 
 SHARING_HELP = ("full (the whole model) | subsample:ALPHA (a seeded random ALPHA share of the values; no "
                 "indices sent) | topk:ALPHA (the ALPHA share that changed most since the last average, with "
@@ -21,6 +23,8 @@ SCHEMES: dict[str, tuple[tuple[str, ...], int]] = {
     "choco": (("ALPHA", "GAMMA"), 1),
 }
 QUANTIZE_BITS = (1, 2, 4, 8)
+# name -> the scheme's class; built-in ones are imported on first use (this module loads no torch)
+SHARINGS: Registry = Registry("sharing scheme", built_in={name: f"meshlearn.sharing.{name}" for name in SCHEMES})
 
 
 @dataclass(frozen=True)
@@ -28,10 +32,10 @@ class SharingSpec:
     """A parsed scheme name: the scheme and its arguments."""
 
     name: str
-    args: tuple[float, ...] = ()
+    args: tuple = ()  # numbers for built-in schemes, as written for a user's
 
     def __str__(self) -> str:
-        return ":".join([self.name, *(f"{a:g}" for a in self.args)])
+        return ":".join([self.name, *(f"{a:g}" if isinstance(a, float) else str(a) for a in self.args)])
 
     @property
     def full(self) -> bool:
@@ -39,11 +43,21 @@ class SharingSpec:
         return self.name == "full"
 
 
+def check_sharing(text: str) -> None:
+    """ConfigError unless ``text`` names a built-in scheme or one a loaded module registered."""
+    name = parse_sharing(text).name
+    if name not in SHARINGS:
+        raise ConfigError(f"unknown sharing scheme {text!r}: use one of {', '.join(SCHEMES)}, or register your own "
+                          "(register_sharing in a --models-module)")
+
+
 def parse_sharing(text: str) -> SharingSpec:
-    """``"topk:0.1"`` -> SharingSpec("topk", (0.1,)); ConfigError on a bad name or argument."""
-    name, *raw = [part.strip() for part in str(text).strip().lower().split(":")]
-    if name not in SCHEMES:
-        raise ConfigError(f"unknown sharing scheme {text!r}: use one of {', '.join(SCHEMES)}")
+    """``"topk:0.1"`` -> SharingSpec("topk", (0.1,)); ConfigError on a bad argument of a built-in
+    scheme (a user's scheme takes its arguments as written)."""
+    name, *raw = [part.strip() for part in str(text).strip().split(":")]
+    if name.lower() not in SCHEMES:  # a user's scheme: checked once its module has loaded (check_sharing)
+        return SharingSpec(name, tuple(raw))
+    name = name.lower()
     names, optional = SCHEMES[name]
     usage = ":".join([name, *names])
     if not len(names) - optional <= len(raw) <= len(names):

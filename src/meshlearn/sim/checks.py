@@ -8,19 +8,21 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data.specs import parse_spec
 from meshlearn.models.registry import MODELS
 from meshlearn.plugins import load_user_module
+from meshlearn.sharing.spec import check_sharing
 from meshlearn.topology import Graph, build_topology
 from meshlearn.transport.ports import ensure_port_free
 
 
 def check_before_start(config: ExperimentConfig) -> Graph:
-    """The run's graph, once its topology, dataset spec, model name, aggregation rule and fixed ports
-    check out."""
+    """The run's graph, once its topology, dataset spec, model name, aggregation rule, sharing scheme
+    and fixed ports check out."""
     graph = build_topology(config.topology, config.nodes, config.seed)
     if config.models_module:  # the user's own models and datasets: registered before their names are checked
         load_user_module(config.models_module)
     parse_spec(config.dataset)
     MODELS.check(config.model)
     RULES.check(parse_rule(config.aggregation).name)
+    check_sharing(config.sharing)
     if config.base_port:
         for rank in range(config.nodes):
             ensure_port_free(config.host, config.base_port + rank)

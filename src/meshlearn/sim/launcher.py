@@ -27,6 +27,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import load_dataset, partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
+from meshlearn.optim import make_optimizer
 from meshlearn.sim.checks import check_before_start
 from meshlearn.runlog import COLUMNAR_LOG
 from meshlearn.sim.report import RUN_TIMES
@@ -81,6 +82,7 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     dataset = load_dataset(config.dataset)
     partition_dataset(dataset, config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
+    check_optimizer(config)
     output = Path(config.output) if config.output else default_output()
     output.mkdir(parents=True, exist_ok=True)
     if not keep_logs:
@@ -88,6 +90,14 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     (output / "config.yaml").write_text(config.model_copy(update={"output": str(output)}).to_yaml())
     write_graph_file(graph, output / "graph.txt")
     return graph, output
+
+
+def check_optimizer(config: ExperimentConfig) -> None:
+    """ConfigError, in one line, for optimizer arguments torch.optim refuses (``adam:foo=1``, or
+    ``momentum`` for an optimizer without it), before any node process starts."""
+    import torch
+
+    make_optimizer(config.optimizer, torch.zeros(1, 1), config.lr, config.momentum, config.weight_decay)
 
 
 def check_device(device: str) -> None:

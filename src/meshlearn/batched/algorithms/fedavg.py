@@ -26,6 +26,7 @@ class BatchedFedAvg(BatchedAlgorithm):
         self.fraction = ctx.config.fedavg.fraction
         self.nodes = ctx.config.nodes
         self.clients = np.arange(1, self.nodes)
+        self.global_model = ctx.stacked.state[SERVER].clone()  # the last average the server sent
 
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
@@ -35,12 +36,14 @@ class BatchedFedAvg(BatchedAlgorithm):
         pushing = np.array([j for j in chosen if j != SERVER], dtype=np.int64)
         clocks.sender, clocks.receiver = pushing, np.zeros(len(pushing), dtype=np.int64)
         pushed, wait_up = clocks.gather()
-        samples = {SERVER: float(ctx.samples[SERVER])} if SERVER in chosen else {}
-        samples.update({int(j): float(ctx.samples[j]) for j in pushing[pushed]})
-        if samples:
-            weights = sample_weights(samples)
+        contributors = ([SERVER] if SERVER in chosen else []) + [int(j) for j in pushing[pushed]]
+        if contributors:
+            weights = sample_weights(contributors, ctx.samples)
             weighted_average_(state[SERVER], weights.get(SERVER, 0.0),
-                              [(weights[j], state[j]) for j in sorted(samples) if j != SERVER])
+                              [(weights[j], state[j]) for j in contributors if j != SERVER])
+        else:  # nobody's model this round: the global model stays what it was
+            state[SERVER] = self.global_model
+        self.global_model.copy_(state[SERVER])
         clocks.sender, clocks.receiver = np.zeros(n - 1, dtype=np.int64), self.clients
         answered, wait_down = clocks.gather()
         taking = torch.from_numpy(self.clients[answered]).to(state.device)
