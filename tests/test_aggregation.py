@@ -20,7 +20,8 @@ from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 
-RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5", "clip:nearest"]
+RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5", "clip:nearest", "filter",
+         "filter:1.5"]
 
 
 def _t(rows):
@@ -69,6 +70,19 @@ def test_clipping_to_the_nearest_neighbour_holds_against_a_bad_majority():
     # the median radius (5) lets the bad majority through: it is moved 5 times further
     assert torch.allclose(get_rule("clip")(models, [1] * 4), _t([0.25 * (3 + 0.6 + 3), 0.25 * (4 + 0.8 + 4)]))
     assert str(get_rule("clip:nearest")) == "clip:nearest"
+
+
+def test_distance_filtering_leaves_out_a_far_bad_majority_by_hand():
+    # own model at 0; one honest neighbour at distance 1, one at 2.5, two bad ones at 5 and 50
+    models = _t([[0, 0], [3, 4], [0.6, 0.8], [30, 40], [1.5, 2]])
+    # C 3: within 3 of the nearest (1) are the neighbours at 1 and 2.5; the bad ones' fifths stay with the node
+    assert torch.allclose(get_rule("filter")(models, [1] * 5), _t([(0.6 + 1.5) / 5, (0.8 + 2) / 5]))
+    assert torch.allclose(get_rule("filter:2")(models, [1] * 5), _t([0.6 / 5, 0.8 / 5]))  # 2.5 is beyond 2
+    assert torch.allclose(get_rule("filter:100")(models, [2, 1, 1, 1, 1]), get_rule("mean")(models, [2, 1, 1, 1, 1]))
+    assert torch.equal(get_rule("filter")(models[:1], [1]), models[0])  # alone: its own model
+    infinite = torch.cat([models[:3], _t([[float("inf"), 0]])])
+    assert torch.allclose(get_rule("filter")(infinite, [1] * 4), _t([0.6 / 4, 0.8 / 4]))
+    assert str(get_rule("filter")) == "filter:3" and str(get_rule("filter:1.5")) == "filter:1.5"
 
 
 @pytest.mark.parametrize("name", RULES)
@@ -142,6 +156,7 @@ def test_refusal_and_suspicion():
 @pytest.mark.parametrize("text,message", [
     ("trimmed-mean", "write it trimmed-mean:B"), ("krum:x", "whole numbers"), ("clip:0", "positive"),
     ("clip:far", "clip:nearest"), ("clip:nan", "positive numbers"), ("clip:inf", "positive numbers"),
+    ("filter:0.5", "at least 1"),
     ("multi-krum:1:0", "positive"), ("median:2", "write it median"),
 ])
 def test_a_badly_written_rule_is_one_clear_error(text, message):
@@ -197,6 +212,17 @@ def test_one_sign_flipping_node_wrecks_the_mean_but_not_clipping_or_the_trimmed_
         assert summary["nodes_evaluated"] == 7 and summary["attackers"] == {"3": "sign-flip:10"}
         neighbours = build_topology("regular:3", 8, seed=1).neighbours(3)
         assert summary["suspected"] == {"3": len(neighbours)}  # every neighbour of the bad node, no one else
+
+
+def test_distance_filtering_holds_where_two_of_a_nodes_three_neighbours_flip_signs(tmp_path):
+    # 16 nodes on seed 3's 3-regular graph: node 10's neighbours are 2, 3 and 11, and 3 and 11 are bad
+    config = make_config({**ATTACKED, "nodes": 16, "seed": 3, "rounds": 5, "byzantine": "3:sign-flip:10,11:sign-flip:10",
+                          "aggregation": "filter", "output": str(tmp_path)})
+    assert build_topology("regular:3", 16, seed=3).neighbours(10) == [2, 3, 11]
+    simulate(config, progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final"]["accuracy"] >= 0.9 and summary["nodes_evaluated"] == 14
+    assert summary["per_node"]["10"]["metrics"]["accuracy"] >= 0.85  # the node the bad majority surrounds
 
 
 def test_a_model_with_nan_is_refused_counted_and_its_sender_suspected():

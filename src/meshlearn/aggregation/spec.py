@@ -1,7 +1,7 @@
 """Names of aggregation rules and their arguments, checked without torch (configs and flags).
 
 A rule is named ``NAME`` or ``NAME:ARG[:ARG]``: ``mean``, ``median``, ``trimmed-mean:B``,
-``krum:F``, ``multi-krum:F:M``, ``clip``, ``clip:TAU`` or ``clip:nearest``. Rules a user registers (with
+``krum:F``, ``multi-krum:F:M``, ``clip``, ``clip:TAU``, ``clip:nearest`` or ``filter[:C]``. Rules a user registers (with
 ``register_rule``) take their arguments as written.
 """
 
@@ -21,11 +21,13 @@ BUILT_IN_RULES: dict[str, tuple[tuple[str, ...], int, type]] = {
     "krum": (("F",), 0, int),
     "multi-krum": (("F", "M"), 0, int),
     "clip": (("TAU",), 1, float),
+    "filter": (("C",), 1, float),
 }
 RULE_MODULES = {"mean": "mean", "median": "median", "trimmed-mean": "trimmed_mean", "krum": "krum",
-                "multi-krum": "krum", "clip": "clipping"}
+                "multi-krum": "krum", "clip": "clipping", "filter": "filtering"}
 RULE_HELP = ("mean | median | trimmed-mean:B | krum:F | multi-krum:F:M | clip[:TAU|:nearest] (self-centred "
-             "clipping; TAU left out: the median distance to the neighbours; nearest: the nearest one's)")
+             "clipping; TAU left out: the median distance to the neighbours; nearest: the nearest one's) | "
+             "filter[:C] (leave out models beyond C times the nearest one's distance, C 3 if left out)")
 NEAREST = "nearest"  # clip's radius: the distance to the nearest neighbour
 
 
@@ -61,6 +63,8 @@ def parse_rule(text: str) -> RuleSpec:
     if any(not math.isfinite(a) or a < 0 for a in args) or (name == "multi-krum" and args[1] < 1) or \
             (name == "clip" and args and args[0] <= 0):
         raise ConfigError(f"aggregation rule {text!r}: its arguments must be positive numbers ({usage})")
+    if name == "filter" and args and args[0] < 1:
+        raise ConfigError(f"aggregation rule {text!r}: C must be at least 1 (the nearest neighbour always counts)")
     return RuleSpec(name, args)
 
 
