@@ -18,7 +18,8 @@ import torch
 
 from meshlearn.aggregation import get_rule
 
-RULES = ["mean", "clip", "clip:1", "trimmed-mean:1", "trimmed-mean:4", "median", "krum:4", "multi-krum:4:8"]
+RULES = ["mean", "clip", "clip:1", "clip:nearest", "filter", "trimmed-mean:1", "trimmed-mean:4", "median", "krum:4",
+         "multi-krum:4:8"]
 RESNET18 = 11_183_582  # meshlearn's resnet18 for 10 classes: its flat state (parameters and buffers)
 
 
