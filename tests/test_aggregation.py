@@ -85,6 +85,20 @@ def test_distance_filtering_leaves_out_a_far_bad_majority_by_hand():
     assert str(get_rule("filter")) == "filter:3" and str(get_rule("filter:1.5")) == "filter:1.5"
 
 
+def test_a_gossiping_node_moves_under_a_robust_rule_only_once_it_has_two_peers_models_to_compare():
+    from meshlearn.aggregation.suspects import PeerWatch
+    from meshlearn.algorithms.gossip import robust_target
+
+    own, bad, honest = _t([0, 0]), _t([-30, -40]), _t([0.6, 0.8])
+    rule, watch = get_rule("filter"), PeerWatch()
+    # the bad peer pulled first: with one model to compare, it would count as much as the node itself
+    assert torch.equal(robust_target(rule, own, {1: bad}, 1, watch, neighbours=3), own)
+    # then an honest one: the far model is left out, its third stays with the node
+    assert torch.allclose(robust_target(rule, own, {1: bad, 2: honest}, 2, watch, neighbours=3), honest / 3)
+    # a node with a single neighbour has nothing else to compare: it takes that one, as before
+    assert torch.allclose(robust_target(rule, own, {1: honest}, 1, watch, neighbours=1), honest / 2)
+
+
 @pytest.mark.parametrize("name", RULES)
 def test_rules_are_invariant_to_the_order_of_the_neighbours_and_work_in_batches(name):
     rule = get_rule(name)

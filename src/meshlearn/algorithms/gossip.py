@@ -220,15 +220,23 @@ class GossipAverager:
         self.latest[peer] = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges]).to(
             state.device, copy=True)
         with torch.no_grad():
-            state.lerp_(robust_target(self.rule, state.detach(), self.latest, peer, self.watch), factor)
+            state.lerp_(robust_target(self.rule, state.detach(), self.latest, peer, self.watch,
+                                      len(self.scores.score)), factor)
+
+
+ROBUST_PEERS = 2  # peers' models a robust rule compares before a gossiping node moves at all
 
 
 def robust_target(rule: AggregationRule, own: torch.Tensor, latest: dict[int, torch.Tensor], peer: int,
-                  watch: PeerWatch) -> torch.Tensor:
+                  watch: PeerWatch, neighbours: int) -> torch.Tensor:
     """What a gossiping node moves toward under a robust ``rule``: the rule's aggregate of its own
     model and every peer's latest pulled one (equal weights), ``peer``'s just pulled (and judged
     for ``watch``). A pairwise pull alone gives a rule only two models, too few to outvote a bad
-    one. Used by both engines."""
+    one: until the node has pulled from two of its ``neighbours`` (or its only one), it stays
+    where it is, or a bad peer pulled first would count as much as the node itself. Used by both
+    engines."""
+    if len(latest) < min(ROBUST_PEERS, neighbours):
+        return own
     peers = sorted(latest)
     models = torch.stack([own, *(latest[q] for q in peers)])
     aggregate = rule(models, [1.0] * len(models))

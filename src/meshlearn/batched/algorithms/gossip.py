@@ -237,4 +237,5 @@ class BatchedGossip(BatchedAlgorithm):
             state[rank].lerp_(answer, factor)
             return
         self.latest[rank][peer] = answer.clone()
-        state[rank].lerp_(robust_target(self.rule, state[rank], self.latest[rank], peer, self.watches[rank]), factor)
+        state[rank].lerp_(robust_target(self.rule, state[rank], self.latest[rank], peer, self.watches[rank],
+                                        len(self.ctx.graph.neighbours(rank))), factor)
