@@ -3,128 +3,87 @@
 The pattern of TURN allocations and Tailscale's DERP: a participant that cannot accept
 connections asks the relay for an *allocation*, a public port of the relay, and keeps a few
 *agent* connections parked at the relay's agent port (dialed out, so NAT lets them through). A
-client connects to the allocation's port as if it were the participant; the relay hands the
-connection a parked agent connection, and from then on copies bytes both ways. The agent
-connects to the participant's own server on this machine and copies bytes too.
+client connects to the allocation's port as if it were the participant; once it has sent its
+first bytes (a ZeroMQ peer sends its greeting at once), the relay hands it a parked agent
+connection, writes ``G`` and those bytes to it, and from then on copies bytes both ways. The
+agent connects to the participant's own server on this machine and copies bytes too.
 
 The relay sees only what flows inside: CurveZMQ sessions and sealed engine messages, encrypted
 end to end between the client and the participant (the relay holds no key), so it learns sizes
 and timing only. The agent port also answers ``KEY``: the bootstrap's public key, for trust on
 first use.
 
-Everything a peer can make the relay hold is capped (the constants below, docs/security.md);
-parked connections carry TCP keepalives, and the relay drops those whose agent is gone, so an
-allocation nobody serves any more is closed after IDLE_CLOSE.
+Strangers can reach the relay, so it runs as one thread (``splicer.Loop``: no thread per
+connection) and everything they can make it hold is capped (the constants below,
+docs/security.md). A full cap makes room instead of turning the newcomer away: it evicts the
+connection that has been idle longest (one that sent nothing, or a splice no byte went through
+lately), so a flood of silent or stalled connections cannot lock out the busy, legitimate ones.
+Running out of descriptors pauses accepting, never the relay. Parked connections carry TCP
+keepalives, and the relay drops those whose agent is gone, so an allocation nobody serves any
+more is closed after IDLE_CLOSE.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
+import resource
 import secrets
-import select
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from meshlearn.errors import NetworkError, PortInUseError
 from meshlearn.network.addresses import is_wildcard
 from meshlearn.network.envelope import field_of
 from meshlearn.network.sparselog import SparseLog
+from meshlearn.network.splicer import READ, Acceptor, Loop, Splice, Splicer, close_socket, dial
 
 log = logging.getLogger(__name__)
 
 PARKED = 4  # agent connections an allocation keeps waiting at the relay
-# Caps on what one participant, or anyone who can connect, makes the relay hold (docs/security.md)
-MAX_PARKED = 16  # parked agent connections per allocation
-MAX_WAITING = 32  # clients waiting for a parked connection, per allocation
-MAX_SPLICES = 64  # live spliced connections per allocation (and per agent)
-MAX_SPLICES_TOTAL = 512  # live spliced connections of the whole relay
-MAX_GREETING = 64  # connections to the agent port not yet past their first line
+# Caps on what anyone who can connect, or any holder of the network secret, makes the relay hold.
+# Allocations (only holders of the secret get one, but a new key costs them nothing):
 MAX_PER_OWNER = 8  # live allocations per participant key
-GREETING_TIME = 5.0  # seconds a connection to the agent port has to send its whole first line
+MAX_ALLOCATIONS_PER_ADDRESS = 32  # live allocations per source IP address (a site's providers share one)
+MAX_ALLOCATIONS = 256  # live allocations in all, and at most a quarter of the descriptor budget (--relay-ports too)
+# The agent port: participants' agents (AGENT token) and anyone asking for the key (KEY):
+MAX_PARKED = 16  # parked agent connections per allocation (more are refused)
+MAX_GREETING = 256  # connections not past their first line: a newcomer evicts the oldest...
+MAX_GREETING_PER_ADDRESS = 32  # ... or, over this many from its address, that address's oldest
+GREETING_TIME = 3.0  # seconds a connection to the agent port has to send its whole first line
+# An allocation's public port (the participant's clients, and strangers):
+FIRST_BYTES = 4096  # at most this much of a client's first bytes is held until it is spliced
+FIRST_BYTES_TIME = 3.0  # seconds a client has to send its first bytes (ZeroMQ sends its greeting at once)
+MAX_PENDING = 32  # clients per allocation that sent nothing yet: a newcomer evicts the oldest
+MAX_WAITING = 32  # clients per allocation waiting for a parked connection: a newcomer evicts the oldest
 CLIENT_WAIT = 10.0  # seconds a client waits for a parked agent connection
+MAX_SPLICES = 48  # live splices per allocation: a new one evicts the one idle longest
+MAX_SPLICES_TOTAL = 512  # live splices of the whole relay: likewise
+MAX_CLIENTS_PER_ADDRESS = 16  # one address's connections to an allocation: its newcomer evicts its idlest
+# The whole relay:
+MAX_DESCRIPTORS = 16384  # descriptors the relay holds at once (listeners, connections, pipes), and at most
+DESCRIPTOR_SHARE = 0.5  # this share of the process's open-file limit (the rest is the bootstrap's RPC's)
+MAX_PIPES = 64  # kernel pipes lent to splices at once, and at most 1/16 of the descriptor budget
 IDLE_CLOSE = 120.0  # an allocation with neither a parked nor a spliced connection for this long is closed
 SWEEP_EVERY = 5.0
+TICK = 0.25  # seconds between checks of the deadlines above
+# The agent (the participant's side):
+AGENT_MAX = MAX_SPLICES + MAX_PARKED  # relay connections an agent holds at once, parked or spliced
+AGENT_PIPES = 16
 REFUSALS_LOST = 5  # parked connections closed in a row before any client came: the relay forgot the token
 LINE_MAX = 128
-BUFFER = 1 << 20
+LISTEN_BACKLOG = 512
 GO = b"G"
 KEY_REQUEST = b"KEY"
 KEY_REPLY = b"meshlearn-bootstrap-key "
 
 
-def pump(source: socket.socket, sink: socket.socket) -> None:
-    """Copy bytes from ``source`` to ``sink`` until either side closes; then shut both down.
-    On Linux the bytes never enter Python: ``os.splice`` moves them through a pipe in the kernel
-    (a relayed exchange then costs about 1.2x a direct one instead of 1.4x, benchmarks/RESULTS.md)."""
-    try:
-        if hasattr(os, "splice"):
-            _pump_in_kernel(source, sink)
-        else:
-            _pump_through_buffer(source, sink)
-    except OSError:
-        pass
-    finally:
-        for sock, how in ((sink, socket.SHUT_WR), (source, socket.SHUT_RD)):
-            try:
-                sock.shutdown(how)
-            except OSError:
-                pass
-
-
-def _pump_in_kernel(source: socket.socket, sink: socket.socket) -> None:
-    read_end, write_end = os.pipe()
-    try:
-        try:
-            fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, BUFFER)
-        except OSError:
-            pass  # above /proc/sys/fs/pipe-max-size: the default 64 KiB pipe
-        while True:
-            count = os.splice(source.fileno(), write_end, BUFFER)
-            if not count:
-                return
-            while count:
-                count -= os.splice(read_end, sink.fileno(), count)
-    finally:
-        os.close(read_end)
-        os.close(write_end)
-
-
-def _pump_through_buffer(source: socket.socket, sink: socket.socket) -> None:
-    buffer = bytearray(BUFFER)
-    view = memoryview(buffer)
-    while True:
-        count = source.recv_into(buffer)
-        if not count:
-            return
-        sink.sendall(view[:count])
-
-
-def splice(a: socket.socket, b: socket.socket, name: str, done: Callable[[], None] | None = None) -> None:
-    """Copy both ways between two connected sockets, in two threads; close both, then call
-    ``done``, when either side is finished."""
-    def run():
-        back = threading.Thread(target=pump, args=(b, a), name=f"{name}-back", daemon=True)
-        back.start()
-        pump(a, b)
-        back.join()
-        a.close()
-        b.close()
-        if done is not None:
-            done()
-    threading.Thread(target=run, name=name, daemon=True).start()
-
-
 def _tune(sock: socket.socket) -> None:
-    """Blocking without a timeout (os.splice needs it, and a relayed peer may be quiet for long),
-    no Nagle delay, and TCP keepalives, so a connection whose other end vanished (a home router
+    """No Nagle delay, and TCP keepalives, so a connection whose other end vanished (a home router
     that forgot it) is noticed within a minute or so instead of never."""
-    sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for option, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
@@ -150,31 +109,95 @@ def read_line(sock: socket.socket, timeout: float = GREETING_TIME) -> bytes:
     return bytes(line)
 
 
-def _gone(sock: socket.socket) -> bool:
-    """Whether a parked connection is closed or broken (a parked agent never sends anything)."""
+def descriptor_budget() -> int:
+    """Descriptors the relay may hold at once: DESCRIPTOR_SHARE of this process's open-file limit
+    (its soft limit now), at most MAX_DESCRIPTORS."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_DESCRIPTORS
+    return max(16, min(MAX_DESCRIPTORS, int(soft * DESCRIPTOR_SHARE)))  # 16: a tiny limit still leaves it some
+
+
+def _alive(sock: socket.socket) -> bool:
+    """Whether a parked connection is still usable (a parked agent never sends anything: EOF,
+    an error or a byte all mean it is not)."""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return bool(readable)  # EOF, an error, or bytes an agent should not send: all unusable
-    except (OSError, ValueError):
+        sock.recv(1, socket.MSG_PEEK)
+    except BlockingIOError:
         return True
+    except OSError:
+        pass
+    return False
 
 
-@dataclass
+class _Crowd:
+    """Connections oldest first, grouped by source address (what a cap per address evicts from)."""
+
+    def __init__(self):
+        self.all: dict[_Conn, bool] = {}
+        self._by_address: dict[str, dict[_Conn, bool]] = {}
+
+    def __len__(self) -> int:
+        return len(self.all)
+
+    def add(self, conn: _Conn) -> None:
+        self.all[conn] = True
+        self._by_address.setdefault(conn.source, {})[conn] = True
+
+    def discard(self, conn: _Conn) -> None:
+        if self.all.pop(conn, False):
+            group = self._by_address[conn.source]
+            del group[conn]
+            if not group:
+                del self._by_address[conn.source]
+
+    def of(self, source: str) -> list[_Conn]:
+        return list(self._by_address.get(source, ()))
+
+
+@dataclass(eq=False)
+class _Conn:
+    """A connection a stranger may have opened: a greeting on the agent port (no ``allocation``),
+    or a client of an allocation, in one of its ``stage`` groups (pending, waiting, spliced)."""
+
+    sock: socket.socket
+    source: str
+    since: float  # arrival; a client's first bytes, once they came
+    allocation: _Allocation | None = None
+    data: bytes = b""  # a greeting's line so far; a client's first bytes
+    stage: dict | None = None
+    splice: Splice | None = None
+
+    def idle_since(self) -> float:
+        return self.splice.last_active if self.splice is not None else self.since
+
+
+@dataclass(eq=False)
 class _Allocation:
+    """An allocation: its public port's acceptor, the agent connections parked for it, and its
+    clients in their stages."""
+
     token: str
-    listener: socket.socket
     port: int
     owner: str = ""
-    parked: deque = field(default_factory=deque)
-    arrived: threading.Condition = field(default_factory=threading.Condition)
+    source: str = ""
+    acceptor: Acceptor | None = None
+    parked: dict[socket.socket, bool] = field(default_factory=dict)  # oldest first
+    pending: dict[_Conn, bool] = field(default_factory=dict)  # clients that sent nothing yet, oldest first
+    waiting: dict[_Conn, bool] = field(default_factory=dict)  # clients waiting for a parked connection
+    spliced: dict[_Conn, bool] = field(default_factory=dict)
+    clients: _Crowd = field(default_factory=_Crowd)  # all three, by address
     last_used: float = field(default_factory=time.monotonic)  # last time it had a parked or spliced connection
-    waiting: int = 0
-    splices: int = 0
     closed: bool = False
 
 
 class Relay:
-    """The relay: an agent port (plus ``KEY``) and one public port per allocation."""
+    """The relay: an agent port (plus ``KEY``) and one public port per allocation, all served by
+    one thread. ``allocate``, ``release`` and ``owner_of`` may be called from any thread.
+    Counters: ``accepted`` (connections, every port), ``spliced`` (clients joined to an agent),
+    ``refused`` (turned away: late, a bad line, no allocation, a full cap with nothing to evict),
+    ``evicted`` (dropped to make room for a newcomer), ``paused`` (times a port stopped
+    accepting for a while: out of descriptors)."""
 
     def __init__(self, host: str, port: int, public_host: str, key_line: str = "",
                  ports: range | None = None, client_wait: float = CLIENT_WAIT, idle_close: float = IDLE_CLOSE,
@@ -187,18 +210,26 @@ class Relay:
         self.idle_close = idle_close
         self.sweep_every = sweep_every
         self._allocations: dict[str, _Allocation] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _allocations and _stopped (the only state other threads touch)
+        self._stopped = False
         self._listener: socket.socket | None = None
-        self._greeting = threading.BoundedSemaphore(MAX_GREETING)
-        self._warn = SparseLog(log)
+        self._acceptor: Acceptor | None = None
+        self._loop = Loop("relay", on_stop=self._close_everything)
+        self._splicer: Splicer | None = None
+        self._budget = self._pipes = 0  # set by bind()
+        self._greetings = _Crowd()  # agent-port connections not past their first line
+        self._unproven: dict[_Conn, bool] = {}  # greetings and clients that sent nothing, oldest first
+        self._sockets = 0  # connections held (listeners apart)
         self._splices = 0
-        self.spliced = 0
-        self.refused = 0  # connections turned away by a cap, a late line, or for naming no allocation
+        self._warn = SparseLog(log)
+        self.accepted = self.spliced = self.refused = self.evicted = self.paused = 0
 
     def bind(self) -> int:
+        """Listen on the agent port (PortInUseError if taken) and size the descriptor budget; the port."""
         self._listener = _listen(self.host, self.port)
         self.port = self._listener.getsockname()[1]
+        self._budget = descriptor_budget()
+        self._pipes = max(2, min(MAX_PIPES, self._budget // 16))
         return self.port
 
     @property
@@ -206,40 +237,34 @@ class Relay:
         return f"{self.public_host}:{self.port}"
 
     def start(self) -> None:
+        """Serve, in the relay's thread (binding first if bind() was not called)."""
         if self._listener is None:
             self.bind()
-        threading.Thread(target=self._accept_agents, name="relay-agents", daemon=True).start()
-        threading.Thread(target=self._sweep, name="relay-sweep", daemon=True).start()
+        self._splicer = Splicer(self._loop, self._pipes)
+        self._acceptor = Acceptor(self._loop, self._listener, self._agent_connected, "relay agent port",
+                                  self._count_pause)
+        self._loop.start()
+        self._loop.call_soon(self._begin)
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._listener is not None:
-            _close(self._listener)
+        """Stop serving and close every port and connection (back when this returns)."""
         with self._lock:
-            allocations = list(self._allocations.values())
-            self._allocations.clear()
-        for allocation in allocations:
-            self._close(allocation)
+            self._stopped = True
+        self._loop.stop()
 
-    def allocate(self, owner: str = "") -> tuple[str, str]:
-        """A new allocation for ``owner`` (a participant's key): (token its agents present, public
-        HOST:PORT clients connect to). At most MAX_PER_OWNER live ones per owner."""
+    def allocate(self, owner: str = "", source: str = "") -> tuple[str, str]:
+        """A new allocation for ``owner`` (a participant's key) asking from ``source`` (its IP
+        address): (token its agents present, public HOST:PORT clients connect to). Refused
+        (NetworkError) beyond MAX_PER_OWNER live ones per owner, MAX_ALLOCATIONS_PER_ADDRESS per
+        address, or MAX_ALLOCATIONS (or a quarter of the descriptor budget) in all."""
         with self._lock:
-            if owner and sum(a.owner == owner for a in self._allocations.values()) >= MAX_PER_OWNER:
-                raise NetworkError(f"this key holds {MAX_PER_OWNER} relay allocations already: close one first")
-            listener = None
-            for port in (self.ports or [0]):
-                try:
-                    listener = _listen(self.host, port)
-                    break
-                except PortInUseError:
-                    continue
-            if listener is None:
-                raise NetworkError("the relay has no free port left: widen --relay-ports")
-            allocation = _Allocation(secrets.token_hex(16), listener, listener.getsockname()[1], owner)
+            self._check_room_for_allocation(owner, source)
+            listener = self._allocation_listener()
+            allocation = _Allocation(secrets.token_hex(16), listener.getsockname()[1], owner, source)
+            allocation.acceptor = Acceptor(self._loop, listener, partial(self._client_connected, allocation),
+                                           f"relay port {allocation.port}", self._count_pause)
             self._allocations[allocation.token] = allocation
-        threading.Thread(target=self._accept_clients, args=(allocation,), name=f"relay-{allocation.port}",
-                         daemon=True).start()
+        self._loop.call_soon(partial(self._open_allocation, allocation))
         return allocation.token, f"{self.public_host}:{allocation.port}"
 
     def release(self, token: str, owner: str = "") -> bool:
@@ -249,7 +274,8 @@ class Relay:
             if allocation is None or allocation.owner != owner:
                 return False
             del self._allocations[token]
-        self._close(allocation)
+        if not self._loop.call_soon(partial(self._close_allocation, allocation)):
+            self._close_allocation(allocation)  # the loop is over: nothing else touches it now
         return True
 
     def owner_of(self, address: str) -> str | None:
@@ -260,146 +286,350 @@ class Relay:
                     return allocation.owner
         return None
 
-    def _accept_agents(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            if not self._greeting.acquire(blocking=False):
-                self.refused += 1
-                conn.close()
-                continue
-            threading.Thread(target=self._greet, args=(conn,), name="relay-greet", daemon=True).start()
+    # --- allocations (callers' threads) ---
 
-    def _greet(self, conn: socket.socket) -> None:
-        try:
-            words = read_line(conn).split()
-        except OSError:  # TimeoutError included: the line came too slowly
-            self.refused += 1
-            conn.close()
-            return
-        finally:
-            self._greeting.release()
-        if words == [KEY_REQUEST] and self.key_line:
+    def _check_room_for_allocation(self, owner: str, source: str) -> None:
+        live = self._allocations.values()
+        if self._stopped or self._listener is None:
+            raise NetworkError("the relay is not running")
+        if owner and sum(a.owner == owner for a in live) >= MAX_PER_OWNER:
+            raise NetworkError(f"this key holds {MAX_PER_OWNER} relay allocations already: close one first")
+        if source and sum(a.source == source for a in live) >= MAX_ALLOCATIONS_PER_ADDRESS:
+            raise NetworkError(f"{source} holds {MAX_ALLOCATIONS_PER_ADDRESS} relay allocations already: "
+                               "close one first")
+        most = min(MAX_ALLOCATIONS, self._budget // 4)
+        if len(self._allocations) >= most:
+            raise NetworkError(f"the relay holds {most} allocations, its most: try again later")
+
+    def _allocation_listener(self) -> socket.socket:
+        for port in (self.ports or [0]):
             try:
-                conn.sendall(KEY_REPLY + self.key_line.encode() + b"\n")
-            except OSError:
-                pass
-            conn.close()
+                return _listen(self.host, port)
+            except PortInUseError:
+                continue
+            except OSError as exc:  # out of descriptors, most likely
+                raise NetworkError(f"the relay cannot open a port now ({exc}): try again later") from None
+        raise NetworkError("the relay has no free port left: widen --relay-ports")
+
+    # --- everything below runs in the loop's thread ---
+
+    def _begin(self) -> None:
+        self._acceptor.start()
+        self._loop.every(TICK, self._expire)
+        self._loop.every(self.sweep_every, self._sweep)
+
+    def _count_pause(self) -> None:
+        self.paused += 1
+
+    def _open_allocation(self, allocation: _Allocation) -> None:
+        if not allocation.closed:
+            allocation.acceptor.start()
+
+    def _close_allocation(self, allocation: _Allocation) -> None:
+        if allocation.closed:
             return
+        allocation.closed = True
+        allocation.acceptor.close()
+        for sock in list(allocation.parked):
+            self._close_socket(sock)
+        allocation.parked.clear()
+        for client in list(allocation.clients.all):
+            self._drop(client)
+
+    def _close_everything(self) -> None:
         with self._lock:
-            allocation = self._allocations.get(words[1].decode(errors="replace")) \
-                if len(words) == 2 and words[0] == b"AGENT" else None
-        if allocation is None:
-            self.refused += 1
-            self._warn.warning("no allocation", "relay: refused a connection that named no allocation")
-            conn.close()
-            return
-        _tune(conn)
-        with allocation.arrived:
-            if len(allocation.parked) >= MAX_PARKED or allocation.closed:
-                self.refused += 1
-                conn.close()
-                return
-            allocation.parked.append(conn)
-            allocation.last_used = time.monotonic()
-            allocation.arrived.notify()
+            allocations = list(self._allocations.values())
+            self._allocations.clear()
+        for allocation in allocations:
+            self._close_allocation(allocation)
+        for greeting in list(self._greetings.all):
+            self._drop(greeting)
+        if self._acceptor is not None:
+            self._acceptor.close()
+        elif self._listener is not None:
+            close_socket(self._listener)
+        if self._splicer is not None:
+            self._splicer.close()
 
-    def _accept_clients(self, allocation: _Allocation) -> None:
-        while not allocation.closed:
-            try:
-                client, _ = allocation.listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._connect, args=(allocation, client), name="relay-connect",
-                             daemon=True).start()
+    def _live_allocations(self) -> list[_Allocation]:
+        with self._lock:
+            return list(self._allocations.values())
 
-    def _connect(self, allocation: _Allocation, client: socket.socket) -> None:
-        with allocation.arrived:
-            full = allocation.waiting >= MAX_WAITING or allocation.splices >= MAX_SPLICES \
-                or self._splices >= MAX_SPLICES_TOTAL
-            if not full:
-                allocation.waiting += 1
-        if full:
-            self.refused += 1
-            client.close()
+    def _close_socket(self, sock: socket.socket) -> None:
+        self._loop.unwatch(sock)
+        close_socket(sock)
+        self._sockets -= 1
+
+    def _refuse(self, sock: socket.socket) -> None:
+        self.refused += 1
+        self._close_socket(sock)
+
+    # --- room: caps, eviction, the descriptor budget ---
+
+    def _evict(self, conn: _Conn | None, cap: str) -> None:
+        if conn is None:
             return
-        _tune(client)
+        self.evicted += 1
+        self._warn.warning(cap, "relay: %s reached: dropped the connection idle longest to make room", cap)
+        self._drop(conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        """Close a greeting or a client, in whatever stage (a spliced one through its splice)."""
+        if conn.splice is not None:
+            conn.splice.close()  # _unspliced does the bookkeeping
+            return
+        self._unproven.pop(conn, None)
+        if conn.allocation is None:
+            self._greetings.discard(conn)
+        else:
+            conn.stage.pop(conn, None)
+            conn.stage = None
+            conn.allocation.clients.discard(conn)
+        self._close_socket(conn.sock)
+
+    def _make_room(self) -> bool:
+        """Hold the newest connection within the descriptor budget: evict the oldest connection that
+        sent nothing anywhere, else the splice idle longest; False if nothing can go."""
+        listeners = 1 + len(self._allocations)
+        while self._sockets + listeners + 2 * self._pipes > self._budget:
+            victim = self._oldest_silent(self._unproven) or _idlest_splice(self._all_spliced())
+            if victim is None:
+                return False
+            self._evict(victim, "the descriptor budget")
+        return True
+
+    def _make_room_for_splice(self, allocation: _Allocation) -> None:
+        if len(allocation.spliced) >= MAX_SPLICES:
+            self._evict(_idlest_splice(allocation.spliced), "an allocation's splices cap")
+        if self._splices >= MAX_SPLICES_TOTAL:
+            self._evict(_idlest_splice(self._all_spliced()), "the relay's splices cap")
+
+    def _all_spliced(self) -> list[_Conn]:
+        return [conn for allocation in self._live_allocations() for conn in allocation.spliced]
+
+    def _oldest_silent(self, conns: Iterable[_Conn]) -> _Conn | None:
+        """The oldest of ``conns`` (greetings or pending clients, oldest first) that has still sent
+        nothing whole: those whose bytes are waiting are served first, so that a flood of newcomers
+        evicts only the silent."""
+        for conn in list(conns):
+            if conn.allocation is None and conn in self._greetings.all:
+                self._greeting_readable(conn, READ)
+                if conn in self._greetings.all:
+                    return conn
+            elif conn.allocation is not None and conn.stage is conn.allocation.pending:
+                self._first_bytes(conn, READ)
+                if conn.stage is conn.allocation.pending:
+                    return conn
+        return None
+
+    def _idlest_client(self, conns: list[_Conn]) -> _Conn | None:
+        """Whom a full cap on clients evicts: the oldest silent one, else the splice idle longest,
+        else (no other) the one waiting longest for a parked connection."""
+        silent = self._oldest_silent(conn for conn in conns if conn.stage is conn.allocation.pending)
+        if silent is not None:
+            return silent
+        held = [conn for conn in conns if conn.stage is not None]  # reading the others may have dropped some
+        return _idlest_splice(conn for conn in held if conn.splice is not None) or next(iter(held), None)
+
+    # --- the agent port ---
+
+    def _agent_connected(self, sock: socket.socket, source: str) -> None:
+        self._sockets += 1
+        self.accepted += 1
+        greeting = _Conn(sock, source, time.monotonic())
+        if len(self._greetings) >= MAX_GREETING:
+            self._evict(self._oldest_silent(self._greetings.all), "the agent port's greeting cap")
+        if len(self._greetings.of(source)) >= MAX_GREETING_PER_ADDRESS:
+            self._evict(self._oldest_silent(self._greetings.of(source)), "the agent port's cap per address")
+        if not self._make_room():
+            self._refuse(sock)
+            return
+        self._greetings.add(greeting)
+        self._unproven[greeting] = True
+        self._loop.watch(sock, READ, partial(self._greeting_readable, greeting))
+
+    def _greeting_readable(self, greeting: _Conn, mask: int) -> None:
         try:
-            agent = self._take_parked(allocation, time.monotonic() + self.client_wait)
-        finally:
-            with allocation.arrived:
-                allocation.waiting -= 1
-        if agent is None:
-            client.close()
+            data = greeting.sock.recv(LINE_MAX + 1 - len(greeting.data))
+        except BlockingIOError:
             return
-        with allocation.arrived:
-            allocation.splices += 1
-            self._splices += 1
+        except OSError:
+            data = b""
+        greeting.data += data
+        line, newline, rest = greeting.data.partition(b"\n")
+        if not newline and data and len(greeting.data) <= LINE_MAX:
+            return  # more to come
+        self._greetings.discard(greeting)
+        self._unproven.pop(greeting, None)
+        words = line.split() if newline else []
+        if words == [KEY_REQUEST] and self.key_line:
+            self._answer_key(greeting.sock)
+        elif len(words) == 2 and words[0] == b"AGENT" and not rest:
+            self._park(greeting.sock, words[1].decode(errors="replace"))
+        else:
+            self._warn.warning("bad line", "relay: refused a connection that sent no KEY or AGENT line")
+            self._refuse(greeting.sock)
 
-        def done():
-            with allocation.arrived:
-                allocation.splices -= 1
-                allocation.last_used = time.monotonic()
-                self._splices -= 1
-        self.spliced += 1
-        splice(client, agent, f"relay-splice-{allocation.port}", done)
+    def _answer_key(self, sock: socket.socket) -> None:
+        try:
+            sock.send(KEY_REPLY + self.key_line.encode() + b"\n")
+        except OSError:
+            pass
+        self._close_socket(sock)
 
-    def _take_parked(self, allocation: _Allocation, deadline: float) -> socket.socket | None:
-        """A live parked agent connection, told to go (None if none came in time)."""
-        while True:
-            with allocation.arrived:
-                while not allocation.parked and time.monotonic() < deadline and not allocation.closed:
-                    allocation.arrived.wait(deadline - time.monotonic())
-                if not allocation.parked:
-                    return None
-                agent = allocation.parked.popleft()
-            if _gone(agent):
-                agent.close()
+    def _park(self, sock: socket.socket, token: str) -> None:
+        with self._lock:
+            allocation = self._allocations.get(token)
+        if allocation is None or allocation.closed:
+            self._warn.warning("no allocation", "relay: refused a connection that named no allocation")
+            self._refuse(sock)
+            return
+        if len(allocation.parked) >= MAX_PARKED:
+            self._refuse(sock)
+            return
+        try:
+            _tune(sock)
+        except OSError:
+            self._refuse(sock)
+            return
+        allocation.parked[sock] = True
+        allocation.last_used = time.monotonic()
+        self._loop.watch(sock, READ, partial(self._parked_gone, allocation, sock))
+        self._pair(allocation)
+
+    def _parked_gone(self, allocation: _Allocation, sock: socket.socket, mask: int) -> None:
+        """A parked connection became readable: its agent is gone (or broke the protocol)."""
+        allocation.parked.pop(sock, None)
+        self._close_socket(sock)
+
+    # --- an allocation's public port ---
+
+    def _client_connected(self, allocation: _Allocation, sock: socket.socket, source: str) -> None:
+        self._sockets += 1
+        self.accepted += 1
+        client = _Conn(sock, source, time.monotonic(), allocation)
+        if len(allocation.clients.of(source)) >= MAX_CLIENTS_PER_ADDRESS:
+            self._evict(self._idlest_client(allocation.clients.of(source)), "an allocation's cap per address")
+        if len(allocation.pending) >= MAX_PENDING:
+            self._evict(self._oldest_silent(allocation.pending), "an allocation's cap on silent clients")
+        if allocation.closed or not self._make_room():
+            self._refuse(sock)
+            return
+        self._enter(client, allocation.pending)
+        self._unproven[client] = True
+        self._loop.watch(sock, READ, partial(self._first_bytes, client))
+
+    def _first_bytes(self, client: _Conn, mask: int) -> None:
+        try:
+            data = client.sock.recv(FIRST_BYTES)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # it left before sending anything
+            self._drop(client)
+            return
+        allocation = client.allocation
+        self._loop.unwatch(client.sock)
+        self._unproven.pop(client, None)
+        if len(allocation.waiting) >= MAX_WAITING:
+            self._evict(next(iter(allocation.waiting)), "an allocation's cap on waiting clients")
+        client.data, client.since = data, time.monotonic()
+        self._enter(client, allocation.waiting)
+        self._pair(allocation)
+
+    def _enter(self, client: _Conn, stage: dict) -> None:
+        if client.stage is not None:
+            del client.stage[client]
+        else:
+            client.allocation.clients.add(client)
+        stage[client] = True
+        client.stage = stage
+
+    def _pair(self, allocation: _Allocation) -> None:
+        """Join waiting clients, oldest first, to parked agent connections."""
+        while allocation.waiting and allocation.parked:
+            agent = next(iter(allocation.parked))
+            del allocation.parked[agent]
+            self._loop.unwatch(agent)
+            if not _alive(agent):
+                self._close_socket(agent)
                 continue
-            try:
-                agent.sendall(GO)
-                return agent
-            except OSError:  # that parked connection died: take the next
-                agent.close()
+            self._make_room_for_splice(allocation)  # evicts a spliced client, never a waiting one
+            self._splice(next(iter(allocation.waiting)), agent)
+
+    def _splice(self, client: _Conn, agent: socket.socket) -> None:
+        try:
+            _tune(client.sock)
+        except OSError:
+            pass  # it is gone: the splice will find out
+        self._enter(client, client.allocation.spliced)
+        client.splice = self._splicer.join(client.sock, agent, partial(self._unspliced, client), GO + client.data)
+        client.data = b""
+        self._splices += 1
+        self.spliced += 1
+        client.splice.start()
+
+    def _unspliced(self, client: _Conn, splice: Splice) -> None:
+        allocation = client.allocation
+        allocation.spliced.pop(client, None)
+        client.stage = None
+        allocation.clients.discard(client)
+        allocation.last_used = time.monotonic()
+        self._splices -= 1
+        self._sockets -= 2
+
+    # --- timers ---
+
+    def _expire(self) -> None:
+        """Drop greetings, silent clients and waiting clients past their deadlines."""
+        now = time.monotonic()
+        _expire(self._greetings.all, now - GREETING_TIME, self._drop_late)
+        for allocation in self._live_allocations():
+            _expire(allocation.pending, now - FIRST_BYTES_TIME, self._drop_late)
+            _expire(allocation.waiting, now - self.client_wait, self._drop_late)
+
+    def _drop_late(self, conn: _Conn) -> None:
+        self.refused += 1
+        self._drop(conn)
 
     def _sweep(self) -> None:
-        while not self._stop.wait(self.sweep_every):
-            now = time.monotonic()
-            with self._lock:
-                allocations = list(self._allocations.values())
-            idle = []
-            for allocation in allocations:
-                with allocation.arrived:
-                    for conn in [c for c in allocation.parked if _gone(c)]:
-                        allocation.parked.remove(conn)
-                        conn.close()
-                    if allocation.parked or allocation.splices:
-                        allocation.last_used = now
-                    elif now - allocation.last_used > self.idle_close:
-                        idle.append(allocation)
-            with self._lock:
-                for allocation in idle:
-                    self._allocations.pop(allocation.token, None)
+        """Close allocations nobody has served for idle_close."""
+        now = time.monotonic()
+        idle = []
+        for allocation in self._live_allocations():
+            if allocation.parked or allocation.spliced:
+                allocation.last_used = now
+            elif now - allocation.last_used > self.idle_close:
+                idle.append(allocation)
+        with self._lock:
             for allocation in idle:
-                log.info("relay: allocation on port %d closed (nobody serves it any more)", allocation.port)
-                self._close(allocation)
+                self._allocations.pop(allocation.token, None)
+        for allocation in idle:
+            log.info("relay: allocation on port %d closed (nobody serves it any more)", allocation.port)
+            self._close_allocation(allocation)
 
-    def _close(self, allocation: _Allocation) -> None:
-        allocation.closed = True
-        _close(allocation.listener)
-        with allocation.arrived:
-            while allocation.parked:
-                allocation.parked.popleft().close()
-            allocation.arrived.notify_all()
+
+def _idlest_splice(conns: Iterable[_Conn]) -> _Conn | None:
+    """The spliced client whose splice has moved no byte for longest."""
+    return min(conns, key=_Conn.idle_since, default=None)
+
+
+def _expire(group: dict[_Conn, bool], before: float, drop: Callable[[_Conn], None]) -> None:
+    """Drop the connections of ``group`` (oldest first) that came before ``before``."""
+    while group:
+        oldest = next(iter(group))
+        if oldest.since > before:
+            return
+        drop(oldest)
 
 
 class RelayAgent:
-    """This side of an allocation: keeps connections parked at the relay and joins each one a
-    client takes to the local server at ``local`` (HOST:PORT on this machine). ``lost`` is set
-    when the relay keeps closing parked connections before any client came (it no longer knows
-    the token: restarted, or the allocation was closed); the agent then stops."""
+    """This side of an allocation: keeps ``parked`` connections parked at the relay and joins each
+    one a client takes to the local server at ``local`` (HOST:PORT on this machine), all in one
+    thread; at most AGENT_MAX relay connections at once. ``lost`` is set when the relay keeps
+    closing parked connections before any client came (it no longer knows the token: restarted,
+    or the allocation was closed); the agent then stops."""
 
     def __init__(self, relay: str, token: str, local: str, parked: int = PARKED):
         self.relay = _host_port(relay)
@@ -407,89 +637,129 @@ class RelayAgent:
         self.local = _host_port(local)
         self.parked = parked
         self.lost = threading.Event()
-        self._stop = threading.Event()
-        self._open: set[socket.socket] = set()  # parked and spliced connections, closed by stop()
-        self._splices = threading.BoundedSemaphore(MAX_SPLICES)
+        self._loop = Loop("relay-agent", on_stop=self._close_everything)
+        self._splicer: Splicer | None = None
+        self._sockets: set[socket.socket] = set()  # dialing, parked and joining connections
+        self._splices: set[Splice] = set()
+        self._parking = 0  # slots dialing, parked, or waiting to try again
+        self._joining = 0  # taken by a client, dialing the local server
+        self._failures = 0
         self._refusals = 0
-        self._lock = threading.Lock()
+        self._closing = False
 
     def start(self) -> None:
-        for index in range(self.parked):
-            threading.Thread(target=self._park, name=f"relay-agent-{index}", daemon=True).start()
+        """Start parking connections, in the agent's thread."""
+        self._splicer = Splicer(self._loop, AGENT_PIPES)
+        self._loop.start()
+        self._loop.call_soon(self._park_more)
 
     def stop(self) -> None:
-        self._stop.set()
-        with self._lock:
-            for sock in self._open:
-                _close(sock)
-            self._open.clear()
+        """Close every connection of the agent's (back when this returns)."""
+        self._loop.stop()
 
-    def _track(self, sock: socket.socket) -> bool:
-        """Remember ``sock`` for stop(); False (and closed) if the agent is stopping already."""
-        with self._lock:
-            if self._stop.is_set():
-                sock.close()
-                return False
-            self._open.add(sock)
-            return True
+    # --- everything below runs in the agent's thread ---
 
-    def _forget(self, *socks: socket.socket) -> None:
-        with self._lock:
-            for sock in socks:
-                self._open.discard(sock)
+    def _park_more(self) -> None:
+        while (not self._closing and self._parking < self.parked
+               and self._parking + self._joining + len(self._splices) < AGENT_MAX):
+            self._parking += 1
+            self._track(dial(self._loop, self.relay, self._relay_dialed))
 
-    def _park(self) -> None:
-        """Keep one connection parked; when a client takes it, splice and park a fresh one."""
-        failures = 0
-        while not self._stop.is_set():
-            self._splices.acquire()  # at most MAX_SPLICES live: a flood of clients cannot take all our fds
+    def _track(self, sock: socket.socket | None) -> None:
+        if sock is not None:
+            self._sockets.add(sock)
+
+    def _close(self, sock: socket.socket) -> None:
+        self._sockets.discard(sock)
+        self._loop.unwatch(sock)
+        close_socket(sock)
+
+    def _retry_later(self, delay: float) -> None:
+        """This parking slot tries again in ``delay`` seconds."""
+        def retry() -> None:
+            self._parking -= 1
+            self._park_more()
+        self._loop.call_later(delay, retry)
+
+    def _relay_dialed(self, sock: socket.socket | None, error: OSError | None) -> None:
+        if error is None:
             try:
-                upstream = socket.create_connection(self.relay, timeout=10)
+                sock.send(f"AGENT {self.token}\n".encode())
+                _tune(sock)
             except OSError as exc:
-                self._splices.release()
-                failures += 1
-                if failures in (1, 10):
-                    log.warning("relay %s:%d cannot be reached (%s): retrying", *self.relay, exc)
-                self._stop.wait(min(5.0, 0.2 * failures))
-                continue
-            failures = 0
-            if not self._track(upstream):
-                self._splices.release()
-                return
-            try:
-                upstream.sendall(f"AGENT {self.token}\n".encode())
-                _tune(upstream)
-                if upstream.recv(1) != GO:
-                    raise ConnectionAbortedError("the relay closed a parked connection")
-                self._refusals = 0
-                local = socket.create_connection(self.local, timeout=10)
-            except OSError as exc:
-                self._forget(upstream)
-                upstream.close()
-                self._splices.release()
-                if isinstance(exc, ConnectionAbortedError) and not self._stop.is_set():
-                    self._refused()
-                self._stop.wait(min(5.0, 0.2 * 2 ** min(self._refusals, 5)))
-                continue
-            _tune(local)
-            if not self._track(local):
-                upstream.close()
-                self._splices.release()
-                return
+                error = exc
+                self._close(sock)
+        if error is not None:
+            self._sockets.discard(sock)
+            self._failures += 1
+            if self._failures in (1, 10):
+                log.warning("relay %s:%d cannot be reached (%s): retrying", *self.relay, error)
+            self._retry_later(min(5.0, 0.2 * self._failures))
+            return
+        self._failures = 0
+        self._loop.watch(sock, READ, partial(self._relay_said, sock))
 
-            def done(a=upstream, b=local):
-                self._forget(a, b)
-                self._splices.release()
-            splice(upstream, local, "relay-agent-splice", done)
+    def _relay_said(self, sock: socket.socket, mask: int) -> None:
+        """The relay sent the go-byte (a client took this connection) or closed it."""
+        try:
+            byte = sock.recv(1)
+        except BlockingIOError:
+            return
+        except OSError:  # broken (keepalives): try again
+            self._close(sock)
+            self._retry_later(0.2)
+            return
+        if byte != GO:
+            self._close(sock)
+            self._refused()
+            return
+        self._loop.unwatch(sock)
+        self._refusals = 0
+        self._parking -= 1
+        self._joining += 1
+        self._park_more()
+        self._track(dial(self._loop, self.local, partial(self._local_dialed, sock)))
+
+    def _local_dialed(self, upstream: socket.socket, local: socket.socket | None, error: OSError | None) -> None:
+        self._joining -= 1
+        self._sockets.discard(upstream)
+        self._sockets.discard(local)
+        if error is None:
+            try:
+                _tune(local)
+            except OSError as exc:
+                error = exc
+                close_socket(local)
+        if error is not None:
+            log.debug("relay agent: the local server %s:%d cannot be reached (%s)", *self.local, error)
+            close_socket(upstream)
+            self._park_more()
+            return
+        splice = self._splicer.join(upstream, local, self._unspliced)
+        self._splices.add(splice)
+        splice.start()
+
+    def _unspliced(self, splice: Splice) -> None:
+        self._splices.discard(splice)
+        self._park_more()
 
     def _refused(self) -> None:
-        with self._lock:
-            self._refusals += 1
-            lost = self._refusals >= REFUSALS_LOST
-        if lost and not self.lost.is_set():
-            log.warning("relay %s:%d no longer knows this allocation (restarted, or closed it)", *self.relay)
-            self.lost.set()
-            self.stop()
+        self._refusals += 1
+        if self._refusals < REFUSALS_LOST:
+            self._retry_later(min(5.0, 0.2 * 2 ** min(self._refusals, 5)))
+            return
+        log.warning("relay %s:%d no longer knows this allocation (restarted, or closed it)", *self.relay)
+        self.lost.set()
+        self._loop.stop()
+
+    def _close_everything(self) -> None:
+        self._closing = True
+        for splice in list(self._splices):
+            splice.close()
+        for sock in list(self._sockets):
+            self._close(sock)
+        if self._splicer is not None:
+            self._splicer.close()
 
 
 @dataclass
@@ -546,13 +816,5 @@ def _listen(host: str, port: int) -> socket.socket:
     except OSError:
         sock.close()
         raise PortInUseError(f"port {port} on {host} is in use: give the relay another port") from None
-    sock.listen(64)
+    sock.listen(LISTEN_BACKLOG)
     return sock
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sock.close()
