@@ -117,7 +117,7 @@ def test_a_revoked_leader_leaves_the_task_to_the_others(procs):
                     "--aggregate-every", "5", "--peer-timeout", "6")
     procs.wait_for("req", r"p0: training [1-9]", timeout=120)
     key = load_or_create_key(procs.folder / "p0" / "provider.key")[0].text
-    revoke = procs.start("revoke", "revoke", key, "--state", str(procs.folder / "registry.sqlite"))
+    revoke = procs.start("revoke", "revoke", "--state", str(procs.folder / "registry.sqlite"), "--", key)
     assert revoke.wait(timeout=30) == 0, procs.log("revoke")
     assert proc.wait(timeout=240) == 0, procs.log("req")
     metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())

@@ -207,8 +207,9 @@ def test_meshlearn_revoke_shuts_a_key_out_of_a_running_bootstrap(bootstrap):
     revoked = KeyPair.generate()
     use_identity(revoked)
     _register(bootstrap.address, "p-cli")
-    done = subprocess.run([sys.executable, "-m", "meshlearn", "revoke", revoked.text, "--state",
-                           bootstrap.settings.state], capture_output=True, text=True, timeout=60, check=False)
+    # "--": a printed key may start with '-' (1 in 64), which argparse would take for a flag
+    done = subprocess.run([sys.executable, "-m", "meshlearn", "revoke", "--state", bootstrap.settings.state, "--",
+                           revoked.text], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0 and "p-cli" in done.stdout, done.stdout + done.stderr
     with pytest.raises(KeyRefused):
         call(bootstrap.address, "ping", {}, SECRET, timeout=5)
