@@ -1,11 +1,13 @@
 """Leader aggregation: the rules, the leader's book, the election, the hub, and runs on digits."""
 
+import contextlib
 import json
 import threading
 import time
 
 import pytest
 import torch
+from helpers.tamper import FROM_NODE, TO_NODE, TamperProxy
 from helpers.waiting import wait_until
 
 from meshlearn.aggregation import by_samples, by_staleness, equal, get_rule
@@ -19,7 +21,9 @@ from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 from meshlearn.transport.hub import Answer, HubEndpoint
+from meshlearn.transport.served import is_refusal
 from meshlearn.transport.settings import TcpSettings
+from meshlearn.wire.sealed import FrameSeal
 
 # --- aggregation rules ------------------------------------------------------------------------
 
@@ -119,6 +123,24 @@ def test_staleness_discounts_a_member_that_fell_behind():
     assert torch.allclose(book.aggregate(), _state(10.0 * (10 / 3) / (10 + 10 / 3)))
 
 
+def test_a_push_counts_once_per_cycle_and_an_older_cycle_is_refused():
+    clock = FakeClock()
+    book = LeaderState([0, 1], me=0, peer_timeout=10.0, first_barrier=False, weighting="equal", clock=clock)
+    assert book.submit(0, _state(0.0), samples=1, final=False, cycle=0)
+    assert book.submit(1, _state(4.0), samples=1, final=False, cycle=0)
+    pushes = book.pushes
+    clock.advance(6.0)
+    assert book.submit(1, _state(99.0), samples=1, final=False, cycle=0)  # the same push, sent again
+    assert book.pushes == pushes and book.report(["a", "b"])["b"]["updates"] == 1  # no new model, no staleness tick
+    assert torch.allclose(book.aggregate(), _state(2.0))
+    clock.advance(6.0)  # 12 s after the first copy, 6 after the second: a copy is a sign of life
+    assert book.report(["a", "b"])["b"]["status"] == "running"
+    assert book.submit(1, _state(8.0), samples=1, final=False, cycle=3)  # a later cycle (others went elsewhere)
+    assert not book.submit(1, _state(-50.0), samples=1, final=False, cycle=2)  # an older one: refused
+    assert book.watch.peers[1].refused == 1 and "cycle 2, older than its cycle 3" in book.watch.peers[1].last_reason
+    assert torch.allclose(book.aggregate(), _state(4.0)) and book.report(["a", "b"])["b"]["updates"] == 2
+
+
 # --- the election -----------------------------------------------------------------------------
 
 
@@ -200,6 +222,72 @@ def test_a_hub_holds_many_pushes_without_a_thread_each_and_still_answers_pings()
     finally:
         for endpoint in [hub, *members]:
             endpoint.close()
+
+
+class _Answering:
+    """A responder that answers every push (after holding the first ``hold`` copies) and every ping."""
+
+    def __init__(self, hold: int = 0):
+        self.pushes, self.hold = 0, hold
+
+    def respond(self, request):
+        if request.meta.get("op") == "ping":
+            return Answer(meta={"status": "alive"})
+        self.pushes += 1
+        return None if self.pushes <= self.hold else Answer({"w": torch.full((3,), 7.0)}, {"status": "ok"})
+
+    def release(self, held):
+        return {}
+
+
+@pytest.fixture
+def sealed_hub():
+    """A sealed hub (node 0) serving ``responder``, and a member (node 1) reaching it at ``address``
+    (None: directly; else a function from the hub's address to the one the member calls)."""
+    endpoints = []
+
+    def start(responder, address=None):
+        seal = FrameSeal(FrameSeal.new_key())
+        hub, member = HubEndpoint(0, seal=seal), HubEndpoint(1, seal=seal)
+        endpoints.extend([hub, member])
+        hub.serve(responder)
+        reached = hub.bind()
+        hub.connect({1: member.bind()})
+        member.connect({0: address(reached) if address else reached})
+        return hub, member
+
+    yield start
+    for endpoint in endpoints:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("direction", [TO_NODE, FROM_NODE])
+def test_a_push_or_answer_damaged_on_the_way_is_refused_at_once_and_the_push_goes_through_again(sealed_hub,
+                                                                                                   direction):
+    responder = _Answering()
+    with contextlib.ExitStack() as stack:
+        def through_a_proxy(address):
+            return stack.enter_context(TamperProxy(address, "flip", every=1, limit=1, min_bytes=0,
+                                                   directions=(direction,))).address
+        hub, member = sealed_hub(responder, through_a_proxy)
+        caller = member.caller()
+        refused = caller.call(0, 30.0, {"w": torch.ones(3)}, {"op": "push"})
+        assert refused is not None and is_refusal(refused)  # an answer, not a 30 s silence
+        assert "not sealed with this task's key" in refused.meta["reason"]
+        damaged_at = hub if direction == TO_NODE else member
+        assert damaged_at.stats.malformed_dropped == 1
+        assert responder.pushes == (1 if direction == FROM_NODE else 0)  # an answer is damaged after the push came
+        again = caller.call(0, 30.0, {"w": torch.ones(3)}, {"op": "push"})
+        assert again.meta == {"status": "ok"} and torch.equal(again.tensors["w"], torch.full((3,), 7.0))
+
+
+def test_a_patient_call_sends_its_request_again_until_it_is_answered(sealed_hub):
+    responder = _Answering(hold=2)  # as if the first two copies, or their answers, were lost
+    hub, member = sealed_hub(responder)
+    caller = member.caller()
+    reply = caller.call(0, 0.2, {"w": torch.ones(3)}, {"op": "push"}, patience=lambda: True)
+    assert reply.meta == {"status": "ok"} and caller.resends == 2 and responder.pushes == 3
+    assert hub.stats.replay_dropped == 0  # every copy sealed anew: none is a replay
 
 
 # --- runs ---------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ import struct
 import pytest
 import torch
 from helpers.frames import raw_message
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from meshlearn.errors import WireError
@@ -205,3 +205,89 @@ def test_fuzz_shapes_dims_and_counts_only_raise_wire_error(data):
         return
     for tensor in out.tensors.values():
         tensor.sum()
+
+
+# --- sealed messages: who sent them, and each taken once ----------------------------------------
+
+
+def _sealed(seal, sender=1, iteration=0):
+    from meshlearn.wire.sealed import encode_for
+
+    msg = Message(Kind.MODEL, sender, iteration, 1, {"w": torch.arange(6, dtype=torch.float32)})
+    return [bytes(memoryview(f)) for f in encode_for(msg, None, seal)]
+
+
+def test_the_replay_window_takes_each_counter_once_in_any_order_within_it():
+    from meshlearn.wire.sealed import ReplayWindow, Stamp
+
+    window = ReplayWindow(size=8)
+    assert [window.admit(Stamp(1, c)) for c in (1, 2, 3)] == [None] * 3  # in order
+    assert window.admit(Stamp(1, 6)) is None  # ahead, leaving 4 and 5 open
+    assert window.admit(Stamp(1, 5)) is None and window.admit(Stamp(1, 4)) is None  # out of order, within the window
+    assert "taken before" in window.admit(Stamp(1, 5))  # a duplicate
+    assert window.admit(Stamp(2, 5)) is None  # every sender counts on its own
+    assert window.admit(Stamp(1, 14)) is None  # 6 is now as far behind as the window reaches
+    assert "older than the window" in window.admit(Stamp(1, 6))
+    assert window.admit(Stamp(1, 7)) is None  # never taken, and still inside
+    assert window.admit(Stamp(1, 2**64 - 1)) is None  # far ahead (an authentic counter: the sender's own jump)
+    assert "older than the window" in window.admit(Stamp(1, 14))
+    assert "taken before" in window.admit(Stamp(1, 2**64 - 1))
+    assert "taken before" in window.admit(Stamp(3, 0))  # counters start at 1
+
+
+def test_a_sealed_message_is_taken_once_and_names_its_true_sender(monkeypatch):
+    from meshlearn.wire import sealed
+    from meshlearn.wire.sealed import FrameSeal, ReplayedMessage, ReplayWindow, decode_for
+
+    seal, window = FrameSeal(FrameSeal.new_key()), ReplayWindow()
+    first, second = _sealed(seal, iteration=1), _sealed(seal, iteration=2)
+    assert decode_for(second, 1 << 20, None, seal, window).iteration == 2  # overtaken by the next one
+    assert decode_for(first, 1 << 20, None, seal, window).iteration == 1
+    with pytest.raises(ReplayedMessage, match="taken before") as replay:
+        decode_for(first, 1 << 20, None, seal, window)
+    assert replay.value.message.iteration == 1  # what the copy says: authentic, and old
+    assert decode_for(first, 1 << 20, None, seal, ReplayWindow()).iteration == 1  # another receiver takes it
+    monkeypatch.setattr(sealed, "sender_of", lambda header: 2)  # a key holder stamping another sender
+    with pytest.raises(WireError, match="names sender 2, the message inside it 1"):
+        decode_for(_sealed(seal), 1 << 20, None, seal, window)
+
+
+def test_a_seal_counts_each_senders_messages_from_any_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from meshlearn.wire.sealed import _HEAD, FrameSeal
+
+    seal = FrameSeal(FrameSeal.new_key())
+    with ThreadPoolExecutor(4) as pool:
+        headers = list(pool.map(lambda i: _sealed(seal, sender=i % 2)[0], range(200)))
+    stamps = [_HEAD.unpack_from(header)[3:5] for header in headers]
+    for sender in (0, 1):
+        assert sorted(c for s, c in stamps if s == sender) == list(range(1, 101))
+
+
+def test_a_version_1_seal_is_refused_with_a_clear_error():
+    from meshlearn.wire.sealed import MAGIC, FrameSeal, decode_for
+
+    seal = FrameSeal(FrameSeal.new_key())
+    frames = _sealed(seal)
+    sizes = frames[0][-16:]  # two frames: the version 1 layout had no sender and no counter
+    old = struct.pack("<4sB8sH", MAGIC, 1, bytes(8), 2) + sizes
+    with pytest.raises(WireError, match="unsupported seal version 1: this build speaks version 2"):
+        decode_for([old, *frames[1:]], 1 << 20, None, seal)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_seal_headers_only_raise_wire_error(data):
+    from meshlearn.wire.sealed import FrameSeal, ReplayWindow, decode_for
+
+    seal = FrameSeal(b"k" * 32)
+    frames = _sealed(seal)
+    header = bytearray(frames[0])
+    for _ in range(data.draw(st.integers(1, 4))):
+        header[data.draw(st.integers(0, len(header) - 1))] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        del header[data.draw(st.integers(0, len(header) - 1)):]
+    assume(bytes(header) != frames[0])  # any change at all: the header is every chunk's associated data
+    with pytest.raises(WireError):
+        decode_for([bytes(header), *frames[1:]], 1 << 20, None, seal, ReplayWindow())

@@ -11,10 +11,17 @@ peer timeout, so the leader knows who lives (a member silent for the timeout is 
 out) and members notice a dead leader between pushes. The group is this node and every peer it
 was connected to (in a simulation every node of the run, whatever the topology); the peer
 timeout is the transport's ``wait_timeout``.
+
+A push carries its cycle (the member's iteration), and the leader takes one push per member and
+cycle: a push that did not open on the way is refused at once and sent again (shortly after, and
+a little later each time it is refused again), a push whose answer is slow is sent again every
+peer timeout while the leader lives (the push or its answer may have been lost), and a copy of a
+cycle the leader already has counts once. A ping refused on the way still shows the leader alive.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -25,12 +32,16 @@ from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
 from meshlearn.errors import WireError
+from meshlearn.network.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
-from meshlearn.transport.served import Caller
+from meshlearn.transport.served import Caller, is_refusal
 from meshlearn.wire import Message, meta_number
 
+log = logging.getLogger(__name__)
 RETRY = 0.2  # seconds before asking again a member that says it does not lead (yet)
+REFUSED_BACKOFF = 0.05  # seconds before sending again a push refused on the way, doubled at each refusal in a row ...
+MAX_REFUSED_BACKOFF = 1.0  # ... up to this
 PING_TIMEOUT = 3.0
 
 
@@ -53,6 +64,7 @@ class Leader(Algorithm):
         self._stop = threading.Event()
         self._callers = threading.local()  # each thread calls through its own sockets
         self._watcher: GuardedThread | None = None
+        self._refusals = SparseLog(log)
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------
@@ -70,7 +82,8 @@ class Leader(Algorithm):
         ctx = self.ctx
         final = iteration + 1 == ctx.iterations
         t0 = time.perf_counter()
-        aggregate = self._exchange(ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True), final)
+        aggregate = self._exchange(ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True), iteration,
+                                   final)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -87,24 +100,31 @@ class Leader(Algorithm):
         if self._watcher is not None:
             self._watcher.join(timeout=PING_TIMEOUT + 2)
 
-    def _exchange(self, state: torch.Tensor, final: bool) -> torch.Tensor:
-        """Give the leader this member's state and take its aggregate back, following fail-over."""
+    def _exchange(self, state: torch.Tensor, cycle: int, final: bool) -> torch.Tensor:
+        """Give the leader this member's state of ``cycle`` and take its aggregate back, following
+        fail-over, and sending the push again when it is refused on the way."""
         ctx = self.ctx
+        refused = 0  # in a row
         while True:
             leader = self.election.leader
             if leader == ctx.rank:
                 book = self._lead()
-                book.submit(ctx.rank, state, ctx.samples, final, copy=False)
+                book.submit(ctx.rank, state, ctx.samples, final, copy=False, cycle=cycle)
                 self.hub.poke()  # held pushes may be answerable now
                 return book.wait(ctx.rank)
             reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(state),
-                                        {"op": "push", "samples": ctx.samples, "final": final},
+                                        {"op": "push", "samples": ctx.samples, "final": final, "cycle": cycle},
                                         patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
             if reply is None:  # no answer: the leader is gone
                 self.election.mark_dead(leader)
                 self.election.resolve()
             elif reply.meta.get("status") == "ok" and ctx.flat.check_compatible(reply.tensors) is None:
                 return torch.cat([reply.tensors[name] for name in ctx.flat.ranges])
+            elif is_refusal(reply):  # damaged on the way: the same leader, again
+                refused += 1
+                self._refusals.warning("push", "node %d: the push of cycle %d to %d was refused on the way, sent "
+                                       "again: %s", ctx.rank, cycle, leader, reply.meta.get("reason"))
+                time.sleep(min(MAX_REFUSED_BACKOFF, REFUSED_BACKOFF * 2 ** (refused - 1)))
             else:  # it does not lead (yet), or is closing: ask again shortly
                 time.sleep(RETRY)
                 self.election.resolve()
@@ -120,6 +140,7 @@ class Leader(Algorithm):
     # --- calls to other members (from the training and the watcher thread) ----------------------
 
     def _ping(self, rank: int) -> bool:
+        """Whether ``rank`` answers (an answer that says the ping was refused on the way counts)."""
         reply = self._caller().call(rank, min(PING_TIMEOUT, self.timeout / 2), meta={"op": "ping"})
         return reply is not None
 
@@ -148,14 +169,16 @@ class Leader(Algorithm):
             if election is not None:
                 election.poke()  # a member pushes here: perhaps the leader this one knows is gone
             return Answer(meta={"status": "not-leader"})
-        samples, final = meta_number(request.meta, "samples"), request.meta.get("final")
-        problem = self.ctx.flat.check_compatible(request.tensors)
-        if problem or samples is None or not isinstance(final, bool):
-            self.watch.refused(sender, problem or "bad samples or final")
-            raise WireError(f"a push that does not fit this run: {problem or 'bad samples or final'}")
+        fields = _push_fields(request.meta)
+        problem = self.ctx.flat.check_compatible(request.tensors) or (None if fields else "bad samples, final or cycle")
+        if problem:
+            self.watch.refused(sender, problem)
+            raise WireError(f"a push that does not fit this run: {problem}")
+        samples, final, cycle = fields
         vector = torch.cat([request.tensors[name] for name in self.ctx.flat.ranges])
         book = self._lead()
-        book.submit(sender, vector, int(samples), final, copy=False)
+        if not book.submit(sender, vector, samples, final, copy=False, cycle=cycle):
+            raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
         return self._answer(book) if book.can_answer(sender) else None
 
     def release(self, held: list[int]) -> dict[int, Answer]:
@@ -168,3 +191,12 @@ class Leader(Algorithm):
 
     def _answer(self, book: LeaderState) -> Answer:
         return Answer(self.ctx.flat.segments_of(book.aggregate()), {"status": "ok"})
+
+
+def _push_fields(meta: dict) -> tuple[int, bool, int] | None:
+    """A push's samples, final flag and cycle, or None where its metadata does not hold them."""
+    samples, final = meta_number(meta, "samples"), meta.get("final")
+    cycle = meta_number(meta, "cycle") if "cycle" in meta else None
+    if samples is None or not isinstance(final, bool) or cycle is None or not cycle.is_integer():
+        return None
+    return int(samples), final, int(cycle)

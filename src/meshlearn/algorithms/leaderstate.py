@@ -10,6 +10,11 @@ staleness-weighted), and the aggregate is an ``aggregation`` rule (by default th
 leader's own model (first: the reference of self-centred rules) and the others' latest. A model
 holding NaN or Inf is refused (the member's earlier model stays) and counted in ``watch``.
 
+Pushes that say their cycle (the member's iteration) are taken once per cycle: the same cycle
+again is the member sending it again (its first copy, or the answer, may have been lost on the
+way) and changes nothing but the member's last sign of life; an older cycle than the member's
+latest is refused (and counted in ``watch``).
+
 Nothing here blocks except ``wait``, which only the leader's own training thread calls: pushes
 from other members are recorded by the serving thread of the leader's endpoint, and the ones that
 must wait are held there, not parked in threads.
@@ -41,6 +46,7 @@ class Contribution:
     last_seen: float = 0.0
     stored_at: int = 0  # the book's clock when its latest model came
     waiting_final: bool = False  # its latest push was final and waits for the others
+    cycle: int = -1  # the cycle of its latest push, where pushes say theirs
 
 
 class LeaderState:
@@ -77,11 +83,17 @@ class LeaderState:
             self._cond.notify_all()
 
     def submit(self, member: int, state: torch.Tensor, samples: int, final: bool, copy: bool = True,
-               updates: int | None = None) -> None:
+               updates: int | None = None, cycle: int | None = None) -> bool:
         """Record ``member``'s latest model (a flat state vector); ``updates`` says how many models
-        it has made in all, where those did not all come here (else this one is counted)."""
+        it has made in all, where those did not all come here (else this one is counted). With
+        ``cycle``, a push of the member's latest cycle again is the same push sent again (nothing
+        new is recorded) and one of an older cycle is refused. False for a refused push, else True."""
         with self._cond:
             contribution = self._member(member)
+            if cycle is not None and cycle <= contribution.cycle:
+                return self._again(member, contribution, cycle)
+            if cycle is not None:
+                contribution.cycle = cycle
             contribution.samples = samples
             contribution.updates = contribution.updates + 1 if updates is None else updates
             contribution.finished = contribution.finished or final
@@ -92,12 +104,13 @@ class LeaderState:
             problem = refusal(state)
             if problem is not None:
                 self.watch.refused(member, problem)
-                return
+                return True
             self.watch.heard(member)
             self.latest[member] = state.detach().to("cpu", copy=True) if copy else state
             self.pushes += 1
             contribution.stored_at = self.pushes
             self._cond.notify_all()
+            return True
 
     # --- when answers may go ------------------------------------------------------------------
 
@@ -144,6 +157,15 @@ class LeaderState:
                     for i, c in sorted(self.contributions.items())}
 
     # --- inside the lock ------------------------------------------------------------------------
+
+    def _again(self, member: int, contribution: Contribution, cycle: int) -> bool:
+        """A push of a cycle already recorded: the latest one sent again (True), or an older one (False)."""
+        if cycle == contribution.cycle:
+            contribution.last_seen = self.clock.monotonic()
+            contribution.lost = False
+            return True
+        self.watch.refused(member, f"a push of cycle {cycle}, older than its cycle {contribution.cycle}")
+        return False
 
     def _member(self, member: int) -> Contribution:
         return self.contributions.setdefault(member, Contribution(last_seen=self.clock.monotonic()))

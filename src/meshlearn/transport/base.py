@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Mapping
 
+from meshlearn.errors import WireError
+from meshlearn.network.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
+from meshlearn.wire.sealed import ReplayedMessage, ReplayWindow
+
+log = logging.getLogger(__name__)
 
 SILENT_AFTER = 3  # deadlines a peer misses in a row before gather stops waiting for it
 # Messages (or UDP partial models) kept per sender for iterations not yet gathered. A synchronous
@@ -40,6 +46,7 @@ class TransportStats:
     stale_dropped: int = 0
     duplicates_dropped: int = 0
     malformed_dropped: int = 0
+    replay_dropped: int = 0  # sealed messages that opened but had been taken before: played again on the path
     unknown_sender_dropped: int = 0
     overflow_dropped: int = 0  # kept for a later iteration, then dropped for a newer one (cap per sender)
     send_dropped: int = 0
@@ -70,7 +77,9 @@ class Endpoint(ABC):
         self.stats = TransportStats()
         self.peers: dict[int, str] = {}
         self.departed: set[int] = set()
+        self.window = ReplayWindow()  # the sealed messages taken, per sender (endpoints with a seal)
         self._threads: list[GuardedThread] = []
+        self._refusals = SparseLog(log)
 
     def start_thread(self, target, name: str, *args) -> GuardedThread:
         """Start one of this endpoint's background threads (its failure is raised by ``check``)."""
@@ -78,6 +87,14 @@ class Endpoint(ABC):
         thread.start()
         self._threads.append(thread)
         return thread
+
+    def drop_refused(self, error: WireError, what: str) -> None:
+        """Count a received message that is refused, ``what`` it was (a replay: ``replay_dropped``;
+        one that does not open or decode: ``malformed_dropped``), and log it sparsely (any thread)."""
+        replayed = isinstance(error, ReplayedMessage)
+        self.stats.add(**{"replay_dropped" if replayed else "malformed_dropped": 1})
+        self._refusals.warning("replayed" if replayed else "malformed", "node %d: dropped %s: %s", self.node_id,
+                               what, error)
 
     def check(self) -> None:
         """Raise ``ThreadFailed`` if a thread this endpoint depends on has died (called by the node

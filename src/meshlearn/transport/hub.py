@@ -5,7 +5,9 @@ thread hands each request to the algorithm's ``Responder``, which answers it at 
 push the leader can aggregate now) or holds it (a push that must wait for the others: the first
 cycle, the final models). Held pushes cost no thread: the serving thread asks the responder
 again whenever it is poked, a request arrives, or ``POLL_MS`` passes, and answers those whose
-time has come. A closing hub answers what it holds with ``{"status": "closing"}``.
+time has come. A push sent again (its first copy, or the answer, may have been lost on the way)
+replaces the one held for its member, so the answer goes to the request the member waits on. A
+closing hub answers what it holds with ``{"status": "closing"}``.
 """
 
 from __future__ import annotations

@@ -59,6 +59,11 @@ class PullEndpoint(ServedEndpoint):
     def fetch_timeouts(self) -> int:
         return self._caller.failures if self._caller else 0
 
+    @property
+    def fetch_refusals(self) -> int:
+        """Fetches whose request or answer was damaged on the way (they end at once, with nothing)."""
+        return self._caller.refusals if self._caller else 0
+
     def connect(self, peers: Mapping[int, str]) -> None:
         super().connect(peers)
         if self._fetcher is None:
@@ -81,9 +86,9 @@ class PullEndpoint(ServedEndpoint):
 
     def fetch(self, peer: int, timeout: float, wait: float = 0.0) -> Future:
         """Start fetching ``peer``'s state; the future gives its Message, or None after ``timeout``
-        seconds, on a refused or dead peer, or if it has published nothing yet. With ``wait`` > 0
-        the peer answers with the newest state it publishes within ``wait`` seconds, if any, else
-        with the one it has when the wait ends."""
+        seconds, on a refused or dead peer, if the request or answer was damaged on the way, or if
+        it has published nothing yet. With ``wait`` > 0 the peer answers with the newest state it
+        publishes within ``wait`` seconds, if any, else with the one it has when the wait ends."""
         if self._fetcher is None:
             raise TransportError("connect() must be called before fetch()")
         return self._fetcher.submit(self._fetch, peer, timeout, wait)
@@ -94,7 +99,8 @@ class PullEndpoint(ServedEndpoint):
 
     def extra_stats(self) -> dict[str, int]:
         return {"requests_served": self.requests_served, "fetches": self.fetches, "fetch_timeouts": self.fetch_timeouts,
-                "requests_held": self.requests_held, "held_fresh": self.held_fresh, "held_expired": self.held_expired}
+                "fetch_refusals": self.fetch_refusals, "requests_held": self.requests_held,
+                "held_fresh": self.held_fresh, "held_expired": self.held_expired}
 
     def _before_close(self) -> None:
         if self._fetcher is not None:

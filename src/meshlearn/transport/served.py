@@ -15,6 +15,15 @@ later from the serving thread, when its wait ends or the subclass says so. A clo
 answers every held request, then goes on answering at once for ``CLOSE_GRACE``: a request
 already on its way would otherwise cost its whole timeout, and (measured on a loaded machine) a
 peer lost about one answer in four sent just before the connection closed, linger or not.
+
+Nothing goes unanswered for want of a readable request: one that does not open (damaged or forged
+on the way) is answered with a *refusal*, a REPLY whose metadata says ``{"status": "refused",
+"reason": ...}``, with request id 0 (the request's own cannot be trusted), which a caller takes
+as the answer to its one outstanding request; a caller that cannot open an answer takes that as a
+refusal too. Either way the caller learns at once that its request must go again. A replay (a
+copy of a request taken before) is dropped unanswered: the original gets its own answer. A
+patient call also sends its request again every ``timeout`` seconds while it waits, in case the
+request or its answer was lost on the way, so a server must take the same request twice as one.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
 from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
-from meshlearn.wire.sealed import FrameSeal, decode_for, encode_for
+from meshlearn.wire.sealed import FrameSeal, ReplayedMessage, decode_for, encode_for
 
 log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
@@ -52,6 +61,20 @@ LINGER_MS = 200  # on close, time for the last answers to leave
 CLOSE_GRACE = 0.25  # seconds a closing server goes on answering requests, at once
 MAX_REQUESTS_PER_WAKE = 64  # then the held requests get their turn, even under a flood
 SMALL_REQUEST_BYTES = 64 * 1024
+REFUSED = "refused"
+ANY_REQUEST = 0  # the request id of a refusal whose request did not open (never a caller's own)
+MAX_REASON = 200  # characters of a refusal's reason
+
+
+def refusal(sender: int, request_id: int, reason: str) -> Message:
+    """The answer to a refused request: a REPLY that says so, and why."""
+    return Message(Kind.REPLY, sender, request_id, 0, {}, {"status": REFUSED, "reason": reason[:MAX_REASON]})
+
+
+def is_refusal(reply: Message) -> bool:
+    """Whether an answer says its request was refused (the peer could not open or use the request,
+    or the answer could not be opened here): the request may be sent again at once."""
+    return reply.meta.get("status") == REFUSED
 
 
 @dataclass
@@ -189,26 +212,29 @@ class ServedEndpoint(Endpoint):
             self._answer_held(held, closing=closing_until is not None)
 
     def _take_request(self, router: zmq.Socket, held: dict[int, Held]) -> bool:
-        """Read one request, if any is waiting, and hand it on. False when none was waiting."""
+        """Read one request, if any is waiting, and hand it on (or refuse it). False when none was waiting."""
         try:
             frames = router.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         self.stats.add(bytes_received=sum(len(f) for f in frames))
+        routing_id = frames[0]
         try:
-            request = decode_for(frames[1:], self.max_request_bytes, self.secret, self.seal)
-        except WireError as exc:
-            self.stats.add(malformed_dropped=1)
-            log.debug("node %d: dropped a malformed request: %s", self.node_id, exc)
+            request = decode_for(frames[1:], self.max_request_bytes, self.secret, self.seal, self.window)
+        except ReplayedMessage as exc:  # a copy of a request taken before, which has its own answer
+            self.drop_refused(exc, "a request")
+            return True
+        except WireError as exc:  # damaged or forged on the way: refused as the caller's outstanding request
+            self.drop_refused(exc, "a request")
+            self._send(routing_id, refusal(self.node_id, ANY_REQUEST, str(exc)))
             return True
         if request.kind != Kind.REQUEST or request.sender not in self.peers:
             self.stats.add(unknown_sender_dropped=1)
             return True
         try:
-            self._on_request(frames[0], request, held)
+            self._on_request(routing_id, request, held)
         except WireError as exc:  # a request whose metadata does not make sense
-            self.stats.add(malformed_dropped=1)
-            log.debug("node %d: dropped a malformed request from %d: %s", self.node_id, request.sender, exc)
+            self.drop_refused(exc, f"a request from {request.sender}")
         except Exception:  # noqa: BLE001 - one bad request must not end the serving thread
             self.stats.add(malformed_dropped=1)
             log.exception("node %d: a request from %d could not be answered", self.node_id, request.sender)
@@ -217,11 +243,13 @@ class ServedEndpoint(Endpoint):
     def _reply(self, routing_id: Any, request_id: int, tensors: Mapping[str, torch.Tensor] | None = None,
                meta: Mapping[str, Any] | None = None) -> None:
         """Answer one request (serving thread only); encoding only views the tensors."""
-        reply = encode_for(Message(Kind.REPLY, self.node_id, request_id, 0, dict(tensors or {}), dict(meta or {})),
-                           self.secret, self.seal)
-        self._router.send_multipart([routing_id, *reply], copy=False)
+        self._send(routing_id, Message(Kind.REPLY, self.node_id, request_id, 0, dict(tensors or {}), dict(meta or {})))
         self.requests_served += 1
-        self.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in reply))
+
+    def _send(self, routing_id: Any, message: Message) -> None:
+        frames = encode_for(message, self.secret, self.seal)
+        self._router.send_multipart([routing_id, *frames], copy=False)
+        self.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in frames))
 
 
 class Caller:
@@ -237,17 +265,21 @@ class Caller:
         self.endpoint = endpoint
         self.routing_id = _IDENTITY.pack(endpoint.node_id) + os.urandom(4)
         self.calls = 0
-        self.failures = 0  # calls that got no answer: timeout, refused or dead peer
+        self.failures = 0  # calls that got no answer: timeout, or a dead or unreachable peer
+        self.resends = 0  # requests sent again by patient calls
+        self.refusals = 0  # calls answered with a refusal (their request or its answer did not open)
         self._dealers: dict[int, zmq.Socket] = {}
         self._monitors: dict[int, zmq.Socket] = {}
-        self._request_id = 0
+        # Ids start at random, so an answer meant for another node's caller, played to this one, is not taken.
+        self._request_id = int.from_bytes(os.urandom(6), "big")
         self.self_connects = 0
 
     def call(self, peer: int, timeout: float, tensors: Mapping[str, torch.Tensor] | None = None,
              meta: Mapping[str, Any] | None = None, patience: Callable[[], bool] | None = None) -> Message | None:
-        """Send a request to ``peer`` and return its answer, or None if none comes in ``timeout``
-        seconds (past which the call goes on waiting while ``patience()`` holds), or the peer has
-        no live connection."""
+        """Send a request to ``peer`` and return its answer, which may be a refusal (``is_refusal``:
+        the request or its answer did not open on the way), or None if none comes in ``timeout``
+        seconds, or the peer has no live connection. Past ``timeout`` the call goes on waiting while
+        ``patience()`` holds, and sends the request again every ``timeout`` seconds."""
         endpoint = self.endpoint
         if endpoint._stop.is_set() or peer not in endpoint.peers:
             return None
@@ -255,45 +287,78 @@ class Caller:
         self._request_id += 1
         fresh = peer not in self._dealers
         dealer = self._dealer(peer)
-        deadline = time.monotonic() + timeout
+        request = Message(Kind.REQUEST, endpoint.node_id, self._request_id, 0, dict(tensors or {}), dict(meta or {}))
         try:
             # A new socket gets CONNECT_WAIT for its first handshake; a known peer whose connection
             # is down (gone, restarting) fails at once while ZeroMQ reconnects in the background.
             if not dealer.poll(int(min(timeout, CONNECT_WAIT) * 1000) if fresh else 0, zmq.POLLOUT):
                 raise zmq.Again()  # no connection to the peer
-            request = encode_for(Message(Kind.REQUEST, endpoint.node_id, self._request_id, 0, dict(tensors or {}),
-                                         dict(meta or {})), endpoint.secret, endpoint.seal)
-            dealer.send_multipart(request, zmq.NOBLOCK, copy=False)
-            endpoint.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in request))
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 and (patience is None or not patience()):
-                    break
-                if dealer.poll(max(1, int(remaining * 1000)) if remaining > 0 else POLL_MS):
-                    reply = self._receive(dealer, peer)
-                    if reply is not None:
-                        return reply
+            self._send(dealer, request)
+            reply = self._answer(dealer, peer, request, timeout, patience)
+            if reply is not None:
+                return reply
         except zmq.ZMQError as exc:
             log.debug("node %d: request to %d failed: %s", endpoint.node_id, peer, exc)
         self.failures += 1
         self._connected_to_itself(peer)  # checked on failures only: it costs more than a fetch's own work
         return None
 
+    def _answer(self, dealer: zmq.Socket, peer: int, request: Message, timeout: float,
+                patience: Callable[[], bool] | None) -> Message | None:
+        """The answer to ``request`` (sent), awaited ``timeout`` seconds and then while ``patience()``
+        holds, sending the request again every ``timeout`` seconds; None if the wait ends without one."""
+        deadline = resend_at = time.monotonic() + timeout
+        while True:
+            now = time.monotonic()
+            if now >= deadline and (patience is None or not patience()):
+                return None
+            if now >= resend_at:  # the request, or its answer, may have been lost on the way
+                resend_at = now + (timeout if self._resend(dealer, request) else POLL_MS / 1000)
+            wait = deadline - now if now < deadline else min(POLL_MS / 1000, resend_at - now)
+            if dealer.poll(max(1, int(wait * 1000))):
+                reply = self._receive(dealer, peer)
+                if reply is not None:
+                    return reply
+
+    def _send(self, dealer: zmq.Socket, request: Message) -> None:
+        """Encode (seal) and send one request; a request sent again is sealed anew, so it is no replay."""
+        frames = encode_for(request, self.endpoint.secret, self.endpoint.seal)
+        dealer.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        self.endpoint.stats.add(messages_sent=1, bytes_sent=sum(memoryview(f).nbytes for f in frames))
+
+    def _resend(self, dealer: zmq.Socket, request: Message) -> bool:
+        """Send ``request`` again if the connection is up (else False: try again shortly)."""
+        try:
+            if not dealer.poll(0, zmq.POLLOUT):
+                return False
+            self._send(dealer, request)
+        except zmq.Again:
+            return False
+        self.resends += 1
+        return True
+
     def _receive(self, dealer: zmq.Socket, peer: int) -> Message | None:
-        """The awaited reply from ``dealer``'s next message, or None if that message is not it."""
+        """The awaited answer from ``dealer``'s next message, or None if that message is not it: a
+        refusal with id 0 answers the outstanding request, and an answer that does not open is
+        taken as its refusal (a replay never is: it opened, and is an old answer)."""
         endpoint = self.endpoint
         frames = dealer.recv_multipart(copy=False)
         endpoint.stats.add(bytes_received=sum(len(f) for f in frames))
         try:
-            reply = decode_for(frames, endpoint.max_message_bytes, endpoint.secret, endpoint.seal)
+            reply = decode_for(frames, endpoint.max_message_bytes, endpoint.secret, endpoint.seal, endpoint.window)
+        except ReplayedMessage as exc:
+            endpoint.drop_refused(exc, f"an answer from {peer}")
+            return None
         except WireError as exc:
-            endpoint.stats.add(malformed_dropped=1)
-            log.warning("node %d: dropped a malformed reply from %d: %s", endpoint.node_id, peer, exc)
-            return None
-        if reply.kind != Kind.REPLY or reply.sender != peer or reply.iteration != self._request_id:
-            endpoint.stats.add(stale_dropped=1)
-            return None
-        endpoint.stats.add(messages_received=1)
+            endpoint.drop_refused(exc, f"an answer from {peer}")
+            reply = refusal(peer, self._request_id, f"the answer did not open: {exc}")
+        else:
+            awaited = reply.iteration == self._request_id or (reply.iteration == ANY_REQUEST and is_refusal(reply))
+            if reply.kind != Kind.REPLY or reply.sender != peer or not awaited:
+                endpoint.stats.add(stale_dropped=1)
+                return None
+            endpoint.stats.add(messages_received=1)
+        self.refusals += is_refusal(reply)
         return reply
 
     def _dealer(self, peer: int) -> zmq.Socket:

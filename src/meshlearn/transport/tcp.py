@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import struct
 import time
@@ -19,7 +18,6 @@ from meshlearn.transport.zmqsock import bind_router
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.sealed import FrameSeal, decode_for, encode_for
 
-log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
 # Whole messages ZeroMQ holds per connection before it stops reading that socket (the sender then
 # waits, or drops and counts): a neighbour is at most a few iterations ahead, a stranger gets no more.
@@ -183,10 +181,9 @@ class TcpTransport(Transport):
         """Decode one received multipart message; count and drop anything invalid."""
         self.stats.bytes_received += sum(len(f) for f in frames)
         try:
-            msg = decode_for(frames[1:], self.max_message_bytes, self.secret, self.seal)
+            msg = decode_for(frames[1:], self.max_message_bytes, self.secret, self.seal, self.window)
         except WireError as exc:
-            self.stats.malformed_dropped += 1
-            log.warning("node %d: dropped a malformed message: %s", self.node_id, exc)
+            self.drop_refused(exc, "a message")
             return None
         route = frames[0].bytes
         if msg.kind == Kind.HELLO and msg.sender in self.peers:

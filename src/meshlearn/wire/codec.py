@@ -149,6 +149,15 @@ def encode(msg: Message, secret: bytes | None = None) -> list[bytes | memoryview
     return frames
 
 
+def sender_of(header: Any) -> int:
+    """The sender named by an encoded message's header (frame 0 of ``encode``), for a layer that
+    wraps the message and vouches for its sender (``wire.sealed``); ValueError for anything else."""
+    view = _frame_view(header)
+    if view.nbytes < _FIXED.size or bytes(view[:len(MAGIC)]) != MAGIC:
+        raise ValueError("wire: not the header frame of an encoded message")
+    return _FIXED.unpack_from(view)[4]
+
+
 def _frame_view(frame: Any) -> memoryview:
     """Bytes of one received frame (bytes, memoryview or a zmq.Frame) without copying."""
     buffer = getattr(frame, "buffer", frame)

@@ -1,0 +1,172 @@
+"""Engine messages tampered with on the path (issue 32, items 5 and 6): a network task's providers,
+built as ``network.taskrun`` builds them (``TaskSpec.experiment_config``, every engine endpoint
+sealed with the task's key), train on digits while a proxy in front of one provider's engine
+endpoint damages some of the messages to and from it, or plays old ones again. Every run must
+end (a task stuck in a wait is the failure this guards against: the limit is generous, never a
+speed test), with the clean run's accuracy (within 2 points) and the refused messages counted."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+from helpers.tamper import KINDS, TamperProxy
+
+from meshlearn.models import build_model
+from meshlearn.network.task import Peer, TaskSpec
+from meshlearn.network.taskdata import task_dataset
+from meshlearn.node import Node, make_transport
+from meshlearn.sim.inprocess import run_threads
+from meshlearn.topology import build_topology
+from meshlearn.wire.sealed import FrameSeal
+
+HOST = "127.0.0.1"
+PROVIDERS = 4
+TAMPERED = 0  # the provider whose engine endpoint the proxy stands in front of (the leader, in leader tasks)
+LIMIT = 60.0  # seconds a node may take: about 7 times the slowest run here, far beyond any run that does not hang
+TOLERANCE = 0.02  # accuracy a tampered run may differ by (clean leader and gossip runs differ by up to 0.005)
+SETTINGS = {  # per algorithm: the task's settings (long enough to converge), and how the proxy tampers: with
+    # models only (4096 bytes and more) where the first message is a handshake (D-PSGD) or where a refusal, itself
+    # damaged, would blur the count of refusals (gossip); with pings too in leader tasks
+    "leader": ({"epochs": 40, "aggregate_every": 4, "peer_timeout": 10.0}, {"every": 5, "limit": 6, "min_bytes": 0}),
+    "dpsgd": ({"epochs": 20, "aggregate_every": 4, "peer_timeout": 3.0}, {"every": 5, "limit": 2}),
+    "gossip": ({"epochs": 25, "aggregate_every": 4, "peer_timeout": 10.0}, {"every": 5, "limit": 6}),
+}
+
+
+@dataclass
+class Outcome:
+    """What one run of a task came to."""
+
+    nodes: list[Node]
+    accuracy: float  # the providers' final models on the test set, on average
+    seconds: float
+    malformed: int  # messages the providers refused, in all: they did not open ...
+    replayed: int  # ... or they opened, but had been taken before
+    tampered: int = 0  # what the proxy did
+    injected: int = 0
+
+
+def _spec(algorithm: str) -> TaskSpec:
+    settings, _ = SETTINGS[algorithm]
+    return TaskSpec(task_id="tampered", model="mlp", batch_size=16, lr=0.05, algorithm=algorithm, seed=11,
+                    partition="iid", eval_samples=0, data={"mode": "local", "dataset": "digits"},
+                    peers=[Peer(id=f"p{i}", address=f"{HOST}:{9000 + i}") for i in range(PROVIDERS)], **settings)
+
+
+def _providers(spec: TaskSpec) -> list[Node]:
+    """The task's providers, each with its engine as ``TaskRun._prepare`` builds it."""
+    key, nodes = FrameSeal.new_key(), []
+    for index, peer in enumerate(spec.peers):
+        dataset, indices = task_dataset(spec, index, None, b"", peer.id, None)
+        config = spec.experiment_config(len(indices), HOST, "cpu", 64.0)
+        graph = build_topology("full", config.nodes, spec.seed)
+        torch.manual_seed(spec.seed)  # every provider starts from the same model
+        model = build_model(spec.model, dataset.input_shape, dataset.num_classes)
+        seal = FrameSeal(key)
+        nodes.append(Node(index, config, graph, dataset, indices, model,
+                          lambda flat, config=config, index=index, seal=seal:
+                          make_transport(config, index, flat, HOST, 0, seal=seal)))
+    return nodes
+
+
+def _run(algorithm: str, kind: str | None = None) -> Outcome:
+    """Run the task, with ``kind`` of tampering on the way to and from provider ``TAMPERED``."""
+    nodes = _providers(_spec(algorithm))
+    proxies: list[TamperProxy] = []
+
+    def through_a_proxy(book: dict[int, str]) -> None:
+        proxies.append(TamperProxy(book[TAMPERED], kind, seed=3, **SETTINGS[algorithm][1]))
+        book[TAMPERED] = proxies[0].address  # every other provider reaches it through the proxy
+
+    started = time.monotonic()
+    try:
+        run_threads(nodes, timeout=LIMIT, on_bound=through_a_proxy if kind else None)
+    finally:
+        for proxy in proxies:
+            proxy.close()
+    seconds = time.monotonic() - started
+    accuracy = sum(node.evaluate().accuracy for node in nodes) / len(nodes)
+    stats = [node.transport.stats for node in nodes]
+    outcome = Outcome(nodes, accuracy, seconds, sum(s.malformed_dropped for s in stats),
+                      sum(s.replay_dropped for s in stats))
+    for proxy in proxies:
+        outcome.tampered, outcome.injected = proxy.tampered, proxy.injected
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def clean():
+    """The clean run of each algorithm (run once, when first asked for)."""
+    runs: dict[str, Outcome] = {}
+
+    def get(algorithm: str) -> Outcome:
+        if algorithm not in runs:
+            runs[algorithm] = _run(algorithm)
+            assert runs[algorithm].malformed == runs[algorithm].replayed == 0
+        return runs[algorithm]
+
+    return get
+
+
+def _check(clean_run: Outcome, algorithm: str, kind: str) -> None:
+    """Run ``kind`` of tampering and check what every kind must give, then what ``algorithm`` must."""
+    run = _run(algorithm, kind)
+    print(f"{algorithm} {kind}: accuracy {run.accuracy:.4f} (clean {clean_run.accuracy:.4f}), {run.seconds:.1f} s "
+          f"(clean {clean_run.seconds:.1f} s), tampered {run.tampered}, injected {run.injected}, refused "
+          f"{run.malformed} that did not open and {run.replayed} replayed")
+    assert abs(run.accuracy - clean_run.accuracy) <= TOLERANCE
+    if kind == "replay":
+        assert run.injected > 0 and run.replayed == run.injected  # every copy played again was refused
+    else:
+        assert run.tampered > 0 and run.malformed == run.tampered  # every damaged message was refused, once
+    ALGORITHM_CHECKS[algorithm](clean_run, run, kind)
+
+
+def _leader_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
+    """The leader stayed the leader (no one took it for dead), and its book took exactly one push
+    per member and cycle, however often one was refused and sent again, or played again."""
+    assert all(node.algorithm.election.leader == 0 and not node.algorithm.election.dead for node in run.nodes)
+    iterations = run.nodes[0].config.iterations
+    assert {m: c.updates for m, c in run.nodes[0].algorithm.state.contributions.items()} == \
+        dict.fromkeys(range(PROVIDERS), iterations)
+
+
+def _dpsgd_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
+    """A damaged model is waited for until the deadline, then the iteration goes on without it;
+    copies played again change nothing: D-PSGD is deterministic, so every model ends bit for bit
+    as in the clean run."""
+    if kind == "replay":
+        assert all(torch.equal(node.flat.state, twin.flat.state) for node, twin in zip(run.nodes, clean_run.nodes))
+    else:
+        assert run.nodes[TAMPERED].transport.stats.gather_timeouts >= 1
+
+
+def _gossip_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
+    """Gossip merges whatever state a peer holds when it is asked, so two runs differ by timing and
+    no equality can be asserted. What can: every damaged answer ended its fetch at once, as a
+    refusal (rather than a wait for the fetch's timeout), and a copy played again was never taken
+    for the answer awaited (nor for a refusal)."""
+    refusals = sum(node.transport.fetch_refusals for node in run.nodes)
+    assert refusals == (0 if kind == "replay" else run.tampered)
+
+
+ALGORITHM_CHECKS = {"leader": _leader_checks, "dpsgd": _dpsgd_checks, "gossip": _gossip_checks}
+
+
+QUICK = [("leader", kind) for kind in KINDS] + [("dpsgd", "flip"), ("dpsgd", "replay"), ("gossip", "garbage"),
+                                               ("gossip", "replay")]
+SLOW = [(algorithm, kind) for algorithm in ("dpsgd", "gossip") for kind in KINDS if (algorithm, kind) not in QUICK]
+
+
+@pytest.mark.parametrize("algorithm, kind", QUICK)
+def test_a_task_tampered_with_on_the_path_ends_as_the_clean_one(clean, algorithm, kind):
+    _check(clean(algorithm), algorithm, kind)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, kind", SLOW)
+def test_every_kind_of_tampering_in_every_algorithm(clean, algorithm, kind):
+    _check(clean(algorithm), algorithm, kind)
