@@ -32,7 +32,7 @@ from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
 from meshlearn.errors import WireError
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller, is_refusal

@@ -175,7 +175,13 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 def cmd_leave(args: argparse.Namespace) -> int:
     from meshlearn.errors import KeyMismatch, RemoteError, Unreachable
-    from meshlearn.network.identity import key_text, load_or_create_key, pinned, split_pinned, use_identity
+    from meshlearn.network.identity import (
+        key_text,
+        load_or_create_key,
+        pinned,
+        split_pinned,
+        use_identity,
+    )
     from meshlearn.network.rpc import call, parse_address
 
     address, key = split_pinned(args.provider)

@@ -14,13 +14,20 @@ from meshlearn.errors import BadMessage, NetworkError, UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.filelimit import raise_open_file_limit
-from meshlearn.network.identity import KeyPair, fingerprint, key_from_text, key_in, key_text, pinned
+from meshlearn.network.identity import (
+    KeyPair,
+    fingerprint,
+    key_from_text,
+    key_in,
+    key_text,
+    pinned,
+)
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.relay import Relay
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.sparselog import SparseLog
 from meshlearn.network.taskboard import TaskBoard
 from meshlearn.settings import Settings
+from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped

@@ -30,11 +30,11 @@ from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
 from meshlearn.network.relay import Allocation, hold_allocation
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.sparselog import SparseLog
 from meshlearn.network.task import TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.plugins import load_user_module
 from meshlearn.settings import Settings
+from meshlearn.sparselog import SparseLog
 
 if TYPE_CHECKING:
     from meshlearn.network.taskrun import TaskRun

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from meshlearn.errors import NetworkError, PortInUseError
 from meshlearn.network.addresses import is_wildcard
 from meshlearn.network.envelope import field_of
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 

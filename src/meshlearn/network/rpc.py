@@ -42,7 +42,7 @@ from meshlearn.network.identity import (
     peer_key,
     split_pinned,
 )
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.zmqsock import make_curve_client, make_curve_server
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Mapping
 
 from meshlearn.errors import WireError
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.sealed import ReplayedMessage, ReplayWindow
