@@ -93,6 +93,14 @@ class Leader(Algorithm):
         if self._watcher is not None:
             self._watcher.raise_if_failed()
 
+    def exclude(self, rank: int) -> None:
+        """Also never follow ``rank`` as leader, nor count its model: the watcher finds the next
+        leader at once if it was this one."""
+        super().exclude(rank)
+        if self.election is not None:
+            self.election.mark_dead(rank)
+            self.election.poke()
+
     def stop(self) -> None:
         self._stop.set()
         if self.election is not None:

@@ -224,11 +224,17 @@ class TaskRun:
     def exclude(self, index: int, why: str) -> None:
         """Go on without provider ``index`` (its key was revoked): it is never waited for, never
         followed as leader, and its result is never taken."""
+        node = self.node
+        if node is not None:
+            node.algorithm.exclude(index)
         if self.finisher.exclude(index):
             log.warning("task %s: provider %s is out of the task: %s", self.spec.task_id, self.ids[index], why)
 
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
         self._check_cancelled()
+        if iteration == 0:  # those shut out while the run was being prepared (connect knew them still)
+            for index in self.finisher.excluded:
+                node.algorithm.exclude(index)
         evaluated = "test_acc" in record
         self.progress = {"iteration": iteration + 1, "iterations": self.iterations,
                          "train_loss": record.get("train_loss"), "leader": self.ids[self.finisher.election.leader],
@@ -239,7 +245,7 @@ class TaskRun:
 
     def start(self, book: dict[int, str]) -> None:
         """The requester's go: every provider is ready; ``book`` holds the engine addresses."""
-        self._book = {j: a for j, a in book.items() if j != self.index}
+        self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
         self._start.set()
 
     def on_push(self, req: Envelope) -> dict:

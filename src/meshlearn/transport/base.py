@@ -88,6 +88,13 @@ class Endpoint(ABC):
         self._threads.append(thread)
         return thread
 
+    def exclude(self, peer: int) -> None:
+        """Take nothing from ``peer`` and send it nothing from now on (it was shut out of the run:
+        a network task's provider whose key was revoked); it counts as departed, so nobody waits
+        for it. Safe from any thread."""
+        self.peers = {p: address for p, address in self.peers.items() if p != peer}
+        self.departed.add(peer)
+
     def drop_refused(self, error: WireError, what: str) -> None:
         """Count a received message that is refused, ``what`` it was (a replay: ``replay_dropped``;
         one that does not open or decode: ``malformed_dropped``), and log it sparsely (any thread)."""
