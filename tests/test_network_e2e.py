@@ -11,7 +11,7 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
-from helpers.netproc import SECRET, Processes, free_port, start_network
+from helpers.netproc import SECRET, Processes, free_port, requester_keys, start_network
 from helpers.scoring import score_result
 
 from meshlearn.data import load_dataset
@@ -99,7 +99,8 @@ def test_a_task_that_cannot_start_fails_clearly_and_frees_its_providers(network,
     assert sorted(p["id"] for p in free) == ids
     task_id = re.search(r"task (\w+): 3 provider", out).group(1)
     for provider in free:  # each has stopped the task (none still downloading its data), so it takes the next one
-        state = call(provider["address"], "task.status", {"task": task_id}, SECRET.encode(), timeout=5).body["state"]
+        state = call(provider["address"], "task.status", {"task": task_id}, SECRET.encode(), timeout=5,
+                     keys=requester_keys()).body["state"]
         assert state in ("failed", "cancelled"), (provider["id"], state)
 
 

@@ -25,6 +25,7 @@ from meshlearn.network.envelope import (
 from meshlearn.network.registry import ProviderInfo, Registry
 from meshlearn.network.rpc import RemoteError, RpcServer, call, parse_address
 from meshlearn.network.task import TaskSpec, dataset_spec, validate_request
+from meshlearn.network.taskaccess import TaskAccess
 
 SECRET = b"unit-test-secret"
 
@@ -442,7 +443,8 @@ def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
     with pytest.raises(BadMessage, match="--data-root"):
         allowed_local("cifar10:cifar", None)
     with pytest.raises(BadMessage, match="does not list this provider"):
-        TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32))
+        TaskRun(spec, ProviderContext("stranger", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32),
+                TaskAccess.of(spec, ""))
 
 
 def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
@@ -456,7 +458,7 @@ def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
     spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
                     peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
-    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32))
+    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32), TaskAccess.of(spec, ""))
     thread = threading.Thread(target=run.run, daemon=True)
     thread.start()
     assert wait_until(lambda: run.state is not RunState.PREPARING, timeout=60)

@@ -170,3 +170,28 @@ def test_a_task_tampered_with_on_the_path_ends_as_the_clean_one(clean, algorithm
 @pytest.mark.parametrize("algorithm, kind", SLOW)
 def test_every_kind_of_tampering_in_every_algorithm(clean, algorithm, kind):
     _check(clean(algorithm), algorithm, kind)
+
+
+def test_a_provider_shut_out_of_a_leader_task_is_neither_followed_nor_counted():
+    """A revoked provider that does not stop (its code is not ours): the others exclude it mid-task
+    (as a provider does when its heartbeat says the key was revoked); it was their leader, so they
+    elect the next one, drop whatever it sends, and end with one model of their own."""
+    nodes = _providers(_spec("leader"))
+    shut_out = 0
+
+    def exclude_at_the_fifth_iteration(node: Node, iteration: int, record: dict) -> None:
+        if iteration == 4:
+            node.algorithm.exclude(shut_out)
+
+    for node in nodes[1:]:
+        node.hooks.append(exclude_at_the_fifth_iteration)
+    run_threads(nodes, timeout=LIMIT)
+    honest = nodes[1:]
+    assert {node.algorithm.election.leader for node in honest} == {1}
+    assert all(node.algorithm.election.is_dead(shut_out) for node in honest)
+    finals = [node.flat.state for node in honest]
+    assert all(torch.equal(finals[0], other) for other in finals[1:])  # one model among them
+    assert not torch.equal(finals[0], nodes[shut_out].flat.state)
+    book = nodes[shut_out].algorithm.state  # it led itself on, but got no model from the others after the fifth
+    assert all(book.contributions[j].updates <= 5 for j in range(1, PROVIDERS)), book.contributions
+    assert sum(node.evaluate().accuracy for node in honest) / len(honest) > 0.9

@@ -17,6 +17,14 @@ from typing import Callable
 SECRET = "test-network-secret"
 
 
+def requester_keys():
+    """The key pair every `meshlearn request` of this test session proves (requester.key in the
+    session's $MESHLEARN_HOME): the only key a provider answers about the requester's tasks."""
+    from meshlearn.network.identity import load_or_create_key, state_home
+
+    return load_or_create_key(state_home() / "requester.key")[0]
+
+
 def free_port() -> int:
     """A free loopback port P whose P + 1 is free too: a bootstrap's relay listens on --port + 1,
     and a busy neighbour port would fail the start with "give the relay another port"."""

@@ -88,6 +88,12 @@ class Algorithm(ABC):
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""
 
+    def exclude(self, rank: int) -> None:
+        """Go on without ``rank`` for good (a network task's provider whose key was revoked: it
+        may run on): its messages are dropped, nothing is sent to it, nobody waits for it. Safe
+        from any thread."""
+        self.ctx.transport.exclude(rank)
+
     def before_local_steps(self, iteration: int) -> None:
         """Called at the start of each iteration, before the local steps."""
 

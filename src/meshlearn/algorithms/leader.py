@@ -32,7 +32,7 @@ from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
 from meshlearn.errors import WireError
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller, is_refusal
@@ -92,6 +92,14 @@ class Leader(Algorithm):
         super().check()
         if self._watcher is not None:
             self._watcher.raise_if_failed()
+
+    def exclude(self, rank: int) -> None:
+        """Also never follow ``rank`` as leader, nor count its model: the watcher finds the next
+        leader at once if it was this one."""
+        super().exclude(rank)
+        if self.election is not None:
+            self.election.mark_dead(rank)
+            self.election.poke()
 
     def stop(self) -> None:
         self._stop.set()

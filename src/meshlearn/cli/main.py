@@ -44,6 +44,8 @@ class _Parser(argparse.ArgumentParser):
         hint = f"see {self.prog} --help"
         if message.startswith("unrecognized arguments") and {"-v", "--verbose"} & set(message.split()):
             hint = "-v goes before the command: meshlearn -v COMMAND ..."
+        elif "required: KEY" in message:  # a printed key may start with '-', which argparse takes for a flag
+            hint = f"a KEY that starts with '-' goes after '--': {self.prog} -- KEY"
         self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
 
 

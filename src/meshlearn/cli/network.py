@@ -174,7 +174,9 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
+    from meshlearn.errors import KeyMismatch, RemoteError, Unreachable
     from meshlearn.network.identity import (
+        key_text,
         load_or_create_key,
         pinned,
         split_pinned,
@@ -184,15 +186,24 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
     address, key = split_pinned(args.provider)
     address = parse_address(address, "--provider")
-    if key is None:  # the provider on this machine: its own key file says which key it proves
-        path = ProviderSettings(bootstrap="-", key=args.key or "", workdir=args.workdir or "").key_file()
-        if not path.is_file():
-            raise UserInputError(f"no provider key file {path}: give --provider HOST:PORT@KEY (the key the provider "
-                                 "printed at start), or its --key / --workdir")
-        keys, _ = load_or_create_key(path)
-        use_identity(keys)
-        key = keys.public
-    reply = call(pinned(address, key), "provider.leave", {}, _secret(args), timeout=10)
+    path = ProviderSettings(bootstrap="-", key=args.key or "", workdir=args.workdir or "").key_file()
+    if not path.is_file():  # only the provider's own key may make it leave
+        raise UserInputError(f"no provider key file {path}: run this where the provider runs, with the --workdir "
+                             "(or --key) it was started with")
+    keys, _ = load_or_create_key(path)
+    use_identity(keys)
+    if key is not None and key != keys.public:
+        raise UserInputError(f"--provider pins key {key_text(key)}, but {path} holds {keys.text}: give the --workdir "
+                             "(or --key) of that provider")
+    try:
+        reply = call(pinned(address, keys.public), "provider.leave", {}, _secret(args), timeout=10)
+    except KeyMismatch:
+        raise UserInputError(f"the provider at {address} does not hold the key in {path} ({keys.text}): give the "
+                             "--workdir (or --key) that provider was started with") from None
+    except Unreachable:
+        raise UserInputError(f"no provider answers at {address}: check --provider") from None
+    except RemoteError as exc:
+        raise UserInputError(f"the provider at {address} refused: {exc}") from None
     after = reply.body.get("after_task")
     print("provider is leaving" + (f" after task {after} finishes" if after else " now"))
     return 0
@@ -344,8 +355,8 @@ def add_network_commands(sub) -> None:
     revoke.set_defaults(func=cmd_revoke)
 
     leave = sub.add_parser("leave", help="ask a provider to leave the network after its current task")
-    leave.add_argument("--provider", required=True, help="HOST:PORT of the provider (on another machine: "
-                       "HOST:PORT@KEY, the key it printed at start)")
+    leave.add_argument("--provider", required=True, help="HOST:PORT of the provider, run where it runs: only its "
+                       "own key (from its --workdir or --key) may make it leave")
     leave.add_argument("--key", help="the provider's key file, if it was started with --key "
                        "(default: as the provider chose it)")
     leave.add_argument("--workdir", help="the provider's --workdir, if it was started with one (default: none)")

@@ -15,6 +15,7 @@ from importlib import resources
 from typing import Any, Callable
 
 from meshlearn.dashboard.access import TokenGate, is_loopback, new_token
+from meshlearn.dashboard.connections import bounded_http_protocol
 from meshlearn.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ class DashboardServer:
         sock.listen(64)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(make_app(self.source, self.token, self._stopping), log_level="warning",
-                                access_log=False, lifespan="off", timeout_graceful_shutdown=2)
+                                access_log=False, lifespan="off", timeout_graceful_shutdown=2,
+                                http=bounded_http_protocol())
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="dashboard", daemon=True)

@@ -13,13 +13,21 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, NetworkError, UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.envelope import Envelope, field_of
-from meshlearn.network.identity import KeyPair, fingerprint, key_from_text, key_text, pinned
+from meshlearn.network.filelimit import raise_open_file_limit
+from meshlearn.network.identity import (
+    KeyPair,
+    fingerprint,
+    key_from_text,
+    key_in,
+    key_text,
+    pinned,
+)
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.relay import Relay
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.sparselog import SparseLog
 from meshlearn.network.taskboard import TaskBoard
 from meshlearn.settings import Settings
+from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
@@ -101,6 +109,7 @@ class Bootstrap:
     def run(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()``: bind, open the registry, sweep expired providers every second.
         Binding comes first, so a port in use leaves nothing behind (no new state file)."""
+        raise_open_file_limit()
         self.server.bind()
         try:
             self.relay.bind()
@@ -196,7 +205,7 @@ class Bootstrap:
 
     def _relay_open(self, req: Envelope) -> dict:
         """A relay allocation for the caller (behind NAT): its token and public address."""
-        token, address = self.relay.allocate(self._caller_key(req))
+        token, address = self.relay.allocate(self._caller_key(req), req.peer_address)
         log.info("relay: port %s allocated to key %s", address.rpartition(":")[2], self._caller_key(req))
         return {"token": token, "address": address, "relay": self.relay.address}
 
@@ -252,27 +261,39 @@ class Bootstrap:
         b = req.body
         task_id = field_of(b, "task", str, max_len=64)
         taken = self.registry.claim(task_id, req.sender[:128], field_of(b, "count", int, min_value=1),
-                                    field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None))
+                                    field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None),
+                                    requester_key=self._caller_key(req))
         if not taken:
             raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
         return {"providers": [p.public() for p in taken]}
 
     def _release(self, req: Envelope) -> dict:
+        """The claiming requester ends its task: its providers are freed, those it lost set aside."""
+        record = self._claimed_by_caller(req)
         lost = field_of(req.body, "lost", list, [], max_len=256)
         if not all(isinstance(p, str) and len(p) <= 64 for p in lost):
             raise BadMessage("lost must list provider ids")
-        self.registry.release(field_of(req.body, "task", str, max_len=64),
-                              field_of(req.body, "status", str, "done", max_len=32), lost)
+        self.registry.release(record["id"], field_of(req.body, "status", str, "done", max_len=32), lost)
         return {"released": True}
 
     def _task_progress(self, req: Envelope) -> dict:
-        """A requester's report of its task (progress, faults, result), for the dashboard."""
+        """A requester's report of its task (progress, faults, result), for the dashboard; the
+        reply names the task's providers whose keys were revoked since (they are out of the task)."""
+        record = self._claimed_by_caller(req)
+        self.tasks.report(record["id"], req.body)
+        return {"noted": True, "revoked": self._revoked_in(record)}
+
+    def _claimed_by_caller(self, req: Envelope) -> dict:
+        """The record of the task named in ``req``, if the caller's key claimed it (else refused)."""
         task_id = field_of(req.body, "task", str, max_len=64)
         record = self.registry.task(task_id)
-        if record is None or record["requester"] != req.sender[:128]:
-            raise BadMessage(f"task {task_id!r} is not one this sender requested")
-        self.tasks.report(task_id, req.body)
-        return {"noted": True}
+        if record is None or record["requester_key"] != self._caller_key(req):
+            raise BadMessage(f"task {task_id!r} is not one this key requested")
+        return record
+
+    def _revoked_in(self, record: dict) -> list[str]:
+        """The ids of a task's providers whose keys are revoked."""
+        return [p["id"] for p in record["providers"] if self.registry.is_revoked(key_in(p["address"]))]
 
     def board(self) -> dict:
         """What the dashboard shows (plain JSON values): providers, the latest tasks with their
@@ -294,10 +315,15 @@ class Bootstrap:
                 "providers": providers, "tasks": tasks, "history": self.registry.history(200)}
 
     def _task(self, req: Envelope) -> dict:
-        record = self.registry.task(field_of(req.body, "task", str, max_len=64))
-        if record is None:
-            raise BadMessage(f"task {req.body.get('task')!r} is unknown to this bootstrap")
-        return record
+        """A task's record, for its requester (``meshlearn results``) and its providers (who check
+        an assignment against it): its providers, the key that claimed it, and which were revoked."""
+        task_id = field_of(req.body, "task", str, max_len=64)
+        record = self.registry.task(task_id)
+        caller = self._caller_key(req)
+        if record is None or (caller != record["requester_key"]
+                              and caller not in {key_in(p["address"]) for p in record["providers"]}):
+            raise BadMessage(f"task {task_id!r} is not one this key requested or was claimed for")
+        return {**record, "revoked": self._revoked_in(record)}
 
 
 def _fingerprint(key: str) -> str:

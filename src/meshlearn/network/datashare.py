@@ -74,7 +74,9 @@ class FileShare:
         return {name: f.describe() for name, f in self.files.items()}
 
     def handlers(self) -> dict:
-        return {"data.chunk": self._chunk}
+        """RPC handlers: the chunks, and a ``ping`` that answers the bootstrap's dial-back (so a
+        requester it can reach serves directly, not through the relay)."""
+        return {"data.chunk": self._chunk, "ping": lambda req: {"service": "requester"}}
 
     def _chunk(self, req: Envelope) -> tuple[dict, list]:
         name = check_name(field_of(req.body, "name", str, max_len=128))

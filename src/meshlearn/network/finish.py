@@ -25,8 +25,10 @@ from meshlearn.algorithms import Election, LeaderState
 from meshlearn.errors import (
     BadMessage,
     KeyMismatch,
+    KeyRefused,
     NetworkError,
     RemoteError,
+    TaskFailed,
     Unreachable,
 )
 from meshlearn.network.envelope import Envelope, field_of
@@ -56,8 +58,31 @@ class Finisher:
         self.node: Node | None = None
         self.samples = 0
         self.started_at = 0.0
+        self.excluded: set[int] = set()  # providers shut out of the task (revoked keys): never followed
+        self.refused_by: str | None = None  # a provider that refused this one's key: it was revoked
         self._final_sent_to: int | None = None
         self._lock = threading.Lock()
+
+    def exclude(self, index: int) -> bool:
+        """Leave provider ``index`` out for good (its key was revoked); whether that is news."""
+        with self._lock:
+            if index in self.excluded or index == self.index:
+                return False
+            self.excluded.add(index)
+        self.election.mark_dead(index)
+        self.election.poke()
+        return True
+
+    def check_admitted(self) -> None:
+        """Raise TaskFailed once another provider refused this one's key: this provider was
+        revoked, and leaves the task to the others (it must not lead them, nor be followed)."""
+        if self.refused_by is not None:
+            raise TaskFailed(f"provider {self.refused_by} refuses this provider's key (it was revoked): the task "
+                             "goes on without it")
+
+    def _note_refusal(self, index: int) -> None:
+        self.refused_by = self.ids[index]
+        log.warning("task %s: provider %s refuses this provider's key (revoked)", self.spec.task_id, self.ids[index])
 
     def attach(self, node: Node, samples: int) -> None:
         """The node whose final model this provider gives (once it is built)."""
@@ -69,6 +94,7 @@ class Finisher:
         """Give the final model, and end holding the task's result (leader or not)."""
         while not self.results_ready.is_set():
             check_cancelled()
+            self.check_admitted()
             leader = self.election.resolve()
             if leader == self.index:
                 self._lead(updates, check_cancelled)
@@ -76,6 +102,9 @@ class Finisher:
             if self._final_sent_to != leader:
                 try:
                     self._push_final(leader, updates)
+                except KeyRefused:  # not a dead leader: this provider is shut out
+                    self._note_refusal(leader)
+                    continue
                 except (Unreachable, KeyMismatch):  # a relayed leader that is gone fails its handshake
                     self.election.mark_dead(leader)
                     continue
@@ -168,6 +197,9 @@ class Finisher:
                     call(self._address(i), "agg.results", {"task": spec.task_id, "metrics": metrics},
                          self.ctx.secret, blobs=[model_bytes], timeout=COPY_TIMEOUT, sender=self.ctx.id,
                          max_bytes=self.ctx.max_message_bytes)
+                except KeyRefused:  # this leader was revoked: its result is not the task's
+                    self._note_refusal(i)
+                    self.check_admitted()
                 except NetworkError as exc:  # gone, refusing, or its connection dropped mid-handshake
                     log.warning("task %s: result not copied to %s: %s", spec.task_id, self.ids[i], exc)
         self._keep(metrics, model_bytes)
@@ -187,7 +219,7 @@ class Finisher:
     def on_push(self, req: Envelope) -> dict:
         """A follower's final model: recorded if this provider leads (it never waits here)."""
         index = field_of(req.body, "index", int, min_value=0)
-        if index >= len(self.ids) or index == self.index:
+        if index >= len(self.ids) or index == self.index or index in self.excluded:
             raise BadMessage(f"provider index {index} is not another provider of this task")
         if self.results_ready.is_set():
             return {"results": True}
@@ -245,9 +277,16 @@ class Finisher:
         return self.spec.peers[index].address
 
     def _status_of(self, index: int) -> dict | None:
+        """A provider's answer to a ping: None if it is gone or out of the task; {} if it refuses
+        this provider's key (it lives: this one was revoked, see ``check_admitted``)."""
+        if index in self.excluded:
+            return None
         try:
             return call(self._address(index), "agg.ping", {"task": self.spec.task_id, "index": self.index},
                         self.ctx.secret, timeout=min(3.0, self.spec.peer_timeout / 2), sender=self.ctx.id).body
+        except KeyRefused:
+            self._note_refusal(index)
+            return {}
         except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
             return None
 

@@ -58,6 +58,12 @@ def split_pinned(address: str) -> tuple[str, bytes | None]:
     return plain, key_from_text(key, f"the key in {address!r}")
 
 
+def key_in(address: str) -> str:
+    """The key a ``HOST:PORT@KEY`` address pins, as printed ("" if it pins none)."""
+    plain, sep, key = address.rpartition("@")
+    return key if sep else ""
+
+
 def pinned(address: str, key: bytes | None) -> str:
     """``address`` with ``key`` attached (as is if ``key`` is None)."""
     return address if key is None else f"{address}@{key_text(key)}"
@@ -70,8 +76,8 @@ HOME_ENV = "MESHLEARN_HOME"
 def state_home() -> Path:
     """Where a participant keeps its keys and known bootstraps: ``$MESHLEARN_HOME``, else ~/.meshlearn."""
     return Path(os.environ.get(HOME_ENV) or "~/.meshlearn").expanduser()
-__all__ = ["KeyPair", "fingerprint", "key_from_text", "key_text", "load_or_create_key", "own_identity", "peer_key",
-           "pinned", "split_pinned", "state_home", "use_identity"]
+__all__ = ["KeyPair", "fingerprint", "key_from_text", "key_in", "key_text", "load_or_create_key", "own_identity",
+           "peer_key", "pinned", "split_pinned", "state_home", "use_identity"]
 
 
 def fingerprint(key: bytes) -> str:

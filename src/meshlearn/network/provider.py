@@ -30,10 +30,11 @@ from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
 from meshlearn.network.relay import Allocation, hold_allocation
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.sparselog import SparseLog
 from meshlearn.network.task import TaskSpec
+from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.plugins import load_user_module
 from meshlearn.settings import Settings
+from meshlearn.sparselog import SparseLog
 
 if TYPE_CHECKING:
     from meshlearn.network.taskrun import TaskRun
@@ -122,12 +123,12 @@ class Provider:
             "ping": lambda req: {"service": "provider", "id": self.id},
             "task.assign": self._assign,
             "task.start": self._start_task,
-            "task.status": self._status,
+            "task.status": lambda req: self._requesters_run(req).status(),
             "task.results": self._results,
-            "task.cancel": lambda req: (self._run_of(req).cancel(), {"cancelled": True})[1],
-            "agg.push": lambda req: self._run_of(req).on_push(req),
-            "agg.ping": lambda req: self._run_of(req).on_ping(req),
-            "agg.results": lambda req: self._run_of(req).on_results(req),
+            "task.cancel": lambda req: (self._requesters_run(req).cancel(), {"cancelled": True})[1],
+            "agg.push": lambda req: self._providers_run(req).on_push(req),
+            "agg.ping": lambda req: self._providers_run(req).on_ping(req),
+            "agg.results": lambda req: self._providers_run(req).on_results(req),
             "provider.leave": self._leave_request,
         }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS, keys=keys,
             admit=self._admit)
@@ -316,8 +317,26 @@ class Provider:
             revoked = reply.body.get("revoked", [])
             if isinstance(revoked, list) and all(isinstance(k, str) for k in revoked):
                 self.revoked = frozenset(revoked)
+                self._shut_out_revoked()
+        except KeyRefused:  # this provider's own key was revoked: it has no part in the network any more
+            print(f"provider {self.id}: the bootstrap refuses this provider's key (revoked): stopping", flush=True)
+            self.stop()
         except NetworkError as exc:  # a bootstrap restart must not disturb running tasks
             log.warning("heartbeat to %s failed: %s", self.settings.bootstrap, exc)
+
+    def _shut_out_revoked(self) -> None:
+        """The current task goes on without its providers whose keys were revoked (the requester's
+        revoked: the task is cancelled)."""
+        run = self.current
+        if run is None or not run.state.active or not self.revoked:
+            return
+        if run.access.requester in self.revoked:
+            log.warning("task %s: its requester's key was revoked: cancelling it", run.spec.task_id)
+            run.cancel(wait=0)
+            return
+        for index, key in enumerate(run.access.providers):
+            if key in self.revoked and index != run.index:
+                run.exclude(index, "its key was revoked")
 
     def _say_goodbye(self, attempts: int) -> None:
         for attempt in range(1, attempts + 1):
@@ -333,11 +352,33 @@ class Provider:
 
     # ---- handlers --------------------------------------------------------------------------
 
+    def _caller(self, req: Envelope) -> str | None:
+        """The key the request's channel proved, as printed (None in plain mode: nothing to check)."""
+        if self.keys is None:
+            return None
+        return key_text(req.peer_key) if req.peer_key is not None else ""
+
     def _run_of(self, req: Envelope) -> TaskRun:
         task = field_of(req.body, "task", str, max_len=64)
         run = self.runs.get(task)
         if run is None:
             raise BadMessage(f"task {task!r} is not running on {self.id}")
+        return run
+
+    def _requesters_run(self, req: Envelope) -> TaskRun:
+        """The task ``req`` names, if the caller is the key that claimed it."""
+        run = self._run_of(req)
+        if (caller := self._caller(req)) is not None:
+            run.access.require_requester(caller, req.kind)
+        return run
+
+    def _providers_run(self, req: Envelope) -> TaskRun:
+        """The task ``req`` names, if the caller is one of its providers (the one whose index it
+        gives, where it gives one)."""
+        run = self._run_of(req)
+        if (caller := self._caller(req)) is not None:
+            claimed = req.body.get("index")
+            run.access.provider_index(caller, req.kind, claimed if isinstance(claimed, int) else None)
         return run
 
     def _assign(self, req: Envelope) -> dict:
@@ -348,25 +389,49 @@ class Provider:
 
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
         task_key = peer_key(field_of(req.body, "key", str, max_len=64), "the task's key")
+        access = self._claimed_for(spec, self._caller(req))
         with self._lock:
+            earlier = self.runs.get(spec.task_id)
+            if earlier is not None:
+                earlier.access.require_requester(access.requester, "task.assign")
+                if earlier.state.active or earlier.spec == spec:
+                    return earlier.status()  # the requester asked again: the same run
             if self.leaving.is_set():
                 raise BadMessage(f"provider {self.id} is leaving the network")
-            if self._busy() and self.current.spec.task_id != spec.task_id:
+            if self._busy():
                 raise BadMessage(f"provider {self.id} is busy with task {self.current.spec.task_id}")
-            if spec.task_id in self.runs:
-                return self.runs[spec.task_id].status()
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
                                   int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
                                   self.expose, poison=test_poison())
-            run = TaskRun(spec, ctx, task_key, on_change=self._run_changed)
+            run = TaskRun(spec, ctx, task_key, access, on_change=self._run_changed, fresh=earlier is not None)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()
         log.info("task %s accepted (provider %d of %d)", spec.task_id, run.index + 1, len(spec.peers))
         return run.status()
 
+    def _claimed_for(self, spec: TaskSpec, caller: str | None) -> TaskAccess:
+        """Who may act on the task ``spec`` describes, once the bootstrap confirms that ``caller``
+        claimed it and claimed this provider for it (no check in plain mode)."""
+        access = TaskAccess.of(spec, caller or "")
+        if caller is None:
+            return access
+        try:
+            record = self._ask_bootstrap("task", {"task": spec.task_id}, timeout=10).body
+        except NetworkError as exc:
+            raise BadMessage(f"task.assign refused: the bootstrap does not confirm task {spec.task_id} ({exc})") \
+                from None
+        if record.get("requester_key") != caller:
+            raise BadMessage(f"task.assign refused: task {spec.task_id} was claimed by another key")
+        if self.id not in {p.get("id") for p in record.get("providers", []) if isinstance(p, dict)}:
+            raise BadMessage(f"task.assign refused: task {spec.task_id} did not claim provider {self.id}")
+        ids = [p.id for p in spec.peers]
+        if self.id not in ids or access.providers[ids.index(self.id)] != self.keys.text:
+            raise BadMessage(f"task.assign refused: task {spec.task_id} does not list {self.id} with its key")
+        return access
+
     def _start_task(self, req: Envelope) -> dict:
-        run = self._run_of(req)
+        run = self._requesters_run(req)
         book = field_of(req.body, "engines", dict, max_len=256)
         try:
             run.start({int(k): str(v) for k, v in book.items()})
@@ -374,19 +439,28 @@ class Provider:
             raise BadMessage("engines must map provider index to address") from None
         return run.status()
 
-    def _status(self, req: Envelope) -> dict:
-        return self._run_of(req).status()
-
     def _results(self, req: Envelope) -> tuple[dict, list]:
+        """A finished task's result, for its requester and its providers only (from disk: it
+        outlives the run and a restart of this provider)."""
         task = field_of(req.body, "task", str, max_len=64)
         if not task.replace("-", "").replace("_", "").isalnum():
             raise BadMessage(f"task id {task!r} is not valid")
-        found = read_results(self.workdir / "tasks" / task / "result")
+        folder = self.workdir / "tasks" / task
+        if (caller := self._caller(req)) is not None:
+            access = TaskAccess.load(folder)
+            if access is None:
+                raise BadMessage(f"{self.id} holds no result for task {task}")
+            access.require_member(caller, "task.results")
+        found = read_results(folder / "result")
         if found is None:
             raise BadMessage(f"{self.id} holds no result for task {task} (yet)")
         metrics, model, settings = found
         return {"metrics": metrics, "task": (settings or {}).get("task")}, [model]
 
     def _leave_request(self, req: Envelope) -> dict:
+        """``meshlearn leave``: only this provider's own key may make it leave."""
+        if (caller := self._caller(req)) is not None and caller != self.keys.text:
+            raise BadMessage(f"provider.leave refused: only provider {self.id}'s own key may make it leave (run "
+                             "meshlearn leave where it runs, with its --workdir or --key)")
         self.leave()
         return {"leaving": True, "after_task": self.current.spec.task_id if self._busy() else None}

@@ -35,8 +35,10 @@ CREATE TABLE IF NOT EXISTS history (
 """
 HISTORY_KEPT = 5000  # the registry's history keeps this many events (older ones are dropped)
 # columns added since the first registry files, with their defaults for rows written before
-_ADDED = {"providers": [("key", "TEXT NOT NULL DEFAULT ''"), ("reachable", "INTEGER NOT NULL DEFAULT 1")]}
+_ADDED = {"providers": [("key", "TEXT NOT NULL DEFAULT ''"), ("reachable", "INTEGER NOT NULL DEFAULT 1")],
+          "tasks": [("requester_key", "TEXT NOT NULL DEFAULT ''")]}
 _COLUMNS = "id,address,ram_gb,cores,device,location,status,task,last_seen,key,reachable"
+_TASK_COLUMNS = "id,requester,providers,created,status,requester_key"
 
 
 @dataclass
@@ -49,7 +51,7 @@ class ProviderInfo:
     cores: int
     device: str
     location: str
-    status: str = "free"  # free | busy | leaving
+    status: str = "free"  # free | busy | leaving | lost (a task reported it lost: not claimed until it beats again)
     task: str | None = None
     last_seen: float = 0.0
     key: str = ""  # its public key, proven at registration; peers connect to address@key only
@@ -218,8 +220,9 @@ class Registry:
         return chosen[:count]
 
     def claim(self, task_id: str, requester: str, count: int, device: str = "any",
-              location: str | None = None) -> list[ProviderInfo]:
-        """Atomically mark up to ``count`` free providers busy with ``task_id`` and record the task."""
+              location: str | None = None, requester_key: str = "") -> list[ProviderInfo]:
+        """Atomically mark up to ``count`` free providers busy with ``task_id`` and record the task,
+        bound to ``requester_key`` (the key that claimed it: the only one that may act on it)."""
         def take(db):
             rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
             free = [ProviderInfo(*r) for r in rows if not location or r[5] == location]
@@ -230,41 +233,40 @@ class Registry:
                            (task_id, self.clock.time(), p.id))
                 p.status, p.task = "busy", task_id
             if taken:
-                db.execute("INSERT INTO tasks VALUES (?,?,?,?,?)", (
-                    task_id, requester, json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken]),
-                    self.clock.time(), "running"))
+                db.execute("INSERT INTO tasks (id,requester,providers,created,status,requester_key) "
+                           "VALUES (?,?,?,?,?,?)", (
+                               task_id, requester,
+                               json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken]),
+                               self.clock.time(), "running", requester_key))
                 self._note(db, "claimed", task_id, f"by {requester}: " + ", ".join(p.id for p in taken))
             return taken
         return self._run(take)
 
     def release(self, task_id: str, status: str = "done", lost: list[str] = ()) -> None:
-        """Free the providers of a task and record how it ended; forget those the task lost (a
-        provider still alive registers again with its next heartbeat)."""
+        """Free the providers of a task and record how it ended. Those the task lost are set
+        ``lost``: never claimed until their next heartbeat says they live (a dead one expires),
+        and still bound to their key, so nobody else can register their ids meanwhile."""
         def free(db):
             for provider_id in lost:
-                db.execute("DELETE FROM providers WHERE id=? AND task=?", (provider_id, task_id))
+                db.execute("UPDATE providers SET status='lost', task=NULL WHERE id=? AND task=?",
+                           (provider_id, task_id))
             db.execute("UPDATE providers SET status='free', task=NULL WHERE task=? AND status='busy'", (task_id,))
             if db.execute("UPDATE tasks SET status=? WHERE id=?", (status, task_id)).rowcount:
                 self._note(db, "released", task_id, status + (f"; lost {', '.join(lost)}" if lost else ""))
         self._run(free)
 
     def task(self, task_id: str) -> dict | None:
-        """A task's record: requester, providers (id and address), status; None if unknown."""
+        """A task's record: requester (name and key), providers (id and pinned address), status;
+        None if unknown."""
         row = self._run(lambda db: db.execute(
-            "SELECT id,requester,providers,created,status FROM tasks WHERE id=?", (task_id,)).fetchone())
-        if row is None:
-            return None
-        return {"id": row[0], "requester": row[1], "providers": json.loads(row[2]),
-                "created": row[3], "status": row[4]}
-
+            f"SELECT {_TASK_COLUMNS} FROM tasks WHERE id=?", (task_id,)).fetchone())
+        return None if row is None else _task_record(row)
 
     def tasks(self, limit: int = 50) -> list[dict]:
         """The latest ``limit`` tasks' records, newest first."""
         rows = self._run(lambda db: db.execute(
-            "SELECT id,requester,providers,created,status FROM tasks ORDER BY created DESC LIMIT ?",
-            (limit,)).fetchall())
-        return [{"id": r[0], "requester": r[1], "providers": json.loads(r[2]), "created": r[3], "status": r[4]}
-                for r in rows]
+            f"SELECT {_TASK_COLUMNS} FROM tasks ORDER BY created DESC LIMIT ?", (limit,)).fetchall())
+        return [_task_record(r) for r in rows]
 
     def history(self, limit: int = 200) -> list[dict]:
         """The registry's latest ``limit`` events (registered, left, expired, revoked, claimed,
@@ -279,6 +281,11 @@ class Registry:
                          (self.clock.time(), kind, subject, detail)).lastrowid
         if seq % 500 == 0:
             db.execute("DELETE FROM history WHERE seq <= ?", (seq - HISTORY_KEPT,))
+
+
+def _task_record(row: tuple) -> dict:
+    return {"id": row[0], "requester": row[1], "providers": json.loads(row[2]), "created": row[3], "status": row[4],
+            "requester_key": row[5]}
 
 
 def _preference(p: ProviderInfo, device: str) -> tuple:

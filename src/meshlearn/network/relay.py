@@ -38,8 +38,16 @@ from functools import partial
 from meshlearn.errors import NetworkError, PortInUseError
 from meshlearn.network.addresses import is_wildcard
 from meshlearn.network.envelope import field_of
-from meshlearn.network.sparselog import SparseLog
-from meshlearn.network.splicer import READ, Acceptor, Loop, Splice, Splicer, close_socket, dial
+from meshlearn.network.splicer import (
+    READ,
+    Acceptor,
+    Loop,
+    Splice,
+    Splicer,
+    close_socket,
+    dial,
+)
+from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 

@@ -40,6 +40,7 @@ from meshlearn.wire.sealed import FrameSeal
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
+ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
 POLL = 0.25  # seconds between looks at the providers' status
 SETTLE_EXTRA = 10.0  # seconds beyond the peer timeout that providers get to end their part after the result
 ENDED = ("done", "failed", "cancelled")
@@ -65,7 +66,10 @@ class Requester:
         self.task_id = new_task_id()
         self.task_key = FrameSeal.new_key()  # seals the providers' engine messages; sent only over CurveZMQ
         self.sender = f"requester-{self.task_id}"
-        self.gone: set[str] = set()  # providers that stopped answering
+        self.gone: set[str] = set()  # providers out of the task: stopped answering, or revoked
+        self.revoked: set[str] = set()  # providers whose keys the bootstrap revoked (never asked for a result)
+        self.left_out: dict[str, str] = {}  # providers that could not take the task, and why
+        self._engines: dict[str, str] = {}  # engine address of each ready provider, by index
         self.clock = clock
         scalars = ScalarLog(run_folder(tensorboard, f"task-{self.task_id}")) if tensorboard else None
         self.watch = TaskWatch(self._tell_bootstrap, scalars, clock)  # the bootstrap's dashboard, TensorBoard
@@ -84,37 +88,11 @@ class Requester:
         with contextlib.ExitStack() as cleanup:
             try:
                 share_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="meshlearn-share-")))
-                data, meta, weights = {"mode": "local", "dataset": req.data_on_providers}, None, None
                 share = FileShare()
-                if dataset is not None:
-                    self._write_shares(share, dataset, len(claimed), share_dir)
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
-                if share.files:
-                    # the task's providers (the keys the bootstrap vouched for) and the bootstrap (its dial-back)
-                    allowed = {split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]}
-                    server = RpcServer("requester", self.host, self.port, self.secret, share.handlers(), keys=self.keys,
-                                       admit=lambda key: key in allowed)
-                    server.start()
-                    cleanup.callback(server.stop)
-                    address = pinned(self._reached_at(server.port, cleanup), self.keys.public if self.keys else None)
-                    files = share.manifest()
-                    served_weights = files.pop(WEIGHTS_FILE, None)
-                    if dataset is not None:
-                        data = {"mode": "served", "address": address, "files": files}
-                        meta = dataset_meta(dataset)
-                    if served_weights is not None:
-                        weights = {"address": address, **served_weights}
-                spec = TaskSpec(
-                    task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
-                    momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
-                    aggregate_every=req.aggregate_every, seed=req.seed,
-                    partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
-                    peer_timeout=req.peer_timeout,
-                    peers=[{"id": p["id"], "address": p["address"]} for p in claimed], data=data, meta=meta,
-                    weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
-                self._write_config(spec)
-                self._start(spec)
+                address = self._serve(share, claimed, cleanup) if dataset is not None or req.weights else ""
+                spec = self._start_on(claimed, share, address, dataset, share_dir)
                 metrics = self._follow(spec)
                 self._settle(spec)
             except BaseException:
@@ -123,8 +101,72 @@ class Requester:
                 self.watch.finish(None)
                 raise
         self.watch.finish(metrics)
-        self._release("done", lost=set(metrics.get("lost", [])))
+        self._release("done", lost=set(metrics.get("lost", [])) | set(self.left_out))
         return metrics
+
+    def _serve(self, share: FileShare, claimed: list[dict], cleanup: contextlib.ExitStack) -> str:
+        """Serve ``share`` (files added later are served too) to the claimed providers and the
+        bootstrap (its dial-back) only; returns the pinned address providers fetch from."""
+        allowed = {split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]}
+        server = RpcServer("requester", self.host, self.port, self.secret, share.handlers(), keys=self.keys,
+                           admit=lambda key: key in allowed)
+        server.start()
+        cleanup.callback(server.stop)
+        return pinned(self._reached_at(server.port, cleanup), self.keys.public if self.keys else None)
+
+    def _start_on(self, claimed: list[dict], share: FileShare, address: str, dataset: Dataset | None,
+                  share_dir: Path) -> TaskSpec:
+        """Start the task on the claimed providers. One that refuses it, cannot be reached or
+        cannot prepare it is left out: the others are told to drop this attempt, and the task
+        starts again on them (new shards), as long as one is left. Returns the spec that started."""
+        plan, attempt = list(claimed), 0
+        while True:
+            attempt += 1
+            spec = self._spec(plan, share, address, dataset, share_dir / f"attempt-{attempt}")
+            refused = self._assign_all(spec)
+            if not refused:
+                break
+            self.left_out.update(refused)
+            for pid, why in refused.items():
+                self.say(f"task {self.task_id}: provider {pid} {why}")
+            plan = [p for p in plan if p["id"] not in refused]
+            if not plan:
+                raise TaskFailed(f"task {self.task_id}: no provider could take it: "
+                                 + "; ".join(f"{pid} {why}" for pid, why in self.left_out.items()))
+            self.say(f"task {self.task_id}: starting again on the other {len(plan)} provider(s): "
+                     + ", ".join(p["id"] for p in plan))
+            self._drop_attempt(plan)
+        self._write_config(spec)
+        for peer in (p.model_dump() for p in spec.peers):
+            try:
+                self._call(peer, "task.start", {"engines": self._engines})
+            except NetworkError as exc:  # it went between ready and start: the others go on without it
+                self._lose(peer["id"], f"did not take the start ({exc})")
+        self.say(f"task {self.task_id}: started on {len(spec.peers)} provider(s)")
+        return spec
+
+    def _spec(self, plan: list[dict], share: FileShare, address: str, dataset: Dataset | None,
+              folder: Path) -> TaskSpec:
+        """The task's spec over the providers of ``plan``, their shards written into ``folder``
+        and added to ``share``."""
+        req = self.request
+        data, meta, weights = {"mode": "local", "dataset": req.data_on_providers}, None, None
+        if dataset is not None:
+            folder.mkdir(parents=True)
+            self._write_shares(share, dataset, len(plan), folder)
+            files = share.manifest()
+            files.pop(WEIGHTS_FILE, None)
+            data, meta = {"mode": "served", "address": address, "files": files}, dataset_meta(dataset)
+        if req.weights:
+            weights = {"address": address, **share.manifest()[WEIGHTS_FILE]}
+        return TaskSpec(
+            task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
+            momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
+            aggregate_every=req.aggregate_every, seed=req.seed,
+            partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
+            peer_timeout=req.peer_timeout,
+            peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
+            weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -185,25 +227,61 @@ class Requester:
         return call(peer["address"], kind, {"task": self.task_id, **body}, self.secret, timeout=timeout,
                     sender=self.sender, max_bytes=1 << 30)
 
-    def _start(self, spec: TaskSpec) -> None:
+    def _assign_all(self, spec: TaskSpec) -> dict[str, str]:
+        """Give every provider of ``spec`` the task and wait until each is ready (its engine's
+        address in ``_engines``); returns why each one that could not be used was not (empty:
+        all are ready)."""
         peers = [p.model_dump() for p in spec.peers]
+        refused: dict[str, str] = {}
         for peer in peers:
-            self._call(peer, "task.assign", {"spec": spec.model_dump(), "key": key_text(self.task_key)}, timeout=30)
+            try:
+                self._call(peer, "task.assign", {"spec": spec.model_dump(), "key": key_text(self.task_key)},
+                           timeout=ASSIGN_TIMEOUT)
+            except NetworkError as exc:
+                refused[peer["id"]] = f"refused the task or did not answer ({exc})"
+        if refused:
+            return refused
         deadline = self.clock.monotonic() + READY_TIMEOUT
-        engines: dict[str, str] = {}
-        while len(engines) < len(peers):
+        self._engines = {}
+        while len(self._engines) + len(refused) < len(peers):
             for i, peer in enumerate(peers):
-                status = self._call(peer, "task.status", {}).body
-                if status["state"] == "failed":
-                    raise TaskFailed(f"provider {peer['id']} could not prepare the task: {status['error']}")
-                if status["state"] != "preparing":
-                    engines[str(i)] = status["engine"]
+                if str(i) in self._engines or peer["id"] in refused:
+                    continue
+                try:
+                    status = self._call(peer, "task.status", {}).body
+                except NetworkError as exc:
+                    refused[peer["id"]] = f"stopped answering while it prepared the task ({exc})"
+                    continue
+                if status["state"] in ("failed", "cancelled"):
+                    refused[peer["id"]] = f"could not prepare the task: {status['error'] or status['state']}"
+                elif status["state"] != "preparing":
+                    self._engines[str(i)] = status["engine"]
             if self.clock.monotonic() > deadline:
-                raise TaskFailed("providers did not get ready in time (data download or model build)")
+                refused.update({p["id"]: "did not get ready in time (data download or model build)"
+                                for i, p in enumerate(peers) if str(i) not in self._engines})
             self.clock.sleep(POLL)
-        for peer in peers:
-            self._call(peer, "task.start", {"engines": engines})
-        self.say(f"task {self.task_id}: started on {len(peers)} provider(s)")
+        return refused
+
+    def _drop_attempt(self, plan: list[dict]) -> None:
+        """Tell the providers of ``plan`` to drop the attempt that did not start, and wait (a
+        little) until each has, so that each takes the next one."""
+        self._cancel(plan)
+        deadline = self.clock.monotonic() + SETTLE_EXTRA
+        for peer in plan:
+            while self.clock.monotonic() < deadline:
+                try:
+                    if self._call(peer, "task.status", {}, timeout=5).body["state"] in ENDED:
+                        break
+                except NetworkError:
+                    break
+                self.clock.sleep(POLL)
+
+    def _lose(self, provider: str, why: str) -> None:
+        """``provider`` is out of the task from now on (gone, or its key revoked): say so once."""
+        if provider not in self.gone:
+            self.gone.add(provider)
+            self.watch.lost(provider)
+            self.say(f"task {self.task_id}: provider {provider} {why}")
 
     def _statuses(self, spec: TaskSpec) -> list[tuple[dict, dict]]:
         """(provider, status) of every provider still answering; the others join ``gone``."""
@@ -214,25 +292,29 @@ class Requester:
             try:
                 states.append((peer, self._call(peer, "task.status", {}, timeout=5).body))
             except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
-                self.gone.add(peer["id"])
-                self.watch.lost(peer["id"])
-                self.say(f"task {self.task_id}: provider {peer['id']} stopped answering")
+                self._lose(peer["id"], "stopped answering")
         self.watch.update(states)
-        return states
+        for pid in self.revoked - self.gone:  # told by the bootstrap, with a progress report
+            self._lose(pid, "was revoked: it is out of the task")
+        return [(peer, status) for peer, status in states if peer["id"] not in self.gone]
 
     def _follow(self, spec: TaskSpec) -> dict:
         last_line = ""
         while True:
             states = self._statuses(spec)
-            for peer, status in states:
-                if status.get("results"):
-                    metrics = fetch_results(self.task_id, [peer], self.secret, self.output)
-                    if metrics is not None:
-                        return metrics
+            holders = [peer for peer, status in states if status.get("results")]
+            if holders:  # the result: from a provider that is still in the task (asked at this moment)
+                revoked = self._note_revoked(self._ask_revoked())
+                trusted = [peer for peer in holders if peer["id"] not in revoked]
+                metrics = fetch_results(self.task_id, trusted, self.secret, self.output, extra=self._extra())
+                if metrics is not None:
+                    return metrics
             if not states:
                 raise TaskFailed(f"task {self.task_id}: every provider is gone; no result")
-            if all(s["state"] == "failed" for _, s in states):
-                raise TaskFailed(f"task {self.task_id} failed: {states[0][1]['error']}")
+            if all(s["state"] in ENDED for _, s in states):
+                raise TaskFailed(f"task {self.task_id} ended without a result: "
+                                 + "; ".join(f"{p['id']} {s['state']}" + (f" ({s['error']})" if s.get("error") else "")
+                                             for p, s in states))
             line = "  ".join(f"{p['id']}: {s['state']} {s['progress'].get('iteration', 0)}/"
                              f"{s['progress'].get('iterations', '?')}" for p, s in states)
             if line != last_line:
@@ -259,9 +341,30 @@ class Requester:
         log.warning("task %s: some providers did not end their part in time", self.task_id)
 
     def _tell_bootstrap(self, body: dict) -> None:
-        """One progress report of this task for the bootstrap's dashboard (TaskWatch sends it)."""
-        call(self.bootstrap, "task.progress", {"task": self.task_id, **body}, self.secret, timeout=3,
-             sender=self.sender)
+        """One progress report of this task for the bootstrap's dashboard (TaskWatch sends it);
+        the reply names the task's providers whose keys were revoked since."""
+        reply = call(self.bootstrap, "task.progress", {"task": self.task_id, **body}, self.secret, timeout=3,
+                     sender=self.sender)
+        self._note_revoked(reply.body.get("revoked"))
+
+    def _ask_revoked(self) -> object:
+        """The bootstrap's list of this task's revoked providers (None if it cannot say now)."""
+        try:
+            return call(self.bootstrap, "task", {"task": self.task_id}, self.secret, timeout=5,
+                        sender=self.sender).body.get("revoked")
+        except NetworkError as exc:
+            log.info("could not ask the bootstrap which providers were revoked: %s", exc)
+            return None
+
+    def _note_revoked(self, revoked: object) -> set[str]:
+        """Remember the providers the bootstrap says were revoked (never trusted again); returns them all."""
+        if isinstance(revoked, list):
+            self.revoked.update(p for p in revoked if isinstance(p, str))
+        return self.revoked
+
+    def _extra(self) -> dict:
+        """What the requester adds to the result's metrics: providers left out before the start."""
+        return {"left_out": dict(self.left_out)} if self.left_out else {}
 
     def _release(self, status: str, lost: set[str] = frozenset()) -> None:
         try:
@@ -272,8 +375,9 @@ class Requester:
             log.warning("could not tell the bootstrap that task %s ended: %s", self.task_id, exc)
 
 
-def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) -> dict | None:
-    """Get a task's result from the first provider that holds it; write it into ``output``."""
+def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path, extra: dict | None = None) -> dict | None:
+    """Get a task's result from the first provider that holds it; write it, with ``extra``
+    metrics, into ``output``."""
     for peer in peers:
         try:
             reply = call(peer["address"], "task.results", {"task": task_id}, secret, timeout=30,
@@ -288,7 +392,7 @@ def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path) 
         except Exception:  # noqa: BLE001 - a corrupt copy: try the next provider
             log.warning("the result from %s is not a valid safetensors model", peer["id"])
             continue
-        metrics = dict(reply.body.get("metrics") or {})
+        metrics = {**dict(reply.body.get("metrics") or {}), **(extra or {})}
         metrics["fetched_from"] = peer["id"]
         settings = reply.body.get("task")
         task = {"task": settings if _is_task_settings(settings) else None, "fetched_from": peer["id"]}

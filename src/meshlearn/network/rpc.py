@@ -42,7 +42,7 @@ from meshlearn.network.identity import (
     peer_key,
     split_pinned,
 )
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.zmqsock import make_curve_client, make_curve_server
 
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 RECEIVE_QUEUE = 8  # whole messages ZeroMQ holds per connection before it stops reading that socket
+HANDSHAKE_MS = 5000  # a connection that has not finished its encrypted handshake by then is dropped (ZeroMQ: 30 s)
+HANDSHAKE_TRIES = 3  # failed handshakes in a row before a call gives up (a relay may cut one connection)
 __all__ = ["RemoteError", "RpcServer", "Unreachable", "call", "parse_address"]
 Handler = Callable[[Envelope], tuple[dict, list] | dict]
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -92,6 +94,7 @@ class RpcServer:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_bytes)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
+        sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a stranger holding a connection open costs little
         if self.keys is not None:
             make_curve_server(sock, self.keys.public, self.keys.secret, _zap_domain(self.name, self.admit))
         try:
@@ -271,10 +274,14 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
         if monitor is not None:
             poller.register(monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout
+        failed_handshakes = 0
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
             if monitor in events:
-                _raise_handshake_failure(recv_monitor_message(monitor), where, server_key, kind, keys or own_identity())
+                event = recv_monitor_message(monitor)
+                failed_handshakes += 1  # ZeroMQ connects again by itself: a cut connection may be a glitch
+                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH or failed_handshakes >= HANDSHAKE_TRIES:
+                    _raise_handshake_failure(event, where, server_key, kind, keys or own_identity(), failed_handshakes)
             if sock not in events:
                 continue
             frames = sock.recv_multipart(copy=False)
@@ -296,13 +303,15 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
         sock.close(0)
 
 
-def _raise_handshake_failure(event: dict, where: str, server_key: bytes, kind: str, me: KeyPair) -> None:
+def _raise_handshake_failure(event: dict, where: str, server_key: bytes, kind: str, me: KeyPair, tries: int) -> None:
+    """Say what was seen: the server refused this key, or the connection closed during the handshake
+    (ZeroMQ cannot tell a server holding another key from a relay or firewall cutting it)."""
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         raise KeyRefused(f"{where} refused this participant's key ({key_text(me.public)}) for {kind}: "
                         "it was revoked, or is not admitted to this network")
-    raise KeyMismatch(f"{where} did not complete the encrypted handshake for the key {key_text(server_key)} this "
-                      f"{kind} was sent to: another key answers there (someone may pose as it), or the connection "
-                      "closed during the handshake; nothing was sent")
+    raise KeyMismatch(f"the connection to {where} closed during the encrypted handshake for key "
+                      f"{key_text(server_key)} ({kind}, {tries} tries): the server there holds another key, or "
+                      "something in between (a relay whose participant is gone, a firewall) cut it; nothing was sent")
 
 
 class _ByKey:

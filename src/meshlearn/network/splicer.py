@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 _accept_warnings = SparseLog(log)  # shared by every Acceptor: one shortage is not a line per port

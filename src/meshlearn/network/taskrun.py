@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,7 @@ from meshlearn.network.datashare import download
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.finish import Finisher
 from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
+from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.node import Node, make_transport
 from meshlearn.topology import build_topology
@@ -94,11 +96,13 @@ class ProviderContext:
 class TaskRun:
     """A task on this provider; ``run()`` does the work, the ``on_*`` methods answer its peers."""
 
-    def __init__(self, spec: TaskSpec, ctx: ProviderContext, task_key: bytes,
-                 on_change: Callable[["TaskRun"], None] | None = None):
+    def __init__(self, spec: TaskSpec, ctx: ProviderContext, task_key: bytes, access: TaskAccess,
+                 on_change: Callable[["TaskRun"], None] | None = None, fresh: bool = False):
         self.spec = spec
         self.ctx = ctx
         self.task_key = task_key  # the requester's, for this task only: seals every engine message
+        self.access = access  # who may act on the task (its requester, its providers)
+        self.fresh = fresh  # an earlier attempt of this task ran here: its files go first
         self.ids = [p.id for p in spec.peers]
         if ctx.id not in self.ids:
             raise BadMessage(f"task {spec.task_id} does not list this provider ({ctx.id})")
@@ -162,6 +166,8 @@ class TaskRun:
         finally:
             stop_watching.set()
             self.finisher.election.poke()
+            if self.node is not None:  # cancelled before it ran: its endpoint was bound, never closed
+                self.node.transport.close()
             self.node = None  # model, data and buffers: the result is on disk (a provider runs many tasks)
             self._unexpose()
             self.finisher.release()
@@ -173,6 +179,9 @@ class TaskRun:
 
     def _prepare(self) -> None:
         spec, ctx = self.spec, self.ctx
+        if self.fresh:  # the requester started the task again without some provider: new shards
+            shutil.rmtree(self.folder / "data", ignore_errors=True)
+        self.access.save(self.folder)
         dataset, indices = task_dataset(spec, self.index, self.folder / "data", ctx.secret, ctx.id, ctx.data_root,
                                         before_chunk=self._check_cancelled)
         config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_bytes / 2 ** 20)
@@ -210,9 +219,22 @@ class TaskRun:
     def _check_cancelled(self) -> None:
         if self._cancelled.is_set():
             raise TaskCancelled(self.spec.task_id)
+        self.finisher.check_admitted()
+
+    def exclude(self, index: int, why: str) -> None:
+        """Go on without provider ``index`` (its key was revoked): it is never waited for, never
+        followed as leader, and its result is never taken."""
+        node = self.node
+        if node is not None:
+            node.algorithm.exclude(index)
+        if self.finisher.exclude(index):
+            log.warning("task %s: provider %s is out of the task: %s", self.spec.task_id, self.ids[index], why)
 
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
         self._check_cancelled()
+        if iteration == 0:  # those shut out while the run was being prepared (connect knew them still)
+            for index in self.finisher.excluded:
+                node.algorithm.exclude(index)
         evaluated = "test_acc" in record
         self.progress = {"iteration": iteration + 1, "iterations": self.iterations,
                          "train_loss": record.get("train_loss"), "leader": self.ids[self.finisher.election.leader],
@@ -223,7 +245,7 @@ class TaskRun:
 
     def start(self, book: dict[int, str]) -> None:
         """The requester's go: every provider is ready; ``book`` holds the engine addresses."""
-        self._book = {j: a for j, a in book.items() if j != self.index}
+        self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
         self._start.set()
 
     def on_push(self, req: Envelope) -> dict:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Mapping
 
 from meshlearn.errors import WireError
-from meshlearn.network.sparselog import SparseLog
+from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.sealed import ReplayedMessage, ReplayWindow
@@ -87,6 +87,13 @@ class Endpoint(ABC):
         thread.start()
         self._threads.append(thread)
         return thread
+
+    def exclude(self, peer: int) -> None:
+        """Take nothing from ``peer`` and send it nothing from now on (it was shut out of the run:
+        a network task's provider whose key was revoked); it counts as departed, so nobody waits
+        for it. Safe from any thread."""
+        self.peers = {p: address for p, address in self.peers.items() if p != peer}
+        self.departed.add(peer)
 
     def drop_refused(self, error: WireError, what: str) -> None:
         """Count a received message that is refused, ``what`` it was (a replay: ``replay_dropped``;

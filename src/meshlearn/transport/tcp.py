@@ -134,6 +134,8 @@ class TcpTransport(Transport):
         dealer = self._dealers.get(peer)
         if dealer is None:
             raise TransportError(f"node {self.node_id}: {peer} is not a neighbour")
+        if peer not in self.peers:  # shut out of the run (``exclude``): it gets nothing more
+            return []
         trackers = []
         last = len(frames) - 1
         try:
@@ -190,7 +192,7 @@ class TcpTransport(Transport):
             # The handshake binds a connection to the neighbour it names (signed, with a secret);
             # every later message must come over a connection bound to its sender.
             self._routes.setdefault(route, msg.sender)
-        if self._routes.get(route) != msg.sender:
+        if self._routes.get(route) != msg.sender or msg.sender not in self.peers:  # unbound, or shut out
             self.stats.unknown_sender_dropped += 1
             return None
         self.stats.messages_received += 1
