@@ -6,12 +6,14 @@ twice its clean time, and the relay must answer ``KEY`` throughout. Real process
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pytest
 from helpers.netproc import free_port
 
 from meshlearn.network.relay import fetch_key_line
@@ -72,6 +74,7 @@ class _KeyWatch:
         self._thread.join(10)
 
 
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux) to lower the file limit")
 def test_a_task_completes_and_key_answers_while_strangers_hold_connections_and_flood_the_dashboard(procs):
     dashboard = free_port()
     bootstrap, relay, public = _start_network(procs, dashboard)
@@ -92,6 +95,7 @@ def test_a_task_completes_and_key_answers_while_strangers_hold_connections_and_f
         flooder.stdin.close()
         flooder.kill()
         flooder.wait(10)
+    print(f"clean {clean:.1f} s, attacked {attacked:.1f} s, KEY answered {keys.asked} of {keys.asked}")
     assert attacked <= 2 * clean + 5, (clean, attacked)  # the acceptance bound, with 5 s for a loaded machine
     scores = [json.loads((procs.folder / name / "metrics.json").read_text())["accuracy"] for name in ("clean", "attacked")]
     assert min(scores) > 0.8, scores
