@@ -135,7 +135,7 @@ class Requester:
                                  + "; ".join(f"{pid} {why}" for pid, why in self.left_out.items()))
             self.say(f"task {self.task_id}: starting again on the other {len(plan)} provider(s): "
                      + ", ".join(p["id"] for p in plan))
-            self._drop_attempt(plan)
+            self._drop_attempt(spec, plan)
         self._write_config(spec)
         for peer in (p.model_dump() for p in spec.peers):
             try:
@@ -262,10 +262,10 @@ class Requester:
             self.clock.sleep(POLL)
         return refused
 
-    def _drop_attempt(self, plan: list[dict]) -> None:
-        """Tell the providers of ``plan`` to drop the attempt that did not start, and wait (a
-        little) until each has, so that each takes the next one."""
-        self._cancel(plan)
+    def _drop_attempt(self, spec: TaskSpec, plan: list[dict]) -> None:
+        """Tell every provider of ``spec`` to drop that attempt (one left out may still be
+        preparing it), and wait (a little) until those of ``plan`` have, so each takes the next."""
+        self._cancel([p.model_dump() for p in spec.peers])
         deadline = self.clock.monotonic() + SETTLE_EXTRA
         for peer in plan:
             while self.clock.monotonic() < deadline:
