@@ -18,6 +18,7 @@ from meshlearn.node import build_node
 from meshlearn.sim import simulate
 from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.inprocess import run_threads
+from meshlearn.sim.report import format_summary
 from meshlearn.topology import build_topology
 
 RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5", "clip:nearest", "filter",
@@ -226,6 +227,19 @@ def test_one_sign_flipping_node_wrecks_the_mean_but_not_clipping_or_the_trimmed_
         assert summary["nodes_evaluated"] == 7 and summary["attackers"] == {"3": "sign-flip:10"}
         neighbours = build_topology("regular:3", 8, seed=1).neighbours(3)
         assert summary["suspected"] == {"3": len(neighbours)}  # every neighbour of the bad node, no one else
+
+
+def test_under_the_mean_the_summary_names_no_suspects_but_says_whose_models_were_refused_and_why(tmp_path):
+    """Under the mean a sign-flipper's model spreads to every node, whose models then turn to NaN and
+    are refused by their neighbours: those honest nodes must not be reported as suspects (issue 33)."""
+    config = make_config({"nodes": 8, "topology": "regular:3", "dataset": "digits", "model": "mlp", "iterations": 30,
+                          "test_after": 30, "seed": 90, "byzantine": "3:sign-flip:10", "output": str(tmp_path)})
+    simulate(config, progress=False)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "suspected" not in summary and set(summary["refused_from"]) - {"3"}  # honest nodes among them
+    text = format_summary(summary)
+    assert "suspected" not in text and "models refused from" in text
+    assert "honest nodes are among these: a robust --aggregation names the attacker" in text
 
 
 def test_distance_filtering_holds_where_two_of_a_nodes_three_neighbours_flip_signs(tmp_path):

@@ -188,7 +188,9 @@ class Finisher:
             "leader": self.ctx.id, "leaders_lost": [self.ids[i] for i in sorted(dead) if i < self.index],
             "providers": contributions,
             "lost": sorted(pid for pid, c in contributions.items() if c["status"] == "lost"),
-            "aggregation": spec.aggregation, "suspected": self._suspected(book),
+            "aggregation": spec.aggregation,
+            # under a rule that is not robust one bad model spreads: the peers refused are no attribution
+            "suspected" if book.rule.robust else "refused_from": self._suspected(book),
         }
         model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items()})
         for i in range(len(self.ids)):  # copies first: a provider told "done" then has its copy

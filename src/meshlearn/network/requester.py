@@ -435,6 +435,8 @@ def summary_line(metrics: dict) -> str:
     return (f"accuracy {metrics['accuracy']:.4f}  F1 {metrics['f1']:.4f}  loss {metrics['loss']:.4f}  "
             f"time {metrics['training_time']:.1f} s  leader {metrics['leader']}"
             + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else "")
-            + (f"  suspected: {', '.join(metrics['suspected'])}" if metrics.get("suspected") else ""))
+            + (f"  suspected: {', '.join(metrics['suspected'])}" if metrics.get("suspected") else "")
+            + (f"  models refused from: {', '.join(metrics['refused_from'])} (not robust: honest ones too)"
+               if metrics.get("refused_from") else ""))
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from meshlearn.errors import MeshlearnError
+from meshlearn.errors import ConfigError, MeshlearnError
 from meshlearn.plots import pyplot
 from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
@@ -114,9 +114,11 @@ def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
     }
 
 
-def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
+def final_summary(logs: dict[int, list[dict]], robust: bool = True) -> dict[str, Any]:
     """Final metrics (mean over the honest evaluating nodes; bad nodes' apart), traffic and
-    timeouts, the peers the honest nodes suspect, and per-node rows."""
+    timeouts, the peers the honest nodes suspect, and per-node rows. Under a rule that is not
+    ``robust`` (the mean), one bad model spreads to every node, so the peers whose models were
+    refused include honest ones: they are listed as ``refused_from``, never as suspects."""
     attackers = attackers_of(logs)
     nodes = {}
     suspected_by: dict[str, int] = defaultdict(int)
@@ -144,7 +146,8 @@ def final_summary(logs: dict[int, list[dict]]) -> dict[str, Any]:
         extra["attackers"] = {str(r): b for r, b in sorted(attackers.items())}
         extra["attackers_accuracy"] = _mean_std([m["accuracy"] for m in bad])[0]
     if suspected_by:
-        extra["suspected"] = dict(sorted(suspected_by.items(), key=lambda item: int(item[0])))
+        extra["suspected" if robust else "refused_from"] = dict(sorted(suspected_by.items(),
+                                                                       key=lambda item: int(item[0])))
     return {
         "nodes_finished": len(nodes),
         "nodes_evaluated": len(evaluated),
@@ -175,13 +178,30 @@ def time_label(output: Path) -> str:
     return MODELLED_TIME_LABEL if run_engine(output) == "batched" else TIME_LABEL
 
 
-def run_engine(output: Path) -> str:
-    """The engine a run folder's config.yaml names (process if it names none)."""
+def run_config(output: Path) -> dict:
+    """A run folder's resolved config.yaml as a dict ({} if there is none, or it is unreadable)."""
     try:
         config = yaml.safe_load((Path(output) / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
-        return "process"
-    return str(config.get("engine", "process")) if isinstance(config, dict) else "process"
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def run_engine(output: Path) -> str:
+    """The engine a run folder's config.yaml names (process if it names none)."""
+    return str(run_config(output).get("engine", "process"))
+
+
+def judges_peers(output: Path) -> bool:
+    """Whether a run's aggregation rule is robust, so that the peers its nodes refused or found
+    deviant point at attackers (under the mean, a bad model spreads and honest peers get refused
+    too). A rule this process does not know (a user's) counts as robust."""
+    from meshlearn.aggregation import get_rule  # loads torch: not for a report that needs no rule
+
+    try:
+        return get_rule(str(run_config(output).get("aggregation", "mean"))).robust
+    except ConfigError:
+        return True
 
 
 def run_title(output: Path) -> str:
@@ -189,11 +209,8 @@ def run_title(output: Path) -> str:
     its config.yaml when that is there (``demo (dpsgd, 6 nodes)``)."""
     output = Path(output)
     name = output.resolve().name or str(output)
-    try:
-        config = yaml.safe_load((output / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return name
-    if not isinstance(config, dict) or not config.get("algorithm") or not config.get("nodes"):
+    config = run_config(output)
+    if not config.get("algorithm") or not config.get("nodes"):
         return name
     return f"{name} ({config['algorithm']}, {config['nodes']} nodes)"
 
@@ -251,7 +268,7 @@ def write_report(output: Path) -> dict[str, Any]:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["iteration"])
         writer.writeheader()
         writer.writerows(rows)
-    summary = final_summary(logs)
+    summary = final_summary(logs, robust=judges_peers(output))
     summary["iteration_time"] = iteration_times(logs)
     summary.update(start_up_times(output, logs))
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -381,6 +398,10 @@ def start_up_times(output: Path, logs: dict[int, list[dict]]) -> dict[str, float
     return {"wall_clock": finished - launched, "startup": (max(starts) - launched) if starts else float("nan")}
 
 
+def _by_nodes(counts: dict[str, int]) -> str:
+    return ", ".join(f"{peer} (by {count} node{'s' if count > 1 else ''})" for peer, count in counts.items())
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A short human-readable table of a run's outcome."""
     final = summary["final"]
@@ -396,8 +417,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         behaviours = ", ".join(f"{rank} {what}" for rank, what in summary["attackers"].items())
         lines.append(f"bad nodes           {behaviours} (their accuracy {summary['attackers_accuracy']:.4f})")
     if "suspected" in summary:
-        lines.append("suspected peers     " + ", ".join(f"{peer} (by {count} node{'s' if count > 1 else ''})"
-                                                     for peer, count in summary["suspected"].items()))
+        lines.append("suspected peers     " + _by_nodes(summary["suspected"]))
+    if "refused_from" in summary:
+        lines.append("models refused from " + _by_nodes(summary["refused_from"]) + " (under a rule that is not robust "
+                     "one bad model spreads to every node, so honest nodes are among these: a robust --aggregation "
+                     "names the attacker)")
     modelled = summary.get("clock") == "modelled"
     if "total" in times:
         split = "  ".join(f"{p} {times[p]['median'] * 1000:.1f}" for p in PHASES if p in times and p != "eval")
