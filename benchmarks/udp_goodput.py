@@ -35,7 +35,7 @@ def _layout(name: str) -> tuple[FlatState, StateLayout]:
 
 
 def _settings(args) -> UdpSettings:
-    return UdpSettings(chunk_bytes=args.chunk_bytes, rate_gbps=args.rate / 1e9)
+    return UdpSettings(chunk_bytes=args.chunk_bytes, rate_gbps=args.rate * 8 / 1e9)
 
 
 def receiver(args, queue, back) -> None:
@@ -59,9 +59,9 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18")
     parser.add_argument("--trials", type=int, default=20)
     parser.add_argument("--chunk-bytes", type=int, default=0, help="0 = the transport default for loopback")
-    parser.add_argument("--rate-gbps", type=float, default=0.0, help="sender pacing in GB/s (0 = unpaced)")
+    parser.add_argument("--rate-gbps", type=float, default=0.0, help="sender pacing in Gbit/s (0 = unpaced)")
     args = parser.parse_args()
-    args.rate = args.rate_gbps * 1e9 if args.rate_gbps else float("inf")
+    args.rate = args.rate_gbps * 1e9 / 8 if args.rate_gbps else float("inf")  # bytes per second
     flat, layout = _layout(args.model)
     ctx = mp.get_context("spawn")
     queue, back = ctx.Queue(), ctx.Queue()
@@ -84,7 +84,7 @@ def main() -> None:
     transport.close()
     best = statistics.median(times)
     print(f"{args.model}: {flat.nbytes / 1e6:.1f} MB in {args.chunk_bytes}-byte chunks, pacing "
-          f"{'off' if args.rate == float('inf') else f'{args.rate_gbps} GB/s'}")
+          f"{'off' if args.rate == float('inf') else f'{args.rate_gbps} Gbit/s'}")
     print(f"median round trip {best * 1000:.1f} ms -> goodput {flat.nbytes / best / 1e9:.2f} GB/s "
           f"(best {flat.nbytes / min(times) / 1e9:.2f} GB/s)")
     print(f"complete models {ok}/{args.trials}; receiver: {stats}; kernel RcvbufErrors "

@@ -60,9 +60,11 @@ class ExperimentConfig(Settings):
                                                    "erdos:P | file:PATH (a DecentralizePy graph file)")
     peer_sampling: str = Field("off", description="dynamic topologies (dpsgd): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
-                                               "imagefolder:DIR")
+                                               "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | one "
+                                               "registered by --models-module")
     partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
-                           "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA")
+                           "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
+                           "writers, in blocks per node)")
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")

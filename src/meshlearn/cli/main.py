@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
+import importlib.metadata
 import json
 import logging
 import sys
@@ -15,6 +17,7 @@ from meshlearn.cli.flags import add_flags, given
 from meshlearn.cli.live import add_live_flags, check_live_flags, dashboard, watch_run
 from meshlearn.cli.network import add_network_commands
 from meshlearn.config import (
+    FLAT_ROUTES,
     ExperimentConfig,
     flat_fields,
     make_config,
@@ -38,20 +41,61 @@ DEMO = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit 2) instead of usage plus error."""
+    """argparse that reports a bad flag as one line (exit 2) instead of usage plus error, suggests
+    the flag a typo meant, and takes no abbreviations (``--node 4`` is not ``--nodes 4``)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
         hint = f"see {self.prog} --help"
         if message.startswith("unrecognized arguments") and {"-v", "--verbose"} & set(message.split()):
             hint = "-v goes before the command: meshlearn -v COMMAND ..."
+        elif message.startswith("unrecognized arguments"):
+            hint = self._did_you_mean(message.partition(":")[2].split()) or hint
         elif "required: KEY" in message:  # a printed key may start with '-', which argparse takes for a flag
             hint = f"a KEY that starts with '-' goes after '--': {self.prog} -- KEY"
         self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
 
+    def _did_you_mean(self, words: list[str]) -> str:
+        """"did you mean --topology" for the first unknown flag that is close to one of this command's."""
+        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
+        for word in words:
+            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
+            if word.startswith("--") and close:
+                return f"did you mean {close[0]}? see {self.prog} --help"
+        return ""
 
-def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per experiment setting (flat names); defaults stay in the settings models."""
-    add_flags(parser.add_argument_group("experiment settings (override the config file)"), flat_fields())
+
+# How the experiment settings' flags are grouped in --help (a setting not listed lands in the last group)
+FLAG_GROUPS = {
+    "core": ["nodes", "engine", "algorithm", "topology", "peer_sampling", "iterations", "seed"],
+    "data and model": ["dataset", "partition", "validation", "model", "models_module"],
+    "training": ["rounds", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "full_epochs", "device",
+                 "threads"],
+    "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate"],
+    "transport and emulated network": ["transport", "net", "loss_mode", "slowdown", "host", "base_port"],
+    "what nodes share, robust aggregation, attacks": ["sharing", "aggregation", "byzantine"],
+    "outputs": ["output"],
+}
+SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
+                  "leader": "leader aggregation", "fedavg": "FedAvg", "batched": "the batched engine"}
+
+
+def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+    """One flag per experiment setting (flat names), grouped by what they are about; defaults stay
+    in the settings models. ``leave_out``: settings this command does not take."""
+    where = {name: title for title, names in FLAG_GROUPS.items() for name in names}
+    grouped: dict[str, list] = {title: [] for title in [*FLAG_GROUPS, *SECTION_GROUPS.values(), "other settings"]}
+    for name, field in flat_fields():
+        if name in leave_out:
+            continue
+        section = FLAT_ROUTES[name][0][0] if name in FLAT_ROUTES else None
+        grouped[where.get(name) or SECTION_GROUPS.get(section, "other settings")].append((name, field))
+    for title, fields in grouped.items():
+        if fields:
+            add_flags(parser.add_argument_group(f"{title} (flags override the config file)"), fields)
 
 
 def _resolve(args: argparse.Namespace) -> ExperimentConfig:
@@ -169,14 +213,16 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (before the command: meshlearn -v simulate ...)")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser.add_argument("--version", action="version", version=f"meshlearn {_version()}")
+    sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
     demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about a minute)")
     demo.add_argument("--output", help="results folder (default: runs/demo)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     demo.set_defaults(func=cmd_demo)
 
-    simulate = sub.add_parser("simulate", help="run N nodes on this machine, one process each")
+    simulate = sub.add_parser("simulate", help="run N nodes on this machine (a process each, or all in one "
+                              "process with --engine batched)")
     simulate.add_argument("--config", help="YAML experiment file; flags override its settings (default: none)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     add_live_flags(simulate)
@@ -197,17 +243,31 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")
     node.add_argument("--addresses", required=True, help="YAML file mapping rank -> host or host:port")
     node.add_argument("--rank", required=True, type=int, help="this node's rank")
-    # --output (from the config flags) defaults to runs/<addresses file name> for `node`: all ranks share it
-    _add_config_flags(node)
+    # --output (from the config flags) defaults to runs/<addresses file name> for `node`: all ranks share it;
+    # a node is one process of the process engine, so it takes no --engine
+    _add_config_flags(node, leave_out=("engine",))
     node.set_defaults(func=cmd_node)
     add_network_commands(sub)
     return parser
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("meshlearn")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that is not installed
+        return "(not installed)"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `meshlearn` console script; returns the exit code."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.command is None and not unknown:  # bare `meshlearn`: what it can do
+        parser.print_help()
+        return 0
+    if unknown:  # said by the command's own parser: its flags are the ones a typo may have meant
+        command = parser.commands.choices.get(args.command, parser)
+        command.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
         return args.func(args)

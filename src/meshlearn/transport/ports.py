@@ -19,6 +19,6 @@ def ensure_port_free(host: str, port: int) -> None:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(
-                    f"port {port} on {host} is in use: choose another port (or base port) or stop the process using it"
+                    f"port {port} on {host} is in use: choose another port or stop the process using it"
                 ) from None
             raise UserInputError(f"cannot listen on {host}:{port}: {exc.strerror}") from None

@@ -55,7 +55,7 @@ class UdpTransport(Transport):
         self.mode = settings.mode
         self.max_message_bytes = settings.max_message_bytes
         netem = netem or NetemSpec()
-        self.sender = DatagramSender(node_id, self._sendmsg, self.chunk_bytes, settings.rate_gbps * 1e9,
+        self.sender = DatagramSender(node_id, self._sendmsg, self.chunk_bytes, settings.rate_gbps * 1e9 / 8,
                                      Emulator(netem, seed * 7919 + node_id),
                                      Emulator(netem, seed * 7919 + node_id + 104_729), self.stats)
         self.reassembler = Reassembler(layout, self.chunk_bytes, self.stats,
