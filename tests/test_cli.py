@@ -23,8 +23,29 @@ def _one_line_error(result, code, *fragments):
 
 
 def test_bad_flag(tmp_path):
-    _one_line_error(_run("simulate", "--nodez", "4"), 2, "unrecognized arguments: --nodez")
+    _one_line_error(_run("simulate", "--nodez", "4"), 2, "meshlearn simulate: error: unrecognized arguments: --nodez",
+                    "did you mean --nodes?", "see meshlearn simulate --help")
     _one_line_error(_run("simulate", "--nodes", "four"), 2, "invalid int value")
+    _one_line_error(_run("simulate", "--topolgy", "ring"), 2, "did you mean --topology?")
+    _one_line_error(_run("simulate", "--node", "4"), 2, "unrecognized arguments: --node 4")  # no abbreviations
+    _one_line_error(_run("node", "--config", "c.yaml", "--addresses", "a.yaml", "--rank", "0", "--engine", "batched"),
+                    2, "meshlearn node: error: unrecognized arguments: --engine batched")
+
+
+def test_bare_meshlearn_prints_its_help_and_version_is_known():
+    bare = _run()
+    assert bare.returncode == 0 and "COMMAND" in bare.stdout and "simulate" in bare.stdout, bare.stderr
+    version = _run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("meshlearn 0."), version.stdout
+
+
+def test_simulate_help_groups_its_flags():
+    out = _run("simulate", "--help").stdout
+    titles = [line.split(" (flags")[0] for line in out.splitlines() if line.endswith("(flags override the config file):")]
+    assert titles[:7] == ["core", "data and model", "training", "evaluation", "transport and emulated network",
+                          "what nodes share, robust aggregation, attacks", "outputs"]
+    assert {"UDP transport", "gossip", "leader aggregation", "the batched engine"} <= set(titles)
+    assert "other settings" not in titles  # every setting has its group
 
 
 def test_bad_value(tmp_path):
