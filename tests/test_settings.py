@@ -107,3 +107,27 @@ def test_a_task_spec_composes_gossip_and_leader_settings_and_builds_a_typed_engi
     assert alone.experiment_config(95, "127.0.0.1", "cpu", 32).algorithm == "local"  # no one to exchange with
     with pytest.raises(BadMessage, match="task spec: setting 'leader.weighting'"):
         TaskSpec.parse({**spec.model_dump(), "leader": {"weighting": "loudest"}})
+
+
+def test_the_default_topology_fits_any_node_count_and_a_given_one_is_kept():
+    from meshlearn.config import make_config
+    from meshlearn.topology import build_topology
+
+    for nodes, expected in ((2, "full"), (3, "full"), (4, "regular:3"), (5, "regular:4"), (8, "regular:3"),
+                            (9, "regular:4")):
+        config = make_config({"nodes": nodes})
+        assert config.topology == expected, nodes
+        assert len(build_topology(config.topology, nodes, config.seed).neighbours(0)) >= 1
+    assert make_config({"nodes": 5, "topology": "ring"}).topology == "ring"
+    again = make_config(make_config({"nodes": 5}).model_dump())  # a resolved config.yaml read back: as it was
+    assert again.topology == "regular:4"
+
+
+def test_simulate_says_when_it_chose_another_topology_than_regular_3(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--nodes", "3", "--iterations", "2",
+                           "--quiet", "--output", str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "note: no regular:3 graph has 3 nodes: the topology is full" in done.stderr

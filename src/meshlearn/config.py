@@ -46,6 +46,16 @@ def _flat_routes() -> dict[str, list[tuple[str, str]]]:
 
 
 FLAT_ROUTES = _flat_routes()
+DEFAULT_TOPOLOGY = "regular:3"
+
+
+def default_topology(nodes: int) -> str:
+    """The topology a run gets when it names none: 3-regular, or where no 3-regular graph on
+    ``nodes`` nodes exists, the nearest that does (everyone with everyone under 4 nodes; 4-regular
+    for an odd count)."""
+    if nodes < 4:
+        return "full"
+    return DEFAULT_TOPOLOGY if nodes % 2 == 0 else "regular:4"
 PROCESS_NODES = 4096  # node processes one machine may start
 
 
@@ -56,8 +66,9 @@ class ExperimentConfig(Settings):
     engine: Literal["process", "batched"] = Field(
         "process", description="process (one OS process per node, real sockets and timing) | batched (every node "
         "in one process, trained together, time modelled: thousands of nodes)")
-    topology: str = Field("regular:3", description="ring | torus | star | full | regular:D | smallworld:K:P | "
-                                                   "erdos:P | file:PATH (a DecentralizePy graph file)")
+    topology: str = Field(DEFAULT_TOPOLOGY, description="ring | torus | star | full | regular:D | smallworld:K:P | "
+                          "erdos:P | file:PATH (a DecentralizePy graph file); when none is given, regular:3 where it "
+                          "exists, else full (under 4 nodes) or regular:4 (an odd node count)")
     peer_sampling: str = Field("off", description="dynamic topologies (dpsgd): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | one "
@@ -133,6 +144,8 @@ class ExperimentConfig(Settings):
                 if isinstance(sections[section], dict):
                     sections[section][name] = value
         values.update(sections)
+        if "topology" not in values and isinstance(values.get("nodes", 8), int):  # a default that fits the run
+            values["topology"] = default_topology(values.get("nodes", 8))
         return values
 
     @field_validator("topology", "dataset", "partition", "model", "host", "device")

@@ -17,6 +17,7 @@ from meshlearn.cli.flags import add_flags, given
 from meshlearn.cli.live import add_live_flags, check_live_flags, dashboard, watch_run
 from meshlearn.cli.network import add_network_commands
 from meshlearn.config import (
+    DEFAULT_TOPOLOGY,
     FLAT_ROUTES,
     ExperimentConfig,
     flat_fields,
@@ -101,7 +102,11 @@ def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...
 def _resolve(args: argparse.Namespace) -> ExperimentConfig:
     values: dict[str, Any] = read_config_file(args.config) if getattr(args, "config", None) else {}
     values.update(given(args, [name for name, _ in flat_fields()]))
-    return make_config(values)
+    config = make_config(values)
+    if "topology" not in values and config.topology != DEFAULT_TOPOLOGY:
+        print(f"note: no {DEFAULT_TOPOLOGY} graph has {config.nodes} nodes: the topology is {config.topology} "
+              "(--topology chooses another)", file=sys.stderr)
+    return config
 
 
 def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None) -> dict:

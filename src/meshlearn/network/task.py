@@ -33,9 +33,13 @@ class TaskRequest(Settings):
     data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
                                                             "--data-root")
     model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18, or one registered by --models-module")
-    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition")
-    batch_size: int = Field(16, ge=1, description="mini-batch size")
-    lr: float = Field(0.01, gt=0, description="learning rate")
+    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition (as the "
+                        f"CloudMesh report asks, a value outside 1..{MAX_EPOCHS} or not whole is corrected with a "
+                        "warning, not refused)")
+    batch_size: int = Field(16, ge=1, description="mini-batch size (one outside 1..the training set's size becomes "
+                            "16, with a warning: the CloudMesh report's correction)")
+    lr: float = Field(0.01, gt=0, description=f"learning rate (one <= 0 becomes {DEFAULT_LR}, with a warning: the "
+                      "CloudMesh report's correction)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum in [0, 1)")
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
     device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
