@@ -123,6 +123,37 @@ def test_staleness_discounts_a_member_that_fell_behind():
     assert torch.allclose(book.aggregate(), _state(10.0 * (10 / 3) / (10 + 10 / 3)))
 
 
+def test_a_finished_members_final_model_never_grows_stale():
+    """A straggler training on after the others finished is pulled to their final models at
+    their full weight, not left to train alone as they age (issue 33 item 1)."""
+    book = LeaderState([0, 1], me=0, peer_timeout=60.0, first_barrier=False, weighting="staleness")
+    book.submit(1, _state(10.0), samples=10, final=True)
+    for _ in range(4):
+        book.submit(0, _state(0.0), samples=10, final=False)
+    assert torch.allclose(book.aggregate(), _state(5.0))  # by samples: 1 is done, not behind
+
+
+def test_the_final_aggregate_leaves_out_a_final_model_whose_last_steps_diverged():
+    book = LeaderState([0, 1, 2, 3], me=0, peer_timeout=60.0, first_barrier=False, weighting="staleness")
+    for member, value, loss in ((0, 8.0, 2.1), (1, 1.0, 0.04), (2, 2.0, 0.05), (3, 3.0, 0.03)):
+        book.submit(member, _state(value), samples=10, final=True, loss=loss)
+    assert torch.allclose(book.aggregate(), _state(2.0)) and book.left_out_final == [0]  # 2.1 > 10 x 0.045 + 0.1
+    for member, loss in ((0, float("nan")), (1, None)):  # a loss that is not finite diverged; one unknown does not
+        again = LeaderState([0, 1, 2], me=0, peer_timeout=60.0, first_barrier=False, weighting="samples")
+        again.submit(0, _state(9.0), samples=10, final=True, loss=loss if member == 0 else 0.05)
+        again.submit(1, _state(1.0), samples=10, final=True, loss=loss if member == 1 else 0.05)
+        again.submit(2, _state(2.0), samples=10, final=True, loss=0.05)
+        assert torch.allclose(again.aggregate(), _state(1.5 if member == 0 else 4.0)), member
+    half = LeaderState([0, 1], me=0, peer_timeout=60.0, first_barrier=False, weighting="samples")
+    half.submit(0, _state(0.0), samples=1, final=True, loss=5.0)
+    half.submit(1, _state(2.0), samples=1, final=True, loss=0.01)
+    assert torch.allclose(half.aggregate(), _state(1.0)) and half.left_out_final == []  # never half of them
+    running = LeaderState([0, 1, 2], me=0, peer_timeout=60.0, first_barrier=False, weighting="samples")
+    for member, loss in ((0, 5.0), (1, 0.01), (2, 0.01)):
+        running.submit(member, _state(float(member)), samples=1, final=False, loss=loss)
+    assert torch.allclose(running.aggregate(), _state(1.0))  # only the final aggregate leaves anything out
+
+
 def test_a_push_counts_once_per_cycle_and_an_older_cycle_is_refused():
     clock = FakeClock()
     book = LeaderState([0, 1], me=0, peer_timeout=10.0, first_barrier=False, weighting="equal", clock=clock)

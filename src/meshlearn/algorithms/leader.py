@@ -22,6 +22,7 @@ cycle the leader already has counts once. A ping refused on the way still shows 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -82,8 +83,10 @@ class Leader(Algorithm):
         ctx = self.ctx
         final = iteration + 1 == ctx.iterations
         t0 = time.perf_counter()
+        loss = train_loss if train_loss is not None and math.isfinite(train_loss) else (None if train_loss is None
+                                                                                       else float("inf"))
         aggregate = self._exchange(ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True), iteration,
-                                   final)
+                                   final, loss)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -108,7 +111,7 @@ class Leader(Algorithm):
         if self._watcher is not None:
             self._watcher.join(timeout=PING_TIMEOUT + 2)
 
-    def _exchange(self, state: torch.Tensor, cycle: int, final: bool) -> torch.Tensor:
+    def _exchange(self, state: torch.Tensor, cycle: int, final: bool, loss: float | None = None) -> torch.Tensor:
         """Give the leader this member's state of ``cycle`` and take its aggregate back, following
         fail-over, and sending the push again when it is refused on the way."""
         ctx = self.ctx
@@ -117,11 +120,12 @@ class Leader(Algorithm):
             leader = self.election.leader
             if leader == ctx.rank:
                 book = self._lead()
-                book.submit(ctx.rank, state, ctx.samples, final, copy=False, cycle=cycle)
+                book.submit(ctx.rank, state, ctx.samples, final, copy=False, cycle=cycle, loss=loss)
                 self.hub.poke()  # held pushes may be answerable now
                 return book.wait(ctx.rank)
             reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(state),
-                                        {"op": "push", "samples": ctx.samples, "final": final, "cycle": cycle},
+                                        {"op": "push", "samples": ctx.samples, "final": final, "cycle": cycle,
+                                         "loss": None if loss is None else min(loss, 1e30)},
                                         patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
             if reply is None:  # no answer: the leader is gone
                 self.election.mark_dead(leader)
@@ -185,7 +189,8 @@ class Leader(Algorithm):
         samples, final, cycle = fields
         vector = torch.cat([request.tensors[name] for name in self.ctx.flat.ranges])
         book = self._lead()
-        if not book.submit(sender, vector, samples, final, copy=False, cycle=cycle):
+        if not book.submit(sender, vector, samples, final, copy=False, cycle=cycle,
+                           loss=meta_number(request.meta, "loss", None)):
             raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
         return self._answer(book) if book.can_answer(sender) else None
 

@@ -22,6 +22,9 @@ must wait are held there, not parked in threads.
 
 from __future__ import annotations
 
+import logging
+import math
+import statistics
 import threading
 from dataclasses import dataclass
 from typing import Literal
@@ -32,7 +35,10 @@ from meshlearn.aggregation import AggregationRule, by_samples, by_staleness, equ
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
 
+log = logging.getLogger(__name__)
 Weighting = Literal["staleness", "samples", "equal"]
+DIVERGED_FACTOR = 10.0  # a final model whose last steps' loss is this many times the median's ...
+DIVERGED_MARGIN = 0.1  # ... plus this is left out of the final aggregate
 
 
 @dataclass
@@ -47,6 +53,7 @@ class Contribution:
     stored_at: int = 0  # the book's clock when its latest model came
     waiting_final: bool = False  # its latest push was final and waits for the others
     cycle: int = -1  # the cycle of its latest push, where pushes say theirs
+    loss: float | None = None  # the mean loss of the local steps before its latest push, where it says it
 
 
 class LeaderState:
@@ -62,6 +69,7 @@ class LeaderState:
         self.watch = watch if watch is not None else PeerWatch()
         self.clock = clock
         self.latest: dict[int, torch.Tensor] = {}
+        self.left_out_final: list[int] = []  # members whose final model diverged: not in the final aggregate
         self.pushes = 0  # models received so far: the staleness clock
         self._observed = 0  # ``pushes`` when the members' models were last judged
         now = clock.monotonic()
@@ -83,11 +91,13 @@ class LeaderState:
             self._cond.notify_all()
 
     def submit(self, member: int, state: torch.Tensor, samples: int, final: bool, copy: bool = True,
-               updates: int | None = None, cycle: int | None = None) -> bool:
+               updates: int | None = None, cycle: int | None = None, loss: float | None = None) -> bool:
         """Record ``member``'s latest model (a flat state vector); ``updates`` says how many models
         it has made in all, where those did not all come here (else this one is counted). With
         ``cycle``, a push of the member's latest cycle again is the same push sent again (nothing
-        new is recorded) and one of an older cycle is refused. False for a refused push, else True."""
+        new is recorded) and one of an older cycle is refused. ``loss``: the mean loss of the
+        local steps that made this model (a final one that diverged is left out of the final
+        aggregate). False for a refused push, else True."""
         with self._cond:
             contribution = self._member(member)
             if cycle is not None and cycle <= contribution.cycle:
@@ -95,6 +105,7 @@ class LeaderState:
             if cycle is not None:
                 contribution.cycle = cycle
             contribution.samples = samples
+            contribution.loss = loss
             contribution.updates = contribution.updates + 1 if updates is None else updates
             contribution.finished = contribution.finished or final
             contribution.waiting_final = final
@@ -188,12 +199,42 @@ class LeaderState:
             self._first_open = False
         return True
 
+    def _behind(self, member: int, count: int) -> float:
+        """How many rounds of pushes ``member``'s latest model is behind. A finished member's final
+        model is its last word and never grows stale: a straggler that trains on after the others
+        finished is pulled to their models, not left to train alone (and the final aggregate,
+        every member finished, weighs by samples)."""
+        contribution = self.contributions[member]
+        return 0.0 if contribution.finished else (self.pushes - contribution.stored_at) / count
+
+    def _diverged(self, members: list[int]) -> list[int]:
+        """The members whose final model diverged in its last local steps: their loss is not finite,
+        or above ``DIVERGED_FACTOR`` times the median of the final models' losses plus
+        ``DIVERGED_MARGIN`` (at a high learning rate one member's last steps can spike, and the
+        final aggregate, unlike the answers before it, is never trained on again). Never more than
+        half of them; none where members did not say their loss."""
+        losses = {i: self.contributions[i].loss for i in members if self.contributions[i].loss is not None}
+        finite = [x for x in losses.values() if math.isfinite(x)]
+        if not finite:
+            return []
+        limit = DIVERGED_FACTOR * statistics.median(finite) + DIVERGED_MARGIN
+        diverged = [i for i, x in losses.items() if not math.isfinite(x) or x > limit]
+        if diverged and 2 * len(diverged) < len(members) and diverged != self.left_out_final:
+            self.left_out_final = diverged
+            log.warning("the final aggregate leaves out the final model of member(s) %s: its last local steps "
+                        "diverged (loss %s; the final models' median %.3g)", ", ".join(map(str, diverged)),
+                        ", ".join(f"{losses[i]:.3g}" for i in diverged), statistics.median(finite))
+        return diverged if 2 * len(diverged) < len(members) else []
+
     def _aggregate(self) -> torch.Tensor:
         self._sweep()
         members = sorted((i for i in self.latest if not self.contributions[i].lost), key=lambda i: (i != self.me, i))
+        if all(c.finished or c.lost for c in self.contributions.values()):  # the final aggregate
+            left_out = self._diverged(members)
+            members = [i for i in members if i not in left_out]
         samples = [self.contributions[i].samples for i in members]
         if self.weighting == "staleness":
-            behind = [(self.pushes - self.contributions[i].stored_at) / len(members) for i in members]
+            behind = [self._behind(i, len(members)) for i in members]
             weights = by_staleness(samples, behind)
         elif self.weighting == "samples":
             weights = by_samples(samples)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 
 import torch
@@ -57,6 +58,7 @@ class Finisher:
         self.book: LeaderState | None = None  # the leader's record of final models
         self.node: Node | None = None
         self.samples = 0
+        self.loss: float | None = None  # that of the local steps that made this provider's final model
         self.started_at = 0.0
         self.excluded: set[int] = set()  # providers shut out of the task (revoked keys): never followed
         self.refused_by: str | None = None  # a provider that refused this one's key: it was revoked
@@ -90,8 +92,10 @@ class Finisher:
 
     # --- this provider's run thread ---------------------------------------------------------
 
-    def finish(self, updates: int, check_cancelled) -> None:
-        """Give the final model, and end holding the task's result (leader or not)."""
+    def finish(self, updates: int, check_cancelled, loss: float | None = None) -> None:
+        """Give the final model (``loss``: that of the local steps that made it), and end holding
+        the task's result (leader or not)."""
+        self.loss = loss if loss is None or math.isfinite(loss) else 1e30
         while not self.results_ready.is_set():
             check_cancelled()
             self.check_admitted()
@@ -118,7 +122,8 @@ class Finisher:
         flat = self.node.flat
         blobs = encode(Message(Kind.MODEL, self.index, 1, 0, flat.segments_of(self._final_model().cpu())))
         reply = call(self._address(leader), "agg.push",
-                     {"task": self.spec.task_id, "index": self.index, "samples": self.samples, "updates": updates},
+                     {"task": self.spec.task_id, "index": self.index, "samples": self.samples, "updates": updates,
+                      "loss": self.loss},
                      self.ctx.secret, blobs=blobs, timeout=2 * self.spec.peer_timeout + 5, sender=self.ctx.id,
                      max_bytes=self.ctx.max_message_bytes)
         self._final_sent_to = leader
@@ -140,7 +145,7 @@ class Finisher:
     def _lead(self, updates: int, check_cancelled) -> None:
         book = self._book()
         if not book.has_final(self.index):
-            book.submit(self.index, self._final_model(), self.samples, final=True, updates=updates)
+            book.submit(self.index, self._final_model(), self.samples, final=True, updates=updates, loss=self.loss)
         while not book.all_final():
             check_cancelled()
             self.ctx.clock.sleep(0.05)
@@ -235,8 +240,10 @@ class Finisher:
         if problem:
             raise BadMessage(f"model does not fit this task: {problem}")
         vector = torch.cat([msg.tensors[name] for name in self.node.flat.ranges])
+        loss = field_of(req.body, "loss", (int, float, type(None)), None)
         self._book().submit(index, vector, field_of(req.body, "samples", int, min_value=0), final=True, copy=False,
-                            updates=field_of(req.body, "updates", int, 0, min_value=0))
+                            updates=field_of(req.body, "updates", int, 0, min_value=0),
+                            loss=None if loss is None or isinstance(loss, bool) else float(loss))
         return {"accepted": True}
 
     def on_ping(self, req: Envelope) -> dict:

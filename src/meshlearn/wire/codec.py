@@ -283,14 +283,14 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
     return Message(kind=kind, sender=sender, iteration=iteration, degree=degree, tensors=tensors, meta=meta)
 
 
-def meta_number(meta: dict[str, Any], key: str, default: float = 0.0) -> float | None:
+def meta_number(meta: dict[str, Any], key: str, default: float | None = 0.0) -> float | None:
     """The non-negative finite number a message's metadata holds under ``key`` (``default`` when
     absent), or None when it holds anything else: metadata comes from peers, so check it."""
     value = meta_real(meta, key, default)
     return None if value is None or value < 0 else value
 
 
-def meta_real(meta: dict[str, Any], key: str, default: float = 0.0) -> float | None:
+def meta_real(meta: dict[str, Any], key: str, default: float | None = 0.0) -> float | None:
     """The finite number (of either sign) a message's metadata holds under ``key`` (``default``
     when absent), or None when it holds anything else (null, a string, a bool, NaN)."""
     value = meta.get(key, default)

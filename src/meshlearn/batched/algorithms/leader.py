@@ -115,7 +115,9 @@ class BatchedLeader(BatchedAlgorithm):
                     self.traffic.add_one("messages_received", LEADER, 1)
                     self.traffic.add_one("bytes_received", LEADER, size)
                 final = iteration[rank] + 1 == config.iterations
-                book.submit(rank, self.bad.forge_row(rank, state[rank], iteration[rank]), ctx.samples[rank], final)
+                trained = losses[rank]  # the local steps that made this model (a final one that diverged is left out)
+                book.submit(rank, self.bad.forge_row(rank, state[rank], iteration[rank]), ctx.samples[rank], final,
+                            loss=sum(trained) / len(trained) if trained else None)
                 held.append(rank)
                 release(now)
             elif kind == BARRIER:
