@@ -117,14 +117,35 @@ def test_a_request_that_cannot_run_is_refused_before_any_provider_is_claimed(arg
     _one_line_error(result, 2, *fragments)
 
 
-def test_request_weights_that_do_not_fit_the_model_are_refused_first(tmp_path):
+def test_request_weights_that_do_not_fit_the_model_are_refused_first(tmp_path, procs):
     import torch
+    from helpers.netproc import SECRET, start_network
     from safetensors.torch import save_file
 
+    bootstrap, _ = start_network(procs, 0)  # no provider: a request that got as far as a claim would fail there
     save_file({"x": torch.zeros(3)}, str(tmp_path / "w.safetensors"))
-    result = _run_env("request", "--bootstrap", f"127.0.0.1:{free_port()}", "--data", "digits", "--model", "mlp",
-                      "--weights", str(tmp_path / "w.safetensors"))
+    result = _run_env("request", "--bootstrap", bootstrap, "--data", "digits", "--model", "mlp",
+                      "--weights", str(tmp_path / "w.safetensors"), env_extra={"MESHLEARN_SECRET": SECRET})
     _one_line_error(result, 2, "weights file does not fit the model")
+
+
+def test_a_dead_bootstrap_or_a_taken_dashboard_port_is_said_before_any_work(tmp_path):
+    from meshlearn.errors import Unreachable
+    from meshlearn.network.identity import KeyPair
+    from meshlearn.network.rpc import call
+
+    dead = f"127.0.0.1:{free_port()}"
+    with pytest.raises(Unreachable, match="connections refused"):  # known from the refusals, not a 60 s timeout
+        call(f"{dead}@{KeyPair.generate().text}", "ping", {}, b"some-secret", timeout=60)
+    result = _run_env("request", "--bootstrap", f"{dead}@{KeyPair.generate().text}", "--data", "digits")
+    _one_line_error(result, 2, f"no bootstrap answers at {dead}")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _run("simulate", "--dashboard", str(port), "--output", str(tmp_path / "run"))
+        _one_line_error(result, 2, f"--dashboard {port}: port {port} on 127.0.0.1 is in use")
+    assert "starting" not in result.stdout and not (tmp_path / "run" / "logs").exists()  # no node started
 
 
 def test_a_provider_models_module_with_a_syntax_error_is_one_line(tmp_path):
@@ -285,7 +306,7 @@ def test_a_provider_with_another_secret_is_refused_once_with_one_line(tmp_path):
                 break
         result = _run_env("provider", "--bootstrap", f"127.0.0.1:{port}", timeout=60,
                           env_extra={"MESHLEARN_SECRET": "another-secret-0123456789abcdef"})
-        _one_line_error(result, 2, "cannot register", "different secret")
+        _one_line_error(result, 2, "cannot use the bootstrap", "different secret", "MESHLEARN_SECRET")
     finally:
         bootstrap.terminate()
         bootstrap.wait(timeout=30)

@@ -142,7 +142,7 @@ def test_a_wrong_secret_can_neither_register_nor_read_results(network):
     intruder = procs.start("intruder", "provider", "--bootstrap", bootstrap, "--id", "intruder",
                            "--workdir", str(procs.folder / "intruder"), secret="not-the-network-secret")
     try:
-        found = procs.wait_for("intruder", "cannot register", timeout=60)
+        found = procs.wait_for("intruder", "cannot use the bootstrap|cannot register", timeout=60)
         assert "different secret" in found.string or "signature" in found.string
     finally:
         procs.kill("intruder")

@@ -25,8 +25,16 @@ def check_live_flags(args: argparse.Namespace) -> None:
     """One-line errors for a bad --dashboard or a missing tensorboard package, before anything starts."""
     if args.dashboard:
         from meshlearn.dashboard.server import parse_listen
+        from meshlearn.errors import PortInUseError, UserInputError
+        from meshlearn.transport.ports import ensure_port_free
 
-        parse_listen(args.dashboard)
+        host, port = parse_listen(args.dashboard)
+        try:  # known before any node starts
+            if port:
+                ensure_port_free(host, port)
+        except PortInUseError:
+            raise UserInputError(f"--dashboard {args.dashboard}: port {port} on {host} is in use: give another port "
+                                 "(or 0 for any free one)") from None
     if args.tensorboard:
         from meshlearn.tblog import require_tensorboard
 

@@ -62,10 +62,10 @@ def _requester_key(args: argparse.Namespace) -> Path:
     return Path(args.key).expanduser() if args.key else state_home() / "requester.key"
 
 
-def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print) -> str:
+def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print, required: bool = False) -> str:
     from meshlearn.network.pinning import KnownBootstraps, resolve_bootstrap
 
-    return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say)
+    return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say, required=required)
 
 
 def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
@@ -257,6 +257,9 @@ def cmd_request(args: argparse.Namespace) -> int:
         from meshlearn.plugins import load_user_module
 
         load_user_module(args.models_module)
+    _check_model(validate_request(values), None)  # what needs no data is checked first ...
+    keys = _identity(_requester_key(args), "requester")
+    bootstrap = _pinned_bootstrap(args, secret, required=True)  # ... then a dead bootstrap is known in a second
     dataset = None
     if values.get("data") and not values.get("data_on_providers"):
         from meshlearn.data import load_dataset
@@ -265,8 +268,6 @@ def cmd_request(args: argparse.Namespace) -> int:
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
     _check_model(request, dataset)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    keys = _identity(_requester_key(args), "requester")
-    bootstrap = _pinned_bootstrap(args, secret)
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
                           advertise=args.advertise, keys=keys, tensorboard=args.tensorboard)
     metrics = requester.run()
@@ -294,7 +295,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     output = Path(args.output or f"runs/task-{args.task_id}")
     secret = _secret(args)
     _identity(_requester_key(args), "requester", say=None)
-    metrics = results_of_task(args.task_id, _pinned_bootstrap(args, secret), secret, output)
+    metrics = results_of_task(args.task_id, _pinned_bootstrap(args, secret, required=True), secret, output)
     print(f"task {args.task_id}: {summary_line(metrics)} (from {metrics['fetched_from']})")
     print(f"results: {output}")
     return 0

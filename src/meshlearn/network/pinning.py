@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from meshlearn.errors import KeyMismatch, NetworkError, UserInputError
+from meshlearn.errors import AuthError, KeyMismatch, KeyRefused, NetworkError, UserInputError
 from meshlearn.network.identity import (
     fingerprint,
     key_from_text,
@@ -44,11 +44,12 @@ class KnownBootstraps:
 
 
 def resolve_bootstrap(text: str, secret: bytes, known: KnownBootstraps, say: Callable[[str], None],
-                      check: bool = True) -> str:
+                      check: bool = True, required: bool = False) -> str:
     """``HOST:PORT@KEY`` of the bootstrap given as ``text``: its pinned key, else the one recorded
     for it, else (first use) the key it announces, recorded with a warning once the bootstrap
     proved it. With ``check``, the bootstrap is asked once: a different key is refused with what
-    to do (one not running yet is left for the caller's retries)."""
+    to do; one not running is left for the caller's retries, or (``required``: a requester, which
+    has nothing to wait for) said at once."""
     plain, key = split_pinned(text)
     address = parse_address(plain, "--bootstrap")
     origin, first_use = "--bootstrap", False
@@ -67,7 +68,15 @@ def resolve_bootstrap(text: str, secret: bytes, known: KnownBootstraps, say: Cal
                                  f"{'it announced' if first_use else f'recorded for it ({origin})'}: refusing it "
                                  f"(someone may pose as it); {fix if not first_use else 'pin the key it printed'}"
                                  ) from None
+        except KeyRefused as exc:
+            raise UserInputError(f"cannot use the bootstrap at {address}: {exc}") from None
+        except AuthError:
+            raise UserInputError(f"cannot use the bootstrap at {address}: it uses a different secret; give this "
+                                 "machine the network's --secret, --secret-file or MESHLEARN_SECRET") from None
         except NetworkError:
+            if required:
+                raise UserInputError(f"no bootstrap answers at {address}: check --bootstrap and that it runs") \
+                    from None
             if first_use:  # nothing proved: use the key this once, record nothing
                 say(f"warning: using the key the bootstrap at {address} announced, {key_text(key)}, unchecked (it did "
                     f"not answer); pin it: --bootstrap {address}@KEY")

@@ -52,10 +52,12 @@ DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 RECEIVE_QUEUE = 8  # whole messages ZeroMQ holds per connection before it stops reading that socket
 HANDSHAKE_MS = 5000  # a connection that has not finished its encrypted handshake by then is dropped (ZeroMQ: 30 s)
 HANDSHAKE_TRIES = 3  # failed handshakes in a row before a call gives up (a relay may cut one connection)
+REFUSED_TRIES, REFUSED_FOR = 3, 1.0  # connections refused, for at least this long, before a call gives up
 __all__ = ["RemoteError", "RpcServer", "Unreachable", "call", "parse_address"]
 Handler = Callable[[Envelope], tuple[dict, list] | dict]
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+_CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
 
 
 class RpcServer:
@@ -266,22 +268,19 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
         if server_key is not None:
             me = keys or own_identity()
             make_curve_client(sock, me.public, me.secret, server_key)
-            monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED)
+        monitor = sock.get_monitor_socket(_CONNECTION_EVENTS | (_HANDSHAKE_FAILED if server_key is not None else 0))
         sock.connect(f"tcp://{where}")
         sock.send_multipart(seal(request, secret, server_key is not None), copy=False)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
-        if monitor is not None:
-            poller.register(monitor, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
-        failed_handshakes = 0
+        poller.register(monitor, zmq.POLLIN)
+        started = time.monotonic()
+        deadline = started + timeout
+        connection = _Connection()
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
             if monitor in events:
-                event = recv_monitor_message(monitor)
-                failed_handshakes += 1  # ZeroMQ connects again by itself: a cut connection may be a glitch
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH or failed_handshakes >= HANDSHAKE_TRIES:
-                    _raise_handshake_failure(event, where, server_key, kind, keys or own_identity(), failed_handshakes)
+                connection.saw(recv_monitor_message(monitor), where, server_key, kind, keys, time.monotonic() - started)
             if sock not in events:
                 continue
             frames = sock.recv_multipart(copy=False)
@@ -301,6 +300,32 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
             sock.disable_monitor()
             monitor.close(0)
         sock.close(0)
+
+
+class _Connection:
+    """What one call's socket saw of its connection: a connection refused again and again for
+    ``REFUSED_FOR`` seconds (nothing listens there) or a handshake that keeps failing ends the call
+    at once, instead of after its whole timeout."""
+
+    def __init__(self) -> None:
+        self.connected = False
+        self.refused = 0
+        self.failed_handshakes = 0
+
+    def saw(self, event: dict, where: str, server_key: bytes | None, kind: str, keys: KeyPair | None,
+            elapsed: float) -> None:
+        if event["event"] == zmq.EVENT_CONNECTED:
+            self.connected = True
+        elif event["event"] == zmq.EVENT_CONNECT_RETRIED:
+            self.refused += 1
+            if not self.connected and self.refused >= REFUSED_TRIES and elapsed >= REFUSED_FOR:
+                raise Unreachable(f"nothing answers at {where} (connections refused for {elapsed:.1f} s): {kind} "
+                                  "was not sent")
+        else:  # ZeroMQ connects again by itself: a cut handshake may be a glitch
+            self.failed_handshakes += 1
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH or self.failed_handshakes >= HANDSHAKE_TRIES:
+                _raise_handshake_failure(event, where, server_key, kind, keys or own_identity(),
+                                         self.failed_handshakes)
 
 
 def _raise_handshake_failure(event: dict, where: str, server_key: bytes, kind: str, me: KeyPair, tries: int) -> None:

@@ -209,12 +209,14 @@ class TcpTransport(Transport):
                     self._send_frames(peer, bye)
                 # A neighbour's BYE means it no longer needs anything from us, so our queued
                 # messages were consumed; wait for them (bounded) before dropping the sockets.
+                # One that never said HELLO (it never came) will not say BYE either.
                 deadline = time.monotonic() + self.bye_timeout
-                while self.peers.keys() - self.departed and time.monotonic() < deadline:
+                while set(self._routes.values()) & self.peers.keys() - self.departed and time.monotonic() < deadline:
                     self.recv(deadline - time.monotonic())
         finally:
-            for dealer in self._dealers.values():
-                dealer.close()
+            heard = set(self._routes.values())
+            for peer, dealer in self._dealers.items():
+                dealer.close(linger=None if peer in heard else 0)  # what is queued for one never there goes nowhere
             if self._router is not None:
                 self._router.close()
             self._ctx.term()
