@@ -89,3 +89,27 @@ def test_a_sigkilled_launcher_leaves_no_node_forkserver_or_tracker_behind(tmp_pa
             except OSError:
                 pass
         launcher.wait(timeout=10)
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.6, 1.5])
+def test_ctrl_c_while_nodes_start_says_one_line_and_no_traceback(tmp_path, delay):
+    """Ctrl-C reaches every process of the terminal's group: the launcher, the forkserver still
+    importing torch, node processes halfway through their start. One line, exit 130, no traceback
+    from any of them (issue 33 item 4: one try in three printed multiprocessing's)."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshlearn", "simulate", "--nodes", "8", "--iterations", "100000",
+                             "--output", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        seen = ""
+        while "starting 8 node processes" not in seen:
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        time.sleep(delay)
+        os.killpg(proc.pid, signal.SIGINT)
+        out = seen + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode in (130, -signal.SIGINT), out
+    assert "Traceback" not in out and "interrupted; every node was stopped" in out, out

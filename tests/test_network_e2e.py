@@ -253,3 +253,20 @@ def test_a_robust_rule_keeps_a_task_with_a_poisoning_provider_on_course_and_name
     assert clean["suspected"] == [] and poisoned["suspected"] == ["zbad"]
     assert poisoned["aggregation"] == "trimmed-mean:1" and clean["accuracy"] > 0.7
     assert poisoned["accuracy"] >= clean["accuracy"] - 0.03
+
+
+def test_a_provider_that_leaves_after_its_task_is_not_reported_lost(procs):
+    """Ctrl-C on a provider during a task: it says it leaves after the task, finishes its part and
+    goes; the requester must not call it lost (issue 33 item 5)."""
+    bootstrap, ids = start_network(procs, 2)
+    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *TASK,
+                       "--algorithm", "leader", "--epochs", "20", "--providers", "2", "--aggregate-every", "5")
+    procs.wait_for("req", r"p1: training [1-9]", timeout=120)
+    procs.procs["p1"].send_signal(signal.SIGINT)
+    procs.wait_for("p1", "leaving after task")
+    assert proc.wait(timeout=240) == 0, procs.log("req")
+    assert procs.procs["p1"].wait(timeout=60) == 0
+    out = procs.log("req")
+    assert "stopped answering" not in out, out
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["lost"] == [] and metrics["providers"]["p1"]["status"] == "finished"

@@ -123,7 +123,7 @@ class Provider:
             "ping": lambda req: {"service": "provider", "id": self.id},
             "task.assign": self._assign,
             "task.start": self._start_task,
-            "task.status": lambda req: self._requesters_run(req).status(),
+            "task.status": lambda req: {**self._requesters_run(req).status(), "leaving": self.leaving.is_set()},
             "task.results": self._results,
             "task.cancel": lambda req: (self._requesters_run(req).cancel(), {"cancelled": True})[1],
             "agg.push": lambda req: self._providers_run(req).on_push(req),

@@ -67,6 +67,9 @@ class Requester:
         self.task_key = FrameSeal.new_key()  # seals the providers' engine messages; sent only over CurveZMQ
         self.sender = f"requester-{self.task_id}"
         self.gone: set[str] = set()  # providers out of the task: stopped answering, or revoked
+        self.left: set[str] = set()  # providers that went once their part had ended (not lost)
+        self._ended: dict[str, bool] = {}  # whether each provider's last status said its part had ended
+        self._result_in = False  # the task's result is fetched: a provider that goes now has left, not been lost
         self.revoked: set[str] = set()  # providers whose keys the bootstrap revoked (never asked for a result)
         self.left_out: dict[str, str] = {}  # providers that could not take the task, and why
         self._engines: dict[str, str] = {}  # engine address of each ready provider, by index
@@ -94,6 +97,7 @@ class Requester:
                 address = self._serve(share, claimed, cleanup) if dataset is not None or req.weights else ""
                 spec = self._start_on(claimed, share, address, dataset, share_dir)
                 metrics = self._follow(spec)
+                self._result_in = True
                 self._settle(spec)
             except BaseException:
                 self._cancel(claimed)
@@ -284,15 +288,25 @@ class Requester:
             self.say(f"task {self.task_id}: provider {provider} {why}")
 
     def _statuses(self, spec: TaskSpec) -> list[tuple[dict, dict]]:
-        """(provider, status) of every provider still answering; the others join ``gone``."""
+        """(provider, status) of every provider still answering; the others join ``gone``, except
+        one whose part had ended or that said it was leaving (it goes once its part ends), or any
+        once the result is in: those left, they were not lost."""
         states = []
         for peer in (p.model_dump() for p in spec.peers):
-            if peer["id"] in self.gone:
+            if peer["id"] in self.gone or peer["id"] in self.left:
                 continue
             try:
-                states.append((peer, self._call(peer, "task.status", {}, timeout=5).body))
+                status = self._call(peer, "task.status", {}, timeout=5).body
+                states.append((peer, status))
+                # a provider told to leave goes as soon as its part ends, maybe between two looks
+                self._ended[peer["id"]] = status.get("state") in ENDED or status.get("leaving") is True
             except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
-                self._lose(peer["id"], "stopped answering")
+                if self._ended.get(peer["id"]) or self._result_in:
+                    self.left.add(peer["id"])
+                    self.say(f"task {self.task_id}: provider {peer['id']} went, as it said it would (leaving), "
+                             "or after the result")
+                else:
+                    self._lose(peer["id"], "stopped answering")
         self.watch.update(states)
         for pid in self.revoked - self.gone:  # told by the bootstrap, with a progress report
             self._lose(pid, "was revoked: it is out of the task")

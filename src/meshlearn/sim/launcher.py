@@ -7,9 +7,11 @@ progress and stops every process cleanly when one fails or the user presses Ctrl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import queue
 import signal
@@ -17,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -196,14 +198,18 @@ class _Launcher:
         values = self.config.model_dump()
         edges = self.graph.edges()
         try:
-            for rank in range(self.config.nodes):
-                parent_end, child_end = self.ctx.Pipe(duplex=False)
-                proc = self.ctx.Process(
-                    target=_node_process, name=f"meshlearn-node-{rank}",
-                    args=(rank, values, edges, self.events, parent_end, str(self.log_dir)),
-                )
-                proc.start()
-                self.procs[rank], self.pipes[rank] = proc, child_end
+            _start_forkserver()
+            with _ctrl_c_between_starts() as interrupted:
+                for rank in range(self.config.nodes):
+                    parent_end, child_end = self.ctx.Pipe(duplex=False)
+                    proc = self.ctx.Process(
+                        target=_node_process, name=f"meshlearn-node-{rank}",
+                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir)),
+                    )
+                    proc.start()
+                    self.procs[rank], self.pipes[rank] = proc, child_end
+                    if interrupted.is_set():
+                        raise KeyboardInterrupt
             book = self._collect_addresses()
             for pipe in self.pipes.values():
                 pipe.send(book)
@@ -335,3 +341,32 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
     (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
     write_report(output)
     return SimulationResult(output, summaries)
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (it preloads torch, for seconds) with Ctrl-C ignored: the launcher
+    alone handles Ctrl-C, and the forkserver ignores it itself only once its preload is done, so
+    a Ctrl-C during start-up printed its KeyboardInterrupt traceback."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # signal handlers belong to the main thread; a run from another thread has no Ctrl-C of its own
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        mp.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _ctrl_c_between_starts() -> Iterator[threading.Event]:
+    """Ctrl-C while node processes start is taken between two starts, never inside one: a start
+    interrupted halfway left a process the launcher did not know (so never stopped), which then
+    failed with a traceback once the launcher was gone. Yields the event a Ctrl-C sets."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
