@@ -61,8 +61,8 @@ def _echo_server(port_out) -> None:
 
 def _count(label: str, own_sockets: int = 0) -> None:
     time.sleep(1.0)
-    print(f"{label:58s} threads {threading.active_count():4d}  descriptors {len(os.listdir('/proc/self/fd')) - own_sockets:5d}",
-          flush=True)
+    descriptors = len(os.listdir("/proc/self/fd")) - own_sockets
+    print(f"{label:58s} threads {threading.active_count():4d}  descriptors {descriptors:5d}", flush=True)
 
 
 def _exchange(address: str) -> bool:

@@ -389,7 +389,8 @@ class Requester:
             log.warning("could not tell the bootstrap that task %s ended: %s", self.task_id, exc)
 
 
-def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path, extra: dict | None = None) -> dict | None:
+def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path,
+                  extra: dict | None = None) -> dict | None:
     """Get a task's result from the first provider that holds it; write it, with ``extra``
     metrics, into ``output``."""
     for peer in peers:

@@ -154,7 +154,8 @@ class TaskRun:
                              args=(stop_watching, max(0.2, self.spec.peer_timeout / 4), self.ctx.clock)).start()
             self.node.run(self._book)
             self._move(RunState.FINISHING)
-            self.finisher.finish(self.progress.get("iteration", 0), self._check_cancelled, self.progress.get("train_loss"))
+            self.finisher.finish(self.progress.get("iteration", 0), self._check_cancelled,
+                                 self.progress.get("train_loss"))
             self._move(RunState.DONE)
         except TaskCancelled:
             log.warning("task %s cancelled", self.spec.task_id)
