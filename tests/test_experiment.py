@@ -78,8 +78,11 @@ def test_report_compares_real_runs(tmp_path):
                     "base: {nodes: 3, topology: ring, iterations: 6, test_after: 3, rounds: 1, seed: 4}\n"
                     "runs:\n  - {name: tcp, transport: tcp, seeds: [4, 5]}\n  - {name: udp, transport: udp, net: 'loss=30%', "
                     "chunk_bytes: 4000, udp_timeout: 0.1}\n")
+    said: list[str] = []
     output = run_experiment(load_experiment(path, quick=False, output=tmp_path / "report"), progress=False,
-                            log=lambda *_: None)
+                            log=said.append)
+    results = [line for line in said if ": accuracy " in line]  # one result line per run, as it ends
+    assert [line.split(":")[0] for line in results] == ["[1/3] tcp-s4", "[2/3] tcp-s5", "[3/3] udp"], said
     for name in ("table.md", "table.csv", "per_node.csv", "experiment.json", "comparison.png", "iteration_times.png"):
         assert (output / name).is_file(), name
     rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}

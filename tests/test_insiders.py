@@ -84,12 +84,14 @@ def test_an_insider_cannot_act_on_a_task_it_has_no_part_in_nor_make_a_provider_l
             call(leader, "task.results", {"task": task}, SECRET.encode(), timeout=10, keys=keys)
     assert call(leader, "task.results", {"task": task}, SECRET.encode(), timeout=10, keys=requester_keys()).blobs
     assert procs.procs["p0"].poll() is None and "leaving" not in procs.log("p0")  # it did not leave
+    task_folder = procs.folder / "p0" / "tasks" / task  # its shard is deleted once the task ended, its result kept
+    assert (task_folder / "result" / "model.safetensors").exists() and not (task_folder / "data").exists()
     # the bootstrap dials the requester's data share back: it serves directly, not through the relay
     assert "cannot reach" not in out and "through the relay" not in out, out
 
 
 def test_only_the_claimer_ends_a_task_and_a_provider_it_lost_keeps_its_id(procs):
-    bootstrap, ids = start_network(procs, 2, ttl=3.0)
+    bootstrap, ids = start_network(procs, 2, ttl=3.0, verbose=True)
     owner, insider = KeyPair.generate(), KeyPair.generate()
     claimed = call(bootstrap, "claim", {"task": "t-owned", "count": 2}, SECRET.encode(), timeout=10,
                    keys=owner).body["providers"]
@@ -107,6 +109,12 @@ def test_only_the_claimer_ends_a_task_and_a_provider_it_lost_keeps_its_id(procs)
         call(bootstrap, "register", {"id": "p0", "address": "127.0.0.1:9", "ram_gb": 1, "cores": 1, "device": "cpu"},
              SECRET.encode(), timeout=10, keys=insider)
     assert wait_until(lambda: _providers(bootstrap)["p0"]["status"] == "free", timeout=10)  # its heartbeat: alive
+    said = procs.log("bootstrap")  # -v: a line per event
+    assert "task t-owned claimed by" in said and f"(key {owner.text})" in said and "task t-owned released (done)" in said
+    # two providers started with one key file: the second says so
+    procs.start("twin", "provider", "--bootstrap", bootstrap, "--id", "twin", "--workdir", str(procs.folder / "twin"),
+                "--key", str(procs.folder / "p1" / "provider.key"))
+    procs.wait_for("twin", "another provider on this machine runs with the key in")
 
 
 def test_a_revoked_leader_leaves_the_task_to_the_others(procs):

@@ -106,12 +106,14 @@ def running_in_thread(service):
 
 
 def start_network(procs: Processes, providers: int, ttl: float = 30.0,
-                  host: str = "127.0.0.1", bootstrap_args: tuple[str, ...] = ()) -> tuple[str, list[str]]:
+                  host: str = "127.0.0.1", bootstrap_args: tuple[str, ...] = (),
+                  verbose: bool = False) -> tuple[str, list[str]]:
     """A bootstrap (given ``bootstrap_args`` too) and ``providers`` providers, all listening on
     ``host``; returns the bootstrap address (with host 0.0.0.0, the one the bootstrap tells other
     machines to use) and provider ids."""
     port = free_port()
-    procs.start("bootstrap", "bootstrap", "--port", str(port), "--state", str(procs.folder / "registry.sqlite"),
+    procs.start("bootstrap", *(["-v"] if verbose else []), "bootstrap", "--port", str(port),
+                "--state", str(procs.folder / "registry.sqlite"),
                 "--ttl", str(ttl), "--host", host, "--relay-port", "0", *bootstrap_args)
     address = procs.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
     ids = []

@@ -8,6 +8,7 @@ import difflib
 import importlib.metadata
 import json
 import logging
+import os
 import sys
 import typing
 from pathlib import Path
@@ -120,7 +121,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     if args is not None and (args.dashboard or args.tensorboard):
         result = _watched_simulation(config, quiet, args)
     else:
-        result = simulate(config, progress=not quiet)
+        result = simulate(config, progress=not quiet, launched=_process_started())
     if not result.main:  # one of torchrun's other processes: the first one reports
         return {}
     summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
@@ -254,6 +255,17 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=cmd_node)
     add_network_commands(sub)
     return parser
+
+
+def _process_started() -> float | None:
+    """When this process started, as ``time.time()`` (Linux: /proc), so a run's wall-clock counts
+    the interpreter's and the command line's own start-up; None where that cannot be read."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])  # field 22: starttime
+        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 def _version() -> str:

@@ -68,6 +68,23 @@ def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print, requir
     return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say, required=required)
 
 
+_held_keys: list = []  # lock files of key files this process holds (kept open while it runs)
+
+
+def _hold_key_file(path: Path) -> None:
+    """Say so when another provider on this machine already runs with this key file: two providers
+    with one key are one participant to the network (its checks, its revocation)."""
+    import fcntl
+
+    lock = open(path.with_name(path.name + ".lock"), "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        print(f"warning: another provider on this machine runs with the key in {path}: the network takes both for one "
+              "participant; give each provider its own --workdir (or --key)", flush=True)
+    _held_keys.append(lock)
+
+
 def _port(value: int, what: str = "--port", allow_zero: bool = False) -> int:
     if not (allow_zero and value == 0) and not 1 <= value <= 65535:
         raise UserInputError(f"{what} {value} is outside 1..65535: choose a port in that range")
@@ -154,6 +171,7 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
         load_user_module(settings.models_module)
     keys = _identity(settings.key_file(), "provider")
+    _hold_key_file(settings.key_file())
     settings = settings.model_copy(update={"bootstrap": _pinned_bootstrap(args, secret)})
     provider = Provider(settings, secret, keys)
 

@@ -248,7 +248,10 @@ class Bootstrap:
     def _leave(self, req: Envelope) -> dict:
         provider_id = field_of(req.body, "id", str, max_len=64)
         self._same_key(req, provider_id)
-        return {"left": self.registry.remove(provider_id)}
+        left = self.registry.remove(provider_id)
+        if left:
+            log.info("provider %s left", provider_id)
+        return {"left": left}
 
     def _discover(self, req: Envelope) -> dict:
         b = req.body
@@ -265,6 +268,8 @@ class Bootstrap:
                                     requester_key=self._caller_key(req))
         if not taken:
             raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
+        log.info("task %s claimed by %s (key %s): %s", task_id, req.sender[:128], self._caller_key(req),
+                 ", ".join(p.id for p in taken))
         return {"providers": [p.public() for p in taken]}
 
     def _release(self, req: Envelope) -> dict:
@@ -273,7 +278,9 @@ class Bootstrap:
         lost = field_of(req.body, "lost", list, [], max_len=256)
         if not all(isinstance(p, str) and len(p) <= 64 for p in lost):
             raise BadMessage("lost must list provider ids")
-        self.registry.release(record["id"], field_of(req.body, "status", str, "done", max_len=32), lost)
+        status = field_of(req.body, "status", str, "done", max_len=32)
+        self.registry.release(record["id"], status, lost)
+        log.info("task %s released (%s)%s", record["id"], status, f"; lost: {', '.join(lost)}" if lost else "")
         return {"released": True}
 
     def _task_progress(self, req: Envelope) -> dict:

@@ -61,6 +61,8 @@ class ProviderSettings(Settings):
     workdir: str = Field("", description="where tasks' data and results are kept (default provider-ID in "
                          "$MESHLEARN_HOME, else ~/.meshlearn)")
     data_root: str | None = Field(None, description="folder whose datasets tasks may name with --data-on-providers")
+    keep_data: bool = Field(False, description="keep each task's data shard in --workdir once the task ended (its "
+                            "result is always kept)")
     models_module: str | None = Field(None, description="local .py file registering custom models (never from "
                                                         "the network)")
     provider_id: str = Field("", description="provider id (default: host name and a random suffix)")
@@ -403,7 +405,7 @@ class Provider:
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
                                   int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
-                                  self.expose, poison=test_poison())
+                                  self.expose, poison=test_poison(), keep_data=self.settings.keep_data)
             run = TaskRun(spec, ctx, task_key, access, on_change=self._run_changed, fresh=earlier is not None)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()

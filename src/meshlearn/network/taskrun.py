@@ -85,6 +85,7 @@ class ProviderContext:
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
     poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
+    keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
 
     def reach(self, port: int) -> tuple[str, Callable[[], None]]:
         """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
@@ -170,6 +171,8 @@ class TaskRun:
             if self.node is not None:  # cancelled before it ran: its endpoint was bound, never closed
                 self.node.transport.close()
             self.node = None  # model, data and buffers: the result is on disk (a provider runs many tasks)
+            if not self.ctx.keep_data:  # the shard on disk too: a provider would otherwise keep every task's
+                shutil.rmtree(self.folder / "data", ignore_errors=True)
             self._unexpose()
             self.finisher.release()
             self._ended.set()

@@ -27,6 +27,7 @@ import contextlib
 import csv
 import json
 import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,11 +131,23 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
             f"{' net ' + config.net.describe() if config.net.active else ''}")
+        started = time.monotonic()
         with around_run(name, config) if around_run else contextlib.nullcontext():
-            simulate(config, progress=progress)
+            result = simulate(config, progress=progress)
+        log(f"[{index}/{len(experiment.runs)}] {name}: {_result_line(result.output)}, "
+            f"{time.monotonic() - started:.1f} s")
     output = Path(experiment.runs[0][1].output).parent
     write_comparison(experiment, output)
     return output
+
+
+def _result_line(run_dir: Path) -> str:
+    """One run's outcome in a few words (the mean final accuracy of its honest nodes)."""
+    try:
+        final = json.loads((Path(run_dir) / "summary.json").read_text())["final"]
+        return f"accuracy {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "no summary written"
 
 
 def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:

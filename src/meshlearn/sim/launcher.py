@@ -309,10 +309,13 @@ class _Launcher:
         self.events.join_thread()
 
 
-def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = None) -> SimulationResult:
+def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
+             launched: float | None = None) -> SimulationResult:
     """Run a whole experiment of ``config.nodes`` local node processes; write its results folder.
 
-    ``say`` hears what start-up is doing (default: stderr with progress, nothing without)."""
+    ``say`` hears what start-up is doing (default: stderr with progress, nothing without).
+    ``launched``: when the run began, as ``time.time()`` (the command line gives its process's
+    start, so the wall-clock it reports counts its own start-up too; default: now)."""
     from meshlearn.sim.kernelnet import (
         needs_namespace,
         resolve_loss_mode,
@@ -320,7 +323,7 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
     )
     from meshlearn.sim.report import write_report
 
-    launched = time.time()
+    launched = time.time() if launched is None else launched
     say = say or (say_on_stderr if progress else _silent)
     if config.engine == "batched":  # every node in this process (or torchrun's); the network is modelled
         from meshlearn.sim.batchedrun import simulate_batched
