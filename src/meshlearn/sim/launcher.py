@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import load_dataset, partition_dataset
+from meshlearn.data import load_dataset, loader_modules, partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
@@ -187,7 +187,6 @@ class _Launcher:
         self.progress = progress
         self.say = say
         self.ctx = mp.get_context("forkserver")
-        self.ctx.set_forkserver_preload(["torch", "meshlearn.node"])
         self.events = self.ctx.Queue()
         self.procs: dict[int, mp.Process] = {}
         self.pipes: dict[int, Any] = {}
@@ -198,7 +197,7 @@ class _Launcher:
         values = self.config.model_dump()
         edges = self.graph.edges()
         try:
-            _start_forkserver()
+            start_forkserver(self.config)
             with _ctrl_c_between_starts() as interrupted:
                 for rank in range(self.config.nodes):
                     parent_end, child_end = self.ctx.Pipe(duplex=False)
@@ -337,6 +336,7 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
         output = run_in_namespace(config, progress)
         per_node = json.loads((output / "summary.json").read_text())["per_node"]
         return SimulationResult(output, {int(rank): summary for rank, summary in per_node.items()})
+    start_forkserver(config)  # its imports overlap the checks below
     graph, output = prepare_run(config, say=say)
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
         f"model {config.model})")
@@ -346,12 +346,16 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
     return SimulationResult(output, summaries)
 
 
-def _start_forkserver() -> None:
-    """Start the forkserver (it preloads torch, for seconds) with Ctrl-C ignored: the launcher
-    alone handles Ctrl-C, and the forkserver ignores it itself only once its preload is done, so
-    a Ctrl-C during start-up printed its KeyboardInterrupt traceback."""
+def start_forkserver(config: ExperimentConfig) -> None:
+    """Start the forkserver node processes are forked from, if it is not running: it imports what
+    every node imports once (torch, the node, the dataset's loader: their pages shared), and does
+    so while the caller goes on (simulate starts it before it checks the run). Ctrl-C is ignored
+    while it starts: the launcher alone handles Ctrl-C, and the forkserver ignores it itself only
+    once its imports are done, so a Ctrl-C during start-up printed its KeyboardInterrupt traceback."""
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "meshlearn.node", *loader_modules(config.dataset)])
     if threading.current_thread() is not threading.main_thread():
-        return  # signal handlers belong to the main thread; a run from another thread has no Ctrl-C of its own
+        mp.forkserver.ensure_running()  # signal handlers belong to the main thread, and so does Ctrl-C
+        return
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         mp.forkserver.ensure_running()
