@@ -562,3 +562,25 @@ def test_the_confusion_plot_names_its_task_and_labels_every_axis(tmp_path):
     results.write_results(tmp_path / "t7", {"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model")
     assert (tmp_path / "t7" / results.CONFUSION_FILE).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert results.read_results(tmp_path / "t7") == ({"confusion": [[5, 1], [0, 4]], "accuracy": 0.9}, b"model", None)
+
+
+def test_a_task_shares_its_machines_cores_among_its_providers_there(tmp_path):
+    """Two providers of one task on 2 cores with 2 torch threads each starved one another (the
+    follower trained at a fifth of the leader's pace): a part trains with the declared cores
+    divided among the task's providers that announce the same host (issue 33 item 6)."""
+    from meshlearn.network.taskrun import ProviderContext, TaskRun
+
+    key = "A" * 43
+    peers = [{"id": "p0", "address": f"10.0.0.1:9000@{key}"}, {"id": "p1", "address": f"10.0.0.1:9001@{key}"},
+             {"id": "p2", "address": f"10.0.0.2:9000@{key}"}]
+    spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5, peers=peers,
+                    data={"mode": "local", "dataset": "digits"})
+
+    def threads(pid: str, **context) -> int | None:
+        ctx = ProviderContext(pid, "127.0.0.1", SECRET, tmp_path / pid, **context)
+        return TaskRun(spec, ctx, bytes(32), TaskAccess.of(spec, "")).threads()
+
+    assert threads("p0", cores=4) == threads("p1", cores=4) == 2  # two of the task's providers on 10.0.0.1
+    assert threads("p2", cores=4) == 4 and threads("p2") is None  # alone there: all it declared, or torch's default
+    assert threads("p0", cores=1) == 1 and threads("p0", cores=4, relayed=True) == 4  # a relay address says nothing

@@ -56,7 +56,8 @@ class ProviderSettings(Settings):
     port: int = Field(0, ge=0, le=65535, description="port to listen on (in use or 0: a free one)")
     location: str = Field("", description="where this machine is (requesters may filter on it)")
     ram_gb: float | None = Field(None, ge=0, description="GB of RAM to declare (default: detected)")
-    cores: int | None = Field(None, ge=1, description="cores to declare (default: detected)")
+    cores: int | None = Field(None, ge=1, description="cores to declare, and the threads a task trains with, "
+                              "shared by the task's providers on this machine (default: detected)")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps (falls back to cpu)")
     workdir: str = Field("", description="where tasks' data and results are kept (default provider-ID in "
                          "$MESHLEARN_HOME, else ~/.meshlearn)")
@@ -405,7 +406,8 @@ class Provider:
             ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                   Path(self.settings.data_root) if self.settings.data_root else None,
                                   int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
-                                  self.expose, poison=test_poison(), keep_data=self.settings.keep_data)
+                                  self.expose, poison=test_poison(), keep_data=self.settings.keep_data,
+                                  cores=self.settings.cores, relayed=self.relayed)
             run = TaskRun(spec, ctx, task_key, access, on_change=self._run_changed, fresh=earlier is not None)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()

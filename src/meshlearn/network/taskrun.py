@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import os
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ class ProviderContext:
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
     poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
+    cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
+    relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
 
     def reach(self, port: int) -> tuple[str, Callable[[], None]]:
         """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
@@ -192,6 +195,9 @@ class TaskRun:
         if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
             config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
         graph = build_topology("full", config.nodes, spec.seed)
+        threads = self.threads()
+        if threads:
+            torch.set_num_threads(threads)
         torch.manual_seed(spec.seed)  # every provider starts from the same model
         model = build_model(spec.model, dataset.input_shape, dataset.num_classes)
         if spec.weights is not None:  # the requester's initial weights replace the seeded ones
@@ -212,6 +218,21 @@ class TaskRun:
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))
+
+    def threads(self) -> int | None:
+        """The torch threads this part trains with: the declared cores, shared with the task's other
+        providers on this machine (those announcing this one's host): two providers of a task on 2
+        cores, 2 threads each, starved one another (the follower at a fifth of the leader's pace).
+        None: torch's own default (this machine's cores, or OMP_NUM_THREADS)."""
+        cores = self.ctx.cores
+        def host(address: str) -> str:
+            return address.split("@")[0].rpartition(":")[0]
+
+        here = host(self.spec.peers[self.index].address)
+        alongside = 1 if self.ctx.relayed else sum(host(p.address) == here for p in self.spec.peers)
+        if cores is None and alongside == 1:
+            return None
+        return max(1, (cores or os.cpu_count() or 1) // alongside)
 
     def cancel(self, wait: float = CANCEL_WAIT) -> None:
         """Stop this task at its next data chunk or iteration (the requester gave up on it, or the
