@@ -113,3 +113,34 @@ def test_ctrl_c_while_nodes_start_says_one_line_and_no_traceback(tmp_path, delay
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode in (130, -signal.SIGINT), out
     assert "Traceback" not in out and "interrupted; every node was stopped" in out, out
+
+
+def test_node_processes_are_named_for_ps(tmp_path):
+    config = make_config({"nodes": 3, "topology": "ring", "iterations": 100_000, "test_after": 100_000, "rounds": 1,
+                          "output": str(tmp_path / "run")})
+    graph, output = prepare_run(config)
+    launcher = _Launcher(config, graph, output, progress=False)
+    thread = threading.Thread(target=lambda: _swallow(launcher.run), daemon=True)
+    thread.start()
+    try:
+        assert wait_until(lambda: len(launcher.procs) == 3 and all(p.pid for p in launcher.procs.values()), 60)
+
+        def names() -> set[str]:
+            found = set()
+            for proc in launcher.procs.values():
+                try:
+                    found.add(open(f"/proc/{proc.pid}/comm").read().strip())
+                except OSError:
+                    pass
+            return found
+        assert wait_until(lambda: names() == {"meshlearn 0/3", "meshlearn 1/3", "meshlearn 2/3"}, 60), names()
+    finally:
+        launcher._stop_all()
+        thread.join(30)
+
+
+def _swallow(run) -> None:
+    try:
+        run()
+    except BaseException:  # noqa: BLE001 - the test stops the run; how it ends is not what it checks
+        pass
