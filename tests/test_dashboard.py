@@ -115,6 +115,31 @@ def test_a_loopback_dashboard_answers_only_this_machine_and_a_bad_listen_value_i
         server.stop()
 
 
+def test_the_page_shows_the_state_it_was_served_with_before_any_update_arrives():
+    """A screenshot (or a slow client) sees the state from the first response, not "waiting for
+    the first update": the event stream is blocked here, so only the served state can show (issue
+    33 item 11)."""
+    from meshlearn.dashboard.server import DashboardServer
+
+    title = "first-state </script><b>check</b>"
+    server = DashboardServer(lambda: {"kind": "network", "title": title, "providers": [], "tasks": [], "history": []},
+                             "127.0.0.1", 0)
+    server.start()
+    try:
+        status, body = _get(f"http://127.0.0.1:{server.port}/")
+        assert status == 200 and b'<script id="state" type="application/json">' in body
+        assert b"</script><b>" not in body  # the state cannot close its block or add markup
+        with chromium() as driver:
+            driver.execute_cdp_cmd("Network.enable", {})
+            driver.execute_cdp_cmd("Network.setBlockedURLs", {"urls": ["*/api/events*"]})
+            driver.get(f"http://127.0.0.1:{server.port}/")
+            shown = wait_until(lambda: driver.find_element("id", "title").text == title, 10, "the served title")
+            assert shown and "waiting for the first update" not in driver.page_source
+            assert not [m for m in console_errors(driver) if "api/events" not in m]
+    finally:
+        server.stop()
+
+
 def test_a_page_under_another_name_cannot_read_a_loopback_dashboard():
     """DNS rebinding: a page at a name whose DNS now points at 127.0.0.1 makes this machine's browser
     send its own name as Host; the dashboard answers only names of this machine (issue 32 item 13)."""

@@ -29,6 +29,7 @@ STATIC = {  # the only files served, with their types
     "uPlot.iife.min.js": "text/javascript; charset=utf-8",
     "uPlot.min.css": "text/css; charset=utf-8",
 }
+FIRST_STATE = '<script src="/static/uPlot.iife.min.js"></script>'  # the page's state goes before its scripts
 HEADERS = {
     "content-security-policy": "default-src 'self'; img-src 'self' data:; object-src 'none'; frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
@@ -96,7 +97,13 @@ def make_app(source: Source, token: str | None, stopping: threading.Event):
         return Response(folder.joinpath(name).read_bytes(), media_type=STATIC[name], headers=HEADERS)
 
     async def page(request):
-        return static("index.html")
+        """The page with the current state in it (a data block, not a script: the CSP holds), so a
+        screenshot or a slow client sees the state before the event stream's first update."""
+        state = (await asyncio.to_thread(snapshots.text)).replace("<", "\\u003c").replace(">", "\\u003e") \
+            .replace("&", "\\u0026")
+        html = folder.joinpath("index.html").read_text().replace(
+            FIRST_STATE, f'<script id="state" type="application/json">{state}</script>\n{FIRST_STATE}')
+        return Response(html, media_type=STATIC["index.html"], headers=HEADERS)
 
     async def asset(request):
         name = request.path_params["name"]

@@ -219,4 +219,6 @@ function connect() {
   events.onerror = () => { badge.dataset.state = "lost"; badge.textContent = "reconnecting"; };
 }
 
+const first = document.getElementById("state");  // the state when the page was served
+if (first) render(JSON.parse(first.textContent));
 connect();
