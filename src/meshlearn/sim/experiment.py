@@ -287,9 +287,11 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(boxes)), 4.5))
-    ax.boxplot([b for _, b in boxes], showfliers=False)
+    ax.boxplot([b for _, b in boxes], showfliers=True, flierprops={"markersize": 3, "alpha": 0.5})
     ax.set_xticks(range(1, len(boxes) + 1), [n for n, _ in boxes], rotation=20)
     ax.set_ylabel("iteration time (ms)")
+    ax.set_yscale("log")  # a straggler's iterations and the others' on one readable scale
+    ax.set_title(f"{experiment.name}: iteration times per run (box: quartiles; dots: outliers)")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(output / "iteration_times.png", dpi=100)
