@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from meshlearn.errors import ConfigError
+from meshlearn.errors import ConfigError, DatasetError
 from meshlearn.sim.experiment import load_experiment, run_experiment
 from pathlib import Path
 
@@ -173,3 +173,14 @@ def test_a_run_repeated_over_seeds_is_drawn_as_one_curve_the_mean_of_its_seeds()
     assert [r["iteration"] for r in full] == [10, 20]  # the iterations every seed reached
     assert full[1] == pytest.approx({"iteration": 20, "time_mean": 12.0, "test_acc_mean": 0.6, "mb_sent_mean": 24.0})
     assert drawn[1][1] == table(0.1)
+
+
+def test_a_missing_dataset_is_reported_before_the_first_run_with_where_to_get_it_and_quick(tmp_path):
+    experiment = load_experiment(EXPERIMENTS / "udp-loss.yaml", quick=False, output=tmp_path / "out")
+    missing = tmp_path / "cifar-10-python.tar.gz"
+    experiment.runs = [(name, config.model_copy(update={"dataset": f"cifar10:{missing}"}))
+                       for name, config in experiment.runs]
+    with pytest.raises(DatasetError, match=r"run 'udp-loss-0': dataset path .* does not exist.*"
+                                           r"https://www\.cs\.toronto\.edu/~kriz/cifar\.html.*--quick"):
+        run_experiment(experiment, progress=False)
+    assert not (tmp_path / "out").exists()  # no run started

@@ -30,6 +30,13 @@ WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
                    "or its .tar.gz",
         "imagefolder": "a folder with train/<class>/ and test/<class>/",
         "leaf": "a LEAF folder (FEMNIST) with train/*.json and test/*.json"}
+# Where each dataset on disk comes from, said with a missing path (nothing is ever downloaded at run time)
+GET = {"fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (its four .gz files in one folder; Debian: "
+                        "apt install dataset-fashion-mnist)",
+       "mnist": "https://yann.lecun.com/exdb/mnist/ (its four .gz files in one folder)",
+       "cifar10": "https://www.cs.toronto.edu/~kriz/cifar.html (the python version, cifar-10-python.tar.gz, "
+                  "read as it comes)",
+       "leaf": "https://github.com/TalwalkarLab/leaf (its FEMNIST preprocessing writes train/ and test/)"}
 
 
 def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:
@@ -64,4 +71,5 @@ def parse_spec(spec: str) -> tuple[str, Path | None]:
 def require_path(root: Path, kind: str) -> None:
     """DatasetError saying what to give when a dataset's path does not exist."""
     if not root.exists():
-        raise DatasetError(f"dataset path {root} does not exist: give {WHAT[kind]}")
+        get = f"; get it from {GET[kind]}" if kind in GET else ""
+        raise DatasetError(f"dataset path {root} does not exist: give {WHAT[kind]}{get}")

@@ -35,8 +35,10 @@ from typing import Any
 import yaml
 
 from meshlearn.config import ExperimentConfig, make_config
-from meshlearn.errors import ConfigError
+from meshlearn.data.specs import parse_spec
+from meshlearn.errors import ConfigError, DatasetError
 from meshlearn.plots import pyplot
+from meshlearn.plugins import load_user_module
 from meshlearn.sim.launcher import simulate
 from meshlearn.sim.report import (
     MIXED_TIME_LABEL,
@@ -59,6 +61,8 @@ class Experiment:
     description: str
     runs: list[tuple[str, ExperimentConfig]]
     groups: dict[str, list[str]]  # a run with seeds -> the names of its repetitions
+    source: str = ""  # the file it was read from
+    smaller_scale: bool = False  # the file has a quick scale this experiment does not use
 
 
 def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None,
@@ -121,12 +125,28 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
                 raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
     if not runs:
         raise ConfigError(f"experiment file {path}: every run says 'batched: false', so --batched has nothing to run")
-    return Experiment(name, str(raw.get("description", "")), runs, groups)
+    return Experiment(name, str(raw.get("description", "")), runs, groups, source=str(path),
+                      smaller_scale=not quick and bool(raw.get("quick")))
+
+
+def check_datasets(experiment: Experiment) -> None:
+    """Every run's dataset exists (before the first run starts); a missing one says where to get it,
+    and, for a file with a small scale, that ``--quick`` needs nothing on disk."""
+    for name, config in experiment.runs:
+        try:
+            if config.models_module:  # the user's datasets register themselves
+                load_user_module(config.models_module)
+            parse_spec(config.dataset)
+        except DatasetError as exc:
+            quick = "; or run the file's small scale with --quick (nothing to download)" \
+                if experiment.smaller_scale else ""
+            raise DatasetError(f"experiment file {experiment.source}, run {name!r}: {exc}{quick}") from None
 
 
 def run_experiment(experiment: Experiment, progress: bool = True, log=print, around_run=None) -> Path:
     """Run every run of an experiment in turn, then write the comparison report; returns its folder.
     ``around_run(name, config)``: a context manager each run goes on in (say, a live view of it)."""
+    check_datasets(experiment)
     for index, (name, config) in enumerate(experiment.runs, start=1):
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
