@@ -2,12 +2,12 @@
 
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
 from meshlearn.errors import ConfigError, DatasetError
 from meshlearn.sim.experiment import load_experiment, run_experiment
-from pathlib import Path
 
 EXPERIMENTS = Path(__file__).resolve().parents[1] / "experiments"
 
