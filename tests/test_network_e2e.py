@@ -29,6 +29,22 @@ def _request(procs: Processes, name: str, bootstrap: str, *args: str, timeout: f
     return proc.returncode, procs.log(name)
 
 
+def test_a_request_waits_for_a_provider_that_joins_later_and_says_what_it_waits_for(tmp_path):
+    procs = Processes(tmp_path)
+    try:
+        bootstrap, _ = start_network(procs, 1)
+        request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"),
+                              *TASK, "--epochs", "2", "--providers", "2", "--wait", "120")
+        procs.wait_for("req", r"waiting up to \d+ s for 2 free provider\(s\): 1 now")
+        procs.start("late", "provider", "--bootstrap", bootstrap, "--id", "late", "--workdir", str(tmp_path / "late"))
+        assert request.wait(timeout=180) == 0, procs.log("req")
+        metrics = json.loads((tmp_path / "req" / "metrics.json").read_text())
+        assert sorted(metrics["providers"]) == ["late", "p0"]
+        assert "only 1 provider(s)" not in procs.log("req")
+    finally:
+        procs.stop_all()
+
+
 @pytest.fixture(scope="module")
 def network(tmp_path_factory):
     """Three providers; every service listens on all interfaces, as on real machines (README)."""
@@ -45,9 +61,10 @@ def network(tmp_path_factory):
 def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network, algorithm):
     procs, bootstrap, ids = network
     code, out = _request(procs, f"req-{algorithm}", bootstrap, *TASK, "--algorithm", algorithm,
-                         "--epochs", "4", "--providers", "5", "--aggregate-every", "5", "--host", "0.0.0.0")
+                         "--epochs", "4", "--providers", "5", "--aggregate-every", "5", "--host", "0.0.0.0",
+                         "--wait", "0")
     assert code == 0, out
-    assert "only 3 provider(s) available of the 5 asked" in out
+    assert "only 3 provider(s) available of the 5 asked" in out and "waiting" not in out
     folder = procs.folder / f"req-{algorithm}"
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["algorithm"] == algorithm and metrics["lost"] == []

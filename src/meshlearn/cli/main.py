@@ -81,6 +81,7 @@ FLAG_GROUPS = {
     "what nodes share, robust aggregation, attacks": ["sharing", "aggregation", "byzantine"],
     "outputs": ["output"],
 }
+CONFIG_GROUP = " (flags override the config file)"  # the end of each experiment settings group's title
 SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
                   "leader": "leader aggregation", "fedavg": "FedAvg", "batched": "the batched engine"}
 
@@ -97,7 +98,7 @@ def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...
         grouped[where.get(name) or SECTION_GROUPS.get(section, "other settings")].append((name, field))
     for title, fields in grouped.items():
         if fields:
-            add_flags(parser.add_argument_group(f"{title} (flags override the config file)"), fields)
+            add_flags(parser.add_argument_group(title + CONFIG_GROUP), fields)
 
 
 def _resolve(args: argparse.Namespace) -> ExperimentConfig:

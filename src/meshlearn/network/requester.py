@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
 ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
+WAIT_POLL = 1.0  # seconds between looks at the free providers while waiting for enough
 POLL = 0.25  # seconds between looks at the providers' status
 SETTLE_EXTRA = 10.0  # seconds beyond the peer timeout that providers get to end their part after the result
 ENDED = ("done", "failed", "cancelled")
@@ -174,17 +175,38 @@ class Requester:
 
     # ---- steps -----------------------------------------------------------------------------
 
-    def _claim(self) -> list[dict]:
-        req = self.request
+    def _ask_bootstrap(self, kind: str, body: dict) -> dict:
         try:
-            reply = call(self.bootstrap, "claim", {"task": self.task_id, "count": req.providers,
-                                                   "device": req.device, "location": req.location},
-                         self.secret, timeout=10, sender=self.sender)
+            return call(self.bootstrap, kind, body, self.secret, timeout=10, sender=self.sender).body
         except Unreachable:
             raise UserInputError(f"no bootstrap answers at {self.bootstrap}: check --bootstrap and that it runs") from None
         except RemoteError as exc:
             raise TaskFailed(f"the bootstrap could not give providers: {exc}") from None
-        claimed = reply.body["providers"]
+
+    def _wait_for_providers(self) -> None:
+        """Wait (up to the request's ``wait``) until as many providers as asked are free, saying
+        how many are whenever that changes. Nothing is claimed meanwhile, so Ctrl-C leaves nothing
+        behind."""
+        req = self.request
+        wanted = {"count": req.providers, "device": req.device, "location": req.location, "free_only": True}
+        deadline, said = self.clock.monotonic() + req.wait, None
+        while True:
+            free = len(self._ask_bootstrap("discover", wanted)["providers"])
+            left = deadline - self.clock.monotonic()
+            if free >= req.providers or left <= 0:
+                return
+            if free != said:
+                self.say(f"waiting up to {left:.0f} s for {req.providers} free provider(s): {free} now "
+                         "(--wait 0 takes those free at once)")
+                said = free
+            self.clock.sleep(min(WAIT_POLL, left))
+
+    def _claim(self) -> list[dict]:
+        req = self.request
+        if req.wait > 0:
+            self._wait_for_providers()
+        claimed = self._ask_bootstrap("claim", {"task": self.task_id, "count": req.providers, "device": req.device,
+                                                "location": req.location})["providers"]
         if len(claimed) < req.providers:
             self.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those")
         self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed))

@@ -20,6 +20,7 @@ MAX_EPOCHS = 1000
 DEFAULT_LR = 0.001  # what a learning rate <= 0 becomes
 MAX_TASK_PEERS = 256
 MAX_PEER_TIMEOUT = 3600.0
+MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
 
@@ -42,6 +43,8 @@ class TaskRequest(Settings):
                       "CloudMesh report's correction)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum in [0, 1)")
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
+    wait: float = Field(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for as many free providers as asked, "
+                        "saying what it waits for; then it takes those free (at least one); 0: take them at once")
     device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
     location: str | None = Field(None, description="only providers declaring this location")
     algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
