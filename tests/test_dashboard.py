@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from helpers.browser import chromium, console_errors, keep_screenshot, wait_until
-from helpers.netproc import free_port, start_network
+from helpers.netproc import free_port, running_in_thread, start_network
 
 from meshlearn.cli.main import main
 from meshlearn.errors import BadMessage, UserInputError
@@ -231,6 +231,25 @@ def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports()
     assert board.view("unknown") is None
 
 
+def test_the_task_board_says_which_tasks_were_reported_before_the_bootstrap_restarted():
+    """A task older than the board that it never heard of was reported to an earlier run of the
+    bootstrap: the page says so instead of showing it claimed with no progress (issue 33 item 11)."""
+    from meshlearn.clock import FakeClock
+
+    clock = FakeClock()
+    old = {"id": "old", "status": "done", "created": clock.time() - 60}
+    running = {"id": "running", "status": "running", "created": clock.time() - 60}
+    board = TaskBoard(clock)
+    clock.advance(5)
+    new = {"id": "new", "status": "running", "created": clock.time()}
+    assert board.page_view(old) == {"live": False, "note": "no live data: reported before the bootstrap restarted"}
+    assert board.page_view(running)["live"] is False and "restarted while this task ran" in \
+        board.page_view(running)["note"]
+    assert board.page_view(new) == {}  # claimed since, nothing reported yet
+    board.report("running", {"providers": {"p0": {"state": "training", "iteration": 3, "iterations": 10}}})
+    assert board.page_view(running)["live"] is True and board.page_view(running)["progress"]["p0"]["iteration"] == 3
+
+
 def test_the_registry_keeps_its_history_across_a_restart(tmp_path):
     from meshlearn.clock import FakeClock
     from meshlearn.network.registry import ProviderInfo, Registry
@@ -316,6 +335,253 @@ def _attrs(browser, selector: str, name: str) -> list[str]:
 def _text(browser, selector: str) -> str:
     return browser.execute_script("const e = document.querySelector(arguments[0]); return e ? e.innerText : '';",
                                   selector)
+
+
+# ---- a run's page in a browser: charts, legends, the time split, the histogram -------------------
+
+def _flat_events(nodes: int, iterations: int, every: int = 5) -> list[dict]:
+    """Log events where every node has the same accuracy (std 0: the mean and both std lines meet),
+    rising then flat from half-way; each iteration takes 10 ms of training and 20 ms of sending."""
+    events = [{"event": "start", "rank": r} for r in range(nodes)]
+    for it in range(iterations):
+        events += [{"event": "iteration", "rank": r, "iteration": it, "train": 0.01, "comm": 0.02,
+                    "train_loss": 2.0 - it * 0.01} for r in range(nodes)]
+        if (it + 1) % every == 0:
+            acc = min(0.5, 0.1 + 0.8 * (it + 1) / iterations)
+            events += [{"event": "eval", "rank": r, "iteration": it + 1, "t": it * 0.03, "test_acc": acc,
+                        "test_loss": 1.0} for r in range(nodes)]
+    return events
+
+
+def _served_board(board):
+    from meshlearn.dashboard.server import DashboardServer
+
+    server = DashboardServer(board.snapshot, "127.0.0.1", 0)
+    server.start()
+    return server
+
+
+_CHART_SIZES = """return Array.from(document.querySelectorAll('.chart')).map(box => {
+    const canvas = box.querySelector('canvas');
+    return [box.dataset.chart, box.getBoundingClientRect().width, canvas ? canvas.getBoundingClientRect().width : 0];
+});"""
+
+_LEGEND = """const box = document.querySelector(`[data-chart="${arguments[0]}"]`);
+return Object.fromEntries(Array.from(box.querySelectorAll('.u-legend .u-series')).map(
+    row => [row.querySelector('.u-label').textContent, row.querySelector('.u-value').textContent]));"""
+
+
+def _pixel_on(browser, key: str, x: float, y: float) -> list[int]:
+    """The RGB of chart ``key``'s canvas at data point (x, y)."""
+    return browser.execute_script(
+        "const plot = charts.get(arguments[0]).plot;"
+        "const px = Math.round(plot.valToPos(arguments[1], 'x', true));"
+        "const py = Math.round(plot.valToPos(arguments[2], 'y', true));"
+        "return Array.from(plot.ctx.getImageData(px, py, 1, 1).data.slice(0, 3));", key, x, y)
+
+
+def _near(colour: list[int], hex_colour: str, tolerance: int = 30) -> bool:
+    wanted = [int(hex_colour[i:i + 2], 16) for i in (1, 3, 5)]
+    return all(abs(a - b) <= tolerance for a, b in zip(colour, wanted))
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium for the page tests of this module that need no processes."""
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def eight_nodes():
+    """The page of an 8-node process run (``_flat_events``), served from this process."""
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import RunBoard
+
+    board = RunBoard(make_config({"nodes": 8, "iterations": 40}), "eight")
+    board.add(_flat_events(8, 40))
+    server = _served_board(board)
+    yield server.url
+    server.stop()
+
+
+def _open(browser, url: str, charts: int) -> None:
+    """Load ``url`` at the usual window size, once its ``charts`` charts are drawn."""
+    browser.set_window_size(1280, 1600)
+    browser.get(url)
+
+    def drawn() -> bool:
+        sizes = browser.execute_script(_CHART_SIZES)
+        return len(sizes) == charts and all(canvas for _, _, canvas in sizes)
+    wait_until(drawn, 10, f"{charts} charts drawn")
+
+
+def test_a_runs_charts_fill_their_panels_and_follow_a_resize_in_chromium(browser, eight_nodes):
+    """Issue 33 item 11: charts were a third of their panel (sized before the panel was laid out)."""
+    _open(browser, eight_nodes, 2)
+    sizes = browser.execute_script(_CHART_SIZES)
+    for key, box, canvas in sizes:
+        assert box > 400 and canvas >= 0.95 * box, (key, box, canvas)
+    browser.set_window_size(1000, 1600)  # narrower panels: the charts follow
+    wait_until(lambda: all(abs(c - b) <= 0.05 * b and b < sizes[0][1] - 40
+                           for _, b, c in browser.execute_script(_CHART_SIZES)), 10, "charts resized")
+    keep_screenshot(browser, "dashboard-run-resized")
+    assert console_errors(browser) == []
+
+
+def test_a_runs_legends_show_the_latest_values_unless_hovered_in_chromium(browser, eight_nodes):
+    """Issue 33 item 11: legends read "--" until hovered; now the latest values, the hovered
+    point's while the cursor is over the chart, and the latest again when it leaves."""
+    from selenium.webdriver import ActionChains
+
+    _open(browser, eight_nodes, 2)
+    legend = browser.execute_script(_LEGEND, "acc")
+    assert legend["iteration"] == "40" and legend["mean"] == "50.00%", legend
+    assert "--" not in legend.values() and "--" not in browser.execute_script(_LEGEND, "loss").values()
+    over = browser.find_element("css selector", '[data-chart="acc"] .u-over')
+    ActionChains(browser).move_to_element_with_offset(over, -over.size["width"] // 2 + 2, 0).perform()
+    wait_until(lambda: browser.execute_script(_LEGEND, "acc")["iteration"] == "5", 5, "the hovered value")
+    ActionChains(browser).move_to_element(browser.find_element("id", "title")).perform()
+    wait_until(lambda: browser.execute_script(_LEGEND, "acc")["iteration"] == "40", 5, "the latest value again")
+    assert console_errors(browser) == []
+
+
+def test_a_runs_mean_accuracy_is_drawn_over_its_std_lines_in_chromium(browser, eight_nodes):
+    """Issue 33 item 11: with std 0 the mean, mean - std and mean + std lines meet; the colour on
+    top is the mean's (it was the last std line's)."""
+    _open(browser, eight_nodes, 2)
+    on_line = _pixel_on(browser, "acc", 32.5, 0.5)  # between two evaluations of the flat part
+    assert _near(on_line, "#3f6fd8"), on_line
+    keep_screenshot(browser, "dashboard-run-charts")
+
+
+def test_a_runs_iteration_time_says_each_phases_time_and_unit_in_chromium(browser, eight_nodes):
+    """Issue 33 item 11: the iteration-time bar had no numbers or units."""
+    _open(browser, eight_nodes, 2)
+    split = " ".join(_text(browser, ".iteration-time").split())
+    assert "train 10.0 ms" in split and "comm 20.0 ms" in split and "= 30.0 ms per iteration" in split, split
+    row = " ".join(_text(browser, 'table.nodes tr[data-rank="0"]').split())
+    assert "30.0 ms" in row, row
+
+
+def _batched_events(nodes: int, iterations: int) -> list[dict]:
+    """A batched run's log (as per_node expands it): 20 ms of modelled training for everyone, and
+    modelled waits for a few nodes only, at different iterations (most nodes wait 0)."""
+    from meshlearn.runlog import columnar_event, per_node
+
+    ranks = list(range(nodes))
+    columnar = [columnar_event("start", ranks, {"byzantine": [None] * nodes}, engine="batched")]
+    for it in range(iterations):
+        comm = [0.004 * (1 + it % 3) if r % 10 == it % 10 else 0.0 for r in ranks]
+        columnar.append(columnar_event("iteration", ranks, {"train": [0.02] * nodes, "encode": [0.0] * nodes,
+                                                            "average": [0.0] * nodes, "comm": comm,
+                                                            "train_loss": [1.0] * nodes}, iteration=it))
+    columnar.append(columnar_event("eval", ranks, {"t": [1.0] * nodes, "test_loss": [1.0] * nodes,
+                                                   "test_acc": [0.85 + 0.1 * r / nodes for r in ranks]},
+                                   iteration=iterations))
+    return [one for event in columnar for one in per_node(event)]
+
+
+@pytest.fixture(scope="module")
+def many_nodes():
+    """A 100-node batched run's board and log events (``_batched_events``)."""
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import RunBoard
+
+    events = _batched_events(100, 30)
+    board = RunBoard(make_config({"nodes": 100, "iterations": 30, "engine": "batched"}), "many")
+    board.add(events)
+    server = _served_board(board)
+    yield board, events, server.url
+    server.stop()
+
+
+def _figure_split(events: list[dict]) -> dict[str, float]:
+    """Each phase's ms in iteration_time.png's bar of these events (one bar: over all nodes)."""
+    from meshlearn.sim.report import PHASES, time_split_figure
+
+    logs: dict[int, list[dict]] = {}
+    for event in events:
+        logs.setdefault(event["rank"], []).append(event)
+    figure = time_split_figure(logs, "many", modelled=True)
+    drawn = {phase: bars.patches[0].get_width() for phase, bars in zip(PHASES, figure.axes[0].containers)}
+    figure.clear()
+    return drawn
+
+
+def test_a_batched_runs_board_has_the_time_split_of_iteration_time_png(many_nodes):
+    """Issue 33 item 11: the live page showed the batched engine's iterations as all "train" (the
+    median node's latest iteration waits 0), iteration_time.png the modelled split (means over the
+    log); both now read the log through one rule (report.PhaseTimes)."""
+    board, events, _ = many_nodes
+    drawn = _figure_split(events)
+    assert drawn["comm"] > 0
+    state = board.snapshot()
+    assert {p: 1000 * seconds for p, seconds in state["phases"].items()} == pytest.approx(drawn)
+    assert state["clock"] == "modelled"
+
+
+def test_a_batched_runs_page_shows_the_time_split_of_iteration_time_png_in_chromium(browser, many_nodes):
+    """The same split on the page, each phase with its unit, and said to be modelled."""
+    drawn = _figure_split(many_nodes[1])
+    _open(browser, many_nodes[2], 3)
+    split = " ".join(_text(browser, ".iteration-time").split())
+    assert f"comm {drawn['comm']:.2f} ms" in split and "train 20.0 ms" in split, split
+    assert "modelled" in _text(browser, "section.run")
+    assert console_errors(browser) == []
+
+
+def test_a_runs_accuracy_histogram_is_drawn_as_bars_in_chromium(browser, many_nodes):
+    """Issue 33 item 11: the histogram of more than 64 nodes' accuracies was a line."""
+    _open(browser, many_nodes[2], 3)
+    # bars fill a good part of the plot; a line through 20 bins colours a few percent of it
+    filled = browser.execute_script(
+        "const plot = charts.get('hist').plot;"
+        "const b = plot.bbox, pixels = plot.ctx.getImageData(b.left, b.top, b.width, b.height).data;"
+        "let blue = 0; for (let i = 0; i < pixels.length; i += 4)"
+        "  if (pixels[i + 3] > 0 && pixels[i + 2] > pixels[i] + 40) blue++;"
+        "return blue / (b.width * b.height);")
+    assert filled > 0.2, filled
+    keep_screenshot(browser, "dashboard-run-many")
+    assert console_errors(browser) == []
+
+
+def test_a_task_from_before_a_bootstrap_restart_shows_its_record_not_empty_live_views_in_chromium(tmp_path, browser):
+    """Issue 33 item 11: a task whose reports went to an earlier run of the bootstrap shows its
+    registry status and providers, and says it has no live data, instead of "claimed 0/?" and
+    empty charts; a task claimed since, with no report yet, has no empty charts either."""
+    from meshlearn.dashboard.server import DashboardServer
+    from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
+    from meshlearn.network.registry import ProviderInfo, Registry
+
+    state = tmp_path / "b.sqlite"
+    earlier = Registry(state).open()
+    for i in range(3):
+        earlier.register(ProviderInfo(f"p{i}", f"10.0.0.{i}:9000", 8.0, 4, "cpu", "lab"))
+    earlier.claim("old1", "requester-old", 2)
+    earlier.release("old1", "done")
+    earlier.close()
+    service = Bootstrap(BootstrapSettings(host="127.0.0.1", port=0, state=str(state), dial_back=False),
+                        b"unit-test-secret")
+    with running_in_thread(service):
+        service.registry.claim("new1", "requester-new", 1)
+        with DashboardServer(service.board, "127.0.0.1", 0) as server:
+            browser.set_window_size(1280, 1600)
+            browser.get(server.url)
+            text = wait_until(lambda: " ".join(_text(browser, '.task[data-id="old1"]').split()), 10, "the old task")
+            assert "no live data: reported before the bootstrap restarted" in text, text
+            assert "registry status done" in text and "p0, p1" in text and "released" in text, text
+            assert "0 / ?" not in text and _attrs(browser, '.task[data-id="old1"] tbody tr', "data-id") == [], text
+            new = " ".join(_text(browser, '.task[data-id="new1"]').split())
+            assert "no report yet" in new and "0 / ?" not in new, new
+            assert _attrs(browser, ".task .chart", "data-chart") == []  # no empty charts
+            keep_screenshot(browser, "dashboard-bootstrap-restarted")
+            assert console_errors(browser) == []
+        board = service.board()
+        old = next(t for t in board["tasks"] if t["id"] == "old1")
+        assert old["live"] is False and "before the bootstrap restarted" in old["note"]
+        assert old["released"]["detail"] == "done"
+        assert "live" not in next(t for t in board["tasks"] if t["id"] == "new1")  # claimed since, no report yet
 
 
 # ---- a simulation's page and its TensorBoard files --------------------------------------------
@@ -447,6 +713,9 @@ def test_a_run_board_shows_nodes_or_for_many_nodes_their_distribution():
     state = many.snapshot()
     assert state["nodes"] is None and state["distribution"]["count"] == 100
     assert sum(state["distribution"]["histogram"]["counts"]) == 100
+    edges = state["distribution"]["histogram"]["edges"]  # the accuracies' range (at least 10 points), not 0-100%
+    assert edges[0] <= state["distribution"]["quantiles"][0] and edges[-1] >= state["distribution"]["quantiles"][-1]
+    assert 0.1 <= edges[-1] - edges[0] < 0.2 and len(edges) == 21
 
     experiment = ExperimentBoard("study", ["a", "b"])
     run = experiment.begin("a", config)

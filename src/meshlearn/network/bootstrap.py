@@ -313,13 +313,19 @@ class Bootstrap:
                       "ram_gb": p.ram_gb, "location": p.location, "reachable": bool(p.reachable),
                       "seen_s": max(0.0, now - p.last_seen), "key": _fingerprint(p.key), "key_full": p.key}
                      for p in sorted(self.registry.providers(), key=lambda p: p.id)]
+        history = self.registry.history(200)
+        released = {}  # task id -> its (latest) release, where the history still holds it
+        for event in reversed(history):
+            if event["kind"] == "released":
+                released[event["subject"]] = {"at": event["at"], "detail": event["detail"]}
         tasks = []
         for record in self.registry.tasks(50):
-            live = self.tasks.view(record["id"]) or {}
+            live = self.tasks.page_view(record)
             tasks.append({"id": record["id"], "requester": record["requester"], "status": record["status"],
-                          "created": record["created"], "providers": [p["id"] for p in record["providers"]], **live})
+                          "created": record["created"], "providers": [p["id"] for p in record["providers"]],
+                          "released": released.get(record["id"]), **live})
         return {"kind": "network", "title": f"meshlearn network · bootstrap {self.server.address}",
-                "providers": providers, "tasks": tasks, "history": self.registry.history(200)}
+                "providers": providers, "tasks": tasks, "history": history}
 
     def _task(self, req: Envelope) -> dict:
         """A task's record, for its requester (``meshlearn results``) and its providers (who check

@@ -20,6 +20,9 @@ FAULTS_KEPT = 100
 CURVE_POINTS = 500  # points per curve sent to a page at most
 MAX_PROVIDERS = 1024
 _STATES = ("preparing", "ready", "training", "finishing", "done", "failed", "cancelled", "lost")
+BEFORE_RESTART = "no live data: reported before the bootstrap restarted"
+RUNNING_ACROSS_RESTART = ("no live data yet: the bootstrap restarted while this task ran (its requester's next report "
+                          "shows here)")
 
 
 def _number(body: dict, key: str) -> float | None:
@@ -57,6 +60,7 @@ class TaskBoard:
 
     def __init__(self, clock: Clock = SYSTEM):
         self.clock = clock
+        self.since = clock.time()  # what was reported before this (an earlier run of the bootstrap) is not here
         self._lock = threading.Lock()
         self._tasks: OrderedDict[str, _Task] = OrderedDict()
 
@@ -97,6 +101,18 @@ class TaskBoard:
             del task.faults[:-FAULTS_KEPT]
             if result is not None:
                 task.result = {"accuracy": accuracy}
+
+    def page_view(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What the page shows of a task of the registry (``record``: its id, status and ``created``)
+        beside the record: its live ``view``; where none was reported to this board and the task is
+        older than the board (its reports went to an earlier run of the bootstrap),
+        ``{"live": False, "note": ...}`` saying so; else ({}: claimed, nothing reported yet) nothing."""
+        view = self.view(record["id"])
+        if view is not None:
+            return {"live": True, **view}
+        if record["created"] < self.since:
+            return {"live": False, "note": RUNNING_ACROSS_RESTART if record["status"] == "running" else BEFORE_RESTART}
+        return {}
 
     def view(self, task_id: str) -> dict[str, Any] | None:
         """The task's progress, curves ({"iteration": [...], "series": [{"provider", "train_loss",

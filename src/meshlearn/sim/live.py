@@ -5,6 +5,7 @@ process run, a batched run and a run in a network namespace are watched alike.""
 
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 from collections import defaultdict
@@ -13,9 +14,10 @@ from typing import Any, Protocol
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.runlog import LogTail
-from meshlearn.sim.report import PHASES, evaluation_row
+from meshlearn.sim.report import ACCURACY_SPAN, PhaseTimes, evaluation_row
 
 NODE_TABLE_LIMIT = 64  # more nodes than this: the page shows the distribution, not a row per node
+HISTOGRAM_BINS = 20
 CURVE_POINTS = 500  # points per curve at most (longer runs are thinned evenly)
 WATCH_EVERY = 0.5  # seconds between looks at the logs
 
@@ -96,6 +98,7 @@ class RunBoard:
         self._evals: dict[int, list[dict]] = defaultdict(list)
         self._bad_evals: dict[int, list[dict]] = defaultdict(list)
         self._train: dict[int, list[float]] = {}  # step -> [sum of train losses, count]
+        self._phases = PhaseTimes()  # as iteration_time.png reads them
 
     def add(self, events: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -104,7 +107,7 @@ class RunBoard:
 
     def _node(self, rank: int) -> dict[str, Any]:
         return self._nodes.setdefault(rank, {"rank": rank, "iteration": 0, "test_acc": None, "test_loss": None,
-                                             "train_loss": None, "phases": {}, "bytes_sent": None, "timeouts": 0,
+                                             "train_loss": None, "bytes_sent": None, "timeouts": 0,
                                              "chunks_missing": 0, "bad": self.attackers.get(rank) and
                                              str(self.attackers[rank])})
 
@@ -118,7 +121,7 @@ class RunBoard:
         elif kind == "iteration":
             step = int(event.get("iteration", 0)) + 1
             node["iteration"] = max(node["iteration"], step)
-            node["phases"] = {p: event.get(p) or 0.0 for p in PHASES}
+            self._phases.add(rank, event)
             node["timeouts"] += 1 if event.get("missing") else 0
             node["chunks_missing"] += int(event.get("chunks_missing") or 0)
             if event.get("bytes_sent") is not None:
@@ -164,10 +167,11 @@ class RunBoard:
                     for it in sorted(self._evals)]
             train = sorted(self._train.items())
             nodes = [dict(n) for _, n in sorted(self._nodes.items())]
+            per_node, phases = self._phases.per_node(), self._phases.overall()
+        for node in nodes:
+            node["phases"] = per_node.get(node["rank"], {})
         rows = _thin(rows)
         train = _thin(train)
-        phases = {p: statistics.median(n["phases"].get(p, 0.0) for n in nodes if n["phases"]) for p in PHASES} \
-            if any(n["phases"] for n in nodes) else {}
         accuracies = [n["test_acc"] for n in nodes if n["test_acc"] is not None and not n["bad"]]
         many = c.nodes > NODE_TABLE_LIMIT
         state = {
@@ -181,19 +185,31 @@ class RunBoard:
                      **({"attackers_acc": [_num(r.get("attackers_acc_mean")) for r in rows]}
                         if self.attackers else {})},
             "train": {"iteration": [step for step, _ in train], "loss": [_num(s / n) for _, (s, n) in train]},
-            "phases": phases,
+            "phases": phases,  # seconds per iteration, mean over every node's iterations so far
+            "clock": "modelled" if c.engine == "batched" else "wall",
             "totals": {"bytes_sent": sum(n["bytes_sent"] or 0 for n in nodes),
                        "timeouts": sum(n["timeouts"] for n in nodes),
                        "chunks_missing": sum(n["chunks_missing"] for n in nodes)},
             "nodes": None if many else [{k: _num(v) for k, v in n.items()} for n in nodes],
         }
         if many and accuracies:
-            counts = [0] * 20
-            for value in accuracies:
-                counts[min(19, int(value * 20))] += 1
             state["distribution"] = {"count": len(accuracies), "quantiles": _quantiles(accuracies),
-                                     "histogram": {"edges": [i / 20 for i in range(21)], "counts": counts}}
+                                     "histogram": accuracy_histogram(accuracies)}
         return state
+
+
+def accuracy_histogram(values: list[float], bins: int = HISTOGRAM_BINS) -> dict[str, list]:
+    """{"edges", "counts"} of ``values`` (accuracies) in ``bins`` equal bins from a round number
+    below the lowest to one above the highest, at least ``ACCURACY_SPAN`` wide (as topology.png's
+    colours): nodes between 88% and 94% spread over the bins instead of filling one of 0-100%."""
+    high = min(1.0, math.ceil(max(values) * 100 - 1e-9) / 100)
+    low = max(0.0, math.floor(min(min(values), high - ACCURACY_SPAN) * 100 + 1e-9) / 100)
+    high = max(high, low + 0.01)
+    width = (high - low) / bins
+    counts = [0] * bins
+    for value in values:
+        counts[min(bins - 1, max(0, int((value - low) / width)))] += 1
+    return {"edges": [round(low + i * width, 6) for i in range(bins + 1)], "counts": counts}
 
 
 def _num(value):

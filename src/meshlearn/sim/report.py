@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import statistics
@@ -287,6 +288,11 @@ ACCURACY_SPAN = 0.1  # the narrowest accuracy range topology.png's colours span
 TIME_FIGURE = "iteration_time.png"
 PHASE_COLOURS = {"train": "#3f6fd8", "encode": "#9c27b0", "comm": "#f5a623", "average": "#2e7d32", "eval": "#7a8294"}
 LABELLED_NODES = 32  # up to this many nodes the figures name each one
+# Up to this many nodes topology.png draws every edge; beyond, a summary. At 64 nodes of degree 3 the
+# 96 chords across the circle can still be followed; at 128 (192 chords) they already cannot, and
+# at 1,024 they are a grey disc. 64 is also where the dashboard and iteration_time.png stop showing
+# each node.
+DRAWN_GRAPH_NODES = 64
 BAR_NODES = 64  # up to this many nodes the time split has a bar per node
 
 
@@ -300,7 +306,8 @@ def _save(fig, path: Path) -> None:
 
 def topology_figure(output: Path, summary: dict[str, Any], title: str):
     """The run's graph on a circle, each node coloured by its final test accuracy (grey: not
-    evaluated; a red ring: a bad node); None without a graph.txt."""
+    evaluated; a red ring: a bad node); beyond ``DRAWN_GRAPH_NODES`` nodes a summary instead (see
+    ``_topology_summary``). None without a graph.txt."""
     from meshlearn.topology import read_graph_file
 
     try:
@@ -311,64 +318,204 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str):
     from matplotlib.collections import LineCollection
 
     n = graph.n
-    angle = [2 * math.pi * i / n for i in range(n)]
-    xy = [(math.cos(a), math.sin(a)) for a in angle]
     per_node = summary.get("per_node", {})
     accuracy = [((per_node.get(str(i)) or {}).get("metrics") or {}).get("accuracy") for i in range(n)]
-    bad = {int(rank) for rank in summary.get("attackers", {})}
+    bad = {int(rank) for rank in summary.get("attackers", {}) if int(rank) < n}
+    if n > DRAWN_GRAPH_NODES:
+        return _topology_summary(graph, accuracy, bad, title)
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
+    xy = _on_circle(n)
     ax.add_collection(LineCollection([(xy[i], xy[j]) for i, j in graph.edges()], colors="#b8bec9",
-                                     linewidths=0.8 if n <= 100 else 0.2, zorder=1))
-    size = 260 if n <= LABELLED_NODES else max(6, 6000 / n)
+                                     linewidths=0.8, zorder=1))
+    _circle_of_nodes(fig, ax, xy, accuracy, bad, 260 if n <= LABELLED_NODES else max(6, 6000 / n))
+    if n <= LABELLED_NODES:
+        for i, (x, y) in enumerate(xy):
+            ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, color="white", zorder=4)
+    ax.set_title(f"{title}: topology, nodes by final accuracy")
+    fig.tight_layout()
+    return fig
+
+
+def _on_circle(n: int) -> list[tuple[float, float]]:
+    return [(math.cos(2 * math.pi * i / n), math.sin(2 * math.pi * i / n)) for i in range(n)]
+
+
+def _accuracy_scale(values: list[float]) -> tuple[float, float]:
+    """The colour scale of these accuracies: at least ``ACCURACY_SPAN`` wide (0.9555 against 0.9580
+    is no contrast to show), ending at the best."""
+    return min(min(values), max(values) - ACCURACY_SPAN), max(values)
+
+
+def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], accuracy: list[float | None], bad: set[int],
+                     size: float) -> None:
+    """Nodes at ``xy`` coloured by final accuracy (grey: not evaluated), bad ones ringed in red,
+    with a colour bar and, where needed, a legend; no axes."""
+    n = len(xy)
     known = [i for i in range(n) if accuracy[i] is not None]
     unknown = [i for i in range(n) if accuracy[i] is None]
     if unknown:
         ax.scatter([xy[i][0] for i in unknown], [xy[i][1] for i in unknown], s=size, c="#d0d4db", zorder=2,
                    label="not evaluated")
     if known:
+        low, high = _accuracy_scale([accuracy[i] for i in known])
         dots = ax.scatter([xy[i][0] for i in known], [xy[i][1] for i in known], s=size, zorder=2,
-                          c=[accuracy[i] for i in known], cmap="viridis",
-                          # a colour scale at least 10 points wide: 0.9555 against 0.9580 is no contrast to show
-                          vmin=min(min(accuracy[i] for i in known), max(accuracy[i] for i in known) - ACCURACY_SPAN),
-                          vmax=max(accuracy[i] for i in known))
+                          c=[accuracy[i] for i in known], cmap="viridis", vmin=low, vmax=high)
         fig.colorbar(dots, ax=ax, shrink=0.8, label="final test accuracy")
     if bad:
-        ax.scatter([xy[i][0] for i in bad if i < n], [xy[i][1] for i in bad if i < n], s=size * 1.6,
-                   facecolors="none", edgecolors="#b3261e", linewidths=2, zorder=3, label="bad node")
-    if n <= LABELLED_NODES:
-        for i, (x, y) in enumerate(xy):
-            ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, color="white", zorder=4)
+        ax.scatter([xy[i][0] for i in bad], [xy[i][1] for i in bad], s=size * 1.6, facecolors="none",
+                   edgecolors="#b3261e", linewidths=2 if n <= DRAWN_GRAPH_NODES else 1, zorder=3, label="bad node")
     if bad or unknown:
         ax.legend(loc="lower right", fontsize=8)
     ax.set_xlim(-1.2, 1.2)
     ax.set_ylim(-1.2, 1.2)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"{title}: topology, nodes by final accuracy")
+
+
+def _grid_of_nodes(fig, ax, accuracy: list[float | None], bad: set[int]) -> None:
+    """One cell per node, row by row in rank order, coloured by final accuracy (grey: not evaluated;
+    a red frame: a bad node), with a colour bar."""
+    import numpy as np
+    from matplotlib import colormaps
+
+    n = len(accuracy)
+    columns = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / columns)
+    cells = np.full(rows * columns, np.nan)
+    cells[:n] = [math.nan if a is None else a for a in accuracy]
+    colours = colormaps["viridis"].with_extremes(bad="#d0d4db")
+    known = [a for a in accuracy if a is not None]
+    low, high = _accuracy_scale(known) if known else (0.0, 1.0)
+    image = ax.imshow(np.ma.masked_invalid(cells.reshape(rows, columns)), cmap=colours, vmin=low, vmax=high,
+                      interpolation="nearest")
+    if rows * columns > n:  # the last row's empty cells
+        ax.add_patch(_rectangle((n % columns - 0.5, rows - 1.5), columns - n % columns, 1, facecolor="white"))
+    fig.colorbar(image, ax=ax, shrink=0.8, label="final test accuracy")
+    if bad:
+        ax.scatter([i % columns for i in bad], [i // columns for i in bad], marker="s", s=max(8, 40000 / n),
+                   facecolors="none", edgecolors="#b3261e", linewidths=1.5, label="bad node")
+    if bad or len(known) < n:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor="#d0d4db", label="not evaluated")] if len(known) < n else []
+        handles += [Patch(facecolor="none", edgecolor="#b3261e", label="bad node")] if bad else []
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.02), fontsize=8, ncols=2, frameon=False)
+    step = max(1, rows // 8)
+    ax.set_yticks(range(0, rows, step))
+    ax.set_yticklabels([str(r * columns) for r in range(0, rows, step)], fontsize=8)
+    ax.set_ylabel(f"first rank of the row ({columns} nodes a row)")
+    ax.set_xticks([])
+    ax.set_title("each node by rank, coloured by final accuracy (edges not drawn)", fontsize=9)
+
+
+def _nodes(count: int) -> str:
+    return f"{count:,} node" + ("" if count == 1 else "s")
+
+
+def _rectangle(corner: tuple[float, float], width: float, height: float, **style):
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(corner, width, height, linewidth=0, **style)
+
+
+def _topology_summary(graph, accuracy: list[float | None], bad: set[int], title: str):
+    """topology.png for a graph too big to draw (a circle of hundreds of nodes with their edges is
+    a hairball): a square of cells, one per node in rank order, coloured by final accuracy (a block
+    of ranks that fell behind, or the bad nodes, still show), and beside it each node degree's
+    final accuracies (a box per degree, the bad nodes as red crosses) over how many nodes have it."""
+    plt = pyplot()
+
+    n = graph.n
+    degrees = [graph.degree(i) for i in range(n)]
+    edges = sum(degrees) // 2
+    fig, (grid, by_degree) = plt.subplots(1, 2, figsize=(12, 5.4), gridspec_kw={"width_ratios": [1.1, 1]})
+    _grid_of_nodes(fig, grid, accuracy, bad)
+    present = sorted(set(degrees))
+    honest = {d: [accuracy[i] for i in range(n) if degrees[i] == d and accuracy[i] is not None and i not in bad]
+              for d in present}
+    gap = min((b - a for a, b in itertools.pairwise(present)), default=1)
+    shown = [d for d in present if honest[d]]
+    if shown:
+        by_degree.boxplot([honest[d] for d in shown], positions=shown, widths=0.6 * gap, manage_ticks=False,
+                          flierprops={"markersize": 3, "markeredgecolor": "#7a8294"},
+                          medianprops={"color": "#3f6fd8", "linewidth": 2})
+    attackers = [(degrees[i], accuracy[i]) for i in sorted(bad) if accuracy[i] is not None]
+    if attackers:
+        by_degree.scatter([d for d, _ in attackers], [a for _, a in attackers], marker="x", color="#b3261e",
+                          zorder=3, label="bad node")
+        by_degree.legend(loc="lower right", fontsize=8)
+    known = [a for a in accuracy if a is not None]
+    if known:
+        low, high = _accuracy_scale(known)
+        by_degree.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
+    ticks = present if len(present) <= 12 else present[::math.ceil(len(present) / 12)]
+    by_degree.set_xticks(ticks)
+    by_degree.set_xticklabels([f"{d}\n{_nodes(degrees.count(d))}" for d in ticks], fontsize=8)
+    by_degree.set_xlim(present[0] - gap, present[-1] + gap)
+    by_degree.set_xlabel("node degree (neighbours), and how many nodes have it")
+    by_degree.set_ylabel("final test accuracy (honest nodes)")
+    by_degree.grid(alpha=0.3, axis="y")
+    by_degree.set_title("final accuracy by node degree", fontsize=9)
+    fig.suptitle(f"{title}: topology summary, {_nodes(n)} and {edges:,} edge{'' if edges == 1 else 's'} "
+                 "(too many to draw each edge)")
     fig.tight_layout()
     return fig
 
 
+class PhaseTimes:
+    """Where the nodes' iterations spend their time, gathered from ``iteration`` events as they come:
+    each phase's seconds summed per node. The one rule behind ``iteration_time.png`` and the
+    dashboard's time split (so the live page and the figure agree, modelled clocks included): a
+    phase an event does not give counts 0, and a phase's share is its mean over the iterations
+    (means add up to the mean iteration; medians would not)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[int, list[float]] = {}  # rank -> seconds per phase, in PHASES order
+        self._counts: dict[int, int] = defaultdict(int)
+
+    def add(self, rank: int, event: dict[str, Any]) -> None:
+        """Count one ``iteration`` event of node ``rank`` (other events are ignored)."""
+        if event.get("event") != "iteration":
+            return
+        sums = self._sums.setdefault(rank, [0.0] * len(PHASES))
+        for index, phase in enumerate(PHASES):
+            sums[index] += event.get(phase) or 0.0
+        self._counts[rank] += 1
+
+    @classmethod
+    def of(cls, logs: dict[int, list[dict]]) -> PhaseTimes:
+        """The phase times of a run's logs (``load_logs``)."""
+        times = cls()
+        for rank, events in logs.items():
+            for event in events:
+                times.add(rank, event)
+        return times
+
+    def per_node(self) -> dict[int, dict[str, float]]:
+        """Per node that logged an iteration: each phase's mean seconds per iteration."""
+        return {rank: {phase: total / self._counts[rank] for phase, total in zip(PHASES, sums)}
+                for rank, sums in sorted(self._sums.items())}
+
+    def overall(self) -> dict[str, float]:
+        """Each phase's mean seconds per iteration over every iteration of every node ({} before any)."""
+        count = sum(self._counts.values())
+        if not count:
+            return {}
+        return {phase: sum(sums[index] for sums in self._sums.values()) / count for index, phase in enumerate(PHASES)}
+
+
 def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = False):
-    """Where an iteration's time goes: each phase's mean (ms), stacked (means add up to the mean
-    iteration; medians would not), per node (or, for many nodes, over all of them); None without
-    iterations."""
-    means: dict[str, dict[str, float]] = {}
-    all_phases: dict[str, list[float]] = defaultdict(list)
-    for rank, events in sorted(logs.items()):
-        phases: dict[str, list[float]] = defaultdict(list)
-        for event in events:
-            if event.get("event") == "iteration":
-                for phase in PHASES:
-                    phases[phase].append((event.get(phase) or 0.0) * 1000)
-        if phases:
-            means[str(rank)] = {p: statistics.fmean(v) for p, v in phases.items()}
-            for p, v in phases.items():
-                all_phases[p] += v
-    if not means:
+    """Where an iteration's time goes: each phase's mean (ms), stacked (``PhaseTimes``), per node
+    (or, for many nodes, over all of them); None without iterations."""
+    times = PhaseTimes.of(logs)
+    per_node = times.per_node()
+    if not per_node:
         return None
-    if len(means) > BAR_NODES:
-        means = {f"all {len(means)} nodes": {p: statistics.fmean(v) for p, v in all_phases.items()}}
+    if len(per_node) > BAR_NODES:
+        seconds = {f"all {len(per_node)} nodes": times.overall()}
+    else:
+        seconds = {str(rank): phases for rank, phases in per_node.items()}
+    means = {name: {p: 1000 * v for p, v in phases.items()} for name, phases in seconds.items()}
     plt = pyplot()
     names = list(means)
     fig, ax = plt.subplots(figsize=(8, max(2.2, 0.5 + 0.28 * len(names))))

@@ -5,7 +5,10 @@
 const PHASES = ["train", "encode", "comm", "average", "eval"];
 const PHASE_COLOURS = { train: "#3f6fd8", encode: "#9c27b0", comm: "#f5a623", average: "#2e7d32", eval: "#7a8294" };
 const PALETTE = ["#3f6fd8", "#e8710a", "#2e7d32", "#b3261e", "#9c27b0", "#00838f", "#795548", "#c2185b"];
-const charts = new Map(); // key -> {plot, names}
+const STD_STROKE = "rgba(63, 111, 216, 0.55)", STD_BAND = "rgba(63, 111, 216, 0.12)";  // the mean's colour, lighter
+const BAR_FILL = "rgba(63, 111, 216, 0.55)";
+const charts = new Map(); // key -> {plot, signature, box}
+const CHART_HEIGHT = 220;
 
 function el(tag, attrs, ...children) {
   const node = document.createElement(tag);
@@ -25,6 +28,10 @@ function fmt(value, digits = 3) {
   if (value === null || value === undefined || Number.isNaN(value)) return "–";
   return typeof value === "number" ? value.toFixed(digits) : String(value);
 }
+
+function pctAxis(value) { return value === null || value === undefined ? "–" : +(100 * value).toFixed(2) + "%"; }
+
+function pct2(value) { return (100 * value).toFixed(2) + "%"; }
 
 function pct(value) { return value === null || value === undefined ? "–" : (100 * value).toFixed(1) + "%"; }
 
@@ -57,47 +64,123 @@ function progressBar(done, total) {
   return el("span", { class: "bar", title: `${done} / ${total}` }, inner);
 }
 
-function splitBar(phases) {
+// A duration in seconds with its unit: ms under a second, s from one second on.
+function duration(seconds) {
+  if (seconds === null || seconds === undefined || Number.isNaN(seconds)) return "–";
+  if (seconds >= 1) return seconds.toFixed(2) + " s";
+  const ms = 1000 * seconds;
+  return (ms >= 1 ? ms.toFixed(1) : ms >= 0.01 ? ms.toPrecision(2) : ms > 0 ? "<0.01" : "0") + " ms";
+}
+
+// Each phase's share of an iteration, stacked; with ``labels`` each wide enough part says its time.
+function splitBar(phases, labels) {
   const total = PHASES.reduce((sum, p) => sum + (phases[p] || 0), 0);
-  const bar = el("span", { class: "split", title: PHASES.map((p) => `${p} ${fmt(1000 * (phases[p] || 0), 1)} ms`).join(", ") });
+  const bar = el("span", { class: labels ? "split split-main" : "split",
+    title: PHASES.map((p) => `${p} ${duration(phases[p] || 0)}`).join(", ") });
   for (const p of PHASES) {
-    const part = el("span");
-    part.style.width = total ? (100 * (phases[p] || 0) / total).toFixed(2) + "%" : "0";
+    const share = total ? (phases[p] || 0) / total : 0;
+    const part = el("span", { "data-phase": p }, labels && share >= 0.12 ? `${p} ${duration(phases[p])}` : null);
+    part.style.width = (100 * share).toFixed(2) + "%";
     part.style.background = PHASE_COLOURS[p];
     bar.append(part);
   }
   return bar;
 }
 
-function phaseLegend() {
-  return el("div", { class: "muted" }, "iteration time: ",
-    ...PHASES.flatMap((p) => { const key = el("span", { class: "legend-key" }); key.style.background = PHASE_COLOURS[p]; return [key, p]; }));
+// The phases' colours, each with its time and unit, and the whole iteration's.
+function phaseLegend(phases) {
+  const total = PHASES.reduce((sum, p) => sum + (phases[p] || 0), 0);
+  return el("div", { class: "phase-legend" },
+    ...PHASES.map((p) => {
+      const key = el("span", { class: "legend-key" });
+      key.style.background = PHASE_COLOURS[p];
+      return el("span", { class: "phase", "data-phase": p }, key, `${p} ${duration(phases[p] || 0)}`);
+    }),
+    el("span", { class: "phase total", text: `= ${duration(total)} per iteration` }));
 }
 
-// One line chart, kept across updates (created once per key, then given new data).
-function lineChart(key, holder, title, xLabel, names, xs, columns) {
+// ``object`` without its undefined values (uPlot would take them over its defaults).
+function defined(object) {
+  return Object.fromEntries(Object.entries(object).filter(([, value]) => value !== undefined));
+}
+
+function totalTime(phases) {
+  return el("span", { class: "muted", text: duration(PHASES.reduce((sum, p) => sum + (phases[p] || 0), 0)) });
+}
+
+// The latest value of a column that is not null (what a legend shows while the cursor is away).
+function latest(column) {
+  for (let i = column.length - 1; i >= 0; i--) if (column[i] !== null && column[i] !== undefined) return column[i];
+  return null;
+}
+
+// A chart's legend value: the hovered point's, or the latest one while the cursor is not over it.
+function legendValue(format) {
+  return (u, value, sidx, idx) => {
+    const shown = idx === null || idx === undefined ? latest(u.data[sidx] || []) : value;
+    return shown === null || shown === undefined ? "–" : format(shown, u);
+  };
+}
+
+const resizes = new ResizeObserver((entries) => {
+  for (const entry of entries) {
+    const chart = entry.target.chart;
+    const width = Math.floor(entry.contentRect.width);
+    if (chart && width > 0 && width !== chart.width) chart.setSize({ width, height: CHART_HEIGHT });
+  }
+});
+
+// One chart, kept across updates (created once per key, then given new data) in a box that keeps
+// its place in the page's flow; the chart is as wide as its box, and follows it when it resizes.
+// ``series``: [{label, stroke, width, dash, fill, bars}] drawn in this order (the last on top);
+// ``options``: {bands, xFormat and yFormat (axis values), xLegend and yLegend (the legend's), xRange}.
+function chart(key, holder, title, xLabel, series, xs, columns, options = {}) {
   const points = xs.length;
-  const box = el("div", { class: "chart", "data-chart": key, "data-points": points });
-  holder.append(box);
-  const width = Math.max(320, Math.min(720, (holder.clientWidth || 800) / 2 - 20));
   let entry = charts.get(key);
   const data = [xs, ...columns];
-  if (!entry || entry.names.join("\u0000") !== names.join("\u0000")) {
-    if (entry) entry.plot.destroy();
-    const series = [{ label: xLabel }, ...names.map((name, i) => ({ label: name, stroke: PALETTE[i % PALETTE.length], width: 1.5, spanGaps: true, points: { show: points < 60 } }))];
-    const plot = new uPlot({ title, width, height: 220, series, scales: { x: { time: false } }, axes: [{ label: xLabel }, {}] }, data, box);
-    entry = { plot, names };
+  const signature = series.map((s) => s.label).join("\u0000");
+  if (!entry || entry.signature !== signature) {
+    if (entry) { resizes.unobserve(entry.box); entry.plot.destroy(); }
+    const box = entry ? entry.box : el("div", { class: "chart", "data-chart": key });
+    const xFormat = options.xLegend || options.xFormat || ((v) => fmt(v, Number.isInteger(v) ? 0 : 3));
+    const yFormat = options.yLegend || options.yFormat || ((v) => fmt(v));
+    const config = [{ label: xLabel, value: legendValue(xFormat) }, ...series.map((s) => defined({
+      label: s.label, stroke: s.stroke, width: s.width || 1.5, dash: s.dash, fill: s.fill, spanGaps: true,
+      value: legendValue(yFormat),
+      paths: s.bars ? uPlot.paths.bars({ size: [0.9, Infinity], align: 0 }) : undefined,
+      points: { show: s.bars || s.dash ? false : (u) => u.data[0].length < 60 } }))];  // dots while few
+    const axis = (format) => (format ? { values: (u, values) => values.map(format) } : {});
+    const plot = new uPlot(defined({ title, width: box.clientWidth || 480, height: CHART_HEIGHT, series: config,
+      bands: options.bands, scales: { x: defined({ time: false, range: options.xRange }) },
+      axes: [{ label: xLabel, ...axis(options.xFormat) }, axis(options.yFormat)] }), data, box);
+    entry = { plot, signature, box };
+    box.chart = plot;
     charts.set(key, entry);
+    resizes.observe(box);
   } else {
     entry.plot.setData(data);
-    box.append(entry.plot.root);
   }
-  return box;
+  entry.box.dataset.points = points;
+  holder.append(entry.box);
+  return entry.box;
+}
+
+// Every chart as wide as its box: once the page is laid out (the boxes get their width only then).
+function fitCharts() {
+  for (const { plot, box } of charts.values()) {
+    const width = Math.floor(box.getBoundingClientRect().width);
+    if (width > 0 && width !== plot.width) plot.setSize({ width, height: CHART_HEIGHT });
+  }
+}
+
+function lineChart(key, holder, title, xLabel, names, xs, columns, options) {
+  const series = names.map((name, i) => ({ label: name, stroke: PALETTE[i % PALETTE.length] }));
+  return chart(key, holder, title, xLabel, series, xs, columns, options);
 }
 
 function dropStaleCharts(keep) {
   for (const [key, entry] of charts) {
-    if (!keep.has(key)) { entry.plot.destroy(); charts.delete(key); }
+    if (!keep.has(key)) { resizes.unobserve(entry.box); entry.plot.destroy(); charts.delete(key); }
   }
 }
 
@@ -119,20 +202,36 @@ function renderNetwork(state, main, keep) {
   for (const task of state.tasks) {
     const box = el("div", { class: "task", "data-id": task.id, "data-status": task.status });
     box.append(el("h3", {}, `task ${task.id} `, status(task.status), el("span", { class: "muted", text: ` requested by ${task.requester}, ${when(task.created)}` + (task.leader ? `, leader ${task.leader}` : "") })));
+    if (task.live === false) {  // reported to an earlier run of this bootstrap: the registry's record is all there is
+      const released = task.released ? ` · released ${when(task.released.at)} (${task.released.detail})` : "";
+      box.append(el("p", { class: "muted no-live" },
+        `registry status ${task.status} · providers ${task.providers.join(", ") || "none"}${released}`),
+        el("p", { class: "muted no-live", text: task.note }));
+      tasks.append(box);
+      continue;
+    }
     const rows = task.providers.map((id) => {
-      const p = (task.progress || {})[id] || {};
+      const p = (task.progress || {})[id];
+      if (!p) {  // claimed, no report about it yet
+        return el("tr", { "data-id": id }, el("td", { text: id }), el("td", {}, status("claimed")),
+          el("td", { class: "muted", text: "no report yet" }), el("td", { text: "–" }), el("td", { text: "–" }));
+      }
       return el("tr", { "data-id": id }, el("td", { text: id }), el("td", {}, status(p.state || "claimed")),
         el("td", {}, progressBar(p.iteration || 0, p.iterations || 0), ` ${p.iteration || 0} / ${p.iterations || "?"}`),
         el("td", { text: fmt(p.train_loss) }), el("td", { text: pct(p.test_acc) }));
     });
     box.append(table(["provider", "state", "progress", "train loss", "test accuracy"], rows));
     const curve = task.curve || { iteration: [], series: [] };
-    const holder = el("div", { class: "charts" });
-    box.append(holder);
-    const names = curve.series.map((s) => s.provider);
-    keep.add(`acc-${task.id}`); keep.add(`loss-${task.id}`);
-    lineChart(`acc-${task.id}`, holder, "test accuracy", "iteration", names, curve.iteration, curve.series.map((s) => s.test_acc));
-    lineChart(`loss-${task.id}`, holder, "train loss", "iteration", names, curve.iteration, curve.series.map((s) => s.train_loss));
+    if (curve.iteration.length) {
+      const holder = el("div", { class: "charts" });
+      box.append(holder);
+      const names = curve.series.map((s) => s.provider);
+      keep.add(`acc-${task.id}`); keep.add(`loss-${task.id}`);
+      lineChart(`acc-${task.id}`, holder, "test accuracy", "iteration", names, curve.iteration,
+        curve.series.map((s) => s.test_acc), { yFormat: pctAxis, yLegend: pct2 });
+      lineChart(`loss-${task.id}`, holder, "train loss", "iteration", names, curve.iteration,
+        curve.series.map((s) => s.train_loss));
+    }
     if (task.faults && task.faults.length) {
       box.append(el("ul", { class: "faults" }, ...task.faults.map((f) => el("li", { text: `${when(f.at)} ${f.text}` }))));
     }
@@ -159,29 +258,49 @@ function renderRun(run, main, keep, prefix) {
   const holder = el("div", { class: "charts" });
   section.append(holder);
   keep.add(`${prefix}acc`); keep.add(`${prefix}loss`);
-  const accNames = ["mean", "mean - std", "mean + std"], e = run.eval;
-  const lo = e.acc_mean.map((m, i) => m - e.acc_std[i]), hi = e.acc_mean.map((m, i) => m + e.acc_std[i]);
-  const accColumns = [e.acc_mean, lo, hi];
-  if (e.attackers_acc) { accNames.push("bad nodes"); accColumns.push(e.attackers_acc); }
-  lineChart(`${prefix}acc`, holder, "test accuracy (honest nodes)", "iteration", accNames, e.iteration, accColumns);
+  // the mean is drawn last (on top), its std as a light band between thin dashed lines
+  const e = run.eval, mean = PALETTE[0];
+  const lo = e.acc_mean.map((m, i) => (m === null ? null : m - (e.acc_std[i] || 0)));
+  const hi = e.acc_mean.map((m, i) => (m === null ? null : m + (e.acc_std[i] || 0)));
+  const accSeries = [{ label: "mean - std", stroke: STD_STROKE, width: 1, dash: [4, 3] },
+    { label: "mean + std", stroke: STD_STROKE, width: 1, dash: [4, 3] }];
+  const accColumns = [lo, hi];
+  if (e.attackers_acc) { accSeries.push({ label: "bad nodes", stroke: PALETTE[3] }); accColumns.push(e.attackers_acc); }
+  accSeries.push({ label: "mean", stroke: mean, width: 2.5 });
+  accColumns.push(e.acc_mean);
+  chart(`${prefix}acc`, holder, "test accuracy (honest nodes)", "iteration", accSeries, e.iteration, accColumns,
+    { bands: [{ series: [2, 1], fill: STD_BAND }], yFormat: pctAxis, yLegend: pct2 });
   lineChart(`${prefix}loss`, holder, "loss", "iteration", ["train (mean)"], run.train.iteration, [run.train.loss]);
-  section.append(el("h3", { text: "Iteration time (median over nodes, latest iteration)" }), splitBar(run.phases || {}), phaseLegend());
+  const modelled = run.clock === "modelled" ? ", modelled by the batched engine's cost model" : "";
+  section.append(el("h3", { text: `Iteration time (mean over nodes and iterations so far${modelled})` }),
+    el("div", { class: "iteration-time" }, splitBar(run.phases || {}, true), phaseLegend(run.phases || {})));
   if (run.nodes) {
     const rows = run.nodes.map((n) => el("tr", { "data-rank": n.rank },
       el("td", { text: n.rank + (n.bad ? ` (${n.bad})` : "") }), el("td", { text: n.iteration }),
       el("td", { text: pct(n.test_acc) }), el("td", { text: fmt(n.test_loss) }), el("td", { text: fmt(n.train_loss) }),
-      el("td", {}, splitBar(n.phases || {})), el("td", { text: bytes(n.bytes_sent) }),
+      el("td", {}, splitBar(n.phases || {}), " ", totalTime(n.phases || {})), el("td", { text: bytes(n.bytes_sent) }),
       el("td", { text: n.timeouts }), el("td", { text: n.chunks_missing })));
     section.append(el("h3", { text: "Nodes" }),
-      table(["node", "iteration", "test acc", "test loss", "train loss", "time split", "sent", "timeouts", "lost chunks"], rows, { class: "nodes" }));
+      table(["node", "iteration", "test acc", "test loss", "train loss", "time split (per iteration)", "sent",
+        "timeouts", "lost chunks"], rows, { class: "nodes" }));
   }
   if (run.distribution) {
     const d = run.distribution;
     section.append(el("h3", { text: `Test accuracy across ${d.count} nodes` }),
       table(["min", "10%", "median", "90%", "max"], [el("tr", {}, ...d.quantiles.map((q) => el("td", { text: pct(q) })))], { class: "distribution" }));
     keep.add(`${prefix}hist`);
-    const centres = d.histogram.edges.slice(0, -1).map((edge, i) => (edge + d.histogram.edges[i + 1]) / 2);
-    lineChart(`${prefix}hist`, section, "nodes per accuracy bin", "test accuracy", ["nodes"], centres, [d.histogram.counts]);
+    const histogram = el("div", { class: "charts" });
+    section.append(histogram);
+    // a bar per bin, centred on it; the x range spans the bins' edges (bins move as the run goes)
+    const edges = d.histogram.edges;
+    const centres = edges.slice(0, -1).map((edge, i) => (edge + edges[i + 1]) / 2);
+    const half = (u) => (u.data[0].length > 1 ? (u.data[0][1] - u.data[0][0]) / 2 : 0.005);
+    chart(`${prefix}hist`, histogram, "nodes per accuracy bin", "test accuracy",
+      [{ label: "nodes", stroke: PALETTE[0], fill: BAR_FILL, bars: true }], centres, [d.histogram.counts],
+      { xFormat: pctAxis, yFormat: (v) => fmt(v, 0),
+        xRange: (u) => (u.data[0].length ? [u.data[0][0] - half(u), u.data[0][u.data[0].length - 1] + half(u)]
+          : [0, 1]),
+        xLegend: (v, u) => `${pctAxis(v - half(u))} to ${pctAxis(v + half(u))}` });
   }
   main.append(section);
 }
@@ -208,6 +327,7 @@ function render(state) {
   else if (state.kind === "error") fresh.append(el("p", { class: "faults", text: `the service could not say its state: ${state.message}` }));
   else fresh.append(el("p", { class: "muted", text: `unknown view ${state.kind}` }));
   dropStaleCharts(keep);
+  fitCharts();
   window.scrollTo(0, scrolled);
 }
 
