@@ -351,8 +351,7 @@ class Requester:
                 raise TaskFailed(f"task {self.task_id} ended without a result: "
                                  + "; ".join(f"{p['id']} {s['state']}" + (f" ({s['error']})" if s.get("error") else "")
                                              for p, s in states))
-            line = "  ".join(f"{p['id']}: {s['state']} {s['progress'].get('iteration', 0)}/"
-                             f"{s['progress'].get('iterations', '?')}" for p, s in states)
+            line = "  ".join(f"{p['id']}: {s['state']}" + _count(s["progress"]) for p, s in states)
             if line != last_line:
                 self.say(f"task {self.task_id}: {line}")
                 last_line = line
@@ -465,6 +464,12 @@ def results_of_task(task_id: str, bootstrap: str, secret: bytes, output: Path) -
     if metrics is None:
         raise TaskFailed(f"no provider of task {task_id} holds its result (yet)")
     return metrics
+
+
+def _count(progress: dict) -> str:
+    """`` 7/10`` once a provider knows how many iterations its part has; nothing before."""
+    total = progress.get("iterations")
+    return f" {progress.get('iteration', 0)}/{total}" if total else ""
 
 
 def summary_line(metrics: dict) -> str:
