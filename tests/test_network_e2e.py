@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
+import socket
 
 import pytest
 import torch
@@ -42,6 +44,33 @@ def test_a_request_waits_for_a_provider_that_joins_later_and_says_what_it_waits_
         assert sorted(metrics["providers"]) == ["late", "p0"]
         assert "only 1 provider(s)" not in procs.log("req")
     finally:
+        procs.stop_all()
+
+
+def test_a_provider_that_cannot_take_the_task_is_replaced_by_a_fresh_claim_and_the_task_completes(tmp_path):
+    procs = Processes(tmp_path)
+    try:
+        bootstrap, ids = start_network(procs, 3)
+        frozen = procs.procs["p1"]
+        os.killpg(frozen.pid, signal.SIGSTOP)  # registered and free, but it will never answer task.assign
+        request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"),
+                              *TASK, "--epochs", "2", "--providers", "3", "--wait", "0")
+        procs.wait_for("req", r"task \w+: 3 provider\(s\)")
+        procs.start("spare", "provider", "--bootstrap", bootstrap, "--id", "spare", "--workdir", str(tmp_path / "spare"))
+        assert request.wait(timeout=180) == 0, procs.log("req")
+        out = procs.log("req")
+        assert "provider p1 refused the task or did not answer" in out and "in place of p1: spare" in out, out
+        metrics = json.loads((tmp_path / "req" / "metrics.json").read_text())
+        assert sorted(metrics["providers"]) == ["p0", "p2", "spare"], metrics["providers"]
+        assert metrics["replaced"] == {"p1": "spare"} and "p1" in metrics["left_out"]
+        assert metrics["accuracy"] > 0.5
+        record = call(bootstrap, "task", {"task": metrics["task"]}, SECRET.encode(), timeout=10,
+                      keys=requester_keys()).body
+        assert sorted(p["id"] for p in record["providers"]) == ["p0", "p2", "spare"]  # p1 may no longer act on it
+    finally:
+        for proc in procs.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGCONT)
         procs.stop_all()
 
 
@@ -129,6 +158,18 @@ def test_data_the_providers_already_hold_is_not_sent(network):
     metrics = json.loads((procs.folder / "req-local" / "metrics.json").read_text())
     assert sum(c["samples"] for c in metrics["providers"].values()) == len(load_dataset("digits").train_y)
     assert score_result(procs.folder / "req-local") == pytest.approx(metrics["accuracy"], abs=1e-9)
+
+
+def test_a_requester_whose_port_is_taken_serves_its_data_on_another(network):
+    procs, bootstrap, _ = network
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out = _request(procs, "req-port", bootstrap, *TASK, "--epochs", "1", "--providers", "3",
+                             "--host", "0.0.0.0", "--port", str(port))
+    assert code == 0, out
+    assert re.search(rf"port {port} is in use: serving the task's data on \d+ instead", out), out
 
 
 def test_a_requester_supplied_weights_file_is_where_training_starts(network, tmp_path):

@@ -25,6 +25,7 @@ from meshlearn.network.identity import (
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
 from meshlearn.network.relay import Relay
 from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.task import MAX_TASK_PEERS
 from meshlearn.network.taskboard import TaskBoard
 from meshlearn.settings import Settings
 from meshlearn.sparselog import SparseLog
@@ -92,6 +93,7 @@ class Bootstrap:
             "leave": self._leave,
             "discover": self._discover,
             "claim": self._claim,
+            "claim.replace": self._claim_replace,
             "release": self._release,
             "task": self._task,
             "probe": self._probe,
@@ -270,6 +272,25 @@ class Bootstrap:
             raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
         log.info("task %s claimed by %s (key %s): %s", task_id, req.sender[:128], self._caller_key(req),
                  ", ".join(p.id for p in taken))
+        return {"providers": [p.public() for p in taken]}
+
+    def _claim_replace(self, req: Envelope) -> dict:
+        """The claiming requester drops providers that could not take its task (before it started)
+        and claims others in their place, with the claim's own filters."""
+        record = self._claimed_by_caller(req)
+        b = req.body
+        drop = field_of(b, "drop", list, max_len=MAX_TASK_PEERS)
+        exclude = field_of(b, "exclude", list, [], max_len=4 * MAX_TASK_PEERS)
+        count = field_of(b, "count", int, min_value=0)
+        members = {p["id"] for p in record["providers"]}
+        if not all(isinstance(p, str) and p in members for p in drop):
+            raise BadMessage("drop must list providers of this task")
+        if not all(isinstance(p, str) and len(p) <= 64 for p in exclude) or count > MAX_TASK_PEERS:
+            raise BadMessage(f"exclude must list provider ids, count be at most {MAX_TASK_PEERS}")
+        taken = self.registry.replace(record["id"], drop, count, field_of(b, "device", str, "any"),
+                                      field_of(b, "location", (str, type(None)), None), exclude)
+        log.info("task %s: %s dropped before the start; in their place: %s", record["id"], ", ".join(drop),
+                 ", ".join(p.id for p in taken) or "none free")
         return {"providers": [p.public() for p in taken]}
 
     def _release(self, req: Envelope) -> dict:

@@ -21,7 +21,6 @@ from meshlearn.errors import (
     KeyMismatch,
     KeyRefused,
     NetworkError,
-    PortInUseError,
     UserInputError,
 )
 from meshlearn.network.addresses import announced_host
@@ -161,12 +160,8 @@ class Provider:
         self.device, warning = detect_device(s.device)
         if warning:
             log.warning(warning)
-        try:
-            self.server.bind()
-        except PortInUseError:
-            wanted = self.server.port
-            self.server.port = 0
-            self.server.bind()
+        wanted = self.server.bind_any()
+        if wanted:
             log.warning("port %d is in use: listening on %d instead", wanted, self.server.port)
         self.server.start()
         self.public_host = announced_host(s.host, s.advertise, s.bootstrap)

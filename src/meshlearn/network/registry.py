@@ -242,6 +242,34 @@ class Registry:
             return taken
         return self._run(take)
 
+    def replace(self, task_id: str, drop: list[str], count: int, device: str = "any", location: str | None = None,
+                exclude: list[str] = ()) -> list[ProviderInfo]:
+        """Take ``drop`` out of a running task (each set ``lost``: claimed again only once its next
+        heartbeat says it lives) and, in the same transaction, claim up to ``count`` free providers
+        in their place, never one of ``exclude`` (the task's earlier drops); the task's record then
+        lists its providers as they are now (so a dropped one may no longer act on it)."""
+        def swap(db):
+            row = db.execute("SELECT providers, status FROM tasks WHERE id=?", (task_id,)).fetchone()
+            if row is None or row[1] != "running":
+                return []
+            for provider_id in drop:
+                db.execute("UPDATE providers SET status='lost', task=NULL WHERE id=? AND task=?", (provider_id, task_id))
+            rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
+            skip = set(drop) | set(exclude)
+            free = [ProviderInfo(*r) for r in rows if r[0] not in skip and (not location or r[5] == location)]
+            free.sort(key=lambda p: _preference(p, device))
+            taken = free[:count]
+            for p in taken:
+                db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
+                           (task_id, self.clock.time(), p.id))
+                p.status, p.task = "busy", task_id
+            members = [m for m in json.loads(row[0]) if m["id"] not in skip]
+            members += [{"id": p.id, "address": p.pinned_address} for p in taken]
+            db.execute("UPDATE tasks SET providers=? WHERE id=?", (json.dumps(members), task_id))
+            self._note(db, "replaced", task_id, f"{', '.join(drop)} by " + (", ".join(p.id for p in taken) or "none"))
+            return taken
+        return self._run(swap)
+
     def release(self, task_id: str, status: str = "done", lost: list[str] = ()) -> None:
         """Free the providers of a task and record how it ended. Those the task lost are set
         ``lost``: never claimed until their next heartbeat says they live (a dead one expires),

@@ -73,6 +73,8 @@ class Requester:
         self._result_in = False  # the task's result is fetched: a provider that goes now has left, not been lost
         self.revoked: set[str] = set()  # providers whose keys the bootstrap revoked (never asked for a result)
         self.left_out: dict[str, str] = {}  # providers that could not take the task, and why
+        self.replaced: dict[str, str] = {}  # a provider left out -> the one claimed in its place
+        self._admitted: set[str] = set()  # the keys the data server answers: the task's providers, the bootstrap
         self._engines: dict[str, str] = {}  # engine address of each ready provider, by index
         self.clock = clock
         scalars = ScalarLog(run_folder(tensorboard, f"task-{self.task_id}")) if tensorboard else None
@@ -112,9 +114,12 @@ class Requester:
     def _serve(self, share: FileShare, claimed: list[dict], cleanup: contextlib.ExitStack) -> str:
         """Serve ``share`` (files added later are served too) to the claimed providers and the
         bootstrap (its dial-back) only; returns the pinned address providers fetch from."""
-        allowed = {split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]}
+        self._admitted.update({split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]})
         server = RpcServer("requester", self.host, self.port, self.secret, share.handlers(), keys=self.keys,
-                           admit=lambda key: key in allowed)
+                           admit=lambda key: key in self._admitted)
+        wanted = server.bind_any()
+        if wanted:
+            self.say(f"port {wanted} is in use: serving the task's data on {server.port} instead")
         server.start()
         cleanup.callback(server.stop)
         return pinned(self._reached_at(server.port, cleanup), self.keys.public if self.keys else None)
@@ -122,8 +127,9 @@ class Requester:
     def _start_on(self, claimed: list[dict], share: FileShare, address: str, dataset: Dataset | None,
                   share_dir: Path) -> TaskSpec:
         """Start the task on the claimed providers. One that refuses it, cannot be reached or
-        cannot prepare it is left out: the others are told to drop this attempt, and the task
-        starts again on them (new shards), as long as one is left. Returns the spec that started."""
+        cannot prepare it is left out and, where a free provider matches, replaced by a fresh
+        claim (added to ``claimed``): the others are told to drop this attempt, and the task starts
+        again (new shards), as long as one is left. Returns the spec that started."""
         plan, attempt = list(claimed), 0
         while True:
             attempt += 1
@@ -134,11 +140,11 @@ class Requester:
             self.left_out.update(refused)
             for pid, why in refused.items():
                 self.say(f"task {self.task_id}: provider {pid} {why}")
-            plan = [p for p in plan if p["id"] not in refused]
+            plan = [p for p in plan if p["id"] not in refused] + self._replace(list(refused), claimed)
             if not plan:
                 raise TaskFailed(f"task {self.task_id}: no provider could take it: "
                                  + "; ".join(f"{pid} {why}" for pid, why in self.left_out.items()))
-            self.say(f"task {self.task_id}: starting again on the other {len(plan)} provider(s): "
+            self.say(f"task {self.task_id}: starting again on {len(plan)} provider(s): "
                      + ", ".join(p["id"] for p in plan))
             self._drop_attempt(spec, plan)
         self._write_config(spec)
@@ -149,6 +155,24 @@ class Requester:
                 self._lose(peer["id"], f"did not take the start ({exc})")
         self.say(f"task {self.task_id}: started on {len(spec.peers)} provider(s)")
         return spec
+
+    def _replace(self, drop: list[str], claimed: list[dict]) -> list[dict]:
+        """Give ``drop`` back to the bootstrap and claim as many free providers in their place
+        (never one left out before); returns those claimed, also added to ``claimed``."""
+        req = self.request
+        try:
+            fresh = self._ask_bootstrap("claim.replace", {
+                "task": self.task_id, "drop": drop, "count": len(drop), "device": req.device,
+                "location": req.location, "exclude": sorted(self.left_out)})["providers"]
+        except (TaskFailed, UserInputError) as exc:  # the task goes on with those it has
+            self.say(f"task {self.task_id}: no provider in their place ({exc})")
+            return []
+        self.replaced.update(zip(drop, (p["id"] for p in fresh)))
+        self._admitted.update(split_pinned(p["address"])[1] for p in fresh)
+        claimed.extend(fresh)
+        self.say(f"task {self.task_id}: in place of {', '.join(drop)}: "
+                 + (", ".join(p["id"] for p in fresh) or "no free provider"))
+        return fresh
 
     def _spec(self, plan: list[dict], share: FileShare, address: str, dataset: Dataset | None,
               folder: Path) -> TaskSpec:
@@ -398,8 +422,10 @@ class Requester:
         return self.revoked
 
     def _extra(self) -> dict:
-        """What the requester adds to the result's metrics: providers left out before the start."""
-        return {"left_out": dict(self.left_out)} if self.left_out else {}
+        """What the requester adds to the result's metrics: providers left out before the start,
+        and those claimed in their place."""
+        return {**({"left_out": dict(self.left_out)} if self.left_out else {}),
+                **({"replaced": dict(self.replaced)} if self.replaced else {})}
 
     def _release(self, status: str, lost: set[str] = frozenset()) -> None:
         try:

@@ -121,6 +121,17 @@ class RpcServer:
         address = f"{host}:{self.port}"
         return address if self.keys is None else f"{address}@{self.keys.text}"
 
+    def bind_any(self) -> int | None:
+        """Bind the asked port or, where it is in use, a free one (as the CloudMesh report asks);
+        returns the asked port when it had to take another, else None."""
+        try:
+            self.bind()
+            return None
+        except PortInUseError:
+            wanted, self.port = self.port, 0
+            self.bind()
+            return wanted
+
     def start(self) -> None:
         """Serve in a background thread (binding first if needed)."""
         if self._socket is None:
