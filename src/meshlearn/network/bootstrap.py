@@ -32,6 +32,7 @@ from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
+MAX_CANDIDATES = 1024  # provider ids a claim may list in its preferred order
 PROBE_TIMEOUT = 3.0  # seconds the bootstrap waits when it dials a participant back
 
 
@@ -265,9 +266,12 @@ class Bootstrap:
     def _claim(self, req: Envelope) -> dict:
         b = req.body
         task_id = field_of(b, "task", str, max_len=64)
+        order = field_of(b, "order", list, [], max_len=MAX_CANDIDATES)
+        if not all(isinstance(p, str) and len(p) <= 64 for p in order):
+            raise BadMessage("order must list provider ids")
         taken = self.registry.claim(task_id, req.sender[:128], field_of(b, "count", int, min_value=1),
                                     field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None),
-                                    requester_key=self._caller_key(req))
+                                    requester_key=self._caller_key(req), order=order)
         if not taken:
             raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
         log.info("task %s claimed by %s (key %s): %s", task_id, req.sender[:128], self._caller_key(req),

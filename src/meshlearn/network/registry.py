@@ -220,13 +220,15 @@ class Registry:
         return chosen[:count]
 
     def claim(self, task_id: str, requester: str, count: int, device: str = "any",
-              location: str | None = None, requester_key: str = "") -> list[ProviderInfo]:
+              location: str | None = None, requester_key: str = "", order: list[str] = ()) -> list[ProviderInfo]:
         """Atomically mark up to ``count`` free providers busy with ``task_id`` and record the task,
-        bound to ``requester_key`` (the key that claimed it: the only one that may act on it)."""
+        bound to ``requester_key`` (the key that claimed it: the only one that may act on it).
+        ``order``: provider ids the requester prefers, first first (say, by round-trip time)."""
+        rank = {provider_id: i for i, provider_id in enumerate(order)}
         def take(db):
             rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
             free = [ProviderInfo(*r) for r in rows if not location or r[5] == location]
-            free.sort(key=lambda p: _preference(p, device))
+            free.sort(key=lambda p: (rank.get(p.id, len(rank)), _preference(p, device)))
             taken = free[:count]
             for p in taken:
                 db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",

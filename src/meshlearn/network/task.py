@@ -46,6 +46,9 @@ class TaskRequest(Settings):
     wait: float = Field(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for as many free providers as asked, "
                         "saying what it waits for; then it takes those free (at least one); 0: take them at once")
     device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
+    prefer: Literal["any", "nearest"] = Field("any", description="nearest: ping the free candidates (3 round trips "
+                                              "each, over the encrypted channel) and take those with the lowest "
+                                              "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
     location: str | None = Field(None, description="only providers declaring this location")
     algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
     aggregation: str = Field("mean", description="how models are combined, by the leader and every provider: "
