@@ -9,6 +9,7 @@ import signal
 import pytest
 import torch
 import yaml
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from helpers.netproc import SECRET, Processes, free_port, requester_keys, start_network
@@ -73,6 +74,9 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert score_result(folder) == pytest.approx(metrics["accuracy"], abs=1e-9)
     assert metrics["accuracy"] > 0.5
     assert (folder / "confusion.png").stat().st_size > 1000 and (folder / "task.yaml").exists()
+    with Image.open(folder / "predictions.png") as grid:  # the result model on a grid of test images
+        assert grid.width > grid.height > 400
+    assert "predictions.png" in out.splitlines()[-1]
     assert sum(map(sum, metrics["confusion"])) == metrics["test_samples"] == len(load_dataset("digits").test_y)
     # every provider keeps a copy, and `meshlearn results` fetches it later
     task_id = re.search(r"task (\w+) done", out).group(1)
