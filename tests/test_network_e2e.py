@@ -11,6 +11,7 @@ import socket
 import pytest
 import torch
 import yaml
+from PIL import Image
 from safetensors.torch import load_file, save_file
 
 from helpers.delayproxy import DelayProxy
@@ -136,6 +137,9 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert score_result(folder) == pytest.approx(metrics["accuracy"], abs=1e-9)
     assert metrics["accuracy"] > 0.5
     assert (folder / "confusion.png").stat().st_size > 1000 and (folder / "task.yaml").exists()
+    with Image.open(folder / "predictions.png") as grid:  # the result model on a grid of test images
+        assert grid.width > grid.height > 400
+    assert "predictions.png" in out.splitlines()[-1]
     assert sum(map(sum, metrics["confusion"])) == metrics["test_samples"] == len(load_dataset("digits").test_y)
     # every provider keeps a copy, and `meshlearn results` fetches it later
     task_id = re.search(r"task (\w+) done", out).group(1)

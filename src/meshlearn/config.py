@@ -113,6 +113,9 @@ class ExperimentConfig(Settings):
                               "(seeded, the same for every node): every evaluation also reports validation loss "
                               "and accuracy, and test metrics use the rest (0 = none)")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
+    reshuffle: bool = Field(False, description="pool the dataset's train and test sets and split them again with "
+                            "the seed (same sizes, stratified by class): an experiment's seeds then also vary "
+                            "the split, and its spread shows in the report")
     host: str = Field("127.0.0.1", description="address nodes listen on")
     base_port: int = Field(0, ge=0, le=65535, description="node r listens on base_port + r (0 = any free port)")
     device: str = Field("cpu", description="torch device for training: cpu | cuda | cuda:N | mps")

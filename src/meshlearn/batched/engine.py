@@ -28,11 +28,12 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, load_dataset, partition_dataset, shard_as_test_set, split_validation
+from meshlearn.data import Dataset, partition_dataset, shard_as_test_set, split_validation
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
+from meshlearn.node.factory import load_run_dataset
 from meshlearn.optim import make_optimizer
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
@@ -137,7 +138,7 @@ class BatchedSimulation:
         collective = Collective(shard)
         if config.models_module:
             load_user_module(config.models_module)
-        dataset, validation = split_validation(load_dataset(config.dataset), config.validation, config.seed)
+        dataset, validation = split_validation(load_run_dataset(config), config.validation, config.seed)
         parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
         device = torch.device(config.device)
         torch.manual_seed(config.seed)  # every node starts from this one model, as in the process engine

@@ -73,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 # How the experiment settings' flags are grouped in --help (a setting not listed lands in the last group)
 FLAG_GROUPS = {
     "core": ["nodes", "engine", "algorithm", "topology", "peer_sampling", "iterations", "seed"],
-    "data and model": ["dataset", "partition", "validation", "model", "models_module"],
+    "data and model": ["dataset", "partition", "validation", "reshuffle", "model", "models_module"],
     "training": ["rounds", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "full_epochs", "device",
                  "threads"],
     "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate"],
@@ -117,6 +117,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
     if args is not None:
         check_live_flags(args)
+    from meshlearn.evaluation import PREDICTIONS_FIGURE
     from meshlearn.sim import format_summary, simulate
 
     if args is not None and (args.dashboard or args.tensorboard):
@@ -127,7 +128,9 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
         return {}
     summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
     print(format_summary(summary))
-    print(f"results: {result.output}  (summary.csv, accuracy.png, loss.png, topology.png, iteration_time.png, logs/)")
+    figures = "accuracy.png, loss.png, topology.png, iteration_time.png" + \
+        (f", {PREDICTIONS_FIGURE}" if (result.output / PREDICTIONS_FIGURE).is_file() else "")
+    print(f"results: {result.output}  (summary.csv, {figures}, logs/)")
     return summary
 
 

@@ -290,7 +290,8 @@ def cmd_request(args: argparse.Namespace) -> int:
                           advertise=args.advertise, keys=keys, tensorboard=args.tensorboard)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
-    print(f"results: {output}  (model.safetensors, metrics.json, confusion.png, task.yaml)")
+    figures = "confusion.png" + (", predictions.png" if (output / "predictions.png").is_file() else "")
+    print(f"results: {output}  (model.safetensors, metrics.json, {figures}, task.yaml)")
     return 0
 
 

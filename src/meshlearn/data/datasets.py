@@ -135,6 +135,39 @@ def split_validation(dataset: Dataset, fraction: float, seed: int) -> tuple[Data
     return test, Dataset(**{**dataset.__dict__, "test_x": dataset.test_x[held], "test_y": dataset.test_y[held]})
 
 
+RESHUFFLE_SALT = 0x5E5
+
+
+def reshuffled(dataset: Dataset, seed: int) -> Dataset:
+    """The dataset with its train and test sets pooled and split again, seeded by ``seed``: the same
+    sizes, each class giving the test set its share of the pool (stratified, largest remainders
+    first), samples kept in pool order on each side. The same seed gives the same split; the
+    channel statistics stay those of the stored training set. A dataset whose training samples have
+    writers (LEAF) is refused: its test samples have none."""
+    if dataset.train_groups is not None:
+        raise DatasetError(f"dataset {dataset.name}: reshuffle would mix test samples, which have no writer, into "
+                           "the training set of a dataset split by writer (LEAF): leave reshuffle off")
+    stored = len(dataset.train_y)
+    labels = torch.cat([dataset.train_y, dataset.test_y]).numpy()
+    tests = len(dataset.test_y)
+    order = np.random.default_rng([seed, RESHUFFLE_SALT]).permutation(len(labels))
+    counts = np.bincount(labels, minlength=dataset.num_classes)
+    share = counts * tests / max(1, len(labels))
+    quota = np.floor(share).astype(np.int64)
+    quota[np.argsort(-(share - quota), kind="stable")[:tests - int(quota.sum())]] += 1
+    shuffled = labels[order]
+    test = np.sort(np.concatenate([order[shuffled == c][:quota[c]] for c in range(len(counts))]))
+    train = np.setdiff1d(np.arange(len(labels)), test)  # sorted
+
+    def take(x: torch.Tensor, y: torch.Tensor, side: np.ndarray, other_x: torch.Tensor, other_y: torch.Tensor):
+        own, rest = torch.from_numpy(side[side < stored]), torch.from_numpy(side[side >= stored] - stored)
+        return torch.cat([x[own], other_x[rest]]), torch.cat([y[own], other_y[rest]])
+
+    train_x, train_y = take(dataset.train_x, dataset.train_y, train, dataset.test_x, dataset.test_y)
+    test_x, test_y = take(dataset.train_x, dataset.train_y, test, dataset.test_x, dataset.test_y)
+    return Dataset(**{**dataset.__dict__, "train_x": train_x, "train_y": train_y, "test_x": test_x, "test_y": test_y})
+
+
 def test_samples(dataset: Dataset, limit: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The test samples (images, labels) an evaluation limited to ``limit`` samples uses (0 = all):
     evenly spaced over the whole test set, so a test set stored class by class (ImageFolder trees,
@@ -542,10 +575,16 @@ def load_imagefolder(path: str | Path) -> Dataset:
 _CACHE: dict[str, Dataset] = {}
 
 
-def load_dataset(spec: str) -> Dataset:
-    """The dataset a spec names (see ``data.specs``), loaded once per process."""
+def load_dataset(spec: str, reshuffle: int | None = None) -> Dataset:
+    """The dataset a spec names (see ``data.specs``), loaded once per process; with ``reshuffle``,
+    its train and test sets pooled and split again with that seed (``reshuffled``)."""
     kind, path = parse_spec(spec)
     key = f"{kind}:{path.resolve()}" if path else kind
+    if reshuffle is not None:
+        shuffled = f"{key}|reshuffle:{reshuffle}"
+        if shuffled not in _CACHE:
+            _CACHE[shuffled] = reshuffled(load_dataset(spec), reshuffle)
+        return _CACHE[shuffled]
     if key in _CACHE:
         return _CACHE[key]
     if kind in DATASETS:

@@ -26,7 +26,7 @@ from meshlearn.network.addresses import announced_host
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
 from meshlearn.network.relay import hold_allocation
-from meshlearn.network.results import write_results
+from meshlearn.network.results import plot_predictions, write_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import (
     WEIGHTS_FILE,
@@ -112,6 +112,8 @@ class Requester:
                 self._release("failed")
                 self.watch.finish(None)
                 raise
+        if dataset is not None:  # the providers are done: drawing the result's predictions holds none of them up
+            plot_predictions(self.output, dataset, req.model, req.eval_samples, f"task {self.task_id}")
         self.watch.finish(metrics)
         self._release("done", lost=set(metrics.get("lost", [])) | set(self.left_out))
         return metrics

@@ -1,15 +1,23 @@
-"""A task's result on disk: the model (safetensors), its metrics (JSON), the task's settings (YAML)
-and the confusion matrix (PNG)."""
+"""A task's result on disk: the model (safetensors), its metrics (JSON), the task's settings (YAML),
+the confusion matrix (PNG) and, for image data, the result model's predictions on test images (PNG)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
+from meshlearn.errors import MeshlearnError
 from meshlearn.plots import pyplot
+
+if TYPE_CHECKING:
+    from meshlearn.data import Dataset
+
+log = logging.getLogger(__name__)
 
 MODEL_FILE = "model.safetensors"
 METRICS_FILE = "metrics.json"
@@ -74,3 +82,24 @@ def plot_confusion(confusion: list[list[int]], class_names: list[str], path: Pat
     fig = confusion_figure(confusion, class_names, title or path.parent.resolve().name)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def plot_predictions(folder: Path, dataset: Dataset, model_name: str, limit: int = 0, title: str = "") -> bool:
+    """Save predictions.png beside the result in ``folder``: the result model (``model_name`` built
+    for ``dataset``, its weights from model.safetensors) on the test images an evaluation limited
+    to ``limit`` samples shows (``evaluation.shown_samples``). False, writing nothing, for data that
+    is not images, or a model that does not load (logged: the task's result stands without it)."""
+    from meshlearn.evaluation import PREDICTIONS_FIGURE, is_image, shown_predictions, write_predictions
+    from meshlearn.models import build_model, load_weights
+
+    if not is_image(dataset):
+        return False
+    try:
+        model = build_model(model_name, dataset.input_shape, dataset.num_classes)
+        load_weights(model, str(folder / MODEL_FILE))
+    except MeshlearnError as exc:
+        log.warning("no %s: %s", PREDICTIONS_FIGURE, exc)
+        return False
+    title = f"{title or folder.resolve().name}: the result model"
+    return write_predictions(folder / PREDICTIONS_FIGURE, dataset, shown_predictions(model, dataset, limit=limit),
+                             title, limit)

@@ -8,7 +8,7 @@ import torch
 
 from meshlearn.algorithms import algorithm_class
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import load_dataset, partition_dataset
+from meshlearn.data import Dataset, load_dataset, partition_dataset
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -56,6 +56,12 @@ def make_transport(
                         seal=seal)
 
 
+def load_run_dataset(config: ExperimentConfig) -> Dataset:
+    """The dataset a run trains and tests on, as every engine and the report load it: ``config.dataset``,
+    with ``reshuffle`` its train and test sets pooled and split again with the run's seed."""
+    return load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None)
+
+
 def build_node(
     config: ExperimentConfig,
     rank: int,
@@ -71,7 +77,7 @@ def build_node(
     """
     if config.models_module:
         load_user_module(config.models_module)
-    dataset = load_dataset(config.dataset)
+    dataset = load_run_dataset(config)
     parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)

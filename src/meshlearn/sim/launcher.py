@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import load_dataset, loader_modules, partition_dataset
+from meshlearn.data import loader_modules, partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
@@ -81,7 +81,9 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     graph = check_before_start(config)
     check_device(config.device)
     say(f"loading dataset {config.dataset}")
-    dataset = load_dataset(config.dataset)
+    from meshlearn.node import load_run_dataset
+
+    dataset = load_run_dataset(config)
     partition_dataset(dataset, config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
     check_optimizer(config)

@@ -261,7 +261,8 @@ def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_a
 
 
 def write_report(output: Path) -> dict[str, Any]:
-    """Write summary.csv, summary.json, accuracy.png and loss.png into a run folder."""
+    """Write summary.csv, summary.json and the figures (accuracy.png, loss.png, topology.png,
+    iteration_time.png, and predictions.png for image data) into a run folder."""
     output = Path(output)
     logs = load_logs(output)
     rows = evaluation_table(logs)
@@ -280,7 +281,49 @@ def write_report(output: Path) -> dict[str, Any]:
         _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis)
     _save(topology_figure(output, summary, title), output / TOPOLOGY_FIGURE)
     _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled"), output / TIME_FIGURE)
+    write_run_predictions(output, summary, title)
     return summary
+
+
+def median_node(summary: dict[str, Any]) -> tuple[int, dict[str, Any], int] | None:
+    """The honest node whose final accuracy is the median of those that kept their shown predictions
+    (the lower one of an even count, the lower rank among equals), its final metrics, and how many
+    nodes it is the median of."""
+    attackers = set(summary.get("attackers", {}))
+    nodes = sorted((node["metrics"]["accuracy"], int(rank), node["metrics"])
+                   for rank, node in summary["per_node"].items()
+                   if node.get("metrics") and node["metrics"].get("shown") and rank not in attackers)
+    if not nodes:
+        return None
+    _, rank, metrics = nodes[(len(nodes) - 1) // 2]
+    return rank, metrics, len(nodes)
+
+
+def write_run_predictions(output: Path, summary: dict[str, Any], title: str) -> bool:
+    """predictions.png: the test images every final evaluation predicted (``evaluation.shown_samples``),
+    labelled by the final model of the node with the median accuracy (``median_node``). False,
+    writing nothing, for a dataset that is not images, a run whose nodes kept no predictions, or a
+    dataset this process cannot load again (a report of a folder copied elsewhere)."""
+    from meshlearn.config import ExperimentConfig
+    from meshlearn.data import split_validation
+    from meshlearn.evaluation import PREDICTIONS_FIGURE, write_predictions
+    from meshlearn.node import load_run_dataset
+    from meshlearn.plugins import load_user_module
+
+    chosen = median_node(summary)
+    if chosen is None:
+        return False
+    rank, metrics, count = chosen
+    try:
+        config = ExperimentConfig(**run_config(output))
+        if config.models_module:
+            load_user_module(config.models_module)
+        dataset, _ = split_validation(load_run_dataset(config), config.validation, config.seed)
+    except (MeshlearnError, ValueError):
+        return False
+    return write_predictions(output / PREDICTIONS_FIGURE, dataset, metrics["shown"],
+                             f"{title}: node {rank}'s final model (the median accuracy of {count} nodes, "
+                             f"{metrics['accuracy']:.3f})", config.eval_samples)
 
 
 TOPOLOGY_FIGURE = "topology.png"
