@@ -7,11 +7,17 @@ time alone. Everything runs on this machine, each role in its own process over l
 
     python benchmarks/cloudmesh.py [--data ../shared/datasets/cifar10-jpeg.tar.gz] [--model simplecnn]
         [--epochs 10] [--batch-size 16] [--lr 0.01] [--momentum 0] [--providers 4] [--device cpu|cuda]
-        [--threads-per-provider 1] [--variants epoch:0.01 100:0.04 50:0.04:dpsgd]
+        [--threads-per-provider 1] [--variants epoch:0.01 100:0.04 50:0.04:dpsgd] [--fedavg-fraction 1]
 
 Each variant is one network run, AGGREGATE_EVERY:LR[:ALGORITHM] (batches or `epoch`, the
 providers' learning rate, leader by default); all run after the single-process baseline, in one
-invocation.
+invocation. ALGORITHM: leader (asynchronous), leader-sync (the synchronous leader, the CloudMesh
+report's code: every cycle waits for every provider), fedavg (the synchronous leader weighing by
+samples, taking --fedavg-fraction of the providers' models each cycle), dpsgd or gossip. By
+default the four of them, side by side:
+
+    python benchmarks/cloudmesh.py --data digits --model mlp --epochs 5 --lr 0.05 --providers 4 \
+        --variants 10:0.05 10:0.05:leader-sync 10:0.05:fedavg 10:0.05:dpsgd
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from meshlearn.node import evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SECRET = "benchmark-secret"
+ALGORITHM_FLAGS = {"leader-sync": ["--algorithm", "leader", "--leader-sync", "true"]}  # else --algorithm NAME
 
 
 def single_process(args) -> dict:
@@ -95,7 +102,8 @@ def network(args, folder: Path, aggregate_every: str, lr: float, algorithm: str)
             [sys.executable, "-m", "meshlearn", "request", "--bootstrap", f"127.0.0.1:{port}", "--data", args.data,
              "--model", args.model, "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
              "--lr", str(lr), "--providers", str(args.providers), "--aggregate-every", aggregate_every,
-             "--momentum", str(args.momentum), "--algorithm", algorithm, "--seed", str(args.seed),
+             "--momentum", str(args.momentum), *ALGORITHM_FLAGS.get(algorithm, ["--algorithm", algorithm]),
+             "--fedavg-fraction", str(args.fedavg_fraction), "--seed", str(args.seed),
              "--output", str(folder / "result")],
             env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
@@ -120,8 +128,11 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum of both runs")
     parser.add_argument("--providers", type=int, default=4)
-    parser.add_argument("--variants", nargs="+", default=["epoch:0.01"],
-                        help="network runs as AGGREGATE_EVERY:LR (default epoch:0.01)")
+    parser.add_argument("--variants", nargs="+",
+                        default=["epoch:0.01", "epoch:0.01:leader-sync", "epoch:0.01:fedavg", "epoch:0.01:dpsgd"],
+                        help="network runs as AGGREGATE_EVERY:LR[:ALGORITHM] (default: each of leader, leader-sync, "
+                        "fedavg and dpsgd at epoch:0.01)")
+    parser.add_argument("--fedavg-fraction", type=float, default=1.0, help="fedavg's share of models per cycle")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads-per-provider", type=int, default=1)
     parser.add_argument("--baseline-threads", type=int, default=os.cpu_count() or 1)

@@ -88,6 +88,10 @@ class Algorithm(ABC):
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""
 
+    def task_report(self) -> dict:
+        """What this algorithm adds to a network task's result (``metrics.json``): none by default."""
+        return {}
+
     def exclude(self, rank: int) -> None:
         """Go on without ``rank`` for good (a network task's provider whose key was revoked: it
         may run on): its messages are dropped, nothing is sent to it, nobody waits for it. Safe

@@ -17,6 +17,12 @@ cycle: a push that did not open on the way is refused at once and sent again (sh
 a little later each time it is refused again), a push whose answer is slow is sent again every
 peer timeout while the leader lives (the push or its answer may have been lost), and a copy of a
 cycle the leader already has counts once. A ping refused on the way still shows the leader alive.
+
+Synchronous (``LeaderSettings.sync``, the CloudMesh report's code): the leader answers a cycle once
+every living member pushed it, all with one aggregate (``LeaderState``); with ``fraction`` below 1
+that aggregate takes the models of a seeded share of the members each cycle (``fedavg.participants``):
+FedAvg, whose server is the leader and fails over as the leader does. A new leader starts its book
+empty: the members push their cycle to it again, and it answers once every living member did.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
 from meshlearn.algorithms.election import Election
+from meshlearn.algorithms.fedavg import participants
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.algorithms.settings import LeaderSettings
 from meshlearn.errors import WireError
@@ -48,7 +55,7 @@ PING_TIMEOUT = 3.0
 
 @register_algorithm
 class Leader(Algorithm):
-    """Asynchronous leader aggregation with fail-over (see the module docstring)."""
+    """Leader aggregation with fail-over, asynchronous or synchronous (see the module docstring)."""
 
     name = "leader"
     endpoint = HubEndpoint
@@ -146,8 +153,21 @@ class Leader(Algorithm):
             if self.state is None:
                 alive = [m for m in self.election.members if not self.election.is_dead(m)]
                 self.state = LeaderState(alive, self.ctx.rank, self.timeout, first, self.settings.weighting,
-                                         rule=self.rule, watch=self.watch)
+                                         rule=self.rule, watch=self.watch, sync=self.settings.sync,
+                                         drawn=self._drawn if self.settings.fraction < 1 else None)
             return self.state
+
+    def _drawn(self, cycle: int) -> list[int]:
+        """The members whose models make synchronous ``cycle``'s aggregate (every member draws the same)."""
+        members = self.election.members
+        return [members[i] for i in participants(self.ctx.seed, cycle, len(members), self.settings.fraction)]
+
+    def task_report(self) -> dict:
+        """Synchronous: how many models each cycle's aggregate took, of the cycles this member led."""
+        book = self.state
+        if book is None or not book.sync:
+            return {}
+        return {"cycle_models": {str(cycle): count for cycle, count in sorted(book.rounds.items())}}
 
     # --- calls to other members (from the training and the watcher thread) ----------------------
 
@@ -192,18 +212,20 @@ class Leader(Algorithm):
         if not book.submit(sender, vector, samples, final, copy=False, cycle=cycle,
                            loss=meta_number(request.meta, "loss", None)):
             raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
-        return self._answer(book) if book.can_answer(sender) else None
+        return self._answer(book.answer_for(sender)) if book.can_answer(sender) else None
 
     def release(self, held: list[int]) -> dict[int, Answer]:
         book = self.state
         ready = book.answerable(held) if book is not None else []
         if not ready:
             return {}
-        answer = self._answer(book)
+        if book.sync:  # each its cycle's aggregate (the same one, made once, for every member of a cycle)
+            return {sender: self._answer(book.answer_for(sender)) for sender in ready}
+        answer = self._answer(book.aggregate())
         return {sender: answer for sender in ready}
 
-    def _answer(self, book: LeaderState) -> Answer:
-        return Answer(self.ctx.flat.segments_of(book.aggregate()), {"status": "ok"})
+    def _answer(self, aggregate: torch.Tensor) -> Answer:
+        return Answer(self.ctx.flat.segments_of(aggregate), {"status": "ok"})
 
 
 def _push_fields(meta: dict) -> tuple[int, bool, int] | None:

@@ -15,6 +15,14 @@ again is the member sending it again (its first copy, or the answer, may have be
 way) and changes nothing but the member's last sign of life; an older cycle than the member's
 latest is refused (and counted in ``watch``).
 
+Synchronous (``sync``, the CloudMesh report's code): a push of cycle c is answered once every
+member not lost has pushed cycle c (or a later one, or its final model), and every member of the
+cycle gets the same aggregate, made once, of the members' cycle-c models (with ``drawn``, of
+those drawn for the cycle: FedAvg's fraction). A member lost (silent for the peer timeout) is no
+longer waited for; staleness means nothing there (every model is of the same cycle), so the
+staleness weighting weighs by samples. ``rounds`` records how many models each cycle's aggregate
+took.
+
 Nothing here blocks except ``wait``, which only the leader's own training thread calls: pushes
 from other members are recorded by the serving thread of the leader's endpoint, and the ones that
 must wait are held there, not parked in threads.
@@ -27,11 +35,17 @@ import math
 import statistics
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Callable, Collection, Literal
 
 import torch
 
-from meshlearn.aggregation import AggregationRule, by_samples, by_staleness, equal, get_rule
+from meshlearn.aggregation import (
+    AggregationRule,
+    by_samples,
+    by_staleness,
+    equal,
+    get_rule,
+)
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
 
@@ -39,6 +53,7 @@ log = logging.getLogger(__name__)
 Weighting = Literal["staleness", "samples", "equal"]
 DIVERGED_FACTOR = 10.0  # a final model whose last steps' loss is this many times the median's ...
 DIVERGED_MARGIN = 0.1  # ... plus this is left out of the final aggregate
+KEPT_ROUNDS = 2  # sync: the aggregates of this many latest cycles are kept (a lost answer's push comes again)
 
 
 @dataclass
@@ -61,8 +76,13 @@ class LeaderState:
 
     def __init__(self, members: list[int], me: int, peer_timeout: float, first_barrier: bool,
                  weighting: Weighting = "staleness", rule: str | AggregationRule = "mean", clock: Clock = SYSTEM,
-                 watch: PeerWatch | None = None):
+                 watch: PeerWatch | None = None, sync: bool = False,
+                 drawn: Callable[[int], Collection[int]] | None = None):
         self.me = me
+        self.sync = sync
+        self.drawn = drawn  # sync: the members whose models make a cycle's aggregate (None: every one)
+        self.rounds: dict[int, int] = {}  # sync: cycle -> the models its aggregate took
+        self._round_answers: dict[int, torch.Tensor] = {}
         self.peer_timeout = peer_timeout
         self.weighting = weighting
         self.rule = get_rule(rule) if isinstance(rule, str) else rule
@@ -127,7 +147,8 @@ class LeaderState:
 
     def can_answer(self, member: int) -> bool:
         """Whether ``member``'s latest push may have its answer now: not while the first cycle
-        waits for everyone, and a final push not before every member is final or lost."""
+        waits for everyone (sync: not before every living member pushed its cycle), and a final
+        push not before every member is final or lost."""
         with self._cond:
             return self._can_answer(member)
 
@@ -142,12 +163,18 @@ class LeaderState:
         with self._cond:
             while not self._can_answer(member):
                 self._cond.wait(timeout=poll)
-            return self._aggregate()
+            return self._answer_for(member)
 
     def aggregate(self) -> torch.Tensor:
         """The aggregate of the latest models of every member not lost."""
         with self._cond:
             return self._aggregate()
+
+    def answer_for(self, member: int) -> torch.Tensor:
+        """What ``member``'s answerable push is answered with: the aggregate (sync: its cycle's, the
+        same for every member of the cycle)."""
+        with self._cond:
+            return self._answer_for(member)
 
     def all_final(self) -> bool:
         """Whether every member has pushed its final model or is lost."""
@@ -192,6 +219,10 @@ class LeaderState:
         contribution = self.contributions.get(member)
         if contribution is not None and contribution.waiting_final:
             return all(c.finished or c.lost for c in self.contributions.values())
+        if self.sync and contribution is not None:
+            cycle = contribution.cycle
+            return cycle in self._round_answers or all(
+                c.lost or c.finished or c.cycle >= cycle for c in self.contributions.values())
         if self._first_open:
             everyone_in = all(i in self.latest or c.lost for i, c in self.contributions.items())
             if not everyone_in and self.clock.monotonic() < self._started + self.peer_timeout:
@@ -199,13 +230,24 @@ class LeaderState:
             self._first_open = False
         return True
 
+    def _answer_for(self, member: int) -> torch.Tensor:
+        contribution = self.contributions.get(member)
+        if not self.sync or contribution is None or contribution.waiting_final:
+            return self._aggregate()
+        cycle = contribution.cycle
+        if cycle not in self._round_answers:
+            self._round_answers[cycle] = self._aggregate(cycle)
+            for old in sorted(self._round_answers)[:-KEPT_ROUNDS]:
+                del self._round_answers[old]
+        return self._round_answers[cycle]
+
     def _behind(self, member: int, count: int) -> float:
         """How many rounds of pushes ``member``'s latest model is behind. A finished member's final
         model is its last word and never grows stale: a straggler that trains on after the others
         finished is pulled to their models, not left to train alone (and the final aggregate,
         every member finished, weighs by samples)."""
         contribution = self.contributions[member]
-        return 0.0 if contribution.finished else (self.pushes - contribution.stored_at) / count
+        return 0.0 if contribution.finished or self.sync else (self.pushes - contribution.stored_at) / count
 
     def _diverged(self, members: list[int]) -> list[int]:
         """The members whose final model diverged in its last local steps: their loss is not finite,
@@ -226,12 +268,19 @@ class LeaderState:
                         ", ".join(f"{losses[i]:.3g}" for i in diverged), statistics.median(finite))
         return diverged if 2 * len(diverged) < len(members) else []
 
-    def _aggregate(self) -> torch.Tensor:
+    def _aggregate(self, cycle: int | None = None) -> torch.Tensor:
+        """The aggregate of the latest models of the members not lost (``cycle``: a synchronous
+        cycle's, of those drawn for it where any of them gave a model, recorded in ``rounds``)."""
         self._sweep()
         members = sorted((i for i in self.latest if not self.contributions[i].lost), key=lambda i: (i != self.me, i))
         if all(c.finished or c.lost for c in self.contributions.values()):  # the final aggregate
             left_out = self._diverged(members)
             members = [i for i in members if i not in left_out]
+        elif cycle is not None and self.drawn is not None:
+            drawn = set(self.drawn(cycle))
+            members = [i for i in members if i in drawn] or members  # none of them: everyone's
+        if cycle is not None:
+            self.rounds[cycle] = len(members)
         samples = [self.contributions[i].samples for i in members]
         if self.weighting == "staleness":
             behind = [self._behind(i, len(members)) for i in members]

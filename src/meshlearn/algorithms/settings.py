@@ -39,15 +39,24 @@ class GossipSettings(Settings):
 
 
 class LeaderSettings(Settings):
-    """Leader aggregation's settings (flat names: ``leader_first_barrier``, ``leader_weighting``)."""
+    """Leader aggregation's settings (flat names: ``leader_first_barrier``, ``leader_weighting``,
+    ``leader_sync``, ``leader_fraction``)."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {"first_barrier": "leader_first_barrier", "weighting": "leader_weighting"}
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"first_barrier": "leader_first_barrier", "weighting": "leader_weighting",
+                                            "sync": "leader_sync", "fraction": "leader_fraction"}
 
     first_barrier: bool = Field(True, description="the first cycle waits (up to the peer timeout) for every "
                                                   "member, so that all start from one model")
     weighting: Literal["staleness", "samples", "equal"] = Field(
         "staleness", description="how much each member's latest model counts: samples / (1 + cycles behind) "
         "(staleness), samples, or equal")
+    sync: bool = Field(False, description="synchronous cycles (the CloudMesh report's code): the leader answers a "
+                       "cycle once every living member pushed it (a member silent for the peer timeout is lost and "
+                       "no longer waited for), every member with the same aggregate; false: each push is answered "
+                       "at once with the latest models")
+    fraction: float = Field(1.0, gt=0, le=1, description="with sync: the share of the members whose models make each "
+                            "cycle's aggregate, drawn from the seed per cycle (FedAvg's; the others are still waited "
+                            "for and answered)")
 
 
 class FedAvgSettings(Settings):

@@ -7,6 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
+from meshlearn.algorithms.settings import FedAvgSettings, LeaderSettings
 from meshlearn.cli.flags import add_flags, given
 from meshlearn.errors import UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
@@ -18,7 +19,10 @@ from meshlearn.tblog import require_tensorboard
 # The request flags; their defaults live in TaskRequest. epochs and batch size are read as
 # numbers, so that a value the rules correct (2.6 epochs) is corrected with a warning.
 REQUEST_FLAGS = [name for name in TaskRequest.model_fields
-                 if name not in ("data", "data_on_providers", "gossip", "leader", "warnings")]
+                 if name not in ("data", "data_on_providers", "gossip", "leader", "fedavg", "warnings")]
+# The request's flags of the algorithms' sections, by their flat names (--leader-sync): flat -> (section, field)
+SECTION_FLAGS = {flat: (section, name) for section, cls in (("leader", LeaderSettings), ("fedavg", FedAvgSettings))
+                 for flat, name in cls.flat_names().items()}
 REQUEST_TYPES = {"epochs": float, "batch_size": float}
 PROVIDER_FLAGS = {"ram_gb": "ram", "provider_id": "id"}  # field -> flag, where they differ
 
@@ -250,6 +254,9 @@ def _request_values(args: argparse.Namespace) -> dict:
 
     values = read_config_file(args.config) if args.config else {}
     values.update(given(args, REQUEST_FLAGS))
+    for flat, value in given(args, SECTION_FLAGS).items():
+        section, name = SECTION_FLAGS[flat]
+        values[section] = {**(values.get(section) or {}), name: value}
     values["data"] = args.data or values.get("data")
     if args.data_on_providers:
         values["data_on_providers"] = args.data_on_providers
@@ -355,6 +362,8 @@ def add_network_commands(sub) -> None:
                      "(each provider's train loss and test accuracy as they come, the result) under DIR/task-ID "
                      "(default: none)")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
+    sections = {"leader": LeaderSettings, "fedavg": FedAvgSettings}
+    add_flags(req, [(flat, sections[section].model_fields[name]) for flat, (section, name) in SECTION_FLAGS.items()])
     _secret_flags(req)
     req.set_defaults(func=cmd_request)
 

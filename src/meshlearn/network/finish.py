@@ -196,6 +196,7 @@ class Finisher:
             "aggregation": spec.aggregation,
             # under a rule that is not robust one bad model spreads: the peers refused are no attribution
             "suspected" if book.rule.robust else "refused_from": self._suspected(book),
+            **node.algorithm.task_report(),  # a synchronous leader's models per cycle
         }
         model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items()})
         for i in range(len(self.ids)):  # copies first: a provider told "done" then has its copy

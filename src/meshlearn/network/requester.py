@@ -202,7 +202,8 @@ class Requester:
             partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
             peer_timeout=req.peer_timeout,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
-            weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader)
+            weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
+            fedavg=req.fedavg)
 
     # ---- steps -----------------------------------------------------------------------------
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
-from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
+from meshlearn.algorithms.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
 from meshlearn.settings import MAX_SEED, Settings
@@ -50,7 +50,9 @@ class TaskRequest(Settings):
                                               "each, over the encrypted channel) and take those with the lowest "
                                               "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
     location: str | None = Field(None, description="only providers declaring this location")
-    algorithm: Literal["leader", "dpsgd", "gossip"] = Field("leader", description="how providers combine models")
+    algorithm: Literal["leader", "dpsgd", "gossip", "fedavg"] = Field(
+        "leader", description="how providers combine models: leader (asynchronous; --leader-sync true: "
+        "synchronous cycles), dpsgd, gossip, or fedavg (the synchronous leader, with --fedavg-fraction)")
     aggregation: str = Field("mean", description="how models are combined, by the leader and every provider: "
                              + RULE_HELP)
     aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
@@ -65,6 +67,7 @@ class TaskRequest(Settings):
                                                   "(default: a fresh model from the seed)")
     gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
+    fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
@@ -193,7 +196,7 @@ class TaskSpec(Settings):
     batch_size: int = Field(ge=1)
     lr: float = Field(gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
-    algorithm: Literal["leader", "dpsgd", "gossip"]
+    algorithm: Literal["leader", "dpsgd", "gossip", "fedavg"]
     aggregation: str = Field("mean", max_length=64)  # a rule's name: looked up among the registered ones
     aggregate_every: int | Literal["epoch"]
     seed: int = Field(ge=0, le=MAX_SEED)
@@ -208,6 +211,7 @@ class TaskSpec(Settings):
     requester: str = Field("", max_length=256)
     gossip: GossipSettings = GossipSettings()
     leader: LeaderSettings = LeaderSettings()
+    fedavg: FedAvgSettings = FedAvgSettings()
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
 
@@ -234,15 +238,26 @@ class TaskSpec(Settings):
     def experiment_config(self, samples: int, host: str, device: str, max_message_mb: float) -> ExperimentConfig:
         """The engine's configuration for one provider's part: the task's algorithm over a full
         graph of the task's providers (local training when there is only one), with the peer
-        timeout as every deadline's base."""
+        timeout as every deadline's base. FedAvg runs as the synchronous leader (``engine_algorithm``)."""
         rounds, iterations = self.schedule(samples)
         alone = len(self.peers) == 1  # one provider has no one to exchange with
+        algorithm, leader = self.engine_algorithm()
         return ExperimentConfig(
-            nodes=max(2, len(self.peers)), algorithm="local" if alone else self.algorithm, topology="full",
+            nodes=max(2, len(self.peers)), algorithm="local" if alone else algorithm, topology="full",
             rounds=rounds,
             iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
             test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,
             eval_nodes=0 if self.eval_every else 1, host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            gossip=self.gossip, leader=self.leader, aggregation=self.aggregation)
+            gossip=self.gossip, leader=leader, aggregation=self.aggregation)
+
+    def engine_algorithm(self) -> tuple[str, LeaderSettings]:
+        """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
+        is the leader, synchronous, weighing by samples, its aggregate taking the fraction's members
+        each cycle: its server is the leader, so it fails over as the leader does (the engine's
+        ``fedavg``, node 0 the server for good, is the simulator's baseline)."""
+        if self.algorithm != "fedavg":
+            return self.algorithm, self.leader
+        return "leader", LeaderSettings(first_barrier=True, weighting="samples", sync=True,
+                                        fraction=self.fedavg.fraction)

@@ -8,6 +8,8 @@ staleness-weighted aggregate, except that the first cycle waits for every member
 ``wait_timeout``) and a final push waits for every member's final model. A push takes a modelled
 latency to reach the leader (none for the leader's own), and the answer one to come back. Members
 keep pinging a living leader in the process engine, so none is ever counted lost here.
+Synchronous (``leader.sync``): the book holds every push until each member pushed its cycle, as
+the process engine's does, and answers all of them with that cycle's aggregate.
 """
 
 from __future__ import annotations
@@ -15,8 +17,15 @@ from __future__ import annotations
 import torch
 
 from meshlearn.aggregation.suspects import PeerWatch
+from meshlearn.algorithms.fedavg import participants
 from meshlearn.algorithms.leaderstate import LeaderState
-from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.algorithms.base import (
+    AsyncDriver,
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    register_batched,
+)
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, PendingSteps
 from meshlearn.clock import Clock
@@ -40,7 +49,7 @@ class ModelledClock(Clock):
 
 @register_batched
 class BatchedLeader(BatchedAlgorithm):
-    """Asynchronous leader aggregation over every node of the run, in modelled time."""
+    """Leader aggregation over every node of the run, in modelled time (asynchronous or synchronous)."""
 
     name = "leader"
     asynchronous = True
@@ -61,7 +70,9 @@ class BatchedLeader(BatchedAlgorithm):
         state, clocks, nodes = ctx.stacked.state, ctx.clocks, config.nodes
         clock = ModelledClock()
         book = LeaderState(list(range(nodes)), LEADER, config.tcp.wait_timeout, self.settings.first_barrier,
-                           self.settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch)
+                           self.settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch,
+                           sync=self.settings.sync, drawn=None if self.settings.fraction == 1 else
+                           lambda cycle: participants(config.seed, cycle, nodes, self.settings.fraction))
         answers: dict[int, torch.Tensor] = {}  # the aggregate each member was answered with
         held: list[int] = []  # pushes the book may not answer yet
         iteration = [0] * nodes
@@ -79,7 +90,7 @@ class BatchedLeader(BatchedAlgorithm):
             push(now + config.rounds * float(clocks.step_seconds[rank]), DONE, rank)
 
         def answer(rank: int, now: float) -> None:
-            answers[rank] = book.aggregate().to(state.device)
+            answers[rank] = book.answer_for(rank).to(state.device)
             latency = 0.0 if rank == LEADER else float(clocks.latencies(1)[0])
             if rank != LEADER:
                 self.traffic.add_one("messages_sent", LEADER, 1)
@@ -117,7 +128,7 @@ class BatchedLeader(BatchedAlgorithm):
                 final = iteration[rank] + 1 == config.iterations
                 trained = losses[rank]  # the local steps that made this model (a final one that diverged is left out)
                 book.submit(rank, self.bad.forge_row(rank, state[rank], iteration[rank]), ctx.samples[rank], final,
-                            loss=sum(trained) / len(trained) if trained else None)
+                            cycle=iteration[rank], loss=sum(trained) / len(trained) if trained else None)
                 held.append(rank)
                 release(now)
             elif kind == BARRIER:

@@ -1,0 +1,88 @@
+"""The leader's synchronous mode (``leader_sync``): every cycle waits for every living member, and
+every member of a cycle gets one aggregate; ``leader_fraction`` makes it FedAvg's. (In the
+network: tests/test_network_sync.py.)"""
+
+import csv
+
+import pytest
+import torch
+
+from meshlearn.algorithms import LeaderState
+from meshlearn.algorithms.fedavg import participants
+from meshlearn.clock import FakeClock
+from meshlearn.config import make_config
+from meshlearn.sim import simulate
+
+
+def _state(value: float) -> torch.Tensor:
+    return torch.full((4,), value)
+
+
+def _sync_book(clock: FakeClock, members=(0, 1, 2), **kwargs) -> LeaderState:
+    return LeaderState(list(members), me=0, peer_timeout=10.0, first_barrier=True, weighting="equal", clock=clock,
+                       sync=True, **kwargs)
+
+
+def test_a_synchronous_cycle_waits_for_every_member_and_answers_all_with_one_aggregate():
+    clock = FakeClock()
+    book = _sync_book(clock)
+    for member, value in ((0, 0.0), (1, 3.0), (2, 6.0)):
+        book.submit(member, _state(value), samples=10, final=False, cycle=0)
+    assert book.answerable([0, 1, 2]) == [0, 1, 2]
+    assert torch.allclose(book.answer_for(1), _state(3.0))
+    book.submit(1, _state(100.0), samples=10, final=False, cycle=1)  # a fast member's next cycle ...
+    assert not book.can_answer(1)  # ... waits for the others' cycle 1, however long they take
+    clock.advance(5.0)
+    for member in (0, 1, 2):
+        book.touch(member)  # alive (they ping): still waited for
+    clock.advance(9.0)
+    assert not book.can_answer(1)
+    assert torch.allclose(book.answer_for(2), _state(3.0))  # a slower member's cycle 0: the same aggregate
+    book.submit(0, _state(1.0), samples=10, final=False, cycle=1)
+    assert book.answerable([0, 1]) == []
+    book.submit(2, _state(7.0), samples=10, final=False, cycle=1)
+    assert book.answerable([0, 1, 2]) == [0, 1, 2]
+    assert torch.allclose(book.answer_for(0), _state(36.0))
+    assert book.rounds == {0: 3, 1: 3}
+
+
+def test_a_lost_member_is_no_longer_waited_for():
+    clock = FakeClock()
+    book = _sync_book(clock)
+    for member in (0, 1, 2):
+        book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
+    book.submit(0, _state(2.0), samples=10, final=False, cycle=1)
+    book.submit(1, _state(4.0), samples=10, final=False, cycle=1)
+    clock.advance(9.0)
+    book.touch(1)
+    assert not book.can_answer(0)  # 2 is silent, not yet for the peer timeout
+    clock.advance(1.5)
+    assert book.answerable([0, 1]) == [0, 1]  # 2 is lost: left out of the aggregate too
+    assert torch.allclose(book.answer_for(0), _state(3.0)) and book.rounds[1] == 2
+
+
+def test_a_fraction_takes_the_drawn_members_models_each_cycle():
+    clock = FakeClock()
+    members = list(range(6))
+    drawn = {cycle: participants(5, cycle, 6, 0.5) for cycle in range(2)}
+    book = _sync_book(clock, members, drawn=lambda cycle: drawn[cycle])
+    for member in members:
+        book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
+    assert len(drawn[0]) == 3 and book.answerable(members) == members  # everyone is waited for and answered
+    assert torch.allclose(book.answer_for(4), _state(sum(drawn[0]) / 3)) and book.rounds == {0: 3}
+
+
+def test_every_node_gets_the_same_model_each_cycle_and_both_engines_agree(tmp_path):
+    """Every evaluation finds the nodes equal, and the batched engine's leader (the same book, in
+    modelled time) gives the process engine's figures, though node 2 is three times slower
+    (asynchronous, the evaluations find the nodes apart, and the engines disagree)."""
+    runs = {}
+    for engine in ("process", "batched"):
+        config = make_config({"nodes": 3, "algorithm": "leader", "dataset": "digits", "model": "mlp", "rounds": 5,
+                              "batch_size": 16, "lr": 0.05, "iterations": 10, "test_after": 5, "seed": 7,
+                              "engine": engine, "leader_sync": True, "slowdown": "2:3",
+                              "output": str(tmp_path / engine)})
+        with open(simulate(config, progress=False).output / "summary.csv") as rows:
+            runs[engine] = [(float(r["test_acc_mean"]), float(r["test_acc_std"])) for r in csv.DictReader(rows)]
+    assert all(std == 0.0 for run in runs.values() for _, std in run), runs
+    assert runs["process"] == pytest.approx(runs["batched"], abs=1e-6)

@@ -1,0 +1,78 @@
+"""Synchronous aggregation and FedAvg as network tasks (issue 34 item 7): real processes on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.netproc import Processes, start_network
+from helpers.scoring import score_result
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def network(tmp_path_factory):
+    """Three providers on loopback."""
+    processes = Processes(tmp_path_factory.mktemp("sync"))
+    try:
+        bootstrap, ids = start_network(processes, 3)
+        yield processes, bootstrap, ids
+    finally:
+        processes.stop_all()
+
+
+def _request(procs: Processes, name: str, bootstrap: str, *args: str) -> dict:
+    proc = procs.start(name, "request", "--bootstrap", bootstrap, "--output", str(procs.folder / name), *TASK, *args)
+    assert proc.wait(timeout=240) == 0, procs.log(name)
+    metrics = json.loads((procs.folder / name / "metrics.json").read_text())
+    assert score_result(procs.folder / name) == pytest.approx(metrics["accuracy"], abs=1e-9)
+    return metrics
+
+
+def test_a_synchronous_leader_task_waits_every_cycle_for_every_provider(network):
+    procs, bootstrap, ids = network
+    metrics = _request(procs, "req-sync", bootstrap, "--algorithm", "leader", "--leader-sync", "true",
+                       "--epochs", "3", "--providers", "3", "--aggregate-every", "10")
+    assert metrics["algorithm"] == "leader" and metrics["lost"] == [] and sorted(metrics["providers"]) == ids
+    # every cycle's aggregate took every provider's model (the final one is the finish's, of every final model)
+    models = metrics["cycle_models"]
+    assert list(models) == [str(c) for c in range(len(models))] and len(models) >= 6
+    assert set(models.values()) == {3}
+    assert metrics["accuracy"] > 0.5
+
+
+def test_a_fedavg_task_completes_and_learns(network):
+    procs, bootstrap, ids = network
+    metrics = _request(procs, "req-fedavg", bootstrap, "--algorithm", "fedavg", "--fedavg-fraction", "0.6",
+                       "--epochs", "3", "--providers", "3", "--aggregate-every", "10")
+    assert metrics["algorithm"] == "fedavg" and metrics["lost"] == [] and sorted(metrics["providers"]) == ids
+    models = metrics["cycle_models"]
+    assert models and set(models.values()) == {2}  # two of the three providers' models each cycle
+    assert metrics["accuracy"] > 0.5
+
+
+# about 30 s each: fedavg (the same leader, with its fraction) runs with -m slow
+@pytest.mark.parametrize("algorithm", ["leader", pytest.param("fedavg", marks=pytest.mark.slow)])
+def test_a_synchronous_task_whose_leader_is_killed_completes_under_the_next(tmp_path, algorithm):
+    procs = Processes(tmp_path)
+    try:
+        bootstrap, _ = start_network(procs, 3)
+        sync = ["--leader-sync", "true"] if algorithm == "leader" else []
+        request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
+                              "--algorithm", algorithm, *sync, "--epochs", "30", "--providers", "3",
+                              "--aggregate-every", "2", "--peer-timeout", "6")
+        total = int(procs.wait_for("req", r"p1: training \d+/(\d+)", timeout=120).group(1))
+        procs.wait_for("req", r"p1: (?:training|finishing) (\d+)/", timeout=120,
+                       accept=lambda match: int(match.group(1)) >= total // 3)
+        procs.kill("p0")
+        assert request.wait(timeout=240) == 0, procs.log("req")
+        metrics = json.loads((tmp_path / "req" / "metrics.json").read_text())
+        assert metrics["leader"] == "p1" and metrics["leaders_lost"] == ["p0"] and metrics["lost"] == ["p0"]
+        # p1 took over in the middle, from its latest aggregate: each cycle it led waited for both living providers
+        models = metrics["cycle_models"]
+        assert 0 < len(models) < total - 1 and set(models.values()) == {2}
+        assert metrics["accuracy"] > 0.5
+        assert score_result(tmp_path / "req") == pytest.approx(metrics["accuracy"], abs=1e-9)
+    finally:
+        procs.stop_all()
