@@ -32,7 +32,8 @@ def _provider(procs: Processes, bootstrap: str, pid: str, *args: str, env: dict 
 
 def test_providers_are_chosen_by_device_and_a_shortage_is_said_in_one_line(procs):
     """Two CPU providers and one declaring cuda (the test-only MESHLEARN_TEST_DEVICE): --device gpu
-    takes the cuda one only; too few of it trains on those and says so, or with --device-fallback
+    takes the cuda one only; too few of it trains on those and says so (and a batch larger than a
+    shard is said to be cut), or with --device-fallback
     takes a CPU one and names it; a device nobody has fails in one line; no device takes the most
     common one (cpu), not the GPU."""
     bootstrap, _ = start_network(procs, 2)
@@ -44,10 +45,13 @@ def test_providers_are_chosen_by_device_and_a_shortage_is_said_in_one_line(procs
     assert code == 0, out
     assert _providers(procs, "gpu") == ["zgpu"]
 
-    code, out = _request(procs, "short", bootstrap, *TASK, "--device", "cuda", "--providers", "2")
+    code, out = _request(procs, "short", bootstrap, *TASK, "--device", "cuda", "--providers", "2",
+                         "--batch-size", "1000")
     assert code == 0, out
     assert _providers(procs, "short") == ["zgpu"]
     assert "only 1 free cuda provider(s) of the 2 asked: training on those" in out
+    assert re.search(r"note: batch size 1000 is larger than the smallest of 2 shards \(71\d samples\): each "
+                     "provider's batches are cut to its shard's size", out), out
 
     code, out = _request(procs, "fallback", bootstrap, *TASK, "--device", "cuda", "--providers", "2",
                          "--device-fallback")
