@@ -189,6 +189,59 @@ def test_discovery_prefers_gpu_then_mps_then_cpu_and_filters(tmp_path):
     reg.close()
 
 
+def test_a_named_device_filters_any_takes_the_most_common_and_ram_and_cores_filter(tmp_path):
+    """docs/network.md, "Choosing providers": --device names the only device taken (gpu is cuda)
+    unless fallback lets others fill in after it; any takes the device most free providers declare
+    first (CloudMesh report 4.10.3), not the GPU; RAM and cores below the asked are never taken."""
+    reg = Registry(tmp_path / "r.sqlite").open()
+    for i, device in enumerate(["cpu", "cpu", "cpu", "cuda"]):
+        reg.register(_provider(i, device))
+    reg.register(ProviderInfo("small", "127.0.0.1:9100", 0.5, 16, "cpu", ""))
+    assert [p.id for p in reg.discover(4, device="gpu")] == ["p3"]
+    assert [p.id for p in reg.discover(2, device="mps")] == []
+    assert [p.id for p in reg.discover(3, device="cuda", fallback=True)] == ["p3", "small", "p2"]
+    assert [p.id for p in reg.discover(2)] == ["small", "p2"]  # cpu: four of five declare it; most cores first
+    assert [p.id for p in reg.discover(5, min_ram_gb=1)] == ["p2", "p1", "p0", "p3"]
+    assert [p.id for p in reg.discover(5, min_cores=4)] == ["small", "p2", "p3"]
+    taken = reg.claim("t1", "req", 3, device="cuda", min_ram_gb=1)
+    assert [p.id for p in taken] == ["p3"]
+    reg.close()
+
+
+def test_a_learning_rate_outside_the_sane_range_is_kept_with_a_warning():
+    for lr, consequence in [(100, "diverge"), (1e-8, "barely move")]:
+        request = validate_request({"data": "digits", "lr": lr})
+        assert request.lr == lr and len(request.warnings) == 1
+        assert "outside [1e-06, 10]" in request.warnings[0] and consequence in request.warnings[0]
+    assert validate_request({"data": "digits", "lr": 0.05}).warnings == []
+
+
+def test_the_memory_estimate_counts_model_optimizer_activations_and_data():
+    from meshlearn.models import build_model
+    from meshlearn.network.resources import GB, RUNTIME_BYTES, estimate_memory
+
+    model = build_model("mlp", (1, 8, 8), 10)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    plain = estimate_memory(model, (1, 8, 8), 16, 100, 50, momentum=0.0)
+    moving = estimate_memory(model, (1, 8, 8), 32, 200, 50, momentum=0.9)
+    assert plain.runtime == RUNTIME_BYTES and plain.model == 4 * params and moving.model == 5 * params
+    assert moving.activations == 2 * plain.activations > 0  # twice the batch
+    assert plain.data == (4 * 64 + 8) * 150 and moving.data == (4 * 64 + 8) * 250
+    assert plain.total == plain.runtime + plain.model + plain.activations + plain.data
+    assert plain.describe().startswith(f"about {plain.total / GB:.2f} GB (runtime 0.30")
+
+
+def test_a_provider_declaring_more_than_the_machine_has_is_refused_and_too_little_warned(tmp_path):
+    from meshlearn.network.resources import check_declared, machine_cores, machine_ram_gb
+
+    with pytest.raises(UserInputError, match="more than this machine has"):
+        check_declared(machine_ram_gb() + 1, None, tmp_path)
+    with pytest.raises(UserInputError, match="more than this machine has"):
+        check_declared(None, machine_cores() + 1, tmp_path)
+    warnings = check_declared(0.5, 1, tmp_path / "not-made-yet")
+    assert len(warnings) == 2 and "2 GB minimum for ML" in warnings[0] and "share one core" in warnings[1]
+
+
 def test_claim_race_never_gives_a_provider_twice(tmp_path):
     path = tmp_path / "r.sqlite"
     setup = Registry(path).open()

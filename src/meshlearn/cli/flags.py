@@ -48,9 +48,10 @@ def add_flags(group: argparse._ActionsContainer, fields: Iterable[tuple[str, Fie
         elif "default" not in text:
             text += " (default: none)"
         flag = (flag_names or {}).get(name, name).replace("_", "-")
+        extra = {"nargs": "?", "const": "true"} if field.annotation is bool else {}  # --flag alone: true
         group.add_argument(f"--{flag}", dest=name, type=kind, default=None, choices=choices,
                            metavar=None if choices else flag.upper().replace("-", "_"),
-                           help=text.replace("%", "%%"))
+                           help=text.replace("%", "%%"), **extra)
 
 
 def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:

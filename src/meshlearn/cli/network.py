@@ -170,6 +170,7 @@ def cmd_provider(args: argparse.Namespace) -> int:
     if settings.data_root and not Path(settings.data_root).is_dir():
         raise UserInputError(f"--data-root {settings.data_root} is not a folder")
     secret = _secret(args)
+    _check_declared(settings)
     if settings.models_module:  # a broken module is one line before the bootstrap is asked anything
         from meshlearn.plugins import load_user_module
 
@@ -193,6 +194,18 @@ def cmd_provider(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, terminated)
     provider.run()
     return 0
+
+
+def _check_declared(settings: ProviderSettings) -> None:
+    """What the provider declares, against this machine: more than it has is one line, less than
+    ML's minimum a warning (network.resources.check_declared)."""
+    from meshlearn.network.identity import state_home
+    from meshlearn.network.provider import test_device
+    from meshlearn.network.resources import check_declared
+
+    test_device()  # a bad test switch is one line too
+    for warning in check_declared(settings.ram_gb, settings.cores, Path(settings.workdir or state_home())):
+        print(f"warning: {warning}", flush=True)
 
 
 def cmd_leave(args: argparse.Namespace) -> int:

@@ -260,7 +260,8 @@ class Bootstrap:
         b = req.body
         found = self.registry.discover(
             field_of(b, "count", int, 100, min_value=1), field_of(b, "device", str, "any"),
-            field_of(b, "location", (str, type(None)), None), field_of(b, "free_only", bool, True))
+            field_of(b, "location", (str, type(None)), None), field_of(b, "free_only", bool, True),
+            **_fit_fields(b))
         return {"providers": [p.public() for p in found]}
 
     def _claim(self, req: Envelope) -> dict:
@@ -271,9 +272,10 @@ class Bootstrap:
             raise BadMessage("order must list provider ids")
         taken = self.registry.claim(task_id, req.sender[:128], field_of(b, "count", int, min_value=1),
                                     field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None),
-                                    requester_key=self._caller_key(req), order=order)
+                                    requester_key=self._caller_key(req), order=order, **_fit_fields(b))
         if not taken:
-            raise BadMessage("no free provider matches the request: wait for one or relax --device/--location")
+            raise BadMessage("no free provider matches the request: wait for one or relax --device, --location, "
+                             "--min-ram or --min-cores")
         log.info("task %s claimed by %s (key %s): %s", task_id, req.sender[:128], self._caller_key(req),
                  ", ".join(p.id for p in taken))
         return {"providers": [p.public() for p in taken]}
@@ -292,7 +294,7 @@ class Bootstrap:
         if not all(isinstance(p, str) and len(p) <= 64 for p in exclude) or count > MAX_TASK_PEERS:
             raise BadMessage(f"exclude must list provider ids, count be at most {MAX_TASK_PEERS}")
         taken = self.registry.replace(record["id"], drop, count, field_of(b, "device", str, "any"),
-                                      field_of(b, "location", (str, type(None)), None), exclude)
+                                      field_of(b, "location", (str, type(None)), None), exclude, **_fit_fields(b))
         log.info("task %s: %s dropped before the start; in their place: %s", record["id"], ", ".join(drop),
                  ", ".join(p.id for p in taken) or "none free")
         return {"providers": [p.public() for p in taken]}
@@ -387,3 +389,10 @@ def _status(value: str) -> str:
         raise BadMessage(f"status {value!r} is not free, busy or leaving")
     return value
 
+
+def _fit_fields(body: dict) -> dict:
+    """The least RAM and cores a discover or claim asks of providers, and whether other devices may
+    fill in (``registry.select``)."""
+    return {"min_ram_gb": float(field_of(body, "min_ram_gb", (int, float), 0.0, min_value=0)),
+            "min_cores": field_of(body, "min_cores", int, 0, min_value=0),
+            "fallback": field_of(body, "fallback", bool, False)}

@@ -27,6 +27,7 @@ from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
 from meshlearn.network.relay import Allocation, hold_allocation
+from meshlearn.network.resources import machine_cores, machine_ram_gb
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import TaskSpec
@@ -55,8 +56,9 @@ class ProviderSettings(Settings):
     port: int = Field(0, ge=0, le=65535, description="port to listen on (in use or 0: a free one)")
     location: str = Field("", description="where this machine is (requesters may filter on it)")
     ram_gb: float | None = Field(None, ge=0, description="GB of RAM to declare (default: detected)")
-    cores: int | None = Field(None, ge=1, description="cores to declare, and the threads a task trains with, "
-                              "shared by the task's providers on this machine (default: detected)")
+    cores: int | None = Field(None, ge=1, description="cores to declare, and torch's threads (intra- and "
+                              "inter-op) a task trains with, shared by the task's providers on this machine "
+                              "(default: detected)")
     device: str = Field("auto", description="auto | cpu | cuda | cuda:N | mps (falls back to cpu)")
     workdir: str = Field("", description="where tasks' data and results are kept (default provider-ID in "
                          "$MESHLEARN_HOME, else ~/.meshlearn)")
@@ -86,6 +88,30 @@ def test_poison() -> str:
     return poison
 
 
+def test_device() -> str:
+    """The device a provider started with ``MESHLEARN_TEST_DEVICE`` (cpu, cuda or mps) declares to
+    the bootstrap, whatever it trains on: for tests of device selection only, never set in use."""
+    device = os.environ.get("MESHLEARN_TEST_DEVICE", "").strip()
+    if device and device not in ("cpu", "cuda", "mps"):
+        raise UserInputError(f"MESHLEARN_TEST_DEVICE {device!r} is not cpu, cuda or mps")
+    return device
+
+
+def limit_threads(cores: int | None) -> None:
+    """Bound torch to the declared cores: its intra-op threads (a task narrows them further when
+    several of its providers share this machine, ``TaskRun.threads``) and its inter-op threads,
+    which can be set once per process only, before any parallel work: at the provider's start."""
+    import torch
+
+    if cores is None:
+        return
+    torch.set_num_threads(cores)
+    try:
+        torch.set_num_interop_threads(cores)
+    except RuntimeError as exc:  # set already (a provider in a test's process): keep the first
+        log.info("inter-op threads stay %d: %s", torch.get_num_interop_threads(), exc)
+
+
 def detect_device(requested: str) -> tuple[str, str | None]:
     """The device to train on and a warning if the requested one does not work here."""
     import torch
@@ -105,10 +131,8 @@ def detect_device(requested: str) -> tuple[str, str | None]:
 
 
 def detect_ram_gb() -> float:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2 ** 30
-    except (ValueError, OSError, AttributeError):
-        return 0.0
+    """This machine's physical memory in GB (0.0 if it cannot be read)."""
+    return machine_ram_gb()
 
 
 class Provider:
@@ -155,6 +179,7 @@ class Provider:
         from meshlearn.network import taskrun  # noqa: F401 - the task machinery loads now, not at the first task
 
         s = self.settings
+        limit_threads(s.cores)
         if s.models_module:
             load_user_module(s.models_module)
         self.device, warning = detect_device(s.device)
@@ -176,7 +201,7 @@ class Provider:
             print(f"provider {self.id}: stopped before it could register with {s.bootstrap}", flush=True)
             return
         listening = self.server.address + (f", reached at {self.address}" if self.address != self.server.address else "")
-        print(f"provider {self.id} listening on {listening} ({self.device}); "
+        print(f"provider {self.id} listening on {listening} ({self.declared_device}); "
               f"registered with {s.bootstrap}", flush=True)
         if ready is not None:
             ready.set()
@@ -263,8 +288,13 @@ class Provider:
     def _info(self) -> dict:
         s = self.settings
         return {"id": self.id, "address": self.address, "ram_gb": round(s.ram_gb or detect_ram_gb(), 2),
-                "cores": s.cores or os.cpu_count() or 1, "device": self.device, "location": s.location,
+                "cores": s.cores or machine_cores(), "device": self.declared_device, "location": s.location,
                 **self._doing()}
+
+    @property
+    def declared_device(self) -> str:
+        """The device this provider declares: the one it trains on (a test may declare another)."""
+        return test_device() or self.device
 
     def _doing(self) -> dict:
         status = "leaving" if self.leaving.is_set() else ("busy" if self._busy() else "free")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -212,24 +213,25 @@ class Registry:
         return [ProviderInfo(*row) for row in rows]
 
     def discover(self, count: int, device: str = "any", location: str | None = None,
-                 free_only: bool = True) -> list[ProviderInfo]:
-        """Up to ``count`` providers, preferred device first, then GPU > MPS > CPU, then most cores."""
-        chosen = [p for p in self.providers()
-                  if (not free_only or p.status == "free") and (not location or p.location == location)]
-        chosen.sort(key=lambda p: _preference(p, device))
-        return chosen[:count]
+                 free_only: bool = True, min_ram_gb: float = 0.0, min_cores: int = 0,
+                 fallback: bool = False) -> list[ProviderInfo]:
+        """Up to ``count`` providers, as ``select`` chooses them (free ones only, unless ``free_only``
+        is False)."""
+        found = [p for p in self.providers()
+                 if (not free_only or p.status == "free") and (not location or p.location == location)]
+        return select(found, count, device, min_ram_gb, min_cores, fallback)
 
     def claim(self, task_id: str, requester: str, count: int, device: str = "any",
-              location: str | None = None, requester_key: str = "", order: list[str] = ()) -> list[ProviderInfo]:
-        """Atomically mark up to ``count`` free providers busy with ``task_id`` and record the task,
-        bound to ``requester_key`` (the key that claimed it: the only one that may act on it).
-        ``order``: provider ids the requester prefers, first first (say, by round-trip time)."""
-        rank = {provider_id: i for i, provider_id in enumerate(order)}
+              location: str | None = None, requester_key: str = "", min_ram_gb: float = 0.0,
+              min_cores: int = 0, fallback: bool = False, order: list[str] = ()) -> list[ProviderInfo]:
+        """Atomically mark up to ``count`` free providers (as ``select`` chooses them) busy with
+        ``task_id`` and record the task, bound to ``requester_key`` (the key that claimed it: the
+        only one that may act on it). ``order``: the ids the requester prefers, first first (say,
+        by round-trip time)."""
         def take(db):
             rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
             free = [ProviderInfo(*r) for r in rows if not location or r[5] == location]
-            free.sort(key=lambda p: (rank.get(p.id, len(rank)), _preference(p, device)))
-            taken = free[:count]
+            taken = select(free, count, device, min_ram_gb, min_cores, fallback, order)
             for p in taken:
                 db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
                            (task_id, self.clock.time(), p.id))
@@ -245,7 +247,8 @@ class Registry:
         return self._run(take)
 
     def replace(self, task_id: str, drop: list[str], count: int, device: str = "any", location: str | None = None,
-                exclude: list[str] = ()) -> list[ProviderInfo]:
+                exclude: list[str] = (), min_ram_gb: float = 0.0, min_cores: int = 0,
+                fallback: bool = False) -> list[ProviderInfo]:
         """Take ``drop`` out of a running task (each set ``lost``: claimed again only once its next
         heartbeat says it lives) and, in the same transaction, claim up to ``count`` free providers
         in their place, never one of ``exclude`` (the task's earlier drops); the task's record then
@@ -259,8 +262,7 @@ class Registry:
             rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
             skip = set(drop) | set(exclude)
             free = [ProviderInfo(*r) for r in rows if r[0] not in skip and (not location or r[5] == location)]
-            free.sort(key=lambda p: _preference(p, device))
-            taken = free[:count]
+            taken = select(free, count, device, min_ram_gb, min_cores, fallback)
             for p in taken:
                 db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
                            (task_id, self.clock.time(), p.id))
@@ -318,6 +320,36 @@ def _task_record(row: tuple) -> dict:
             "requester_key": row[5]}
 
 
-def _preference(p: ProviderInfo, device: str) -> tuple:
-    wanted = {"gpu": "cuda", "any": None}.get(device, device)
-    return (0 if wanted and p.device == wanted else 1, DEVICE_ORDER.get(p.device, 9), -p.cores, p.id)
+def wanted_device(device: str) -> str | None:
+    """The device a request's ``--device`` names (gpu is cuda), or None for any."""
+    return {"gpu": "cuda", "any": None}.get(device, device)
+
+
+def most_common_device(providers: list[ProviderInfo]) -> str | None:
+    """The device most of ``providers`` declare (CloudMesh report 4.10.3); a tie goes GPU > MPS > CPU."""
+    counts = Counter(p.device for p in providers)
+    if not counts:
+        return None
+    return min(counts, key=lambda d: (-counts[d], DEVICE_ORDER.get(d, 9), d))
+
+
+def select(providers: list[ProviderInfo], count: int, device: str = "any", min_ram_gb: float = 0.0,
+           min_cores: int = 0, fallback: bool = False, order: list[str] = ()) -> list[ProviderInfo]:
+    """Up to ``count`` of ``providers`` for a task, by the rules of docs/network.md ("Choosing providers"):
+
+    - none declaring less RAM than ``min_ram_gb`` or fewer cores than ``min_cores`` (report 4.18.2);
+    - a named device (cpu, cuda or gpu, mps): only providers of it (report 4.10.1), unless
+      ``fallback``: then those first, others after;
+    - ``any``: the device most of them declare first (report 4.10.3), others after;
+    - then, within each of those groups, the requester's ``order`` (``--prefer nearest``: by
+      round-trip time; report 4.3), then GPU > MPS > CPU, most cores, most RAM, id.
+    """
+    rank = {provider_id: i for i, provider_id in enumerate(order)}
+    fit = [p for p in providers if p.ram_gb >= min_ram_gb and p.cores >= min_cores]
+    wanted = wanted_device(device)
+    if wanted is not None and not fallback:
+        fit = [p for p in fit if p.device == wanted]
+    first = wanted or most_common_device(fit)
+    fit.sort(key=lambda p: (0 if p.device == first else 1, rank.get(p.id, len(rank)), DEVICE_ORDER.get(p.device, 9),
+                            -p.cores, -p.ram_gb, p.id))
+    return fit[:count]

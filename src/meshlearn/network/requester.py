@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import tempfile
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -25,7 +26,9 @@ from meshlearn.errors import (
 from meshlearn.network.addresses import announced_host
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
+from meshlearn.network.registry import wanted_device
 from meshlearn.network.relay import hold_allocation
+from meshlearn.network.resources import MemoryEstimate, estimate_memory
 from meshlearn.network.results import plot_predictions, write_results
 from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import (
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
 ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
+ALL_PROVIDERS = 100_000  # a discover's count that lists every free provider
 NEAREST_CANDIDATES = 64  # free providers a requester preferring the nearest pings at most
 PING_SAMPLES = 3  # round trips per candidate; the lowest counts
 PING_THREADS = 16
@@ -81,6 +85,7 @@ class Requester:
         self.replaced: dict[str, str] = {}  # a provider left out -> the one claimed in its place
         self._admitted: set[str] = set()  # the keys the data server answers: the task's providers, the bootstrap
         self._engines: dict[str, str] = {}  # engine address of each ready provider, by index
+        self.estimate: MemoryEstimate | None = None  # the task's peak memory per provider (the data is here)
         self.clock = clock
         scalars = ScalarLog(run_folder(tensorboard, f"task-{self.task_id}")) if tensorboard else None
         self.watch = TaskWatch(self._tell_bootstrap, scalars, clock)  # the bootstrap's dashboard, TensorBoard
@@ -93,6 +98,8 @@ class Requester:
         dataset = self.dataset
         if dataset is None and not req.data_on_providers:
             dataset = load_dataset(dataset_spec(req.data))
+        if dataset is not None:
+            self._plan(dataset)
         claimed = self._claim()
         # cleanup unwinds after the except clause: providers are told to cancel while the share
         # still serves them, so one caught mid-download stops cleanly instead of retrying a file that is gone
@@ -166,11 +173,9 @@ class Requester:
     def _replace(self, drop: list[str], claimed: list[dict]) -> list[dict]:
         """Give ``drop`` back to the bootstrap and claim as many free providers in their place
         (never one left out before); returns those claimed, also added to ``claimed``."""
-        req = self.request
         try:
-            fresh = self._ask_bootstrap("claim.replace", {
-                "task": self.task_id, "drop": drop, "count": len(drop), "device": req.device,
-                "location": req.location, "exclude": sorted(self.left_out)})["providers"]
+            fresh = self._ask_bootstrap("claim.replace", {"task": self.task_id, "drop": drop, **self._wanted(len(drop)),
+                                                          "exclude": sorted(self.left_out)})["providers"]
         except (TaskFailed, UserInputError) as exc:  # the task goes on with those it has
             self.say(f"task {self.task_id}: no provider in their place ({exc})")
             return []
@@ -215,12 +220,96 @@ class Requester:
         except RemoteError as exc:
             raise TaskFailed(f"the bootstrap could not give providers: {exc}") from None
 
-    def _wait_for_providers(self) -> None:
-        """Wait (up to the request's ``wait``) until as many providers as asked are free, saying
-        how many are whenever that changes. Nothing is claimed meanwhile, so Ctrl-C leaves nothing
-        behind."""
+    def _plan(self, dataset: Dataset) -> None:
+        """Before any claim: the task's peak memory per provider (``estimate``), and a note when
+        the batch is larger than a shard (a provider then trains on batches of its whole shard)."""
+        from meshlearn.models import build_model
+
         req = self.request
-        wanted = {"count": req.providers, "device": req.device, "location": req.location, "free_only": True}
+        sizes = [len(part) for part in partition_dataset(dataset, req.providers, req.partition, req.seed)]
+        smallest, largest = min(sizes), max(sizes)
+        if req.batch_size > smallest:
+            self.say(f"note: batch size {req.batch_size} is larger than the smallest of {req.providers} shards "
+                     f"({smallest} samples): each provider's batches are cut to its shard's size")
+        model = build_model(req.model, dataset.input_shape, dataset.num_classes)
+        tests = len(test_samples(dataset, req.eval_samples)[1])
+        self.estimate = estimate_memory(model, tuple(dataset.input_shape), min(req.batch_size, largest), largest,
+                                        tests, req.momentum)
+
+    def _needs(self) -> tuple[float, str]:
+        """The least RAM (GB) a provider must declare for this task, and why."""
+        req = self.request
+        estimated = self.estimate.gb if self.estimate is not None else 0.0
+        if req.min_ram is not None and req.min_ram >= estimated:
+            return req.min_ram, f"--min-ram {req.min_ram:g}"
+        return estimated, f"the task needs {self.estimate.describe()} per provider" if self.estimate else ""
+
+    def _wanted(self, count: int) -> dict:
+        """A discover's or claim's body: the providers this task may use (docs/network.md, "Choosing providers")."""
+        req = self.request
+        return {"count": count, "device": req.device, "location": req.location, "min_ram_gb": self._needs()[0],
+                "min_cores": req.min_cores or 0, "fallback": req.device_fallback}
+
+    def _free(self) -> list[dict]:
+        """Every free provider (at the asked location), whatever its device, RAM and cores."""
+        return self._ask_bootstrap("discover", {"count": ALL_PROVIDERS, "location": self.request.location,
+                                                "free_only": True})["providers"]
+
+    def _refuse_too_big(self) -> None:
+        """A task whose estimated memory exceeds every free provider's declared RAM is refused (one
+        line), before any claim."""
+        free = self._free()
+        if self.estimate is None or not free or any(p["ram_gb"] >= self.estimate.gb for p in free):
+            return
+        raise UserInputError(f"the task needs {self.estimate.describe()} per provider, more than any free "
+                             f"provider declares (at most {max(p['ram_gb'] for p in free):g} GB): choose a smaller "
+                             "model or batch size, or more providers (smaller shards)")
+
+    def _say_skipped(self) -> None:
+        """Say which free providers this task skips for their RAM or cores, and fail in one line
+        when none of the asked device is free (without --device-fallback)."""
+        req = self.request
+        free = self._free()
+        need, why = self._needs()
+        low_ram = [p for p in free if p["ram_gb"] < need]
+        if low_ram:
+            self.say(f"skipped for too little RAM ({why}): "
+                     + ", ".join(f"{p['id']} ({p['ram_gb']:g} GB)" for p in low_ram))
+        few_cores = [p for p in free if p["cores"] < (req.min_cores or 0) and p not in low_ram]
+        if few_cores:
+            self.say(f"skipped for fewer cores than --min-cores {req.min_cores}: "
+                     + ", ".join(f"{p['id']} ({p['cores']})" for p in few_cores))
+        wanted = wanted_device(req.device)
+        fit = [p for p in free if p not in low_ram and p not in few_cores]
+        if wanted and fit and not req.device_fallback and not any(p["device"] == wanted for p in fit):
+            others = Counter(p["device"] for p in fit)
+            raise TaskFailed(f"no free {wanted} provider (free: " + ", ".join(f"{n} {d}" for d, n in others.items())
+                             + "): wait for one with --wait, or let others take the task with --device-fallback")
+
+    def _say_devices(self, claimed: list[dict]) -> None:
+        """One line when fewer providers of the asked device were free than asked: those taken
+        alone, or (with --device-fallback) which others were taken."""
+        req = self.request
+        wanted = wanted_device(req.device)
+        if wanted is None or len(claimed) >= req.providers and all(p["device"] == wanted for p in claimed):
+            return
+        ours = sum(p["device"] == wanted for p in claimed)
+        others = [p for p in claimed if p["device"] != wanted]
+        if others:
+            self.say(f"only {ours} free {wanted} provider(s) of the {req.providers} asked: also taking "
+                     + ", ".join(f"{p['id']} ({p['device']})" for p in others) + " (--device-fallback)")
+        else:
+            self.say(f"only {ours} free {wanted} provider(s) of the {req.providers} asked: training on those "
+                     "(--device-fallback takes other devices too)")
+
+    def _wait_for_providers(self) -> None:
+        """Wait (up to the request's ``wait``) until as many providers as asked are free (of the
+        asked device, with the RAM and cores the task needs), saying how many are whenever that
+        changes. Nothing is claimed meanwhile, so Ctrl-C leaves nothing behind."""
+        req = self.request
+        wanted = {**self._wanted(req.providers), "free_only": True}  # with --device-fallback: any device
+        device = wanted_device(req.device)
+        kind = f"free {device} provider(s)" if device else "free provider(s)"
         deadline, said = self.clock.monotonic() + req.wait, None
         while True:
             free = len(self._ask_bootstrap("discover", wanted)["providers"])
@@ -228,7 +317,7 @@ class Requester:
             if free >= req.providers or left <= 0:
                 return
             if free != said:
-                self.say(f"waiting up to {left:.0f} s for {req.providers} free provider(s): {free} now "
+                self.say(f"waiting up to {left:.0f} s for {req.providers} {kind}: {free} now "
                          "(--wait 0 takes those free at once)")
                 said = free
             self.clock.sleep(min(WAIT_POLL, left))
@@ -237,9 +326,7 @@ class Requester:
         """The free candidates' ids (up to NEAREST_CANDIDATES, with the request's filters), nearest
         first: by the lowest of a few round-trip times over the encrypted channel (a ping, a fresh
         connection each, as every task message makes); one that does not answer comes last."""
-        req = self.request
-        found = self._ask_bootstrap("discover", {"count": NEAREST_CANDIDATES, "device": req.device,
-                                                 "location": req.location, "free_only": True})["providers"]
+        found = self._ask_bootstrap("discover", {**self._wanted(NEAREST_CANDIDATES), "free_only": True})["providers"]
         with ThreadPoolExecutor(max_workers=PING_THREADS) as pool:
             times = dict(zip((p["id"] for p in found), pool.map(self._round_trip, found)))
         order = sorted(times, key=times.get)
@@ -262,14 +349,20 @@ class Requester:
 
     def _claim(self) -> list[dict]:
         req = self.request
+        self._refuse_too_big()
         if req.wait > 0:
             self._wait_for_providers()
+        self._say_skipped()
         order = self.nearest() if req.prefer == "nearest" else []
-        claimed = self._ask_bootstrap("claim", {"task": self.task_id, "count": req.providers, "device": req.device,
-                                                "location": req.location, "order": order})["providers"]
-        if len(claimed) < req.providers:
+        claimed = self._ask_bootstrap("claim", {"task": self.task_id, **self._wanted(req.providers),
+                                                "order": order})["providers"]
+        if wanted_device(req.device):
+            self._say_devices(claimed)
+        elif len(claimed) < req.providers:
             self.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those")
-        self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed))
+        devices = Counter(p["device"] for p in claimed)
+        self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed)
+                 + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")
         return claimed
 
     def _reached_at(self, port: int, cleanup: contextlib.ExitStack) -> str:

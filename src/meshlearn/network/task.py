@@ -18,6 +18,7 @@ from meshlearn.transport.settings import TcpSettings
 
 MAX_EPOCHS = 1000
 DEFAULT_LR = 0.001  # what a learning rate <= 0 becomes
+SANE_LR = (1e-6, 10.0)  # a learning rate outside this range is taken, with a warning (CloudMesh report 4.5.2)
 MAX_TASK_PEERS = 256
 MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
@@ -45,7 +46,14 @@ class TaskRequest(Settings):
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
     wait: float = Field(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for as many free providers as asked, "
                         "saying what it waits for; then it takes those free (at least one); 0: take them at once")
-    device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="preferred device")
+    device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="only providers of this device "
+                                                                "(gpu is cuda); any: the device most free providers "
+                                                                "declare, others after")
+    device_fallback: bool = Field(False, description="when too few providers of --device are free, take others "
+                                  "too, and say which")
+    min_ram: float | None = Field(None, ge=0, description="only providers declaring at least this many GB of RAM "
+                                  "(a provider declaring less than the task's estimated memory is always skipped)")
+    min_cores: int | None = Field(None, ge=1, description="only providers declaring at least this many cores")
     prefer: Literal["any", "nearest"] = Field("any", description="nearest: ping the free candidates (3 round trips "
                                               "each, over the encrypted channel) and take those with the lowest "
                                               "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
@@ -94,8 +102,9 @@ def dataset_spec(data: str) -> str:
 def validate_request(values: dict[str, Any], train_samples: int | None = None) -> TaskRequest:
     """Check and correct a request before anything starts; corrections are listed in ``warnings``.
 
-    Batch size outside [1, n] becomes the default, a learning rate <= 0 becomes 0.001, epochs are
-    rounded and clipped to 1..MAX_EPOCHS. Anything that cannot be corrected raises UserInputError.
+    Batch size outside [1, n] becomes the default, a learning rate <= 0 becomes 0.001 (one outside
+    SANE_LR is kept, with a warning), epochs are rounded and clipped to 1..MAX_EPOCHS. Anything
+    that cannot be corrected raises UserInputError.
     """
     defaults = {name: field.default for name, field in TaskRequest.model_fields.items()}
     values = {k: v for k, v in values.items() if v is not None}
@@ -129,6 +138,10 @@ def validate_request(values: dict[str, Any], train_samples: int | None = None) -
     if not lr > 0 or not math.isfinite(lr):
         warnings.append(f"learning rate {lr:g} must be more than 0: using {DEFAULT_LR}")
         lr = DEFAULT_LR
+    elif not SANE_LR[0] <= lr <= SANE_LR[1]:
+        warnings.append(f"learning rate {lr:g} is outside [{SANE_LR[0]:g}, {SANE_LR[1]:g}]: "
+                        + ("training will likely diverge (loss nan)" if lr > SANE_LR[1]
+                           else "training will barely move the model"))
     values["lr"] = lr
 
     every = values.get("aggregate_every", "epoch")
