@@ -155,7 +155,8 @@ def test_a_claimed_provider_that_cannot_take_the_task_is_left_out_and_named(proc
     finally:
         procs.procs["p2"].send_signal(signal.SIGCONT)
     out = procs.log("req")
-    assert "provider p2 refused the task or did not answer" in out and "starting again on the other 2" in out, out
+    assert "provider p2 refused the task or did not answer" in out and "in place of p2: no free provider" in out, out
+    assert "starting again on 2 provider(s): p0, p1" in out, out
     metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
     assert sorted(metrics["providers"]) == ["p0", "p1"] and list(metrics["left_out"]) == ["p2"]
     assert metrics["accuracy"] > 0.8
