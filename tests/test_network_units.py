@@ -208,6 +208,23 @@ def test_a_named_device_filters_any_takes_the_most_common_and_ram_and_cores_filt
     reg.close()
 
 
+def test_the_registry_says_which_of_a_tasks_providers_left_since_it_was_claimed(tmp_path):
+    """A provider told to leave goes once its part ends, maybe between two of the requester's
+    looks: the bootstrap's history tells the requester it left (not lost)."""
+    clock = FakeClock()
+    reg = Registry(tmp_path / "r.sqlite", clock).open()
+    for i in range(3):
+        reg.register(_provider(i))
+    reg.remove("p0")  # left before the task
+    clock.advance(1)
+    reg.claim("t1", "req", 2)
+    clock.advance(1)
+    reg.remove("p2")
+    assert reg.left_since(["p0", "p1", "p2"], reg.task("t1")["created"]) == ["p2"]
+    assert reg.left_since([], 0) == []
+    reg.close()
+
+
 def test_a_learning_rate_outside_the_sane_range_is_kept_with_a_warning():
     for lr, consequence in [(100, "diverge"), (1e-8, "barely move")]:
         request = validate_request({"data": "digits", "lr": lr})

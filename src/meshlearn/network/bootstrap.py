@@ -356,14 +356,16 @@ class Bootstrap:
 
     def _task(self, req: Envelope) -> dict:
         """A task's record, for its requester (``meshlearn results``) and its providers (who check
-        an assignment against it): its providers, the key that claimed it, and which were revoked."""
+        an assignment against it): its providers, the key that claimed it, which were revoked and
+        which left the network since it was claimed."""
         task_id = field_of(req.body, "task", str, max_len=64)
         record = self.registry.task(task_id)
         caller = self._caller_key(req)
         if record is None or (caller != record["requester_key"]
                               and caller not in {key_in(p["address"]) for p in record["providers"]}):
             raise BadMessage(f"task {task_id!r} is not one this key requested or was claimed for")
-        return {**record, "revoked": self._revoked_in(record)}
+        left = self.registry.left_since([p["id"] for p in record["providers"]], record["created"])
+        return {**record, "revoked": self._revoked_in(record), "left": left}
 
 
 def _fingerprint(key: str) -> str:

@@ -195,6 +195,17 @@ class Registry:
             return gone
         return self._run(leave)
 
+    def left_since(self, provider_ids: list[str], since: float) -> list[str]:
+        """Those of ``provider_ids`` that left the network (``meshlearn leave``, Ctrl-C) at or after
+        ``since``, by the registry's history."""
+        if not provider_ids:
+            return []
+        marks = ",".join("?" * len(provider_ids))
+        rows = self._run(lambda db: db.execute(
+            f"SELECT DISTINCT subject FROM history WHERE kind='left' AND at>=? AND subject IN ({marks})",
+            (since, *provider_ids)).fetchall())
+        return sorted(r[0] for r in rows)
+
     def expire(self, ttl: float) -> list[str]:
         """Remove providers without a heartbeat for ``ttl`` seconds; return their ids."""
         cutoff = self.clock.time() - ttl

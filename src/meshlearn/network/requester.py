@@ -476,7 +476,7 @@ class Requester:
                 # a provider told to leave goes as soon as its part ends, maybe between two looks
                 self._ended[peer["id"]] = status.get("state") in ENDED or status.get("leaving") is True
             except NetworkError:  # gone, refusing, or its connection dropped mid-handshake
-                if self._ended.get(peer["id"]) or self._result_in:
+                if self._ended.get(peer["id"]) or self._result_in or peer["id"] in self._ask_left():
                     self.left.add(peer["id"])
                     self.say(f"task {self.task_id}: provider {peer['id']} went, as it said it would (leaving), "
                              "or after the result")
@@ -534,6 +534,17 @@ class Requester:
         reply = call(self.bootstrap, "task.progress", {"task": self.task_id, **body}, self.secret, timeout=3,
                      sender=self.sender)
         self._note_revoked(reply.body.get("revoked"))
+
+    def _ask_left(self) -> list[str]:
+        """The task's providers the bootstrap saw leave the network (a provider told to leave goes
+        once its part ends, maybe between two of the requester's looks); empty if it cannot say."""
+        try:
+            left = call(self.bootstrap, "task", {"task": self.task_id}, self.secret, timeout=5,
+                        sender=self.sender).body.get("left")
+        except NetworkError as exc:
+            log.info("could not ask the bootstrap which providers left: %s", exc)
+            return []
+        return [p for p in left if isinstance(p, str)] if isinstance(left, list) else []
 
     def _ask_revoked(self) -> object:
         """The bootstrap's list of this task's revoked providers (None if it cannot say now)."""
