@@ -240,13 +240,8 @@ class Registry:
         only one that may act on it). ``order``: the ids the requester prefers, first first (say,
         by round-trip time)."""
         def take(db):
-            rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
-            free = [ProviderInfo(*r) for r in rows if not location or r[5] == location]
-            taken = select(free, count, device, min_ram_gb, min_cores, fallback, order)
-            for p in taken:
-                db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
-                           (task_id, self.clock.time(), p.id))
-                p.status, p.task = "busy", task_id
+            taken = self._take_free(db, task_id, (), location,
+                                    lambda free: select(free, count, device, min_ram_gb, min_cores, fallback, order))
             if taken:
                 db.execute("INSERT INTO tasks (id,requester,providers,created,status,requester_key) "
                            "VALUES (?,?,?,?,?,?)", (
@@ -268,16 +263,10 @@ class Registry:
             row = db.execute("SELECT providers, status FROM tasks WHERE id=?", (task_id,)).fetchone()
             if row is None or row[1] != "running":
                 return []
-            for provider_id in drop:
-                db.execute("UPDATE providers SET status='lost', task=NULL WHERE id=? AND task=?", (provider_id, task_id))
-            rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
+            _set_lost(db, task_id, drop)
             skip = set(drop) | set(exclude)
-            free = [ProviderInfo(*r) for r in rows if r[0] not in skip and (not location or r[5] == location)]
-            taken = select(free, count, device, min_ram_gb, min_cores, fallback)
-            for p in taken:
-                db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
-                           (task_id, self.clock.time(), p.id))
-                p.status, p.task = "busy", task_id
+            taken = self._take_free(db, task_id, skip, location,
+                                    lambda free: select(free, count, device, min_ram_gb, min_cores, fallback))
             members = [m for m in json.loads(row[0]) if m["id"] not in skip]
             members += [{"id": p.id, "address": p.pinned_address} for p in taken]
             db.execute("UPDATE tasks SET providers=? WHERE id=?", (json.dumps(members), task_id))
@@ -285,14 +274,24 @@ class Registry:
             return taken
         return self._run(swap)
 
+    def _take_free(self, db: sqlite3.Connection, task_id: str, skip: set[str] | tuple, location: str | None,
+                   choose) -> list[ProviderInfo]:
+        """Mark busy with ``task_id`` the free providers (at ``location``, none of ``skip``) that
+        ``choose`` picks from them, inside the caller's transaction; returns them."""
+        rows = db.execute(f"SELECT {_COLUMNS} FROM providers WHERE status='free'").fetchall()
+        taken = choose([ProviderInfo(*r) for r in rows if r[0] not in skip and (not location or r[5] == location)])
+        for p in taken:
+            db.execute("UPDATE providers SET status='busy', task=?, claimed_at=? WHERE id=?",
+                       (task_id, self.clock.time(), p.id))
+            p.status, p.task = "busy", task_id
+        return taken
+
     def release(self, task_id: str, status: str = "done", lost: list[str] = ()) -> None:
         """Free the providers of a task and record how it ended. Those the task lost are set
         ``lost``: never claimed until their next heartbeat says they live (a dead one expires),
         and still bound to their key, so nobody else can register their ids meanwhile."""
         def free(db):
-            for provider_id in lost:
-                db.execute("UPDATE providers SET status='lost', task=NULL WHERE id=? AND task=?",
-                           (provider_id, task_id))
+            _set_lost(db, task_id, lost)
             db.execute("UPDATE providers SET status='free', task=NULL WHERE task=? AND status='busy'", (task_id,))
             if db.execute("UPDATE tasks SET status=? WHERE id=?", (status, task_id)).rowcount:
                 self._note(db, "released", task_id, status + (f"; lost {', '.join(lost)}" if lost else ""))
@@ -342,6 +341,13 @@ def most_common_device(providers: list[ProviderInfo]) -> str | None:
     if not counts:
         return None
     return min(counts, key=lambda d: (-counts[d], DEVICE_ORDER.get(d, 9), d))
+
+
+def _set_lost(db: sqlite3.Connection, task_id: str, provider_ids) -> None:
+    """Set those of ``provider_ids`` still on ``task_id`` lost (claimed again only once a heartbeat
+    says they live), inside the caller's transaction."""
+    for provider_id in provider_ids:
+        db.execute("UPDATE providers SET status='lost', task=NULL WHERE id=? AND task=?", (provider_id, task_id))
 
 
 def select(providers: list[ProviderInfo], count: int, device: str = "any", min_ram_gb: float = 0.0,

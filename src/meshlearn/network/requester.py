@@ -535,25 +535,25 @@ class Requester:
                      sender=self.sender)
         self._note_revoked(reply.body.get("revoked"))
 
+    def _task_record(self) -> dict:
+        """The bootstrap's record of this task (its providers, those revoked, those that left the
+        network); empty if it cannot say now."""
+        try:
+            return call(self.bootstrap, "task", {"task": self.task_id}, self.secret, timeout=5,
+                        sender=self.sender).body
+        except NetworkError as exc:
+            log.info("could not ask the bootstrap for the task's record: %s", exc)
+            return {}
+
     def _ask_left(self) -> list[str]:
         """The task's providers the bootstrap saw leave the network (a provider told to leave goes
         once its part ends, maybe between two of the requester's looks); empty if it cannot say."""
-        try:
-            left = call(self.bootstrap, "task", {"task": self.task_id}, self.secret, timeout=5,
-                        sender=self.sender).body.get("left")
-        except NetworkError as exc:
-            log.info("could not ask the bootstrap which providers left: %s", exc)
-            return []
+        left = self._task_record().get("left")
         return [p for p in left if isinstance(p, str)] if isinstance(left, list) else []
 
     def _ask_revoked(self) -> object:
         """The bootstrap's list of this task's revoked providers (None if it cannot say now)."""
-        try:
-            return call(self.bootstrap, "task", {"task": self.task_id}, self.secret, timeout=5,
-                        sender=self.sender).body.get("revoked")
-        except NetworkError as exc:
-            log.info("could not ask the bootstrap which providers were revoked: %s", exc)
-            return None
+        return self._task_record().get("revoked")
 
     def _note_revoked(self, revoked: object) -> set[str]:
         """Remember the providers the bootstrap says were revoked (never trusted again); returns them all."""
