@@ -130,11 +130,6 @@ def detect_device(requested: str) -> tuple[str, str | None]:
         return "cpu", f"device {requested} does not work here ({str(exc).splitlines()[0]}): training on the CPU"
 
 
-def detect_ram_gb() -> float:
-    """This machine's physical memory in GB (0.0 if it cannot be read)."""
-    return machine_ram_gb()
-
-
 class Provider:
     """Registers with the bootstrap, heartbeats, runs assigned tasks and serves their results."""
 
@@ -287,7 +282,7 @@ class Provider:
 
     def _info(self) -> dict:
         s = self.settings
-        return {"id": self.id, "address": self.address, "ram_gb": round(s.ram_gb or detect_ram_gb(), 2),
+        return {"id": self.id, "address": self.address, "ram_gb": round(s.ram_gb or machine_ram_gb(), 2),
                 "cores": s.cores or machine_cores(), "device": self.declared_device, "location": s.location,
                 **self._doing()}
 

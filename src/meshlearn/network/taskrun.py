@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import shutil
 import threading
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from meshlearn.models import build_model, load_weights
 from meshlearn.network.datashare import download
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.finish import Finisher
+from meshlearn.network.resources import machine_cores
 from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
@@ -232,7 +232,7 @@ class TaskRun:
         alongside = 1 if self.ctx.relayed else sum(host(p.address) == here for p in self.spec.peers)
         if cores is None and alongside == 1:
             return None
-        return max(1, (cores or os.cpu_count() or 1) // alongside)
+        return max(1, (cores or machine_cores()) // alongside)
 
     def cancel(self, wait: float = CANCEL_WAIT) -> None:
         """Stop this task at its next data chunk or iteration (the requester gave up on it, or the
