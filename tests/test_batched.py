@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers.engines import BASE, batched_states, process_engine_states
 
 from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched import BatchedSimulation
@@ -18,35 +19,12 @@ from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
-from meshlearn.node import build_node
 from meshlearn.sgd import StackedSGD
 from meshlearn.sim import simulate
-from meshlearn.sim.inprocess import run_threads
 from meshlearn.sim.report import load_logs
 from meshlearn.topology import Graph, build_topology, mh_row
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.codec import Chunks
-
-BASE = {"nodes": 6, "topology": "regular:3", "dataset": "digits", "model": "mlp", "iterations": 5, "rounds": 2,
-        "batch_size": 16, "lr": 0.05, "test_after": 100, "seed": 3, "wait_timeout": 60}
-
-
-def _process_engine_states(values: dict) -> list[torch.Tensor]:
-    """Every node's final state from the process engine's nodes (threads of this process, real
-    ZeroMQ sockets on loopback)."""
-    config = make_config(values)
-    graph = build_topology(config.topology, config.nodes, config.seed)
-    nodes = [build_node(config, rank, graph) for rank in range(config.nodes)]
-    run_threads(nodes, timeout=120)
-    return [node.flat.state.clone() for node in nodes]
-
-
-def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
-    config = make_config({**values, "engine": "batched", "batched_vectorize": vectorize, "step_time": 0.001})
-    simulation = BatchedSimulation(config, build_topology(config.topology, config.nodes, config.seed),
-                                   tmp_path / vectorize)
-    simulation.run()
-    return simulation.stacked.state
 
 
 @pytest.mark.parametrize("algorithm,extra", [
@@ -58,12 +36,16 @@ def _batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
     ("dpsgd", {"peer_sampling": "graph"}), ("dpsgd", {"peer_sampling": "epidemic:2", "momentum": 0.9}),
     ("fedavg", {}), ("fedavg", {"fedavg_fraction": 0.5, "momentum": 0.9}),
     ("dpsgd", {"optimizer": "adam:betas=0.8 0.99", "lr": 0.01, "weight_decay": 1e-4}),
-    ("dpsgd", {"full_epochs": True, "rounds": 1, "iterations": 2})])
+    ("dpsgd", {"full_epochs": True, "rounds": 1, "iterations": 2}),
+    ("dpsgd", {"topology": "one-peer-exponential"}), ("pushsum", {"topology": "ring", "momentum": 0.9}),
+    ("pushsum", {"peer_sampling": "epidemic:2", "pushsum_step": "model"}),
+    ("pushsum", {"topology": "one-peer-exponential"}), ("tracking", {"partition": "shards:2"}),
+    ("tracking", {"peer_sampling": "graph", "momentum": 0.9})])
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
-    expected = _process_engine_states(values)
+    expected = process_engine_states(values)
     for vectorize in ("on", "off"):  # one vmap call for all nodes, and one node after another
-        states = _batched_states(values, tmp_path, vectorize)
+        states = batched_states(values, tmp_path, vectorize)
         for rank, state in enumerate(expected):
             assert torch.allclose(states[rank], state, atol=1e-5, rtol=0), (vectorize, rank)
         if algorithm == "fedavg":  # everyone ends with the server's average
@@ -93,13 +75,13 @@ def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_pat
     # A mixed-up row (another node's statistics or weights) is off by far more (asserted below).
     values = {**BASE, "nodes": 2, "topology": "ring", "model": "resnet18", "iterations": 1, "rounds": 1,
               "algorithm": "local"}
-    expected = _process_engine_states(values)
+    expected = process_engine_states(values)
     for vectorize in ("on", "off"):
-        states = _batched_states(values, tmp_path, vectorize)
+        states = batched_states(values, tmp_path, vectorize)
         for rank, state in enumerate(expected):
             assert torch.allclose(states[rank], state, atol=1e-3, rtol=0), (vectorize, rank)
         assert (states[0] - expected[1]).abs().max() > 1e-2  # the tolerance still tells the nodes apart
-    start = _batched_states({**values, "iterations": 1, "rounds": 0}, tmp_path, "on")
+    start = batched_states({**values, "iterations": 1, "rounds": 0}, tmp_path, "on")
     assert not torch.allclose(states[0][-10:], start[0][-10:])  # the statistics (last in a row) moved...
     assert not torch.allclose(states[0][-10:], states[1][-10:])  # ...differently on each node's data
 
@@ -264,8 +246,8 @@ def test_chunked_mixing_without_loss_is_plain_dpsgd_and_keeps_identical_models(r
 
 
 def test_udp_dpsgd_without_loss_equals_tcp_and_loss_is_counted(tmp_path):
-    tcp = _batched_states(BASE, tmp_path / "tcp", "on").clone()
-    udp = _batched_states({**BASE, "transport": "udp", "chunk_bytes": 4000}, tmp_path / "udp", "on")
+    tcp = batched_states(BASE, tmp_path / "tcp", "on").clone()
+    udp = batched_states({**BASE, "transport": "udp", "chunk_bytes": 4000}, tmp_path / "udp", "on")
     assert torch.allclose(tcp, udp, atol=1e-6)
     config = make_config({**BASE, "engine": "batched", "transport": "udp", "chunk_bytes": 4000, "step_time": 0.001,
                           "net": "loss=30%", "udp_timeout": 0.4, "output": str(tmp_path / "lossy")})

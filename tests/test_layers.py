@@ -9,7 +9,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
 # Higher number = higher layer. Shared modules are layer 0: any layer may use them, they use only each other.
-LAYERS = {"wire": 1, "transport": 2, "algorithms": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4, "node": 4, "batched": 4, "sim": 5,
+LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "algorithms": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4, "node": 4, "batched": 4, "sim": 5,
           "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
 SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "evaluation", "sgd", "plots", "runlog", "topology", "data", "models",
           "threads", "plugins", "tblog", "optim", "sparselog"}
@@ -80,3 +80,13 @@ def test_relative_imports_are_resolved():
     names = _imports_of("from ..base import Endpoint\nfrom . import sender\nfrom ...cli import main\n",
                         "meshlearn.transport.udp")
     assert {"meshlearn.transport.base", "meshlearn.transport.udp.sender", "meshlearn.cli.main"} <= set(names)
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "definitions").rglob("*.py")), ids=lambda p: p.name)
+def test_the_algorithm_layer_uses_no_engine_transport_or_config(path):
+    """Algorithm definitions are torch only: shared modules and each other, no sockets, engine or
+    configuration (docs/architecture.md)."""
+    for name in _imports(path):
+        other = _top(name)
+        assert other is None or other == "definitions" or other in SHARED, f"{path.name} imports {name}"
+        assert not name.startswith(("zmq", "socket")), f"{path.name} imports {name}"

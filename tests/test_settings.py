@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from meshlearn.adapter import load_gossip_config
-from meshlearn.algorithms.settings import GossipSettings, LeaderSettings
+from meshlearn.definitions.settings import GossipSettings, LeaderSettings
 from meshlearn.cli.main import _resolve, build_parser
 from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.errors import BadMessage, ConfigError

@@ -19,20 +19,29 @@ from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
-from meshlearn.algorithms.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
+from meshlearn.definitions.base import DEFINITIONS, definition, names_that
+from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
+from meshlearn.definitions.pushsum import PushSumSettings
+from meshlearn.definitions.settings import (
+    DpsgdSettings,
+    FedAvgSettings,
+    GossipSettings,
+    LeaderSettings,
+)
 from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
+from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
-    "fedavg": FedAvgSettings, "batched": BatchedSettings,
+    "fedavg": FedAvgSettings, "pushsum": PushSumSettings, "batched": BatchedSettings,
 }
 
 
@@ -67,9 +76,10 @@ class ExperimentConfig(Settings):
         "process", description="process (one OS process per node, real sockets and timing) | batched (every node "
         "in one process, trained together, time modelled: thousands of nodes)")
     topology: str = Field(DEFAULT_TOPOLOGY, description="ring | torus | star | full | regular:D | smallworld:K:P | "
-                          "erdos:P | file:PATH (a DecentralizePy graph file); when none is given, regular:3 where it "
+                          "erdos:P | one-peer-exponential (one peer per round, 1, 2, 4, ... places on) | file:PATH "
+                          "(a DecentralizePy graph file); when none is given, regular:3 where it "
                           "exists, else full (under 4 nodes) or regular:4 (an odd node count)")
-    peer_sampling: str = Field("off", description="dynamic topologies (dpsgd): " + SAMPLING_HELP)
+    peer_sampling: str = Field("off", description="dynamic topologies (dpsgd, pushsum, tracking): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | one "
                                                "registered by --models-module")
@@ -79,10 +89,11 @@ class ExperimentConfig(Settings):
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
-    algorithm: Literal["dpsgd", "gossip", "leader", "fedavg", "local"] = Field(
+    algorithm: str = Field(
         "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
         "leader aggregation, CloudMesh) | fedavg (a parameter server, node 0: the federated baseline; the "
-        "topology is not used) | local (no exchange)")
+        "topology is not used) | pushsum (Stochastic Gradient Push: directed and time-varying graphs) | tracking "
+        "(gradient tracking, DSGT: non-IID data) | local (no exchange) | one registered by --models-module")
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)
     byzantine: str = Field("", description=BYZANTINE_HELP)
@@ -128,6 +139,7 @@ class ExperimentConfig(Settings):
     gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg with a parameter server")
+    pushsum: PushSumSettings = Field(PushSumSettings(), description="push-sum (Stochastic Gradient Push)")
     batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
 
     @model_validator(mode="before")
@@ -171,16 +183,14 @@ class ExperimentConfig(Settings):
         parse_optimizer(value)
         return value.strip()
 
-    @model_validator(mode="after")
-    def _batched_can_train_it(self) -> "ExperimentConfig":
-        if self.engine == "batched" and self.algorithm in ("gossip", "leader") and self.full_epochs:
-            raise ValueError(f"full_epochs: {self.algorithm} on the batched engine counts rounds in mini-batches: use "
-                             "the process engine")
-        if self.engine == "batched" and self.algorithm in ("gossip", "leader") and \
-                parse_optimizer(self.optimizer) != ("SGD", {}):
-            raise ValueError(f"optimizer {self.optimizer} steps every node together; {self.algorithm} on the batched "
-                             "engine steps them one by one: use optimizer sgd, or the process engine")
-        return self
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, value: str, info: ValidationInfo) -> str:
+        value = value.strip()
+        if value not in DEFINITIONS and not info.data.get("models_module"):  # else checked once it has loaded
+            raise ValueError(f"unknown algorithm {value!r}: choose one of {', '.join(DEFINITIONS.names())}, or "
+                             "register your own in a --models-module file")
+        return value
 
     @field_validator("sharing")
     @classmethod
@@ -192,7 +202,9 @@ class ExperimentConfig(Settings):
         if self.sharing == "full":
             return self
         _require(f"sharing {self.sharing}", "sharing full", [
-            (self.algorithm not in ("dpsgd", "local"), f"algorithm dpsgd (not {self.algorithm})"),
+            (self.algorithm in DEFINITIONS and not accepts_sharing(definition(self.algorithm).needs, self.sharing),
+             f"algorithm {_either(names_that(lambda needs: accepts_sharing(needs, self.sharing)))} "
+             f"(not {self.algorithm})"),
             (self.transport != "tcp", "transport tcp (a lost UDP chunk would garble a share)"),
             (self.aggregation != "mean", "aggregation mean (robust rules need whole models)"),
             (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")])
@@ -210,10 +222,12 @@ class ExperimentConfig(Settings):
 
     @model_validator(mode="after")
     def _sampling_fits(self) -> "ExperimentConfig":
-        if self.peer_sampling == "off":
+        dynamic = self.dynamic()
+        if not dynamic:
             return self
-        _require(f"peer_sampling {self.peer_sampling}", "peer_sampling off", [
-            (self.algorithm != "dpsgd", f"algorithm dpsgd (not {self.algorithm})"),
+        _require(dynamic, "peer_sampling off" if self.peer_sampling != "off" else "another topology", [
+            (self.algorithm in DEFINITIONS and not definition(self.algorithm).needs.dynamic,
+             f"algorithm {_either(names_that(lambda needs: needs.dynamic))} (not {self.algorithm})"),
             (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"),
             (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full")])
         return self
@@ -247,19 +261,10 @@ class ExperimentConfig(Settings):
         return value.strip()
 
     @model_validator(mode="after")
-    def _pull_and_push_over_tcp(self) -> "ExperimentConfig":
-        if self.algorithm in ("gossip", "leader") and self.transport != "tcp":
-            raise ValueError(f"{self.algorithm} exchanges models by request and answer over TCP: use transport tcp")
-        return self
-
-    @model_validator(mode="after")
-    def _fedavg_fits(self) -> "ExperimentConfig":
-        if self.algorithm != "fedavg":
-            return self
-        _require("algorithm fedavg", "", [
-            (self.transport != "tcp", "transport tcp"), (self.aggregation != "mean", "aggregation mean"),
-            (bool(self.byzantine), "no byzantine nodes"), (self.sharing != "full", "sharing full"),
-            (self.peer_sampling != "off", "peer_sampling off")])
+    def _algorithm_fits(self) -> "ExperimentConfig":
+        problem = algorithm_refusal(self) if self.algorithm in DEFINITIONS else None  # a user's: once loaded
+        if problem:
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -280,6 +285,13 @@ class ExperimentConfig(Settings):
     def link(self) -> TcpSettings | UdpSettings:
         """The chosen transport's settings."""
         return self.udp if self.transport == "udp" else self.tcp
+
+    def dynamic(self) -> str:
+        """What makes the run's peers change every round (``peer_sampling``, a dynamic topology),
+        or "" for a static graph."""
+        if self.peer_sampling != "off":
+            return f"peer_sampling {self.peer_sampling}"
+        return f"topology {self.topology}" if self.topology == ONE_PEER_EXPONENTIAL else ""
 
     def settings_of(self, algorithm: str) -> Settings | None:
         """The settings section of ``algorithm`` (None for one without settings, such as local)."""
@@ -302,6 +314,20 @@ class ExperimentConfig(Settings):
     def to_yaml(self) -> str:
         """The resolved configuration as YAML (written next to every run's results)."""
         return yaml.safe_dump(self.model_dump(), sort_keys=False)
+
+
+def algorithm_refusal(config: ExperimentConfig) -> str | None:
+    """Why the run's algorithm, by its own declaration, cannot run with the rest of ``config``, or
+    None (the algorithm must be registered: a user's once its module has loaded)."""
+    return refusal(config.algorithm, definition(config.algorithm).needs, RunShape(
+        engine=config.engine, transport=config.transport, sharing=config.sharing, aggregation=config.aggregation,
+        byzantine=bool(config.byzantine), dynamic=config.dynamic(), full_epochs=config.full_epochs,
+        plain_sgd=parse_optimizer(config.optimizer) == ("SGD", {})))
+
+
+def _either(names: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
 def _require(what: str, otherwise: str, needs: list[tuple[bool, str]]) -> None:

@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from meshlearn.algorithms.settings import GossipSettings
+from meshlearn.definitions.settings import GossipSettings
 from meshlearn.errors import ConfigError
 from meshlearn.settings import Settings
 

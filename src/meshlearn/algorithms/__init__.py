@@ -1,5 +1,5 @@
 """Algorithms: how nodes combine their models. Each registers itself by name; their settings live
-in ``algorithms.settings`` (which does not load torch).
+in ``definitions.settings`` (which does not load torch).
 
 Names are imported on first use, so reading settings does not load the algorithms."""
 
@@ -7,9 +7,9 @@ from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     "ALGORITHMS": "base", "Algorithm": "base", "AlgorithmContext": "base", "algorithm_class": "base",
-    "make_algorithm": "base", "register_algorithm": "base", "DPSGD": "dpsgd", "Gossip": "gossip",
+    "make_algorithm": "base", "register_runtime": "base", "RoundRunner": "rounds", "DPSGD": "dpsgd", "Gossip": "gossip",
     "GossipAverager": "gossip", "Leader": "leader", "Election": "election", "LeaderState": "leaderstate",
-    "DpsgdSettings": "settings", "GossipSettings": "settings", "LeaderSettings": "settings",
+    
 }
 __all__ = sorted(_WHERE)
 

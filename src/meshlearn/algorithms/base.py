@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -11,6 +10,7 @@ import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
+from meshlearn.definitions.base import RoundAlgorithm, definition
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.plugins import Registry
@@ -20,7 +20,7 @@ from meshlearn.transport.base import Endpoint, Unconnected
 
 if TYPE_CHECKING:
     from meshlearn.attacks.forge import Attack
-    from meshlearn.topology.sampling import PeerSampler
+    from meshlearn.topology.sampling import Rounds
 
 
 @dataclass
@@ -42,7 +42,7 @@ class AlgorithmContext:
     iterations: int = 0
     rule: str = "mean"
     sharing: str = "full"
-    sampler: "PeerSampler | None" = None  # dynamic topologies: each iteration's peers
+    sampler: "Rounds | None" = None  # dynamic topologies: each iteration's peers
     attack: "Attack | None" = None
     initial: torch.Tensor | None = None
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes
@@ -120,16 +120,17 @@ class Algorithm(ABC):
         self.ctx.transport.check()
 
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm")
-BUILT_IN = ("dpsgd", "gossip", "leader", "fedavg")  # modules of meshlearn.algorithms that register algorithms
+ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm of the process engine", built_in={
+    name: f"meshlearn.algorithms.{name}" for name in ("dpsgd", "gossip", "leader", "fedavg")})
 
 
-def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator adding an algorithm to the registry under ``cls.name``."""
+def register_runtime(cls: type[Algorithm]) -> type[Algorithm]:
+    """Class decorator adding the process engine's own runtime for the algorithm ``cls.name`` (one
+    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``rounds.runner_for``)."""
     return ALGORITHMS.add(cls.name, cls)
 
 
-@register_algorithm
+@register_runtime
 class LocalOnly(Algorithm):
     """No exchange: each node trains alone (a baseline)."""
 
@@ -140,10 +141,17 @@ class LocalOnly(Algorithm):
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    """The algorithm registered under ``name`` (the built-in ones are loaded first)."""
-    for module in BUILT_IN:
-        importlib.import_module(f"meshlearn.algorithms.{module}")
-    return ALGORITHMS.get(name)
+    """The process engine's class for the algorithm registered under ``name`` (ConfigError if
+    none is): its own runtime, or the runner of a ``RoundAlgorithm``."""
+    from meshlearn.algorithms.rounds import runner_for
+
+    found = definition(name)
+    if name in ALGORITHMS:
+        return ALGORITHMS.get(name)
+    if issubclass(found, RoundAlgorithm):
+        return runner_for(found)
+    raise ConfigError(f"algorithm {name} has no runtime in the process engine: give it one, or write it as a "
+                      "RoundAlgorithm")
 
 
 def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:

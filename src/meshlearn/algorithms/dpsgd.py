@@ -16,8 +16,8 @@ from meshlearn.algorithms.averaging import (
     chunked_average_,
     weighted_average_,
 )
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
-from meshlearn.algorithms.settings import DpsgdSettings
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.definitions.settings import DpsgdSettings
 from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.topology import mh_row
 from meshlearn.transport import Transport
@@ -26,7 +26,7 @@ from meshlearn.wire import Kind, Message
 log = logging.getLogger(__name__)
 
 
-@register_algorithm
+@register_runtime
 class DPSGD(Algorithm):
     """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
 

@@ -22,8 +22,8 @@ import torch
 from meshlearn.aggregation.suspects import refusal
 from meshlearn.aggregation.weights import by_samples
 from meshlearn.algorithms.averaging import weighted_average_
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
-from meshlearn.algorithms.settings import FedAvgSettings
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.definitions.settings import FedAvgSettings
 from meshlearn.errors import ConfigError
 from meshlearn.sharing.base import share_count
 from meshlearn.transport import Transport
@@ -52,7 +52,7 @@ def sample_weights(contributors: list[int], shard_sizes: Sequence[int]) -> dict[
     return {rank: count / total for rank, count in zip(contributors, counts)}
 
 
-@register_algorithm
+@register_runtime
 class FedAvg(Algorithm):
     """Synchronous FedAvg: the drawn nodes push to node 0, which averages and answers everyone."""
 

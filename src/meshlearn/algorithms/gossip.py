@@ -38,8 +38,8 @@ import torch
 
 from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
-from meshlearn.algorithms.settings import GossipSettings
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.definitions.settings import GossipSettings
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import Message, meta_number, meta_real
@@ -244,7 +244,7 @@ def robust_target(rule: AggregationRule, own: torch.Tensor, latest: dict[int, to
     return aggregate
 
 
-@register_algorithm
+@register_runtime
 class Gossip(Algorithm):
     """Asynchronous pairwise averaging over the topology's neighbours (dpwa's scheme): an
     exchange around every local step, as dpwa's adapter does around every batch."""

@@ -34,11 +34,11 @@ import time
 
 import torch
 
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_algorithm
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.fedavg import participants
 from meshlearn.algorithms.leaderstate import LeaderState
-from meshlearn.algorithms.settings import LeaderSettings
+from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import WireError
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
@@ -53,7 +53,7 @@ MAX_REFUSED_BACKOFF = 1.0  # ... up to this
 PING_TIMEOUT = 3.0
 
 
-@register_algorithm
+@register_runtime
 class Leader(Algorithm):
     """Leader aggregation with fail-over, asynchronous or synchronous (see the module docstring)."""
 

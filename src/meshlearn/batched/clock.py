@@ -44,10 +44,15 @@ class VirtualClocks:
         self.net = config.net
         self.tcp_loss = config.net.loss if config.transport == "tcp" else 0.0
         self.wait_timeout = config.udp.timeout if config.transport == "udp" else config.tcp.wait_timeout
-        self.transfer = message_bytes * 8 / (config.batched.bandwidth_gbps * 1e9)
-        self.message_bytes = message_bytes
+        self.bandwidth_gbps = config.batched.bandwidth_gbps
+        self.resize(message_bytes)
         self.sender, self.receiver = links_sender, links_receiver
         self.rng = np.random.default_rng([config.seed, 0x71AE])  # its own stream: drawing times moves no data
+
+    def resize(self, message_bytes: int) -> None:
+        """Messages of ``message_bytes`` from now on (an algorithm that sends more than a model)."""
+        self.transfer = message_bytes * 8 / (self.bandwidth_gbps * 1e9)
+        self.message_bytes = message_bytes
 
     def train(self, rounds: int) -> np.ndarray:
         """Advance every clock by ``rounds`` local steps; returns each node's compute time."""

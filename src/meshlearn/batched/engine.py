@@ -18,7 +18,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from meshlearn.batched.algorithms import BATCHED_ALGORITHMS, BatchedAlgorithm, BatchedContext, Traffic
+from meshlearn.batched.algorithms import (
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    batched_algorithm_class,
+)
 from meshlearn.batched.batches import NodeBatches
 from meshlearn.batched.byzantine import flipped_labels
 from meshlearn.batched.clock import VirtualClocks
@@ -28,7 +33,12 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, partition_dataset, shard_as_test_set, split_validation
+from meshlearn.data import (
+    Dataset,
+    partition_dataset,
+    shard_as_test_set,
+    split_validation,
+)
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
@@ -157,7 +167,7 @@ class BatchedSimulation:
             make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed).wire_bytes()
         clocks = VirtualClocks(config, self.step_time, message_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
-        algorithm = BATCHED_ALGORITHMS.get(config.algorithm)(
+        algorithm = batched_algorithm_class(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
                            [len(part) for part in parts]), traffic)
         if algorithm.asynchronous and shard.count > 1:

@@ -77,6 +77,17 @@ class Links:
         return out.index_add_(0, self.receiver, values)
 
 
+def mixing_matrix(links: Links, weight: torch.Tensor, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The sparse matrix taking each receiver's row to ``own`` times itself plus ``weight`` times
+    each of its links' sender rows (one weight per link, one own weight per node)."""
+    diagonal = torch.arange(links.nodes, device=links.receiver.device)
+    rows = torch.cat([links.receiver, diagonal])
+    cols = torch.cat([links.sender, diagonal])
+    values = torch.cat([weight, own]).to(dtype)
+    size = (links.nodes, links.columns)
+    return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
+
+
 class MetropolisMixing:
     """``X <- W X`` with the Metropolis-Hastings matrix W of the graph, where a link whose model
     did not arrive in time gives its weight to the receiver's own model (as a process-engine
@@ -84,18 +95,12 @@ class MetropolisMixing:
 
     def __init__(self, links: Links):
         self.links = links
-        self._diagonal = torch.arange(links.nodes, device=links.receiver.device)
 
     def matrix(self, state: torch.Tensor, arrived: torch.Tensor | None = None) -> torch.Tensor:
         """The iteration's mixing matrix (sparse, the state's dtype)."""
         links = self.links
         weight = links.weight if arrived is None else links.weight * arrived.to(links.weight.dtype)
-        own = 1.0 - links.incoming(weight)
-        rows = torch.cat([links.receiver, self._diagonal])
-        cols = torch.cat([links.sender, self._diagonal])
-        values = torch.cat([weight, own]).to(state.dtype)
-        size = (links.nodes, links.columns)
-        return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
+        return mixing_matrix(links, weight, 1.0 - links.incoming(weight), state.dtype)
 
     @torch.no_grad()
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None,

@@ -83,7 +83,8 @@ FLAG_GROUPS = {
 }
 CONFIG_GROUP = " (flags override the config file)"  # the end of each experiment settings group's title
 SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
-                  "leader": "leader aggregation", "fedavg": "FedAvg", "batched": "the batched engine"}
+                  "leader": "leader aggregation", "fedavg": "FedAvg", "pushsum": "push-sum",
+                  "batched": "the batched engine"}
 
 
 def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:

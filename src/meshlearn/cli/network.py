@@ -7,7 +7,7 @@ import signal
 import threading
 from pathlib import Path
 
-from meshlearn.algorithms.settings import FedAvgSettings, LeaderSettings
+from meshlearn.definitions.settings import FedAvgSettings, LeaderSettings
 from meshlearn.cli.flags import add_flags, given
 from meshlearn.errors import UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts

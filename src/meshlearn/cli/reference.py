@@ -12,7 +12,7 @@ import re
 import sys
 
 from meshlearn.adapter.config import DPWA_NAMES
-from meshlearn.algorithms.settings import GossipSettings
+from meshlearn.definitions.settings import GossipSettings
 from meshlearn.cli.main import CONFIG_GROUP, build_parser
 from meshlearn.config import flat_fields
 

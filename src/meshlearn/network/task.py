@@ -10,8 +10,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
-from meshlearn.algorithms.settings import FedAvgSettings, GossipSettings, LeaderSettings
+from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.config import ExperimentConfig
+from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings
@@ -58,7 +59,7 @@ class TaskRequest(Settings):
                                               "each, over the encrypted channel) and take those with the lowest "
                                               "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
     location: str | None = Field(None, description="only providers declaring this location")
-    algorithm: Literal["leader", "dpsgd", "gossip", "fedavg"] = Field(
+    algorithm: str = Field(
         "leader", description="how providers combine models: leader (asynchronous; --leader-sync true: "
         "synchronous cycles), dpsgd, gossip, or fedavg (the synchronous leader, with --fedavg-fraction)")
     aggregation: str = Field("mean", description="how models are combined, by the leader and every provider: "
@@ -79,6 +80,7 @@ class TaskRequest(Settings):
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
+    _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
 
 
 def dataset_spec(data: str) -> str:
@@ -200,6 +202,16 @@ class ServedFile(Settings):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+def network_algorithm(name: str) -> str:
+    """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
+    naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
+    name = name.strip()
+    if name not in DEFINITIONS or not definition(name).needs.network:
+        raise ValueError(f"algorithm {name!r} does not run as a network task: choose one of "
+                         f"{', '.join(names_that(lambda needs: needs.network))}")
+    return name
+
+
 class TaskSpec(Settings):
     """Everything a provider needs to run its part of a task; sent as JSON, validated on arrival."""
 
@@ -209,7 +221,7 @@ class TaskSpec(Settings):
     batch_size: int = Field(ge=1)
     lr: float = Field(gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
-    algorithm: Literal["leader", "dpsgd", "gossip", "fedavg"]
+    algorithm: str = Field(max_length=64)
     aggregation: str = Field("mean", max_length=64)  # a rule's name: looked up among the registered ones
     aggregate_every: int | Literal["epoch"]
     seed: int = Field(ge=0, le=MAX_SEED)
@@ -227,6 +239,7 @@ class TaskSpec(Settings):
     fedavg: FedAvgSettings = FedAvgSettings()
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
+    _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""

@@ -18,7 +18,7 @@ from meshlearn.optim import make_optimizer
 from meshlearn.runlog import JsonlLog
 from meshlearn.sgd import local_step
 from meshlearn.topology import Graph
-from meshlearn.topology.sampling import PeerSampler
+from meshlearn.topology.sampling import dynamic_rounds
 from meshlearn.transport import Endpoint
 
 IterationHook = Callable[["Node", int, dict], None]
@@ -65,8 +65,7 @@ class Node:
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
             samples=len(self.loader.indices), shard_sizes=tuple(shard_sizes), iterations=config.iterations,
-            rule=config.aggregation, sharing=config.sharing, sampler=None if config.peer_sampling == "off" else
-            PeerSampler(config.peer_sampling, config.topology, config.nodes, config.seed),
+            rule=config.aggregation, sharing=config.sharing, sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))
         self.log = log

@@ -8,7 +8,8 @@ import random
 from meshlearn.errors import TopologyError
 from meshlearn.topology.graph import Graph
 
-SPECS = "ring, torus, star, full, regular:D, smallworld:K:P, erdos:P, file:PATH"
+SPECS = "ring, torus, star, full, regular:D, smallworld:K:P, erdos:P, one-peer-exponential, file:PATH"
+ONE_PEER_EXPONENTIAL = "one-peer-exponential"
 MAX_TRIES = 1000
 
 
@@ -124,6 +125,18 @@ def erdos_renyi(n: int, p: float, seed: int) -> Graph:
     raise TopologyError(f"erdos:{p} with {n} nodes stayed disconnected in {MAX_TRIES} draws; use a larger P")
 
 
+def exponential_hops(n: int) -> list[int]:
+    """The hops of the exponential graph on ``n`` nodes: 1, 2, 4, ... below ``n``."""
+    return [1 << k for k in range(max(1, math.ceil(math.log2(n))))]
+
+
+def exponential(n: int) -> Graph:
+    """Every node linked to those 1, 2, 4, ... places after it (mod n): the undirected union of the
+    one-peer exponential graph's rounds (Ying et al. 2021), which ``topology.sampling`` walks."""
+    _need(n, 2, "one-peer exponential graph")
+    return Graph(n, [(i, (i + hop) % n) for i in range(n) for hop in exponential_hops(n) if (i + hop) % n != i])
+
+
 def _number(text: str, kind, spec: str):
     try:
         return kind(text)
@@ -153,6 +166,8 @@ def build_topology(spec: str, n: int, seed: int) -> Graph:
         graph = regular(n, _number(args[0], int, spec), seed)
     elif name in ("smallworld", "small-world") and len(args) == 2:
         graph = small_world(n, _number(args[0], int, spec), _number(args[1], float, spec), seed)
+    elif name == ONE_PEER_EXPONENTIAL and not args:
+        graph = exponential(n)
     elif name in ("erdos", "erdos-renyi") and len(args) == 1:
         graph = erdos_renyi(n, _number(args[0], float, spec), seed)
     else:

@@ -9,16 +9,22 @@ coordinator is involved, unlike DecentralizePy's peer-sampler process.
 - ``epidemic:S``: Epidemic Learning (Vogels et al. 2023, EL-Local): each node sends its model to S
   others drawn uniformly each round; each node averages its own model and those it received with
   equal weights.
+
+A topology can be dynamic too: ``one-peer-exponential`` (Ying et al. 2021, BlueFog's default) has
+every node send to one peer per round, 1, 2, 4, ... places after it in turn (``OnePeerExponential``).
+``rounds_of`` gives any run's rounds, static or not, as ``Round``s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from meshlearn.errors import TopologyError
-from meshlearn.topology.generators import build_topology
+from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL, build_topology, exponential_hops
+from meshlearn.topology.graph import Graph
 from meshlearn.topology.weights import mh_row
 
 SAMPLING_HELP = ("off (the topology's graph all run) | graph (a new graph from the random topology's generator "
@@ -53,6 +59,63 @@ class Round:
     receive_from: tuple[tuple[int, ...], ...]
     weights: tuple[dict[int, float], ...]
 
+    @classmethod
+    def of_graph(cls, graph: Graph) -> "Round":
+        """Every round of a static undirected graph: both ways over each edge, Metropolis-Hastings weights."""
+        peers = tuple(tuple(graph.neighbours(i)) for i in range(graph.n))
+        return cls(peers, peers, tuple({j: w for j, w in mh_row(graph, i).items() if j != i} for i in range(graph.n)))
+
+
+class Rounds(Protocol):
+    """Who sends to whom in each round of a run."""
+
+    def round(self, iteration: int) -> Round:
+        """The exchange of ``iteration`` (the same on every node)."""
+
+
+class StaticRounds:
+    """The rounds of a static topology: its graph's every round."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self._round = Round.of_graph(graph)
+
+    def round(self, iteration: int) -> Round:
+        """The graph's exchange, whatever the iteration."""
+        return self._round
+
+
+class OnePeerExponential:
+    """The one-peer exponential graph (Ying et al. 2021): in round t every node i sends to
+    ``i + 2^(t mod log2 n)`` (mod n) and hears from ``i - 2^(t mod log2 n)``, each weighing the
+    other's model 1/2. Every round is doubly stochastic; ``log2 n`` rounds in a row average exactly
+    when n is a power of two."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.hops = exponential_hops(n)
+
+    def round(self, iteration: int) -> Round:
+        """Round ``iteration``'s one peer per node."""
+        hop, n = self.hops[iteration % len(self.hops)], self.n
+        return Round(tuple(((i + hop) % n,) for i in range(n)), tuple(((i - hop) % n,) for i in range(n)),
+                     tuple({(i - hop) % n: 0.5} for i in range(n)))
+
+
+def dynamic_rounds(peer_sampling: str, topology: str, n: int, seed: int) -> "PeerSampler | OnePeerExponential | None":
+    """The rounds of a run whose peers change every round (``peer_sampling``, or a dynamic
+    topology such as one-peer-exponential); None for a static graph."""
+    if peer_sampling != "off":
+        return PeerSampler(peer_sampling, topology, n, seed)
+    if topology == ONE_PEER_EXPONENTIAL:
+        return OnePeerExponential(n)
+    return None
+
+
+def rounds_of(peer_sampling: str, topology: str, graph: Graph, seed: int) -> Rounds:
+    """Every run's rounds: dynamic ones (``dynamic_rounds``), or the static graph's."""
+    return dynamic_rounds(peer_sampling, topology, graph.n, seed) or StaticRounds(graph)
+
 
 class PeerSampler:
     """The rounds of a run with ``peer_sampling`` ``spec`` (see the module), for ``n`` nodes."""
@@ -79,9 +142,7 @@ class PeerSampler:
                     continue
             if graph is None:
                 raise TopologyError(f"{self.topology}: no connected graph in 100 draws for iteration {iteration}")
-            peers = tuple(tuple(graph.neighbours(i)) for i in range(self.n))
-            weights = tuple({j: w for j, w in mh_row(graph, i).items() if j != i} for i in range(self.n))
-            return Round(peers, peers, weights)
+            return Round.of_graph(graph)
         fanout = int(self.spec.partition(":")[2])
         rng = np.random.default_rng([self.seed, SALT, iteration])
         send_to = []

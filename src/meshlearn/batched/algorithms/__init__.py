@@ -5,7 +5,8 @@ from meshlearn.batched.algorithms.base import (
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
+    batched_algorithm_class,
     register_batched,
 )
 
-__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "register_batched"]
+__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "batched_algorithm_class", "register_batched"]

@@ -14,6 +14,8 @@ from meshlearn.batched.mixing import Links
 from meshlearn.batched.shards import Collective, HaloPlan, Shard
 from meshlearn.batched.stacked import StackedState
 from meshlearn.config import ExperimentConfig
+from meshlearn.definitions.base import RoundAlgorithm, definition
+from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
 from meshlearn.topology import Graph
 
@@ -116,10 +118,25 @@ class BatchedAlgorithm(ABC):
 
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
-    "algorithm of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
+    "runtime of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
                                                  for name in ("local", "dpsgd", "gossip", "leader", "fedavg")})
 
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
-    """Class decorator adding a batched algorithm to the registry under ``cls.name``."""
+    """Class decorator adding the batched engine's own runtime for the algorithm ``cls.name`` (one
+    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``rounds.batched_runner_for``)."""
     return BATCHED_ALGORITHMS.add(cls.name, cls)
+
+
+def batched_algorithm_class(name: str) -> type[BatchedAlgorithm]:
+    """The batched engine's class for the algorithm registered under ``name`` (ConfigError if none
+    is): its own runtime, or the runner of a ``RoundAlgorithm``."""
+    from meshlearn.batched.algorithms.rounds import batched_runner_for
+
+    found = definition(name)
+    if name in BATCHED_ALGORITHMS:
+        return BATCHED_ALGORITHMS.get(name)
+    if issubclass(found, RoundAlgorithm):
+        return batched_runner_for(found)
+    raise ConfigError(f"algorithm {name} has no runtime in the batched engine: use the process engine, or write it "
+                      "as a RoundAlgorithm")

@@ -8,14 +8,19 @@ import numpy as np
 import torch
 
 from meshlearn.aggregation.base import get_rule
-from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.algorithms.base import (
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    register_batched,
+)
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
 from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
 from meshlearn.errors import ConfigError
-from meshlearn.topology.sampling import PeerSampler
+from meshlearn.topology.sampling import dynamic_rounds
 from meshlearn.transport.settings import default_chunk_bytes
 
 
@@ -47,12 +52,10 @@ class BatchedDPSGD(BatchedAlgorithm):
             self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
             self.chunked = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
         self.robust = RobustMixing(links, self.rule, chunk_elements) if self.rule.robust else None
-        self.sampler = None
-        if config.peer_sampling != "off":
-            if ctx.plan is not None:
-                raise ConfigError(f"peer_sampling {config.peer_sampling} runs in one process of the batched engine, "
-                                  "not under torchrun: start it without torchrun")
-            self.sampler = PeerSampler(config.peer_sampling, config.topology, config.nodes, config.seed)
+        self.sampler = dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed)
+        if self.sampler is not None and ctx.plan is not None:
+            raise ConfigError(f"peer_sampling {config.peer_sampling} and topology {config.topology} run in one process "
+                              "of the batched engine, not under torchrun: start it without torchrun")
         self.shared: SharedMixing | None = None
         if config.sharing != "full":
             if ctx.plan is not None:

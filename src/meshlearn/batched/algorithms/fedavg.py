@@ -8,7 +8,12 @@ import torch
 
 from meshlearn.algorithms.averaging import weighted_average_
 from meshlearn.algorithms.fedavg import SERVER, participants, sample_weights
-from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.algorithms.base import (
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    register_batched,
+)
 from meshlearn.errors import ConfigError
 
 

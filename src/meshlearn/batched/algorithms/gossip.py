@@ -26,10 +26,16 @@ import torch
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.algorithms.gossip import PeerScores, interpolation_factor, robust_target
-from meshlearn.algorithms.settings import GossipSettings
-from meshlearn.batched.algorithms.base import AsyncDriver, BatchedAlgorithm, BatchedContext, Traffic, register_batched
+from meshlearn.batched.algorithms.base import (
+    AsyncDriver,
+    BatchedAlgorithm,
+    BatchedContext,
+    Traffic,
+    register_batched,
+)
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, PendingSteps
+from meshlearn.definitions.settings import GossipSettings
 
 START, DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(6)
 

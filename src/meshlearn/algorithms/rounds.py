@@ -1,0 +1,103 @@
+"""The process engine's runtime for a ``RoundAlgorithm`` (``definitions``): its rules, for this
+one node (B = 1), over the messages of each round."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import ClassVar
+
+import torch
+
+from meshlearn.aggregation.suspects import refusal
+from meshlearn.algorithms.base import Algorithm, AlgorithmContext
+from meshlearn.definitions.base import RoundAlgorithm
+from meshlearn.errors import ConfigError
+from meshlearn.topology.sampling import StaticRounds
+from meshlearn.transport import Transport
+from meshlearn.wire import Kind, Message
+
+log = logging.getLogger(__name__)
+PAYLOAD = "payload"  # the one tensor of a round algorithm's message
+
+
+class RoundRunner(Algorithm):
+    """Each iteration: the round's peers from the definition, its payload to every peer, the
+    payloads of the round's senders gathered (a late or refused one weighs nothing), and the
+    definition's merge over the stack of what came. ``definition`` is set per algorithm
+    (``runner_for``)."""
+
+    definition: ClassVar[type[RoundAlgorithm]]
+    endpoint = Transport
+    talks_to = "neighbours"
+
+    def __init__(self, ctx: AlgorithmContext):
+        super().__init__(ctx)
+        if ctx.transport.lossy:
+            raise ConfigError(f"algorithm {self.name} needs transport tcp (it needs every message whole)")
+        if ctx.sampler is not None:  # peers that change every round: it may meet anyone
+            self.talks_to = "everyone"
+        rounds = ctx.sampler or StaticRounds(ctx.graph)
+        self.rule = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings)
+        self.state = self.rule.begin(ctx.flat.state.detach().unsqueeze(0))
+
+    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        ctx, rank = self.ctx, self.ctx.rank
+        own = ctx.flat.state.detach().unsqueeze(0)
+        t0 = time.perf_counter()
+        exchange = self.rule.round(iteration)
+        with torch.no_grad():
+            sent = self.rule.payload(own, self.state, iteration)
+        if sent.data_ptr() == own.data_ptr():
+            sent = sent.clone()  # the state changes while the transport may still be sending it
+        t1 = time.perf_counter()
+        senders = list(exchange.receive_from[rank])
+        ctx.transport.broadcast(list(exchange.send_to[rank]),
+                                Message(Kind.MODEL, rank, iteration, len(senders), {PAYLOAD: sent[0]}))
+        received = ctx.transport.gather(iteration, senders)
+        t2 = time.perf_counter()
+        usable = self._admit(received, sent[0])
+        stack = sent.new_zeros((1, len(senders), sent.shape[1]))
+        weights = torch.zeros(1, len(senders), dtype=torch.float64)
+        for k, sender in enumerate(senders):
+            if sender in usable:
+                stack[0, k] = received[sender].tensors[PAYLOAD]
+                weights[0, k] = exchange.weights[rank][sender]
+        own_weight = torch.tensor(self.rule.own_weights(exchange, [rank]), dtype=torch.float64)
+        with torch.no_grad():
+            self.rule.merge_stack(own, self.state, sent, stack, weights, own_weight, iteration)
+        ctx.transport.recycle(received.values())
+        t3 = time.perf_counter()
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
+                "missing": len(senders) - len(usable)}
+
+    def _admit(self, received: dict[int, Message], sent: torch.Tensor) -> set[int]:
+        """The senders whose payload may be merged: one tensor of this node's payload's size and
+        dtype, finite; the others are refused and counted."""
+        usable = set()
+        for sender in sorted(received):
+            tensors = received[sender].tensors
+            payload = tensors.get(PAYLOAD)
+            if set(tensors) != {PAYLOAD} or payload.dtype != sent.dtype or payload.shape != sent.shape:
+                problem = f"it sent {sorted(tensors)[:3]}, not one {PAYLOAD} of {sent.numel()} {sent.dtype} values"
+            else:
+                problem = refusal(payload)
+            if problem is None:
+                usable.add(sender)
+                self.watch.heard(sender)
+            else:
+                self.watch.refused(sender, problem)
+                log.warning("node %d: refused the message of %d: %s", self.ctx.rank, sender, problem)
+        return usable
+
+
+_RUNNERS: dict[type[RoundAlgorithm], type[RoundRunner]] = {}
+
+
+def runner_for(definition: type[RoundAlgorithm]) -> type[RoundRunner]:
+    """The process-engine algorithm class that runs ``definition`` (one per definition)."""
+    if definition not in _RUNNERS:
+        _RUNNERS[definition] = type(f"{definition.__name__}Runner", (RoundRunner,),
+                                    {"name": definition.name, "definition": definition,
+                                     "__doc__": f"The process engine's runner of {definition.name}."})
+    return _RUNNERS[definition]

@@ -1,0 +1,108 @@
+"""The algorithm layer's interface: an algorithm's declaration and, for a synchronous one, its
+rules as functions over stacks of models, which both engines call.
+
+A ``RoundAlgorithm`` gives who talks to whom each round (``round``), what each node sends
+(``payload``) and how a node merges its own model with what it received (``merge_stack``). Its
+arguments are stacks: ``own`` [B, P] (the B nodes' models after their local steps), ``state``
+(the algorithm's own per-node tensors, rows like ``own``), ``received`` [B, K, Q] (the payloads
+that came in, padded), ``weights`` [B, K] (each one's weight, 0 where nothing came) and
+``own_weight`` [B]. The process engine calls them with B = 1 for its node; the batched engine with
+B = N for every node at once, and where the merge is the weighted sum (``linear``) it computes that
+sum with one sparse product instead of stacking what each node received.
+
+No torch import at module level: a configuration is checked against the declarations before torch
+loads. The rules use tensor methods only."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+from meshlearn.definitions.needs import Needs
+from meshlearn.plugins import Registry
+from meshlearn.settings import Settings
+from meshlearn.topology.sampling import Round, Rounds
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+State = dict[str, "Tensor"]
+
+
+class Definition:
+    """An algorithm as the layer below the engines knows it: its name, a one-line summary, what it
+    needs (``Needs``), and the settings section it reads (None: no settings). The engines' own
+    runtimes carry out the built-in asynchronous ones (gossip, leader) and those written before
+    this layer; a ``RoundAlgorithm`` needs none."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str] = ""
+    needs: ClassVar[Needs] = Needs()
+    settings: ClassVar[type[Settings] | None] = None
+
+
+class RoundAlgorithm(Definition):
+    """A synchronous algorithm given as rules over stacks (see the module), run by both engines.
+
+    Built with the run's ``rounds`` (who sends to whom each iteration, static or dynamic), the node
+    count, the seed and its ``settings`` (an instance of its ``settings`` class, or None). The
+    defaults are D-PSGD's: send the model, take the round's weighted average."""
+
+    needs: ClassVar[Needs] = Needs(dynamic=True)
+    linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum of payloads): a sparse product in the batched engine
+
+    def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None):
+        self.rounds, self.nodes, self.seed, self.options = rounds, nodes, seed, settings
+
+    def round(self, iteration: int) -> Round:
+        """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""
+        return self.rounds.round(iteration)
+
+    def own_weights(self, exchange: Round, ranks: list[int]) -> list[float]:
+        """The weight of each node's own payload in its merge (rows ``ranks``): by default what its
+        senders' weights leave of one."""
+        return [1.0 - sum(exchange.weights[rank].values()) for rank in ranks]
+
+    def begin(self, own: "Tensor") -> State:
+        """The algorithm's per-node tensors, made once from the nodes' first models ``own`` [B, P]."""
+        return {}
+
+    def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
+        """What each node sends this round, [B, Q] (every peer gets the same)."""
+        return own
+
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+        """In place: each node's model and state from ``mixed`` [B, Q], the weighted sum of its own
+        payload and those it received (for a ``linear`` algorithm)."""
+        own.copy_(mixed)
+
+    def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
+                    own_weight: "Tensor", iteration: int) -> None:
+        """In place: each node's model and state from its own payload ``sent`` [B, Q] and those it
+        ``received`` [B, K, Q] with their ``weights`` [B, K] (0 where none came) and ``own_weight``
+        [B]. Override it (and set ``linear`` False) for a rule other than the weighted sum."""
+        weights = weights.to(sent.dtype)
+        mixed = sent * own_weight.to(sent.dtype)[:, None] + (received * weights[..., None]).sum(1)
+        self.merge(own, state, mixed, iteration)
+
+
+DEFINITIONS: Registry[type[Definition]] = Registry("algorithm", built_in={
+    name: f"meshlearn.definitions.{module}" for name, module in (
+        ("dpsgd", "dpsgd"), ("gossip", "gossip"), ("leader", "leader"), ("fedavg", "fedavg"), ("local", "local"),
+        ("pushsum", "pushsum"), ("tracking", "tracking"))})
+
+
+def register_algorithm(cls: type[Definition]) -> type[Definition]:
+    """Class decorator adding an algorithm to the one registry every engine, the configuration, the
+    command line and network tasks choose from, under ``cls.name``."""
+    return DEFINITIONS.add(cls.name, cls)
+
+
+def definition(name: str) -> type[Definition]:
+    """The algorithm registered under ``name`` (ConfigError listing the known ones if none is)."""
+    return DEFINITIONS.get(name)
+
+
+def names_that(accept) -> list[str]:
+    """The registered algorithms whose declaration ``accept(needs)`` takes, sorted (loads every
+    built-in declaration: no torch)."""
+    return [name for name in DEFINITIONS.names() if accept(definition(name).needs)]

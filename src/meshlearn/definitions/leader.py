@@ -1,0 +1,16 @@
+"""Leader aggregation's declaration (CloudMesh). Its runtimes: ``algorithms.leader`` around
+``LeaderState`` (process engine) and ``batched.algorithms.leader``."""
+
+from meshlearn.definitions.base import Definition, register_algorithm
+from meshlearn.definitions.needs import Needs
+from meshlearn.definitions.settings import LeaderSettings
+
+
+@register_algorithm
+class LeaderDefinition(Definition):
+    """An elected member aggregates everyone's latest model and answers each push."""
+
+    name = "leader"
+    summary = "asynchronous leader aggregation (CloudMesh)"
+    needs = Needs(endpoint="hub", synchronous=False, robust=True, byzantine=True, network=True)
+    settings = LeaderSettings

@@ -1,0 +1,208 @@
+"""The algorithm layer (``meshlearn.definitions``): rules over stacks, checked by hand, and a
+user's algorithm written as one file, run by both engines."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from helpers.engines import BASE, batched_states, process_engine_states
+
+from meshlearn.config import make_config
+from meshlearn.definitions.base import DEFINITIONS, RoundAlgorithm
+from meshlearn.definitions.pushsum import PushSum, PushSumSettings
+from meshlearn.definitions.tracking import GradientTracking
+from meshlearn.errors import ConfigError
+from meshlearn.topology import build_topology
+from meshlearn.topology.sampling import OnePeerExponential, Round, StaticRounds
+
+
+class Fixed:
+    """Rounds that are the same directed round every iteration."""
+
+    def __init__(self, send_to):
+        n = len(send_to)
+        self._round = Round(tuple(map(tuple, send_to)), tuple(tuple(i for i in range(n) if j in send_to[i])
+                                                                    for j in range(n)),
+                            tuple({i: 0.0 for i in range(n) if j in send_to[i]} for j in range(n)))
+
+    def round(self, iteration):
+        return self._round
+
+
+def exchange(rule: RoundAlgorithm, own: torch.Tensor, state: dict, iteration: int) -> None:
+    """One round of ``rule`` for every node, as an engine runs it: payloads out, each node's merge
+    of the stack it received (every message arrives)."""
+    exchange_ = rule.round(iteration)
+    sent = rule.payload(own, state, iteration)
+    width = max(len(s) for s in exchange_.receive_from)
+    received = sent.new_zeros((len(own), width, sent.shape[1]))
+    weights = torch.zeros(len(own), width, dtype=torch.float64)
+    for i, senders in enumerate(exchange_.receive_from):
+        for k, j in enumerate(senders):
+            received[i, k] = sent[j]
+            weights[i, k] = exchange_.weights[i][j]
+    own_weight = torch.tensor(rule.own_weights(exchange_, list(range(len(own)))), dtype=torch.float64)
+    rule.merge_stack(own, state, sent, received, weights, own_weight, iteration)
+
+
+class RowNormalised(RoundAlgorithm):
+    """D-PSGD's rule (own weight: what the senders' leave of one) on push-sum's weights."""
+
+    round = PushSum.round
+
+
+def test_push_sum_pushes_column_stochastic_shares_by_hand():
+    # 0 -> 1, 1 -> 2, 2 -> 0 and 2 -> 1: node 2 keeps a third and pushes a third to each
+    rule = PushSum(Fixed([[1], [2], [0, 1]]), 3, 0)
+    own = torch.tensor([[3.0], [6.0], [9.0]])
+    state = rule.begin(own)
+    exchange(rule, own, state, 0)
+    # x: 0 keeps 3/2 and gets 9/3; 1 keeps 6/2, gets 3/2 and 9/3; 2 keeps 9/3, gets 6/2
+    assert state["x"].flatten().tolist() == pytest.approx([1.5 + 3, 3 + 1.5 + 3, 3 + 3])
+    assert state["w"].tolist() == pytest.approx([0.5 + 1 / 3, 0.5 + 0.5 + 1 / 3, 1 / 3 + 0.5])
+    assert own.flatten().tolist() == pytest.approx((state["x"].flatten() / state["w"]).tolist())
+    assert float(state["w"].sum()) == pytest.approx(3.0)  # push-sum keeps the mass
+
+
+def test_push_sum_averages_exactly_on_a_directed_graph_where_plain_averaging_is_biased():
+    send_to = [[1], [2], [0, 1]]
+    start = torch.tensor([[3.0], [6.0], [9.0]])
+    rule, own = PushSum(Fixed(send_to), 3, 0), start.clone()
+    state = rule.begin(own)
+    plain, plain_own = RowNormalised(Fixed(send_to), 3, 0), start.clone()
+    for iteration in range(200):
+        exchange(rule, own, state, iteration)
+        exchange(plain, plain_own, {}, iteration)
+    assert own.flatten().tolist() == pytest.approx([6.0] * 3, abs=1e-5)  # the true average
+    assert abs(float(plain_own[0]) - 6.0) > 0.1  # row-normalising the pushes drifts toward node 2's
+
+
+def test_push_sum_on_the_one_peer_exponential_graph_keeps_weight_one_and_is_dpsgd():
+    rounds = OnePeerExponential(8)
+    rule, own = PushSum(rounds, 8, 0), torch.arange(8.0).reshape(8, 1)
+    state = rule.begin(own)
+    for iteration in range(3):  # log2(8) rounds average exactly
+        exchange(rule, own, state, iteration)
+    assert state["w"].tolist() == [1.0] * 8
+    assert own.flatten().tolist() == pytest.approx([3.5] * 8)
+
+
+def test_push_sum_steps_the_numerator_or_the_model():
+    own = torch.tensor([[2.0], [2.0]])
+    for step, expected in (("numerator", 2.0 + 1.0 / 0.5), ("model", 2.0 + 1.0)):
+        rule = PushSum(Fixed([[1], [0]]), 2, 0, PushSumSettings(step=step))
+        state = {"x": torch.tensor([[1.0], [1.0]]), "w": torch.tensor([0.5, 0.5])}  # z = x / w = 2
+        sent = rule.payload(own + 1.0, state, 0)  # the local steps moved each model by 1
+        assert float(sent[0, 0]) / float(sent[0, 1]) == pytest.approx(expected)
+
+
+def test_one_peer_exponential_rounds_by_hand():
+    rounds = OnePeerExponential(6)
+    assert rounds.hops == [1, 2, 4]
+    third = rounds.round(2)
+    assert third.send_to[0] == (4,) and third.receive_from[0] == (2,) and third.weights[0] == {2: 0.5}
+    assert rounds.round(3) == rounds.round(0)
+    assert build_topology("one-peer-exponential", 6, 0).neighbours(0) == [1, 2, 4, 5]
+
+
+def _quadratic_run(cls, iterations=400, lr=0.1):
+    """Nodes minimising (x - b_i)^2 / 2 on a ring, one exact gradient step per iteration: their models."""
+    targets = torch.tensor([[0.0], [4.0], [1.0], [9.0], [-3.0]], dtype=torch.float64)
+    rule = cls(StaticRounds(build_topology("ring", 5, 0)), 5, 0)
+    own = torch.zeros(5, 1, dtype=torch.float64)
+    state = rule.begin(own)
+    for iteration in range(iterations):
+        own -= lr * (own - targets)  # the local step
+        exchange(rule, own, state, iteration)
+    return own, targets
+
+
+def test_gradient_tracking_is_dsgt_by_hand():
+    rule = GradientTracking(StaticRounds(build_topology("full", 2, 0)), 2, 0)  # weights 1/2: W = [[.5, .5], [.5, .5]]
+    own = torch.tensor([[0.0], [0.0]])
+    state = rule.begin(own)
+    # iteration 0: updates u0 = (1, 3); d0 = u0; x1 = W (x0 + d0) = (2, 2); W d0 = (2, 2)
+    own += torch.tensor([[1.0], [3.0]])
+    exchange(rule, own, state, 0)
+    assert own.flatten().tolist() == [2.0, 2.0]
+    # iteration 1: updates u1 = (-1, 5); d1 = W d0 + u1 - u0 = (0, 4); x2 = W (x1 + d1) = (4, 4)
+    own += torch.tensor([[-1.0], [5.0]])
+    exchange(rule, own, state, 1)
+    assert own.flatten().tolist() == [4.0, 4.0]
+    assert state["mixed"].flatten().tolist() == [2.0, 2.0]  # W d1
+
+
+def test_gradient_tracking_finds_the_exact_optimum_where_dpsgd_stays_biased():
+    tracked, targets = _quadratic_run(GradientTracking)
+    plain, _ = _quadratic_run(RoundAlgorithm)  # D-PSGD's rule
+    assert (tracked - targets.mean()).abs().max() < 1e-6
+    assert (plain - targets.mean()).abs().max() > 1e-2  # heterogeneous targets: D-PSGD's nodes disagree
+
+
+def test_an_algorithm_is_refused_by_its_own_declaration():
+    for values, message in [
+        ({"algorithm": "pushsum", "transport": "udp"}, "algorithm pushsum needs transport tcp"),
+        ({"algorithm": "tracking", "aggregation": "median"}, "algorithm tracking needs aggregation mean"),
+        ({"algorithm": "pushsum", "byzantine": "1:sign-flip"}, "algorithm pushsum needs no byzantine nodes"),
+        ({"algorithm": "gossip", "topology": "one-peer-exponential"}, "needs algorithm dpsgd, pushsum or tracking"),
+        ({"algorithm": "tracking", "sharing": "topk:0.1"}, "needs algorithm dpsgd or local"),
+        ({"algorithm": "mine"}, "unknown algorithm 'mine'")]:
+        with pytest.raises(ConfigError, match=message):
+            make_config(values)
+    assert make_config({"algorithm": "pushsum", "peer_sampling": "epidemic:2"}).dynamic() == "peer_sampling epidemic:2"
+    assert {"pushsum", "tracking", "dpsgd"} <= set(DEFINITIONS.names())
+
+
+USER_ALGORITHM = textwrap.dedent('''
+    """A user's algorithm, one file: each node takes the coordinate-wise median of its own model and
+    those it heard (a rule that is not a weighted sum, so the batched engine stacks what came)."""
+    import torch
+
+    from meshlearn.definitions import RoundAlgorithm, register_algorithm
+
+
+    @register_algorithm
+    class MedianOfPeers(RoundAlgorithm):
+        name = "median-of-peers"
+        summary = "coordinate-wise median of the node's and its neighbours' models"
+        linear = False
+
+        def merge_stack(self, own, state, sent, received, weights, own_weight, iteration):
+            for row in range(own.shape[0]):
+                heard = received[row][weights[row] > 0]
+                own[row] = torch.cat([sent[row:row + 1], heard]).median(0).values
+''')
+
+
+@pytest.fixture()
+def user_module(tmp_path):
+    path = tmp_path / "my_algorithm.py"
+    path.write_text(USER_ALGORITHM)
+    return path
+
+
+def test_a_users_algorithm_in_one_file_runs_on_both_engines_alike(tmp_path, user_module):
+    values = {**BASE, "algorithm": "median-of-peers", "models_module": str(user_module)}
+    expected = process_engine_states(values)
+    states = batched_states(values, tmp_path, "on")
+    for rank, state in enumerate(expected):
+        assert torch.allclose(states[rank], state, atol=1e-5, rtol=0), rank
+    assert not torch.allclose(states[0], states[1])
+
+
+def test_a_users_algorithm_is_chosen_by_name_from_the_command_line(tmp_path, user_module):
+    common = ["--models-module", str(user_module), "--nodes", "4", "--topology", "ring", "--iterations", "4",
+              "--test-after", "4"]
+    for engine in ("process", "batched"):
+        done = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--algorithm", "median-of-peers",
+                               "--engine", engine, "--output", str(tmp_path / engine), *common],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert "algorithm: median-of-peers" in (tmp_path / engine / "config.yaml").read_text()
+    refused = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--algorithm", "median-of-peers",
+                              "--transport", "udp", "--output", str(tmp_path / "udp"), *common],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0
+    assert "algorithm median-of-peers needs transport tcp" in refused.stderr and "Traceback" not in refused.stderr
