@@ -5,9 +5,9 @@ import pytest
 import yaml
 
 from meshlearn.adapter import load_gossip_config
-from meshlearn.definitions.settings import GossipSettings, LeaderSettings
 from meshlearn.cli.main import _resolve, build_parser
 from meshlearn.config import ExperimentConfig, make_config
+from meshlearn.definitions.settings import GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError
 from meshlearn.netem import NetemSpec
 from meshlearn.network.task import TaskSpec

@@ -24,12 +24,7 @@ from meshlearn.batched.settings import BatchedSettings
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.definitions.pushsum import PushSumSettings
-from meshlearn.definitions.settings import (
-    DpsgdSettings,
-    FedAvgSettings,
-    GossipSettings,
-    LeaderSettings,
-)
+from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer

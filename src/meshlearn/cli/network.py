@@ -7,8 +7,8 @@ import signal
 import threading
 from pathlib import Path
 
-from meshlearn.definitions.settings import FedAvgSettings, LeaderSettings
 from meshlearn.cli.flags import add_flags, given
+from meshlearn.definitions.settings import FedAvgSettings, LeaderSettings
 from meshlearn.errors import UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.bootstrap import BootstrapSettings

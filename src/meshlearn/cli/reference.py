@@ -12,9 +12,9 @@ import re
 import sys
 
 from meshlearn.adapter.config import DPWA_NAMES
-from meshlearn.definitions.settings import GossipSettings
 from meshlearn.cli.main import CONFIG_GROUP, build_parser
 from meshlearn.config import flat_fields
+from meshlearn.definitions.settings import GossipSettings
 
 HEADER = """\
 # Settings reference

@@ -10,9 +10,9 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
-from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.config import ExperimentConfig
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
+from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from meshlearn.aggregation.spec import RULES, parse_rule
 from meshlearn.config import ExperimentConfig, algorithm_refusal
+from meshlearn.data.specs import parse_spec
 from meshlearn.definitions.base import DEFINITIONS
 from meshlearn.errors import ConfigError
-from meshlearn.data.specs import parse_spec
 from meshlearn.models.registry import MODELS
 from meshlearn.plugins import load_user_module
 from meshlearn.sharing.spec import check_sharing
