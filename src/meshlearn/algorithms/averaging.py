@@ -1,11 +1,11 @@
-"""Averaging kernels on whole flat buffers, including per-chunk weights for lossy transports."""
+"""Averaging kernels on whole flat buffers, and D-PSGD's missing-value rules (``definitions.dpsgd``)
+applied to one node's models where only some chunks or values arrived."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, MissingValueRule
 from meshlearn.wire import Message
 
 
@@ -21,56 +21,39 @@ def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tupl
             target.add_(tensor.to(target.device, non_blocking=True), alpha=weight)
 
 
-def _element_mask(msg: Message, numel: int, element_size: int) -> torch.Tensor:
-    """True where the element's chunk arrived, over the whole state vector."""
-    per_chunk = msg.chunks.chunk_bytes // element_size
-    return msg.chunks.present.repeat_interleave(per_chunk)[:numel]
-
-
-def per_chunk_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, int]],
-                      masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """For every element, the Metropolis-Hastings weights renormalised over the node and the
-    neighbours that delivered it, so a missing value biases toward neither side: with one of three
-    equally weighted neighbours missing, the node and the other two get a third each.
-    (``received``: each neighbour's weight and degree; ``masks``: 1.0 where its value arrived.)"""
-    weights = [mask * weight for mask, (weight, _) in zip(masks, received)]
-    total = own_weight + (torch.stack(weights).sum(0) if weights else torch.zeros(state.numel(), device=state.device))
-    return [w / total for w in weights]
-
-
-def fill_local_weights(state: torch.Tensor, own_weight: float, received: list[tuple[float, int]],
-                       masks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The UDP study's rule: weights ``1 / (1 + max(k, d_j))`` with k the neighbours that delivered
-    anything and d_j the sender's degree; a missing value counts as the node's own."""
-    senders = len(received)
-    return [mask * (1.0 / (1 + max(senders, degree))) for mask, (_, degree) in zip(masks, received)]
-
-
-MissingChunkRule = Callable[[torch.Tensor, float, list[tuple[float, int]], list[torch.Tensor]], list[torch.Tensor]]
-MISSING_CHUNK_RULES: dict[str, MissingChunkRule] = {"per-chunk": per_chunk_weights, "fill-local": fill_local_weights}
-
-
 def masked_average_(state: torch.Tensor, own_weight: float,
-                    received: list[tuple[float, int, torch.Tensor, torch.Tensor]], rule: MissingChunkRule) -> None:
+                    received: list[tuple[float, int, torch.Tensor, torch.Tensor]], rule: MissingValueRule | str,
+                    unit_elements: int = 1) -> None:
     """In place: Metropolis-Hastings averaging of models of which only some values arrived.
 
     ``received`` holds, per neighbour, its Metropolis-Hastings weight, its degree, its values over
-    the whole state and a bool mask of those that arrived; ``own_weight`` is the node's own (the
-    weights of all neighbours and the node sum to one). ``rule`` (of ``MISSING_CHUNK_RULES``)
-    gives each neighbour's weight per value; the node keeps the rest. With everything present
-    every rule is plain Metropolis-Hastings averaging.
+    the whole state and a mask of the units that arrived (each unit ``unit_elements`` values: a
+    chunk, or one value); ``own_weight`` is the node's own (the weights of all neighbours and the
+    node sum to one). ``rule`` (of ``MISSING_CHUNK_RULES``, D-PSGD's rules over stacks, run here
+    for one node) gives each neighbour's weight per unit; the node keeps the rest.
     """
-    masks = [mask.to(state.device, torch.float32) for *_, mask in received]
+    if isinstance(rule, str):
+        if rule not in MISSING_CHUNK_RULES:
+            raise ValueError(f"unknown missing-chunk rule {rule!r}")
+        rule = MISSING_CHUNK_RULES[rule]
+    if not received:
+        return
     with torch.no_grad():
-        weights = rule(state, own_weight, [(weight, degree) for weight, degree, *_ in received], masks)
-        own = 1.0 - (torch.stack(weights).sum(0) if weights else torch.zeros(state.numel(), device=state.device))
-        state.mul_(own.to(state.dtype))
-        for weight, (_, _, values, _) in zip(weights, received):
-            state.addcmul_(weight.to(state.dtype), values.to(state.device))
+        present = torch.stack([mask.to(state.device, torch.float64) for *_, mask in received]).unsqueeze(0)
+        weights = torch.tensor([[w for w, *_ in received]], dtype=torch.float64, device=state.device)
+        degrees = torch.tensor([[d for _, d, *_ in received]], dtype=torch.float64, device=state.device)
+        own = torch.tensor([own_weight], dtype=torch.float64, device=state.device)
+        per_unit = rule(weights, present, own, degrees)[0]  # [K, units]
+        if unit_elements > 1:
+            per_unit = per_unit.repeat_interleave(unit_elements, dim=1)[:, :state.numel()]
+        per_unit = per_unit.to(state.dtype)
+        state.mul_(1.0 - per_unit.sum(0))
+        for weight, (_, _, values, _) in zip(per_unit, received):
+            state.addcmul_(weight, values.to(state.device))
 
 
 def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Tensor, torch.Tensor | None]],
-                    rule: MissingChunkRule) -> None:
+                    rule: MissingValueRule | str) -> None:
     """In place: ``state`` <- its average with the neighbours' shares (weight, degree, values,
     mask of the values sent, or None for all of them), each value over those who sent it by
     ``rule``; the node keeps the weight of the neighbours that sent nothing."""
@@ -84,13 +67,9 @@ def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Te
 
 
 def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
-                     rule: MissingChunkRule | str) -> None:
+                     rule: MissingValueRule | str) -> None:
     """In place: Metropolis-Hastings averaging where some chunks of some models are missing
-    (``received``: each neighbour's weight and message; ``masked_average_`` for the rest)."""
-    if isinstance(rule, str):
-        if rule not in MISSING_CHUNK_RULES:
-            raise ValueError(f"unknown missing-chunk rule {rule!r}")
-        rule = MISSING_CHUNK_RULES[rule]
-    numel, size = state.numel(), state.element_size()
-    masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, _element_mask(msg, numel, size))
-                                        for weight, msg in received], rule)
+    (``received``: each neighbour's weight and message; ``masked_average_`` per chunk)."""
+    chunk_elements = received[0][1].chunks.chunk_bytes // state.element_size() if received else 1
+    masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, msg.chunks.present)
+                                        for weight, msg in received], rule, chunk_elements)

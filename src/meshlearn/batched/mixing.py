@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.topology import Graph, mh_row
 from meshlearn.topology.sampling import Round
 
@@ -71,6 +72,27 @@ class Links:
     def __len__(self) -> int:
         return len(self.receiver)
 
+    def slots(self) -> tuple[torch.Tensor, int]:
+        """Each link's place among the links into its receiver, and the most links into one node
+        (links come in receiver order)."""
+        counts = torch.bincount(self.receiver, minlength=self.nodes)
+        first = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(len(self), device=self.receiver.device) - first[self.receiver]
+        return slot, int(counts.max()) if len(self) else 0
+
+    def stack(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-link ``values`` [links, ...] as per-node stacks [nodes, K, ...] (K the most links into
+        one node; padding zero): the layout of the algorithm layer's rules."""
+        slot, width = self.slots()
+        out = values.new_zeros((self.nodes, width, *values.shape[1:]))
+        out[self.receiver, slot] = values
+        return out
+
+    def unstack(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Per-node stacks [nodes, K, ...] back to per-link values [links, ...] (``stack``'s inverse)."""
+        slot, _ = self.slots()
+        return stacked[self.receiver, slot]
+
     def incoming(self, values: torch.Tensor) -> torch.Tensor:
         """Per receiving node, the sum of ``values`` (one per link) over the links into it."""
         out = torch.zeros(self.nodes, dtype=values.dtype, device=values.device)
@@ -113,38 +135,31 @@ class MetropolisMixing:
 
 class ChunkedMixing:
     """D-PSGD's average when some chunks of some models are missing (a lossy UDP link), for every
-    node at once: per chunk, the process engine's ``missing_chunks`` rule weighs each neighbour
-    whose chunk arrived (``averaging.per_chunk_weights`` or ``fill_local_weights``), and the node
-    keeps the rest. A neighbour none of whose chunks arrived counts as not heard, as there.
-    With nothing lost every rule is plain Metropolis-Hastings averaging."""
+    node at once: per chunk, D-PSGD's ``missing_chunks`` rule (``definitions.dpsgd``, the process
+    engine's too) weighs each neighbour whose chunk arrived, and the node keeps the rest. A
+    neighbour none of whose chunks arrived counts as not heard, as there."""
 
     BLOCK_ELEMENTS = 1 << 24  # links x state elements gathered at once (bounds memory)
 
     def __init__(self, links: Links, graph: Graph, rule: str, chunk_elements: int):
-        if rule not in ("per-chunk", "fill-local"):
+        if rule not in MISSING_CHUNK_RULES:
             raise ValueError(f"unknown missing-chunk rule {rule!r}")
         self.links = links
-        self.rule = rule
+        self.rule = MISSING_CHUNK_RULES[rule]
         self.chunk_elements = chunk_elements
         self.own_weight = 1.0 - links.incoming(links.weight)  # each node's Metropolis-Hastings self weight
         degree = torch.tensor([graph.degree(i) for i in range(graph.n)], dtype=torch.float64,
                               device=links.weight.device)
-        self.sender_degree = degree[links.sender_rank]
+        self.sender_degree = links.stack(degree[links.sender_rank])
+        self.link_weight = links.stack(links.weight)
 
     def weights(self, arrived: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per link and chunk, the weight of the sender's chunk; per node and chunk, the node's own
         (``arrived``: [links, chunks], True where the chunk arrived in time)."""
         links = self.links
-        present = arrived.to(torch.float64)
-        heard = arrived.any(1)
-        if self.rule == "per-chunk":
-            weight = present * links.weight[:, None]
-            total = self.own_weight[:, None] + _incoming_rows(links, weight)
-            weight = weight / total[links.receiver]
-        else:  # fill-local: 1 / (1 + max(k, d_j)), k = neighbours heard at all, d_j = the sender's degree
-            heard_by = links.incoming(heard.to(torch.float64))
-            weight = present / (1.0 + torch.maximum(heard_by[links.receiver], self.sender_degree))[:, None]
-        return weight, 1.0 - _incoming_rows(links, weight)
+        per_chunk = self.rule(self.link_weight, links.stack(arrived.to(torch.float64)), self.own_weight,
+                              self.sender_degree)
+        return links.unstack(per_chunk), 1.0 - per_chunk.sum(1)
 
     @torch.no_grad()
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor, source: torch.Tensor | None = None) -> None:
@@ -161,9 +176,3 @@ class ChunkedMixing:
             contribution = source[links.sender[part]] * weight[part][:, chunk_of].to(state.dtype)
             mixed.index_add_(0, links.receiver[part], contribution)
         state.copy_(mixed)
-
-
-def _incoming_rows(links: Links, values: torch.Tensor) -> torch.Tensor:
-    """Per node, the sum of the rows of ``values`` (one row per link) over the links into it."""
-    out = torch.zeros(links.nodes, values.shape[1], dtype=values.dtype, device=values.device)
-    return out.index_add_(0, links.receiver, values)

@@ -8,7 +8,7 @@ import torch
 
 from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.present import aggregate_present
-from meshlearn.aggregation.suspects import deviant_rows, suspected
+from meshlearn.aggregation.suspects import PeerRecord, PeerWatch, deviant_rows
 from meshlearn.batched.mixing import Links
 
 
@@ -66,16 +66,12 @@ class RobustMixing:
         state.copy_(result)
 
     def reports(self) -> dict[int, dict]:
-        """Per node that found any neighbour's model deviant: those peers' counts and the
-        suspected ones (``PeerWatch.report``'s form)."""
-        out: dict[int, dict] = {}
+        """Per node that found any neighbour's model deviant, its ``PeerWatch`` report (the
+        process engine's), from the counts per link."""
+        watches: dict[int, PeerWatch] = {}
         receiver = self.links.receiver.cpu().numpy()
         sender = self.links.sender_rank.cpu().numpy()
         for link in np.flatnonzero(self.deviant):
-            heard, deviant = int(self.heard[link]), int(self.deviant[link])
-            report = out.setdefault(int(receiver[link]), {"suspected": [], "peers": {}})
-            report["peers"][str(int(sender[link]))] = {"heard": heard, "refused": 0, "deviant": deviant,
-                                                        "last_reason": ""}
-            if suspected(heard, 0, deviant):
-                report["suspected"].append(int(sender[link]))
-        return out
+            watch = watches.setdefault(int(receiver[link]), PeerWatch())
+            watch.peers[int(sender[link])] = PeerRecord(heard=int(self.heard[link]), deviant=int(self.deviant[link]))
+        return {rank: watch.report() for rank, watch in watches.items()}

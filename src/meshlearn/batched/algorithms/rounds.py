@@ -50,7 +50,7 @@ class BatchedRounds(BatchedAlgorithm):
             mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), sent)
             self.rule.merge(own, self.state, mixed, iteration)
         else:
-            received, weights = _stacked(links, sent, weight)
+            received, weights = links.stack(sent[links.sender]), links.stack(weight)
             self.rule.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
         expected = links.incoming(torch.ones_like(links.weight)).cpu().numpy().astype(np.int64)
         received = links.incoming(heard.to(torch.float64)).cpu().numpy().astype(np.int64)
@@ -64,21 +64,6 @@ class BatchedRounds(BatchedAlgorithm):
                                dtype=torch.float64, device=device)
             self._round = (exchange, Links.of_round(exchange, device), own)
         return self._round[1], self._round[2]
-
-
-def _stacked(links: Links, sent: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per node, the payloads of its links' senders [N, K, Q] and their weights [N, K] (K the most
-    links into one node; padding weighs nothing). Links come in receiver order."""
-    nodes = links.nodes
-    counts = torch.bincount(links.receiver, minlength=nodes)
-    first = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(len(links), device=sent.device) - first[links.receiver]
-    width = int(counts.max()) if len(links) else 0
-    received = sent.new_zeros((nodes, width, sent.shape[1]))
-    weights = weight.new_zeros((nodes, width))
-    received[links.receiver, slot] = sent[links.sender]
-    weights[links.receiver, slot] = weight
-    return received, weights
 
 
 _RUNNERS: dict[type[RoundAlgorithm], type[BatchedRounds]] = {}
