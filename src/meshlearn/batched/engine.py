@@ -30,6 +30,7 @@ from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
+from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.config import ExperimentConfig
@@ -169,7 +170,7 @@ class BatchedSimulation:
         traffic = Traffic(config.nodes)
         algorithm = batched_algorithm_class(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
-                           [len(part) for part in parts]), traffic)
+                           [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
         if algorithm.asynchronous and shard.count > 1:
             raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
                               "ordered in modelled time), not under torchrun: start it without torchrun")

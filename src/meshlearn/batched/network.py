@@ -1,6 +1,7 @@
-"""The batched engine's modelled network, with a process transport's face: an algorithm gathers
-over it and it advances the clocks and counts the traffic, as a process-engine transport counts
-its own, so no batched algorithm counts bytes itself."""
+"""The batched engine's modelled network, with a process transport's face: whether it is lossy,
+gathers over links in modelled time, and counters. An algorithm gathers over it; the network
+advances the clocks, draws lost chunks and counts the traffic, as a process-engine transport
+counts its own, so no batched algorithm counts bytes or reads the transport's name."""
 
 from __future__ import annotations
 
@@ -8,24 +9,52 @@ import numpy as np
 
 from meshlearn.batched.algorithms.base import Traffic
 from meshlearn.batched.clock import VirtualClocks
+from meshlearn.batched.loss import ChunkLoss
+from meshlearn.config import ExperimentConfig
+from meshlearn.transport.settings import default_chunk_bytes
 
 
 class ModelledNetwork:
     """Gathers over directed links (numpy arrays of senders and receivers, one entry per link)
-    in modelled time, counting what each node sent and received in ``traffic``."""
+    in modelled time, counting what each node sent and received in ``traffic``. ``lossy`` (UDP):
+    messages travel as chunks of ``chunk_bytes``, each of which may be lost or late."""
 
-    def __init__(self, clocks: VirtualClocks, traffic: Traffic):
+    def __init__(self, config: ExperimentConfig, clocks: VirtualClocks, traffic: Traffic):
         self.clocks = clocks
         self.traffic = traffic
+        self.lossy = config.transport == "udp"
+        self.chunk_bytes = (config.udp.chunk_bytes or default_chunk_bytes(config.host)) if self.lossy else 0
+        self.waits = config.udp.mode == "sync"  # UDP's async mode: nobody waits, nobody times out
+        self.net, self.seed = config.net, config.seed
+        self._loss: ChunkLoss | None = None
 
-    def gather(self, sender: np.ndarray, receiver: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def gather(self, sender: np.ndarray, receiver: np.ndarray,
+               silent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Every sender sends its message over its links now and every receiver waits for its own
-        (TCP: whole messages, late ones left out): (arrived in time, per link; each node's waiting
-        time)."""
+        (TCP: whole messages, late ones left out; ``silent`` links send nothing, and nobody waits
+        for them): (arrived in time, per link; each node's waiting time)."""
         self.clocks.sender, self.clocks.receiver = sender, receiver
         arrived, waited = self.clocks.gather()
-        self.count(sender, receiver, arrived)
+        silent = np.zeros(len(sender), dtype=bool) if silent is None else silent
+        arrived = arrived & ~silent
+        self.count(sender, receiver, arrived, arrived | silent)
         return arrived, waited
+
+    def gather_chunks(self, sender: np.ndarray, receiver: np.ndarray, chunks: int,
+                      silent: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As ``gather`` over a lossy network: messages of ``chunks`` chunks, each lost (the
+        emulated ``net``) or late on its own: (chunks in time, [links, chunks]; each node's waiting
+        time; chunks each node lost)."""
+        if self._loss is None:  # every process draws every link's mask (the same draws), and uses its own
+            self._loss = ChunkLoss(self.net, len(sender), chunks, np.random.default_rng([self.seed, 0x1055]))
+        self.clocks.sender, self.clocks.receiver = sender, receiver
+        in_time, waited = self.clocks.gather_chunks(self._loss.draw(), wait=self.waits)
+        in_time = in_time & ~silent[:, None]
+        lost = np.bincount(receiver, weights=(~in_time).sum(1) * ~silent,
+                           minlength=self.traffic.nodes).astype(np.int64)
+        self.traffic.add("chunks_lost", lost)
+        self.count(sender, receiver, in_time.any(1), in_time.all(1) | silent | (not self.waits))
+        return in_time, waited, lost
 
     def count(self, sender: np.ndarray, receiver: np.ndarray, arrived: np.ndarray,
               complete: np.ndarray | None = None) -> np.ndarray:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from meshlearn.definitions.base import RoundAlgorithm, definition
 from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
 from meshlearn.topology import Graph
+
+if TYPE_CHECKING:
+    from meshlearn.batched.network import ModelledNetwork
 
 
 @dataclass
@@ -37,6 +40,7 @@ class BatchedContext:
     collective: Collective
     plan: HaloPlan | None = None
     samples: list[int] = field(default_factory=list)  # training samples in each node's shard
+    network: "ModelledNetwork | None" = None  # gathers in modelled time and counts the traffic
 
     def rows_to_average(self, sent: torch.Tensor | None = None) -> torch.Tensor:
         """The rows the local links' senders index: this block's, then those other blocks send

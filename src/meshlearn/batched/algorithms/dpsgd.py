@@ -15,13 +15,11 @@ from meshlearn.batched.algorithms.base import (
     register_batched,
 )
 from meshlearn.batched.byzantine import BadNodes
-from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
 from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
 from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import dynamic_rounds
-from meshlearn.transport.settings import default_chunk_bytes
 
 
 @register_batched
@@ -41,15 +39,13 @@ class BatchedDPSGD(BatchedAlgorithm):
         self.rule = get_rule(config.aggregation)
         self.mixing = MetropolisMixing(links)
         self.degree = np.array([ctx.graph.degree(i) for i in range(ctx.graph.n)])
-        self.receivers = ctx.links.receiver.cpu().numpy()
+        self.senders, self.receivers = ctx.links.sender.cpu().numpy(), ctx.links.receiver.cpu().numpy()
         self.chunked: ChunkedMixing | None = None
         chunk_elements = 0
-        if config.transport == "udp":  # per-chunk loss, as the process engine's UDP transport
+        if ctx.network.lossy:  # per-chunk loss, as the process engine's UDP transport
             state = ctx.stacked.state
-            chunk_elements = (config.udp.chunk_bytes or default_chunk_bytes(config.host)) // state.element_size()
-            chunks = -(-state.shape[1] // chunk_elements)
-            # every process draws every link's mask (the same draws), and uses those of its links
-            self.loss = ChunkLoss(config.net, len(ctx.links), chunks, np.random.default_rng([config.seed, 0x1055]))
+            chunk_elements = ctx.network.chunk_bytes // state.element_size()
+            self.chunks = -(-state.shape[1] // chunk_elements)
             self.chunked = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
         self.robust = RobustMixing(links, self.rule, chunk_elements) if self.rule.robust else None
         self.sampler = dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed)
@@ -67,12 +63,11 @@ class BatchedDPSGD(BatchedAlgorithm):
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         if self.sampler is not None:
             self._join_round(iteration)
-        ctx, local = self.ctx, self.ctx.local
+        ctx, local, network = self.ctx, self.ctx.local, self.ctx.network
         columns = {}
         state, source = ctx.stacked.state, self._sources(iteration)
         if self.chunked is None:
-            arrived, waited = ctx.clocks.gather()
-            arrived = arrived & ~self.bad.skipped
+            arrived, waited = network.gather(self.senders, self.receivers, self.bad.skipped)
             mine = torch.from_numpy(arrived).to(local.weight.device)[local.ids]
             if self.shared is not None:
                 self.shared.mix_(state, mine, iteration)
@@ -80,29 +75,16 @@ class BatchedDPSGD(BatchedAlgorithm):
                 self.robust.mix_(state, source, mine)
             else:
                 self.mixing.mix_(state, mine, source)
-            complete = arrived | self.bad.skipped
         else:
-            in_time, waited = ctx.clocks.gather_chunks(self.loss.draw(), wait=ctx.config.udp.mode == "sync")
-            in_time = in_time & ~self.bad.skipped[:, None]
+            in_time, waited, columns["chunks_missing"] = network.gather_chunks(
+                self.senders, self.receivers, self.chunks, self.bad.skipped)
             mine = torch.from_numpy(in_time).to(local.weight.device)[local.ids]
             if self.robust is not None:
                 self.robust.mix_(state, source, mine)
             else:
                 self.chunked.mix_(state, mine, source)
             arrived = in_time.any(1)
-            # async: nobody waits, nobody times out
-            complete = in_time.all(1) | self.bad.skipped | (ctx.config.udp.mode == "async")
-            lost = np.bincount(self.receivers, weights=(~in_time).sum(1) * ~self.bad.skipped,
-                               minlength=ctx.graph.n).astype(np.int64)
-            self.traffic.add("chunks_lost", lost)
-            columns["chunks_missing"] = lost
         received = np.bincount(self.receivers, weights=arrived, minlength=ctx.graph.n).astype(np.int64)
-        size = ctx.clocks.message_bytes
-        self.traffic.add("messages_sent", self.degree)
-        self.traffic.add("bytes_sent", self.degree * size)
-        self.traffic.add("messages_received", received)
-        self.traffic.add("bytes_received", received * size)
-        self.traffic.add("gather_timeouts", np.bincount(self.receivers, weights=~complete, minlength=ctx.graph.n) > 0)
         return {"comm": waited, "received": received, "missing": self.degree - received, **columns}
 
     def _join_round(self, iteration: int) -> None:
@@ -114,8 +96,7 @@ class BatchedDPSGD(BatchedAlgorithm):
         self.mixing = MetropolisMixing(links)
         self.bad = BadNodes(ctx.config, ctx.shard.start, ctx.stacked.state, links, links)
         self.degree = np.array([len(targets) for targets in exchange.send_to])
-        self.receivers = links.receiver.cpu().numpy()
-        ctx.clocks.sender, ctx.clocks.receiver = links.sender.cpu().numpy(), self.receivers
+        self.senders, self.receivers = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
 
     def _sources(self, iteration: int) -> torch.Tensor:
         """The rows the links read: this block's, those of other blocks, then this block's bad

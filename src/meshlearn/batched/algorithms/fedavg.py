@@ -35,12 +35,11 @@ class BatchedFedAvg(BatchedAlgorithm):
 
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
-        ctx, clocks, n = self.ctx, self.ctx.clocks, self.nodes
+        ctx, network, n = self.ctx, self.ctx.network, self.nodes
         state = ctx.stacked.state
         chosen = participants(ctx.config.seed, iteration, n, self.fraction)
         pushing = np.array([j for j in chosen if j != SERVER], dtype=np.int64)
-        clocks.sender, clocks.receiver = pushing, np.zeros(len(pushing), dtype=np.int64)
-        pushed, wait_up = clocks.gather()
+        pushed, wait_up = network.gather(pushing, np.zeros(len(pushing), dtype=np.int64))
         contributors = ([SERVER] if SERVER in chosen else []) + [int(j) for j in pushing[pushed]]
         if contributors:
             weights = sample_weights(contributors, ctx.samples)
@@ -49,22 +48,12 @@ class BatchedFedAvg(BatchedAlgorithm):
         else:  # nobody's model this round: the global model stays what it was
             state[SERVER] = self.global_model
         self.global_model.copy_(state[SERVER])
-        clocks.sender, clocks.receiver = np.zeros(n - 1, dtype=np.int64), self.clients
-        answered, wait_down = clocks.gather()
+        answered, wait_down = network.gather(np.zeros(n - 1, dtype=np.int64), self.clients)
         taking = torch.from_numpy(self.clients[answered]).to(state.device)
         state[taking] = state[SERVER].clone()
-        size = clocks.message_bytes
-        sent = np.zeros(n, dtype=np.int64)
-        sent[pushing] = 1
-        sent[SERVER] = n - 1
         received = np.zeros(n, dtype=np.int64)
         received[SERVER] = int(pushed.sum())
         received[self.clients[answered]] = 1
         expected = np.ones(n, dtype=np.int64)
         expected[SERVER] = len(pushing)
-        self.traffic.add("messages_sent", sent)
-        self.traffic.add("bytes_sent", sent * size)
-        self.traffic.add("messages_received", received)
-        self.traffic.add("bytes_received", received * size)
-        self.traffic.add("gather_timeouts", received < expected)
         return {"comm": wait_up + wait_down, "received": received, "missing": expected - received}

@@ -10,7 +10,6 @@ import torch
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.mixing import Links, mixing_matrix
-from meshlearn.batched.network import ModelledNetwork
 from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, rounds_of
@@ -33,7 +32,7 @@ class BatchedRounds(BatchedAlgorithm):
         settings = config.settings_of(self.name) if self.definition.settings is not None else None
         self.rule = self.definition(rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed),
                                     config.nodes, config.seed, settings)
-        self.network = ModelledNetwork(ctx.clocks, traffic)
+        self.network = ctx.network
         self.state = self.rule.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, torch.Tensor] | None = None
 
