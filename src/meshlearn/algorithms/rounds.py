@@ -40,6 +40,7 @@ class RoundRunner(Algorithm):
         rounds = ctx.sampler or StaticRounds(ctx.graph)
         self.rule = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings)
         self.state = self.rule.begin(ctx.flat.state.detach().unsqueeze(0))
+        self._buffer: torch.Tensor | None = None
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx, rank = self.ctx, self.ctx.rank
@@ -56,20 +57,32 @@ class RoundRunner(Algorithm):
                                 Message(Kind.MODEL, rank, iteration, len(senders), {PAYLOAD: sent[0]}))
         received = ctx.transport.gather(iteration, senders)
         t2 = time.perf_counter()
-        usable = self._admit(received, sent[0])
-        stack = sent.new_zeros((1, len(senders), sent.shape[1]))
-        weights = torch.zeros(1, len(senders), dtype=torch.float64)
-        for k, sender in enumerate(senders):
-            if sender in usable:
-                stack[0, k] = received[sender].tensors[PAYLOAD]
-                weights[0, k] = exchange.weights[rank][sender]
-        own_weight = torch.tensor(self.rule.own_weights(exchange, [rank]), dtype=torch.float64)
+        admitted = self._admit(received, sent[0])
+        usable = [sender for sender in senders if sender in admitted]
+        weights = [exchange.weights[rank][sender] for sender in usable]
+        own_weight = self.rule.own_weights(exchange, [rank])[0]
         with torch.no_grad():
-            self.rule.merge_stack(own, self.state, sent, stack, weights, own_weight, iteration)
+            if self.rule.linear:  # the weighted sum in place, into one buffer kept across rounds
+                mixed = self._mixed(sent)
+                torch.mul(sent, own_weight, out=mixed)
+                for sender, weight in zip(usable, weights):
+                    mixed[0].add_(received[sender].tensors[PAYLOAD], alpha=weight)
+                self.rule.merge(own, self.state, mixed, iteration)
+            else:
+                stack = torch.stack([received[sender].tensors[PAYLOAD] for sender in usable]).unsqueeze(0) \
+                    if usable else sent.new_zeros((1, 0, sent.shape[1]))
+                self.rule.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
+                                      torch.tensor([own_weight], dtype=torch.float64), iteration)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
                 "missing": len(senders) - len(usable)}
+
+    def _mixed(self, sent: torch.Tensor) -> torch.Tensor:
+        """The buffer the weighted sum goes into (one, reused while the payload's shape holds)."""
+        if self._buffer is None or self._buffer.shape != sent.shape or self._buffer.dtype != sent.dtype:
+            self._buffer = torch.empty_like(sent)
+        return self._buffer
 
     def _admit(self, received: dict[int, Message], sent: torch.Tensor) -> set[int]:
         """The senders whose payload may be merged: one tensor of this node's payload's size and
