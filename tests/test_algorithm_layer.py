@@ -192,17 +192,15 @@ def test_a_users_algorithm_in_one_file_runs_on_both_engines_alike(tmp_path, user
     assert not torch.allclose(states[0], states[1])
 
 
-def test_a_users_algorithm_is_chosen_by_name_from_the_command_line(tmp_path, user_module):
-    common = ["--models-module", str(user_module), "--nodes", "4", "--topology", "ring", "--iterations", "4",
-              "--test-after", "4"]
-    for engine in ("process", "batched"):
-        done = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--algorithm", "median-of-peers",
-                               "--engine", engine, "--output", str(tmp_path / engine), *common],
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        assert "algorithm: median-of-peers" in (tmp_path / engine / "config.yaml").read_text()
+def test_a_users_algorithm_is_checked_against_its_declaration_from_the_command_line(tmp_path, user_module):
+    # (tests/test_readme.py runs docs/extending.md's one-file algorithm on both engines from the command line)
+    common = ["--models-module", str(user_module), "--nodes", "4", "--topology", "ring", "--iterations", "4"]
     refused = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--algorithm", "median-of-peers",
                               "--transport", "udp", "--output", str(tmp_path / "udp"), *common],
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0
     assert "algorithm median-of-peers needs transport tcp" in refused.stderr and "Traceback" not in refused.stderr
+    unknown = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--algorithm", "median-of-peer",
+                              "--output", str(tmp_path / "typo"), *common], capture_output=True, text=True, timeout=120)
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+    assert "unknown algorithm 'median-of-peer'" in unknown.stderr and "median-of-peers" in unknown.stderr

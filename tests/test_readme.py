@@ -84,6 +84,7 @@ RUN_HERE = [
     "export MESHLEARN_SECRET=try-it-on-one-machine",
     "meshlearn node --config examples/two-nodes.yaml --addresses examples/addresses.yaml --rank 0 &",
     "meshlearn simulate --models-module examples/my_models.py --model tiny-cnn --dataset templates \\",
+    "meshlearn simulate --models-module examples/my_algorithm.py --algorithm half-step --nodes 8 \\",
 ]
 
 
@@ -182,6 +183,15 @@ def test_the_custom_model_and_dataset_example_runs_as_printed(tmp_path):
     assert summary["nodes_finished"] == 4 and summary["final"]["accuracy"] > 0.5
     config = (tmp_path / "runs" / "custom" / "config.yaml").read_text()
     assert "models_module: examples/my_models.py" in config and "model: tiny-cnn" in config
+
+
+def test_the_one_file_algorithm_example_runs_on_both_engines_as_printed(tmp_path):
+    result = _run_block(_block(RUN_HERE[6]), tmp_path)
+    assert result.returncode == 0, result.stdout
+    for run, nodes in (("half-step", 8), ("half-step-256", 256)):
+        summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
+        assert summary["nodes_finished"] == nodes and summary["final"]["accuracy"] > 0.4, (run, summary["final"])
+        assert "algorithm: half-step" in (tmp_path / "runs" / run / "config.yaml").read_text()
 
 
 @pytest.mark.slow
