@@ -25,6 +25,9 @@ NOT_RUN = {
     "meshlearn simulate --nodes 8 --dataset digits --sharing topk:0.1":
         "the experiment file takes 5 minutes; test_sharing runs every scheme on digits (batched engine) and asserts "
         "bytes and accuracy, and test_batched runs each on the process engine",
+    "meshlearn simulate --algorithm tracking --partition shards:2 --topology ring --nodes 16 --lr 0.3":
+        "16 node processes; test_batched runs both algorithms on both engines and test_algorithm_layer checks their "
+        "rules by hand; benchmarks/RESULTS.md has these runs' accuracies",
     "meshlearn simulate --nodes 16 --topology regular:3 --peer-sampling graph":
         "16 node processes; test_sampling runs both modes on digits and test_batched on the process engine",
     "python3 -m pip install torch==2.13.0 -e . && python3 -m meshlearn demo":
