@@ -90,3 +90,46 @@ def test_the_algorithm_layer_uses_no_engine_transport_or_config(path):
         other = _top(name)
         assert other is None or other == "definitions" or other in SHARED, f"{path.name} imports {name}"
         assert not name.startswith(("zmq", "socket")), f"{path.name} imports {name}"
+
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Each group of nodes that reach one another along ``edges`` (node -> the nodes it points at)."""
+
+    def reach(start: str) -> set[str]:
+        seen, frontier = set(), set(edges[start])
+        while frontier:
+            seen |= frontier
+            frontier = {nxt for node in frontier for nxt in edges.get(node, ())} - seen
+        return seen
+
+    reached = {node: reach(node) for node in edges}
+    groups = {frozenset([node] + [other for other in reached[node] if node in reached.get(other, ())])
+              for node in edges if node in reached[node]}
+    return sorted(sorted(group) for group in groups)
+
+
+def _import_cycles(package: str) -> list[list[str]]:
+    """The import cycles among ``package``'s modules (imports at the top and inside functions alike)."""
+    modules = {_module_name(path): path for path in MODULES if _module_name(path).startswith(package)}
+
+    def module_of(name: str) -> str | None:  # the module of ``package`` an imported name lies in
+        parts = name.split(".")
+        return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
+
+    return _cycles({own: {found for name in _imports(path) if (found := module_of(name)) not in (None, own)}
+                    for own, path in modules.items()})
+
+
+def test_import_cycles_are_found():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
+    assert _cycles({"run": {"launcher", "kernelnet"}, "kernelnet": set(), "launcher": set()}) == []
+    before = {"launcher": {"kernelnet", "report"}, "kernelnet": {"launcher"}, "report": set()}  # sim before run.py
+    assert _cycles(before) == [["kernelnet", "launcher"]]
+
+
+def test_the_sim_modules_import_without_a_cycle():
+    """sim.run picks the engine and imports them; no engine imports it or another engine back (the
+    kernel-loss child is given the process engine's entry, it does not import it)."""
+    assert _import_cycles("meshlearn.sim") == []

@@ -131,3 +131,51 @@ def test_simulate_says_when_it_chose_another_topology_than_regular_3(tmp_path):
                            "--quiet", "--output", str(tmp_path)], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     assert "note: no regular:3 graph has 3 nodes: the topology is full" in done.stderr
+
+
+# 0.3 MiB is not a whole number of bytes: a trip through bytes and back would give the engine 0.2999992 MiB.
+LIMIT_MB, LIMIT_BYTES = 0.3, int(0.3 * 2 ** 20)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "udp"])
+def test_the_message_limit_given_by_its_flat_name_reaches_the_transport_in_bytes_unchanged(transport):
+    """``max_message_mb`` (MiB) from an experiment file or ``--max-message-mb``: the transport that
+    enforces it gets its bytes, and the resolved config.yaml still writes it in MiB."""
+    from torch import nn
+
+    from meshlearn.flat import FlatState
+    from meshlearn.node import make_transport
+
+    from_file = make_config({"nodes": 2, "transport": transport, "max_message_mb": LIMIT_MB})
+    from_flag = _resolve(build_parser().parse_args(["simulate", "--nodes", "2", "--transport", transport,
+                                                    "--max-message-mb", str(LIMIT_MB)]))
+    for config in (from_file, from_flag):
+        endpoint = make_transport(config, 0, FlatState(nn.Linear(2, 1)))
+        assert endpoint.max_message_bytes == LIMIT_BYTES
+        assert yaml.safe_load(config.to_yaml())[transport]["max_message_mb"] == LIMIT_MB
+        assert make_config(yaml.safe_load(config.to_yaml())) == config
+
+
+def test_a_providers_message_limit_reaches_its_server_and_its_tasks_engine_in_bytes_unchanged(tmp_path):
+    """``meshlearn provider --max-message-mb``: its RPC server, a task's RPCs and the task engine's
+    transport all enforce the same bytes; no step turns them back into MiB."""
+    from torch import nn
+
+    from meshlearn.cli.flags import given
+    from meshlearn.flat import FlatState
+    from meshlearn.network.provider import Provider, ProviderSettings
+    from meshlearn.node import make_transport
+
+    args = build_parser().parse_args(["provider", "--bootstrap", "127.0.0.1:1", "--workdir", str(tmp_path),
+                                      "--max-message-mb", str(LIMIT_MB)])
+    provider = Provider(ProviderSettings(**given(args, ProviderSettings.model_fields)), b"s" * 32)
+    assert provider.server.max_bytes == LIMIT_BYTES
+    ctx = provider._task_context()
+    assert (ctx.max_message_mb, ctx.max_message_bytes) == (LIMIT_MB, LIMIT_BYTES)
+    spec = TaskSpec.parse({
+        "task_id": "t1", "model": "mlp", "epochs": 1, "batch_size": 10, "lr": 0.1, "algorithm": "dpsgd",
+        "aggregate_every": 4, "seed": 3, "partition": "iid", "eval_samples": 0, "peer_timeout": 7,
+        "peers": [{"id": "p0", "address": "a:1"}, {"id": "p1", "address": "b:2"}], "data": {"mode": "local"}})
+    config = spec.experiment_config(95, ctx.host, ctx.device, ctx.max_message_mb)
+    assert config.tcp.max_message_mb == LIMIT_MB  # as given, not bytes / 2 ** 20
+    assert make_transport(config, 0, FlatState(nn.Linear(2, 1))).max_message_bytes == LIMIT_BYTES

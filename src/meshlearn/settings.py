@@ -9,9 +9,9 @@ setting, never a pydantic traceback.
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+from typing import Annotated, Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from meshlearn.errors import ConfigError
 
@@ -66,3 +66,28 @@ class Settings(BaseModel):
     def flat_names(cls) -> dict[str, str]:
         """Flat name -> field name, for every field."""
         return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}
+
+
+MIB = 2 ** 20  # bytes in a MiB
+DEFAULT_MAX_MESSAGE_MB = 512.0
+# The largest message a component accepts: one setting, ``max_message_mb``, written in MiB everywhere
+# it is given (a flag, an experiment file, a section, a provider's settings, a task's engine), and
+# read in bytes, ``max_message_bytes``, only where it is enforced (ZeroMQ, the decoders, the RPC).
+MaxMessageMb = Annotated[float, Field(DEFAULT_MAX_MESSAGE_MB, gt=0, description="largest message accepted, in MiB")]
+
+
+def message_bytes(max_message_mb: float) -> int:
+    """The size limit ``max_message_mb`` (MiB) in whole bytes: the one place a limit given in MiB
+    becomes the bytes it is enforced in."""
+    return int(max_message_mb * MIB)
+
+
+class MessageLimit(Settings):
+    """Settings that cap the messages their component accepts: the subclass declares the field
+    ``max_message_mb: MaxMessageMb`` among its own (where it shows in flags and files), and reads the
+    cap in bytes here."""
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The cap in bytes, as it is enforced."""
+        return message_bytes(self.max_message_mb)

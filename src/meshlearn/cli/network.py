@@ -343,7 +343,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 def add_network_commands(sub) -> None:
     """Add bootstrap, provider, request, results and leave to the `meshlearn` parser."""
     boot = sub.add_parser("bootstrap", help="run the network's entry point and provider registry")
-    add_flags(boot, [(n, f) for n, f in BootstrapSettings.model_fields.items() if n != "max_message_bytes"])
+    add_flags(boot, [(n, f) for n, f in BootstrapSettings.model_fields.items() if n != "max_request_bytes"])
     _secret_flags(boot)
     boot.set_defaults(func=cmd_bootstrap)
 

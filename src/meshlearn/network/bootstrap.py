@@ -43,7 +43,9 @@ class BootstrapSettings(Settings):
     port: int = Field(8080, ge=0, le=65535, description="port to listen on")
     state: str = Field("meshlearn-bootstrap.sqlite", description="SQLite file of the registry")
     ttl: float = Field(30.0, gt=0, description="seconds without a heartbeat before a provider is dropped")
-    max_message_bytes: int = Field(1024 * 1024, gt=0, description="largest request accepted")
+    # Not the engine's message cap (max_message_mb): the registry's requests (registrations,
+    # heartbeats, claims) are small JSON, so its RPC server refuses anything above this, in bytes.
+    max_request_bytes: int = Field(1024 * 1024, gt=0, description="largest RPC request accepted, in bytes")
     key: str = Field("", description="file of this bootstrap's key pair, made on first start (default: "
                      "bootstrap.key next to --state)")
     advertise: str = Field("", description="address other machines reach this bootstrap and its relay at "
@@ -101,7 +103,7 @@ class Bootstrap:
             "relay.open": self._relay_open,
             "relay.close": self._relay_close,
             "task.progress": self._task_progress,
-        }, max_bytes=settings.max_message_bytes, keys=keys, admit=self._admit)
+        }, max_bytes=settings.max_request_bytes, keys=keys, admit=self._admit)
         public_host = settings.public_host()
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
         self.relay = Relay(settings.host, relay_port, public_host, keys.text if keys else "",

@@ -33,11 +33,11 @@ from meshlearn.network.rpc import RpcServer, call
 from meshlearn.network.task import TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.plugins import load_user_module
-from meshlearn.settings import Settings
+from meshlearn.settings import MaxMessageMb, MessageLimit
 from meshlearn.sparselog import SparseLog
 
 if TYPE_CHECKING:
-    from meshlearn.network.taskrun import TaskRun
+    from meshlearn.network.taskrun import ProviderContext, TaskRun
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 HANDLER_THREADS = 16
 
 
-class ProviderSettings(Settings):
+class ProviderSettings(MessageLimit):
     """How a provider joins: its bootstrap, where it listens, what it declares, where it keeps tasks."""
 
     bootstrap: str = Field(description="HOST:PORT of the bootstrap")
@@ -68,7 +68,7 @@ class ProviderSettings(Settings):
     models_module: str | None = Field(None, description="local .py file registering custom models (never from "
                                                         "the network)")
     provider_id: str = Field("", description="provider id (default: host name and a random suffix)")
-    max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
+    max_message_mb: MaxMessageMb  # its server's requests and its tasks' engine messages
     key: str = Field("", description="file of this provider's key pair, made on first start (default: "
                      "provider.key in --workdir if given, else $MESHLEARN_HOME or ~/.meshlearn/provider.key)")
 
@@ -151,7 +151,7 @@ class Provider:
             "agg.ping": lambda req: self._providers_run(req).on_ping(req),
             "agg.results": lambda req: self._providers_run(req).on_results(req),
             "provider.leave": self._leave_request,
-        }, max_bytes=int(settings.max_message_mb * 2 ** 20), workers=HANDLER_THREADS, keys=keys,
+        }, max_bytes=settings.max_message_bytes, workers=HANDLER_THREADS, keys=keys,
             admit=self._admit)
         self.revoked: frozenset[str] = frozenset()  # keys the bootstrap shut out (told with each heartbeat)
         self._front: Allocation | None = None  # its server's relay allocation, if it has one
@@ -404,11 +404,19 @@ class Provider:
             run.access.provider_index(caller, req.kind, claimed if isinstance(claimed, int) else None)
         return run
 
+    def _task_context(self) -> ProviderContext:
+        """What a task run here may use of this provider (its limits among it: its message cap as
+        given, ``max_message_mb``)."""
+        from meshlearn.network.taskrun import ProviderContext  # loads torch: not before a first task
+
+        return ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
+                               Path(self.settings.data_root) if self.settings.data_root else None,
+                               self.settings.max_message_mb, self.clock, self.public_host,
+                               self.expose, poison=test_poison(), keep_data=self.settings.keep_data,
+                               cores=self.settings.cores, relayed=self.relayed)
+
     def _assign(self, req: Envelope) -> dict:
-        from meshlearn.network.taskrun import (  # loads torch: not before a first task
-            ProviderContext,
-            TaskRun,
-        )
+        from meshlearn.network.taskrun import TaskRun  # loads torch: not before a first task
 
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
         task_key = peer_key(field_of(req.body, "key", str, max_len=64), "the task's key")
@@ -423,12 +431,8 @@ class Provider:
                 raise BadMessage(f"provider {self.id} is leaving the network")
             if self._busy():
                 raise BadMessage(f"provider {self.id} is busy with task {self.current.spec.task_id}")
-            ctx = ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
-                                  Path(self.settings.data_root) if self.settings.data_root else None,
-                                  int(self.settings.max_message_mb * 2 ** 20), self.clock, self.public_host,
-                                  self.expose, poison=test_poison(), keep_data=self.settings.keep_data,
-                                  cores=self.settings.cores, relayed=self.relayed)
-            run = TaskRun(spec, ctx, task_key, access, on_change=self._run_changed, fresh=earlier is not None)
+            run = TaskRun(spec, self._task_context(), task_key, access, on_change=self._run_changed,
+                          fresh=earlier is not None)
             self.runs[spec.task_id] = self.current = run
         threading.Thread(target=run.run, name=f"task-{spec.task_id}", daemon=True).start()
         log.info("task %s accepted (provider %d of %d)", spec.task_id, run.index + 1, len(spec.peers))

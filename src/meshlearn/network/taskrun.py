@@ -32,6 +32,7 @@ from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.node import Node, make_transport
+from meshlearn.settings import DEFAULT_MAX_MESSAGE_MB, message_bytes
 from meshlearn.topology import build_topology
 from meshlearn.wire.sealed import FrameSeal
 
@@ -81,7 +82,7 @@ class ProviderContext:
     workdir: Path
     device: str = "cpu"
     data_root: Path | None = None
-    max_message_bytes: int = 512 * 1024 * 1024
+    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the provider's cap on a message (ProviderSettings)
     clock: Clock = field(default=SYSTEM)
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
@@ -89,6 +90,11 @@ class ProviderContext:
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
     cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
     relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The provider's cap on a message in bytes, as the task's engine and RPCs enforce it."""
+        return message_bytes(self.max_message_mb)
 
     def reach(self, port: int) -> tuple[str, Callable[[], None]]:
         """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
@@ -191,7 +197,7 @@ class TaskRun:
         self.access.save(self.folder)
         dataset, indices = task_dataset(spec, self.index, self.folder / "data", ctx.secret, ctx.id, ctx.data_root,
                                         before_chunk=self._check_cancelled)
-        config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_bytes / 2 ** 20)
+        config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_mb)
         if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
             config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
         graph = build_topology("full", config.nodes, spec.seed)

@@ -5,7 +5,8 @@ Names are imported on first use: ``sim.checks`` looks at a config before torch l
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
-    **{name: "launcher" for name in ("NodeFailure", "SimulationResult", "prepare_run", "simulate")},
+    **{name: "launcher" for name in ("NodeFailure", "SimulationResult", "prepare_run")},
+    "simulate": "run",  # run(config) under its public name: it picks the engine
     **{name: "report" for name in ("format_summary", "write_report")},
     "check_before_start": "checks",
 }

@@ -39,7 +39,6 @@ from meshlearn.data.specs import parse_spec
 from meshlearn.errors import ConfigError, DatasetError
 from meshlearn.plots import pyplot
 from meshlearn.plugins import load_user_module
-from meshlearn.sim.launcher import simulate
 from meshlearn.sim.report import (
     MIXED_TIME_LABEL,
     MODELLED_TIME_LABEL,
@@ -49,6 +48,7 @@ from meshlearn.sim.report import (
     load_logs,
     x_axes,
 )
+from meshlearn.sim.run import simulate
 
 RUN_KEYS = {"name", "quick", "seeds", "batched"}
 

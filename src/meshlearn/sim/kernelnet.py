@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import fcntl
+import importlib
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError, MeshlearnError
@@ -32,6 +34,7 @@ CLONE_NEWNET = 0x40000000
 INSIDE = "MESHLEARN_LOSS_NETNS"  # set in the namespaced child so it does not enter another one
 TABLE = "meshlearn_loss"
 ETHERNET_MTU = 1500
+Engine = Callable[..., Any]  # engine(config, progress=...) -> a result with its ``output`` folder
 SIOCETHTOOL, ETHTOOL_STSO, ETHTOOL_SGSO = 0x8946, 0x1F, 0x24
 
 
@@ -84,12 +87,16 @@ def _unshare_network() -> None:
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
 
 
-def run_in_namespace(config: ExperimentConfig, progress: bool) -> Path:
-    """Run the simulation in a child process inside a lossy namespace; returns its output folder."""
+def run_in_namespace(config: ExperimentConfig, progress: bool, engine: Engine) -> Path:
+    """Run ``config`` with ``engine`` (a module-level function, called with the config and
+    ``progress=``) in a child process inside a lossy namespace; returns its output folder.
+
+    The child is a fresh interpreter, so it is given the engine's import path, not the function:
+    this module then needs no engine module (sim.run, which imports this one, names the engine)."""
     env = {**os.environ, INSIDE: "1"}
     error_read, error_write = os.pipe()  # the child's one-line error, if it fails
-    command = [sys.executable, "-m", "meshlearn.sim.kernelnet", config.model_dump_json(), "1" if progress else "0",
-               str(error_write)]
+    command = [sys.executable, "-m", "meshlearn.sim.kernelnet", f"{engine.__module__}:{engine.__qualname__}",
+               config.model_dump_json(), "1" if progress else "0", str(error_write)]
     try:
         child = subprocess.Popen(command, env=env, preexec_fn=_unshare_network, pass_fds=(error_write,))
     except (OSError, subprocess.SubprocessError) as exc:
@@ -150,16 +157,18 @@ def drop_counts() -> tuple[int, int]:
     return (counts + [0, 0])[0], (counts + [0, 0])[1]
 
 
-def _child_main(config_json: str, progress: str, error_fd: str) -> int:
-    from meshlearn.sim.launcher import simulate
-
+def _child_main(engine_path: str, config_json: str, progress: str, error_fd: str) -> int:
+    """The child's side of ``run_in_namespace``: lo up and lossy, the engine ``module:function`` runs
+    the config, and the drop counts join its results; an error goes to ``error_fd`` as one line."""
+    module, _, name = engine_path.partition(":")
+    engine: Engine = getattr(importlib.import_module(module), name)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     with os.fdopen(int(error_fd), "w") as errors:
         try:
             config = ExperimentConfig(**json.loads(config_json))
             _loopback_up()
             install_drop_rule(config.net.loss)
-            result = simulate(config, progress=progress == "1")
+            result = engine(config, progress=progress == "1")
             seen, dropped = drop_counts()
             (result.output / "kernel_loss.json").write_text(json.dumps({
                 "configured_loss": config.net.loss, "packets_on_lo": seen,
@@ -174,4 +183,4 @@ def _child_main(config_json: str, progress: str, error_fd: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main(*sys.argv[1:4]))
+    sys.exit(_child_main(*sys.argv[1:5]))

@@ -1,4 +1,5 @@
-"""Run N nodes on one machine, one OS process each, on loopback with race-free port choice.
+"""The process engine: N nodes on one machine, one OS process each, on loopback with race-free
+port choice (``sim.run.run`` chooses it; ``run_processes`` is its entry).
 
 Each node process binds its endpoint (any free port unless ``base_port`` is set), reports
 the address to the launcher, receives the full address book, and runs. The launcher shows
@@ -30,8 +31,8 @@ from meshlearn.data import loader_modules, partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
-from meshlearn.sim.checks import check_before_start
 from meshlearn.runlog import COLUMNAR_LOG
+from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.report import RUN_TIMES
 from meshlearn.topology import Graph, write_graph_file
 
@@ -48,6 +49,11 @@ def say_on_stderr(text: str) -> None:
 
 def _silent(text: str) -> None:
     pass
+
+
+def default_say(progress: bool) -> Say:
+    """Where start-up messages go when the caller names nowhere: stderr with progress bars, nowhere without."""
+    return say_on_stderr if progress else _silent
 
 
 class NodeFailure(MeshlearnError):
@@ -311,34 +317,18 @@ class _Launcher:
         self.events.join_thread()
 
 
-def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
-             launched: float | None = None) -> SimulationResult:
-    """Run a whole experiment of ``config.nodes`` local node processes; write its results folder.
+def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
+                  launched: float | None = None) -> SimulationResult:
+    """The process engine: run ``config`` as ``config.nodes`` local node processes on this machine's
+    network as it is (``sim.run.run`` picks this engine, and moves a kernel-loss run into a lossy
+    namespace first); write its results folder.
 
     ``say`` hears what start-up is doing (default: stderr with progress, nothing without).
-    ``launched``: when the run began, as ``time.time()`` (the command line gives its process's
-    start, so the wall-clock it reports counts its own start-up too; default: now)."""
-    from meshlearn.sim.kernelnet import (
-        needs_namespace,
-        resolve_loss_mode,
-        run_in_namespace,
-    )
+    ``launched``: when the run began, as ``time.time()`` (default: now)."""
     from meshlearn.sim.report import write_report
 
     launched = time.time() if launched is None else launched
-    say = say or (say_on_stderr if progress else _silent)
-    if config.engine == "batched":  # every node in this process (or torchrun's); the network is modelled
-        from meshlearn.sim.batchedrun import simulate_batched
-
-        output, summaries, main = simulate_batched(config, progress, say, lambda c: prepare_run(c, say=say), launched)
-        return SimulationResult(output, summaries, main)
-    config = resolve_loss_mode(config)
-    if needs_namespace(config):
-        if not config.output:
-            config = config.model_copy(update={"output": str(default_output())})
-        output = run_in_namespace(config, progress)
-        per_node = json.loads((output / "summary.json").read_text())["per_node"]
-        return SimulationResult(output, {int(rank): summary for rank, summary in per_node.items()})
+    say = say or default_say(progress)
     start_forkserver(config)  # its imports overlap the checks below
     graph, output = prepare_run(config, say=say)
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
@@ -352,7 +342,7 @@ def simulate(config: ExperimentConfig, progress: bool = True, say: Say | None = 
 def start_forkserver(config: ExperimentConfig) -> None:
     """Start the forkserver node processes are forked from, if it is not running: it imports what
     every node imports once (torch, the node, the dataset's loader: their pages shared), and does
-    so while the caller goes on (simulate starts it before it checks the run). Ctrl-C is ignored
+    so while the caller goes on (run_processes starts it before it checks the run). Ctrl-C is ignored
     while it starts: the launcher alone handles Ctrl-C, and the forkserver ignores it itself only
     once its imports are done, so a Ctrl-C during start-up printed its KeyboardInterrupt traceback."""
     mp.get_context("forkserver").set_forkserver_preload(["torch", "meshlearn.node", *loader_modules(config.dataset)])

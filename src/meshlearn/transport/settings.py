@@ -10,7 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, field_validator
 
-from meshlearn.settings import Settings
+from meshlearn.settings import MaxMessageMb, MessageLimit
 
 # The largest multiple of 8 bytes that, with the 48-byte header and 28 bytes of IP/UDP headers,
 # fits one unfragmented IP packet on lo (MTU 65,536): fewer datagrams, fewer syscalls.
@@ -18,16 +18,13 @@ LOOPBACK_CHUNK = 65_456
 ETHERNET_CHUNK = 1_424  # + 48 + 28 = 1,500: one standard Ethernet frame, no IP fragmentation
 
 
-class LinkSettings(Settings):
-    """What every transport of a node needs, whatever carries its messages."""
+class LinkSettings(MessageLimit):
+    """What every transport of a node needs, whatever carries its messages (``max_message_bytes``:
+    the size cap in bytes, as the transports enforce it)."""
 
     handshake_timeout: float = Field(60.0, gt=0, description="seconds for every neighbour to answer HELLO; "
                                                              "after it, an error names the silent ones")
-    max_message_mb: float = Field(512.0, gt=0, description="largest message accepted, in MiB")
-
-    @property
-    def max_message_bytes(self) -> int:
-        return int(self.max_message_mb * 1024 * 1024)
+    max_message_mb: MaxMessageMb
 
 
 class TcpSettings(LinkSettings):
