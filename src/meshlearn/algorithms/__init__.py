@@ -6,10 +6,10 @@ Names are imported on first use, so reading settings does not load the algorithm
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
-    "ALGORITHMS": "base", "Algorithm": "base", "AlgorithmContext": "base", "algorithm_class": "base",
-    "make_algorithm": "base", "register_runtime": "base", "RoundRunner": "rounds", "DPSGD": "dpsgd", "Gossip": "gossip",
-    "GossipAverager": "gossip", "Leader": "leader", "Election": "election", "LeaderState": "leaderstate",
-    
+    "ALGORITHMS": "base", "Algorithm": "base", "AlgorithmContext": "base", "register_runtime": "base",
+    "algorithm_class": "runtimes", "make_algorithm": "runtimes", "RoundRunner": "rounds", "DPSGD": "dpsgd",
+    "Gossip": "gossip", "GossipAverager": "gossip", "Leader": "leader", "Election": "election",
+    "LeaderState": "leaderstate",
 }
 __all__ = sorted(_WHERE)
 

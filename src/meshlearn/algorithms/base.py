@@ -10,7 +10,6 @@ import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.definitions.base import RoundAlgorithm, definition
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.plugins import Registry
@@ -138,22 +137,3 @@ class LocalOnly(Algorithm):
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         return {}
-
-
-def algorithm_class(name: str) -> type[Algorithm]:
-    """The process engine's class for the algorithm registered under ``name`` (ConfigError if
-    none is): its own runtime, or the runner of a ``RoundAlgorithm``."""
-    from meshlearn.algorithms.rounds import runner_for
-
-    found = definition(name)
-    if name in ALGORITHMS:
-        return ALGORITHMS.get(name)
-    if issubclass(found, RoundAlgorithm):
-        return runner_for(found)
-    raise ConfigError(f"algorithm {name} has no runtime in the process engine: give it one, or write it as a "
-                      "RoundAlgorithm")
-
-
-def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:
-    """Build a registered algorithm by name."""
-    return algorithm_class(name)(ctx)

@@ -5,13 +5,42 @@ counts its own, so no batched algorithm counts bytes or reads the transport's na
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
 import numpy as np
 
-from meshlearn.batched.algorithms.base import Traffic
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.config import ExperimentConfig
 from meshlearn.transport.settings import default_chunk_bytes
+
+
+@dataclass
+class Traffic:
+    """Per-node counters of what the modelled network carried (the process engine's names)."""
+
+    nodes: int
+    counters: dict[str, np.ndarray] = field(default_factory=dict)
+
+    NAMES: ClassVar[tuple[str, ...]] = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
+                                        "gather_timeouts", "stale_dropped", "malformed_dropped", "chunks_lost")
+
+    def __post_init__(self) -> None:
+        for name in self.NAMES:
+            self.counters.setdefault(name, np.zeros(self.nodes, dtype=np.int64))
+
+    def add(self, name: str, values: Any) -> None:
+        """Add one value per node."""
+        self.counters[name] += np.asarray(values, dtype=np.int64)
+
+    def add_one(self, name: str, rank: int, value: int) -> None:
+        """Add ``value`` to node ``rank``'s counter ``name``."""
+        self.counters[name][rank] += value
+
+    def of(self, rank: int) -> dict[str, int]:
+        """Node ``rank``'s counters, as a process-engine node reports its transport's stats."""
+        return {name: int(values[rank]) for name, values in self.counters.items()}
 
 
 class ModelledNetwork:

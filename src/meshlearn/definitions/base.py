@@ -48,7 +48,7 @@ class RoundAlgorithm(Definition):
     defaults are D-PSGD's: send the model, take the round's weighted average."""
 
     needs: ClassVar[Needs] = Needs(dynamic=True)
-    linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum of payloads): a sparse product in the batched engine
+    linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum): a sparse product in the batched engine
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None):
         self.rounds, self.nodes, self.seed, self.options = rounds, nodes, seed, settings

@@ -5,8 +5,9 @@ from meshlearn.batched.algorithms.base import (
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
-    batched_algorithm_class,
     register_batched,
 )
+from meshlearn.batched.algorithms.runtimes import batched_algorithm_class
 
-__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "batched_algorithm_class", "register_batched"]
+__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "batched_algorithm_class",
+           "register_batched"]

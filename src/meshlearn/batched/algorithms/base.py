@@ -4,23 +4,19 @@ from __future__ import annotations
 
 from abc import ABC
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 import torch
 
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.mixing import Links
+from meshlearn.batched.network import ModelledNetwork, Traffic
 from meshlearn.batched.shards import Collective, HaloPlan, Shard
 from meshlearn.batched.stacked import StackedState
 from meshlearn.config import ExperimentConfig
-from meshlearn.definitions.base import RoundAlgorithm, definition
-from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
 from meshlearn.topology import Graph
-
-if TYPE_CHECKING:
-    from meshlearn.batched.network import ModelledNetwork
 
 
 @dataclass
@@ -40,7 +36,7 @@ class BatchedContext:
     collective: Collective
     plan: HaloPlan | None = None
     samples: list[int] = field(default_factory=list)  # training samples in each node's shard
-    network: "ModelledNetwork | None" = None  # gathers in modelled time and counts the traffic
+    network: ModelledNetwork | None = None  # gathers in modelled time and counts the traffic
 
     def rows_to_average(self, sent: torch.Tensor | None = None) -> torch.Tensor:
         """The rows the local links' senders index: this block's, then those other blocks send
@@ -49,33 +45,6 @@ class BatchedContext:
         if self.plan is None:
             return state
         return torch.cat([state, self.collective.exchange(state if sent is None else sent, self.plan)])
-
-
-@dataclass
-class Traffic:
-    """Per-node counters of what the modelled network carried (the process engine's names)."""
-
-    nodes: int
-    counters: dict[str, np.ndarray] = field(default_factory=dict)
-
-    NAMES: ClassVar[tuple[str, ...]] = ("messages_sent", "bytes_sent", "messages_received", "bytes_received",
-                                        "gather_timeouts", "stale_dropped", "malformed_dropped", "chunks_lost")
-
-    def __post_init__(self) -> None:
-        for name in self.NAMES:
-            self.counters.setdefault(name, np.zeros(self.nodes, dtype=np.int64))
-
-    def add(self, name: str, values: Any) -> None:
-        """Add one value per node."""
-        self.counters[name] += np.asarray(values, dtype=np.int64)
-
-    def add_one(self, name: str, rank: int, value: int) -> None:
-        """Add ``value`` to node ``rank``'s counter ``name``."""
-        self.counters[name][rank] += value
-
-    def of(self, rank: int) -> dict[str, int]:
-        """Node ``rank``'s counters, as a process-engine node reports its transport's stats."""
-        return {name: int(values[rank]) for name, values in self.counters.items()}
 
 
 class AsyncDriver(Protocol):
@@ -130,17 +99,3 @@ def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
     """Class decorator adding the batched engine's own runtime for the algorithm ``cls.name`` (one
     registered in ``definitions``); a ``RoundAlgorithm`` needs none (``rounds.batched_runner_for``)."""
     return BATCHED_ALGORITHMS.add(cls.name, cls)
-
-
-def batched_algorithm_class(name: str) -> type[BatchedAlgorithm]:
-    """The batched engine's class for the algorithm registered under ``name`` (ConfigError if none
-    is): its own runtime, or the runner of a ``RoundAlgorithm``."""
-    from meshlearn.batched.algorithms.rounds import batched_runner_for
-
-    found = definition(name)
-    if name in BATCHED_ALGORITHMS:
-        return BATCHED_ALGORITHMS.get(name)
-    if issubclass(found, RoundAlgorithm):
-        return batched_runner_for(found)
-    raise ConfigError(f"algorithm {name} has no runtime in the batched engine: use the process engine, or write it "
-                      "as a RoundAlgorithm")
