@@ -21,7 +21,7 @@ from pydantic.fields import FieldInfo
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
-from meshlearn.definitions.base import DEFINITIONS, definition, names_that
+from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition, names_that
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.definitions.pushsum import PushSumSettings
 from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
@@ -84,11 +84,7 @@ class ExperimentConfig(Settings):
     model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
-    algorithm: str = Field(
-        "dpsgd", description="dpsgd (synchronous) | gossip (asynchronous pairwise, dpwa) | leader (asynchronous "
-        "leader aggregation, CloudMesh) | fedavg (a parameter server, node 0: the federated baseline; the "
-        "topology is not used) | pushsum (Stochastic Gradient Push: directed and time-varying graphs) | tracking "
-        "(gradient tracking, DSGT: non-IID data) | local (no exchange) | one registered by --models-module")
+    algorithm: str = Field("dpsgd", description=algorithms_help())
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)
     byzantine: str = Field("", description=BYZANTINE_HELP)

@@ -106,3 +106,9 @@ def names_that(accept) -> list[str]:
     """The registered algorithms whose declaration ``accept(needs)`` takes, sorted (loads every
     built-in declaration: no torch)."""
     return [name for name in DEFINITIONS.names() if accept(definition(name).needs)]
+
+
+def algorithms_help() -> str:
+    """Every registered algorithm with its summary, for the command line and the settings reference."""
+    return " | ".join(f"{name} ({definition(name).summary})" for name in DEFINITIONS.names()) + \
+        " | one registered by --models-module"

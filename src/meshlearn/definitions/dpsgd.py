@@ -26,7 +26,7 @@ class DpsgdDefinition(Definition):
     """Synchronous decentralized SGD: average with the neighbours after the local steps."""
 
     name = "dpsgd"
-    summary = "synchronous: Metropolis-Hastings average with the neighbours after the local steps"
+    summary = "synchronous: the Metropolis-Hastings average with the neighbours after the local steps"
     needs = Needs(lossy=True, sharing=ALL_SCHEMES, robust=True, byzantine=True, dynamic=True, torchrun=True,
                   network=True)
     settings = DpsgdSettings

@@ -11,6 +11,6 @@ class GossipDefinition(Definition):
     """Asynchronous pairwise averaging: fetch a random neighbour's model and interpolate."""
 
     name = "gossip"
-    summary = "asynchronous pairwise averaging (dpwa)"
+    summary = "asynchronous pairwise averaging, as dpwa"
     needs = Needs(endpoint="pull", synchronous=False, robust=True, byzantine=True, network=True)
     settings = GossipSettings

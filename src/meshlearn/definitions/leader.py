@@ -11,6 +11,6 @@ class LeaderDefinition(Definition):
     """An elected member aggregates everyone's latest model and answers each push."""
 
     name = "leader"
-    summary = "asynchronous leader aggregation (CloudMesh)"
+    summary = "asynchronous leader aggregation, as CloudMesh"
     needs = Needs(endpoint="hub", synchronous=False, robust=True, byzantine=True, network=True)
     settings = LeaderSettings

@@ -10,5 +10,5 @@ class LocalDefinition(Definition):
     """Each node trains alone."""
 
     name = "local"
-    summary = "no exchange: each node trains alone (a baseline)"
+    summary = "no exchange: each node trains alone, a baseline"
     needs = Needs(endpoint="none", lossy=True, sharing=ALL_SCHEMES, robust=True, byzantine=True, torchrun=True)

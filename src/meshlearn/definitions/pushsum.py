@@ -46,7 +46,7 @@ class PushSum(RoundAlgorithm):
 
     name = "pushsum"
     settings = PushSumSettings
-    summary = "Stochastic Gradient Push: push-sum averaging over directed and time-varying graphs (Assran et al. 2019)"
+    summary = "Stochastic Gradient Push, Assran et al. 2019: push-sum over directed and time-varying graphs"
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None):
         super().__init__(rounds, nodes, seed, settings)

@@ -31,7 +31,7 @@ class GradientTracking(RoundAlgorithm):
     """DSGT: average ``x + d`` and the tracker ``d`` with the neighbours; step along the tracked update."""
 
     name = "tracking"
-    summary = "gradient tracking (DSGT, Pu and Nedić 2021): D-PSGD along the tracked average update, for non-IID data"
+    summary = "gradient tracking as DSGT, Pu and Nedić 2021: D-PSGD along the tracked average update, for non-IID data"
 
     def begin(self, own: "Tensor") -> State:
         """The model the local steps started from, the last update, and ``W d`` of the last round (zero)."""
