@@ -23,13 +23,15 @@ a straggler 1.2-1.4x sooner to 85-96% than dpwa's fetch, within about 10% of D-P
 dpwa exchanges parameters only; meshlearn also interpolates floating-point buffers (BatchNorm
 running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
 match its weights. ``num_batches_tracked`` stays local.
+
+A node's decisions (fetch or not, whom, judging the answer, the factor, dpwa's clock) are a
+``GossipState`` (``algorithms.gossipstate``), which the batched engine drives too; ``GossipAverager``
+carries its fetches over a ``PullEndpoint`` from the training thread.
 """
 
 from __future__ import annotations
 
 import math
-import random
-import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterable
@@ -37,106 +39,57 @@ from typing import Callable, Iterable
 import torch
 
 from meshlearn.aggregation.base import AggregationRule
-from meshlearn.aggregation.suspects import PeerWatch, refusal
+from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.algorithms.gossipstate import (
+    DIVERGED,
+    ROBUST_PEERS,
+    GossipState,
+    PeerScores,
+    Reply,
+    interpolation_factor,
+    robust_target,
+)
+from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import Message, meta_number, meta_real
 
-
-def interpolation_factor(settings: GossipSettings, clock: float, peer_clock: float, loss: float,
-                         peer_loss: float) -> float:
-    """How much of the peer's state to take (0..1).
-
-    constant: ``value``; clock: ``peer_clock / (clock + peer_clock)`` (the more the peer has
-    trained, the more of it); loss: ``loss / (loss + peer_loss)`` (the worse my loss, the more I
-    take; negative losses count as 0, so use ``clock`` or ``constant`` for objectives that go
-    negative). Both ratios are 0.5 when numerator and denominator are 0. With a non-zero
-    ``divergence_threshold`` and my loss below it, the factor is scaled by ``loss / threshold``,
-    so a node that already fits its data well takes little from others.
-    """
-    if settings.interpolation == "constant":
-        factor = settings.value
-    elif settings.interpolation == "clock":
-        factor = _share(peer_clock, clock)
-    else:  # the ratio needs losses >= 0 (cross-entropy, MSE): a negative loss counts as 0
-        factor = _share(max(loss, 0.0), max(peer_loss, 0.0))
-    if settings.divergence_threshold and loss < settings.divergence_threshold:
-        factor *= max(loss, 0.0) / settings.divergence_threshold
-    return min(1.0, max(0.0, factor))
-
-
-def _share(part: float, other: float) -> float:
-    return part / (part + other) if part + other > 0 else 0.5
-
-
-class PeerScores:
-    """Flow control: every peer starts at 1000; +10 after a fetch that worked, -100 after one
-    that failed, kept within 10..1000. ``pick`` takes the highest score plus a uniform random
-    term of up to ``NOISE``, so a peer that keeps failing is chosen rarely but still retried
-    (and climbs back once it answers). On top of dpwa's scores, a peer that gave no answer
-    ``n >= 3`` times in a row sits out the next ``2 ** (n - 2)`` picks (at most ``MAX_BACKOFF``): a peer
-    that accepts connections but never answers costs a whole timeout each time it is picked,
-    and this makes its share of the picks 1.6% instead of 6.2% (two neighbours)."""
-
-    START, REWARD, PENALTY, LOW, HIGH = 1000.0, 10.0, 100.0, 10.0, 1000.0
-    NOISE = 1500.0
-    MAX_BACKOFF = 64
-
-    def __init__(self, peers: Iterable[int], rng: random.Random):
-        self.score = {peer: self.START for peer in peers}
-        self.rng = rng
-        self.failures = {peer: 0 for peer in self.score}  # in a row
-        self.sitting_out = {peer: 0 for peer in self.score}  # picks left before it may be chosen again
-
-    def pick(self) -> int | None:
-        """The peer to fetch from next, or None when every peer is sitting out."""
-        ready = [peer for peer, left in self.sitting_out.items() if not left]
-        for peer, left in self.sitting_out.items():
-            if left:
-                self.sitting_out[peer] = left - 1
-        if not ready:
-            return None
-        return max(ready, key=lambda peer: self.score[peer] + self.rng.uniform(0.0, self.NOISE))
-
-    def success(self, peer: int) -> None:
-        self.score[peer] = min(self.HIGH, self.score[peer] + self.REWARD)
-        self.failures[peer] = self.sitting_out[peer] = 0
-
-    def failure(self, peer: int) -> None:
-        """A fetch that got an answer that could not be used."""
-        self.score[peer] = max(self.LOW, self.score[peer] - self.PENALTY)
-
-    def no_answer(self, peer: int) -> None:
-        """A fetch that got no answer at all (the costly kind: it may have waited a whole timeout)."""
-        self.failure(peer)
-        self.failures[peer] += 1
-        if self.failures[peer] >= 3:
-            self.sitting_out[peer] = min(self.MAX_BACKOFF, 2 ** (self.failures[peer] - 2))
+__all__ = ["ROBUST_PEERS", "Gossip", "GossipAverager", "GossipSettings", "GossipState", "PeerScores",
+           "interpolation_factor", "robust_target"]
 
 
 class GossipAverager:
-    """The exchange both the engine's ``gossip`` algorithm and the PyTorch adapter run."""
+    """The exchange both the engine's ``gossip`` algorithm and the PyTorch adapter run: a
+    ``GossipState`` driven by the training thread, with its fetches carried by ``endpoint``."""
 
     def __init__(self, flat: FlatState, endpoint: PullEndpoint, peers: Iterable[int], settings: GossipSettings,
                  seed: int = 0, rule: AggregationRule | None = None, watch: PeerWatch | None = None,
-                 forge: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
+                 forge: Callable[[torch.Tensor, int], torch.Tensor] | None = None, time: Clock = SYSTEM):
         self.flat = flat
-        self.rule = rule if rule is not None and rule.robust else None
-        self.watch = watch if watch is not None else PeerWatch()
-        self.forge = forge  # a bad node's attack: what it publishes for its state at a step
-        self.latest: dict[int, torch.Tensor] = {}  # with a robust rule: each peer's latest model pulled
         self.endpoint = endpoint
-        self.settings = settings
-        self.rng = random.Random(seed)
-        self.scores = PeerScores(sorted(peers), self.rng)
-        self.clock = 0.0
-        self.merges = 0
+        self.forge = forge  # a bad node's attack: what it publishes for its state at a step
+        self.node = GossipState(peers, settings, seed, rule, watch, time)
         self._trained_published = False  # update_wait published since the last update_send
-        self._pending: tuple[int, Future, float] | None = None
+        self._pending_answer: Future | None = None  # the pending fetch's answer, as the endpoint delivers it
         self._step_seconds = 0.0  # a moving average of the time from update_send to update_wait
         self._sent_at: float | None = None
+
+    @property
+    def clock(self) -> float:
+        """dpwa's clock: steps trained, interpolated with the peers' clocks like the state."""
+        return self.node.clock
+
+    @property
+    def scores(self) -> PeerScores:
+        """The peers' scores (flow control)."""
+        return self.node.scores
+
+    @property
+    def merges(self) -> int:
+        """Fetches merged so far."""
+        return self.node.merged
 
     def update_send(self, loss: float | None) -> None:
         """Maybe start fetching a peer's state (returns at once); publish the current state if
@@ -144,104 +97,75 @@ class GossipAverager:
         if not self._trained_published:
             self._publish(loss)
         self._trained_published = False
-        if self._pending is None and self.scores.score and self.rng.random() < self.settings.fetch_probability \
-                and (peer := self.scores.pick()) is not None:
-            wait = min(self._step_seconds, self.settings.timeout / 2) if self.settings.fresh else 0.0
-            self._pending = (peer, self.endpoint.fetch(peer, self.settings.timeout, wait),
-                             time.monotonic() + self.settings.timeout)
-        self._sent_at = time.monotonic()
+        fetch = self.node.start_step(self._step_seconds)
+        if fetch is not None:
+            try:
+                self._pending_answer = self.endpoint.fetch(fetch.peer, self.node.settings.timeout, fetch.wait)
+            except BaseException:
+                self.node.cancel()  # never started
+                raise
+        self._sent_at = self.node.time.monotonic()
 
     def _publish(self, loss: float | None) -> None:
         vector = self.flat.state.detach()
         if self.forge is not None:
-            vector = self.forge(vector, int(self.clock))
+            vector = self.forge(vector, int(self.node.clock))
         state = self.flat.segments_of(vector.to("cpu", copy=True))
         loss = float(loss or 0.0)
         # A loss that is not finite (a diverged worker) is published as null: peers take nothing from it.
-        self.endpoint.publish(state, {"clock": self.clock, "loss": loss if math.isfinite(loss) else None})
+        self.endpoint.publish(state, {"clock": self.node.clock, "loss": loss if math.isfinite(loss) else None})
 
     def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
         """Count ``steps`` trained and publish the trained state; wait for the fetch started by
         ``update_send`` (never past its timeout) and interpolate with the peer. Returns what
         happened, for the run log."""
-        self.clock += steps
-        if self._sent_at is not None:
-            took = time.monotonic() - self._sent_at
-            self._step_seconds = took if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * took
-            self._sent_at = None
+        self.node.trained(steps)
+        self._time_step()
         self._publish(loss)
         self._trained_published = True
-        if self._pending is None:
+        fetch = self.node.fetch
+        if fetch is None:
             return {"fetched": -1, "factor": 0.0, "comm": 0.0}
-        peer, future, deadline = self._pending
-        self._pending = None
-        started = time.monotonic()
-        try:
-            reply = future.result(timeout=max(0.0, deadline - started) + 0.05)
-        except FutureTimeout:  # the fetch thread ends it at its own deadline; stop waiting here
-            reply = None
-        waited = time.monotonic() - started
-        peer_clock = None if reply is None else meta_number(reply.meta, "clock")
-        peer_loss = None if reply is None else meta_real(reply.meta, "loss")
-        if reply is None:
-            self.scores.no_answer(peer)
-            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
-        problem = self.flat.check_compatible(reply.tensors)
-        if problem is not None or peer_clock is None:
-            self.watch.refused(peer, problem or "its clock is not a number")
-            self.scores.failure(peer)  # another model, or a clock that is not a clock
-            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
-        if peer_loss is None:  # a diverged peer (null loss) or a loss that is not a number: not merged
-            self.scores.failure(peer)
-            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1, "diverged": 1}
-        problem = next(filter(None, map(refusal, reply.tensors.values())), None)
-        if problem is not None:  # NaN or Inf: refused before any rule sees it
-            self.watch.refused(peer, problem)
-            self.scores.failure(peer)
-            return {"fetched": peer, "factor": 0.0, "comm": waited, "failed": 1}
-        self.watch.heard(peer)
-        self.scores.success(peer)
-        own_loss = float(loss or 0.0)
-        factor = 1.0 if not math.isfinite(own_loss) else \
-            interpolation_factor(self.settings, self.clock, peer_clock, own_loss, peer_loss)
-        t0 = time.monotonic()
-        if self.rule is not None:
-            self._merge_robust(peer, reply, factor)
+        started = self.node.time.monotonic()
+        reply = self._answer(max(0.0, fetch.deadline - started) + 0.05)
+        waited = self.node.time.monotonic() - started
+        verdict = self.node.judge(None if reply is None else self._judged(reply), loss)
+        record = {"fetched": verdict.peer, "factor": verdict.factor, "comm": waited}
+        if not verdict.merged:
+            return {**record, "failed": 1, **({"diverged": 1} if verdict.outcome == DIVERGED else {})}
+        t0 = self.node.time.monotonic()
+        if self.node.rule is not None:
+            pulled = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges])
+            self.node.move_robustly(self.flat.state, pulled.to(self.flat.state.device, copy=True), verdict.peer,
+                                    verdict.factor)
         else:
             for name, target in self.flat.tensors().items():
-                target.lerp_(reply.tensors[name].to(target.device), factor)
-        self.clock = factor * peer_clock + (1 - factor) * self.clock
-        self.merges += 1
-        return {"fetched": peer, "factor": factor, "comm": waited, "average": time.monotonic() - t0}
+                target.lerp_(reply.tensors[name].to(target.device), verdict.factor)
+        return {**record, "average": self.node.time.monotonic() - t0}
 
+    def _answer(self, timeout: float) -> Message | None:
+        """The pending fetch's answer, or None after ``timeout`` seconds (the fetch thread ends the
+        fetch at its own deadline: this only stops waiting). A fetch that failed is dropped."""
+        future, self._pending_answer = self._pending_answer, None
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            return None
+        except BaseException:
+            self.node.cancel()
+            raise
 
-    def _merge_robust(self, peer: int, reply: Message, factor: float) -> None:
-        state = self.flat.state
-        self.latest[peer] = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges]).to(
-            state.device, copy=True)
-        with torch.no_grad():
-            state.lerp_(robust_target(self.rule, state.detach(), self.latest, peer, self.watch,
-                                      len(self.scores.score)), factor)
+    def _time_step(self) -> None:
+        """Fold the time since ``update_send`` into the moving average a fresh fetch waits for."""
+        if self._sent_at is not None:
+            took = self.node.time.monotonic() - self._sent_at
+            self._step_seconds = took if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * took
+            self._sent_at = None
 
-
-ROBUST_PEERS = 2  # peers' models a robust rule compares before a gossiping node moves at all
-
-
-def robust_target(rule: AggregationRule, own: torch.Tensor, latest: dict[int, torch.Tensor], peer: int,
-                  watch: PeerWatch, neighbours: int) -> torch.Tensor:
-    """What a gossiping node moves toward under a robust ``rule``: the rule's aggregate of its own
-    model and every peer's latest pulled one (equal weights), ``peer``'s just pulled (and judged
-    for ``watch``). A pairwise pull alone gives a rule only two models, too few to outvote a bad
-    one: until the node has pulled from two of its ``neighbours`` (or its only one), it stays
-    where it is, or a bad peer pulled first would count as much as the node itself. Used by both
-    engines."""
-    if len(latest) < min(ROBUST_PEERS, neighbours):
-        return own
-    peers = sorted(latest)
-    models = torch.stack([own, *(latest[q] for q in peers)])
-    aggregate = rule(models, [1.0] * len(models))
-    watch.observe(peers, models, aggregate, judged=peer)
-    return aggregate
+    def _judged(self, reply: Message) -> Reply:
+        """A fetch's answer as ``GossipState.judge`` reads it."""
+        return Reply(meta_number(reply.meta, "clock"), meta_real(reply.meta, "loss"), list(reply.tensors.values()),
+                     self.flat.check_compatible(reply.tensors))
 
 
 @register_runtime
@@ -260,7 +184,6 @@ class Gossip(Algorithm):
                                        forge=None if ctx.attack is None else ctx.outgoing)
         self._loss: float | None = None
         self._comm = self._average = 0.0
-        self._merged = self._failed = 0
 
     def before_step(self) -> None:
         self.averager.update_send(self._loss)
@@ -270,12 +193,10 @@ class Gossip(Algorithm):
         record = self.averager.update_wait(loss)
         self._comm += record.get("comm", 0.0)
         self._average += record.get("average", 0.0)
-        self._merged += record["fetched"] >= 0 and not record.get("failed")
-        self._failed += record.get("failed", 0)
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        record = {"comm": self._comm, "average": self._average, "merged": self._merged, "failed": self._failed,
+        merged, failed = self.averager.node.tally()
+        record = {"comm": self._comm, "average": self._average, "merged": merged, "failed": failed,
                   "clock": self.averager.clock}
         self._comm = self._average = 0.0
-        self._merged = self._failed = 0
         return record

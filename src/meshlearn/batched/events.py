@@ -1,11 +1,14 @@
-"""What asynchronous algorithms of the batched engine share: modelled time as an event queue,
-and nodes' steps computed together, lazily."""
+"""What asynchronous algorithms of the batched engine share: modelled time as an event queue (and
+a clock that reads it, for the state machines shared with the process engine), and nodes' steps
+computed together, lazily."""
 
 from __future__ import annotations
 
 import heapq
 import itertools
 from typing import Any, Callable
+
+from meshlearn.clock import Clock
 
 
 class EventQueue:
@@ -26,6 +29,19 @@ class EventQueue:
 
     def __bool__(self) -> bool:
         return bool(self._heap)
+
+
+class ModelledClock(Clock):
+    """A clock that reads the modelled time the event queue has reached (set ``now`` as events are taken)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return self.now
 
 
 class PendingSteps:

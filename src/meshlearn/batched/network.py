@@ -38,6 +38,16 @@ class Traffic:
         """Add ``value`` to node ``rank``'s counter ``name``."""
         self.counters[name][rank] += value
 
+    def sent(self, rank: int, nbytes: int = 0) -> None:
+        """Node ``rank`` sent one message carrying ``nbytes`` of state (0: a request)."""
+        self.counters["messages_sent"][rank] += 1
+        self.counters["bytes_sent"][rank] += nbytes
+
+    def received(self, rank: int, nbytes: int = 0) -> None:
+        """Node ``rank`` received one message carrying ``nbytes`` of state (0: a request)."""
+        self.counters["messages_received"][rank] += 1
+        self.counters["bytes_received"][rank] += nbytes
+
     def of(self, rank: int) -> dict[str, int]:
         """Node ``rank``'s counters, as a process-engine node reports its transport's stats."""
         return {name: int(values[rank]) for name, values in self.counters.items()}

@@ -11,21 +11,22 @@ as of the moment it is answered); the answer takes another latency to come back.
 finished all its steps is gone: fetching it fails at once. Everything happens in the order of
 modelled time (an event queue); the nodes' steps are still computed together: a step only reads
 and writes its own node's row, so every step that has started is computed in one vectorized call
-the first time one of their results is needed.
+the first time one of their results is needed. A node's decisions (whether and whom to fetch,
+how a reply is judged, how far it moves, dpwa's clock) are its ``GossipState``, the process
+engine's own, reading the modelled time; each event kind is a method of ``_GossipRun``.
 """
 
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from meshlearn.aggregation.base import get_rule
-from meshlearn.aggregation.suspects import PeerWatch, refusal
-from meshlearn.algorithms.gossip import PeerScores, interpolation_factor, robust_target
+from meshlearn.aggregation.suspects import PeerWatch
+from meshlearn.algorithms.gossipstate import Fetch, GossipState, Reply
 from meshlearn.batched.algorithms.base import (
     AsyncDriver,
     BatchedAlgorithm,
@@ -34,21 +35,18 @@ from meshlearn.batched.algorithms.base import (
     register_batched,
 )
 from meshlearn.batched.byzantine import BadNodes
-from meshlearn.batched.events import EventQueue, PendingSteps
+from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
 from meshlearn.definitions.settings import GossipSettings
 
-START, DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(6)
+DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(5)
 
 
 @dataclass
-class _Fetch:
-    """A node's fetch in flight: from whom, when it started, when it gives up."""
+class _InFlight:
+    """A node's fetch on its way: the ``GossipState``'s fetch, and what the modelled network did with it."""
 
     number: int  # the fetch's own number: events of an earlier fetch are recognised and ignored
-    peer: int
-    started: float
-    deadline: float
-    wait: float
+    fetch: Fetch
     replied: float | None = None  # when the answer arrived (None: not yet, or never)
     answer_clock: float = 0.0
     answer_loss: float | None = None
@@ -57,18 +55,15 @@ class _Fetch:
 
 @dataclass
 class _Node:
-    """One node's progress through its steps."""
+    """One node's progress through its steps (its gossip decisions: its ``GossipState``)."""
 
     step: int = 0
     done_at: float = 0.0  # when its current step's training ends
     waiting: bool = False  # trained and published, waiting for its fetch
-    fetch: _Fetch | None = None
-    clock: float = 0.0  # dpwa's clock: steps trained, interpolated with the peers'
+    fetch: _InFlight | None = None
     loss: float | None = None
     held: list[tuple[int, int]] = field(default_factory=list)  # (node, fetch number) waiting for the next publish
-    comm: float = 0.0  # this iteration's waiting, merges and failures
-    merged: int = 0
-    failed: int = 0
+    comm: float = 0.0  # this iteration's waiting
     losses: list[float] = field(default_factory=list)
     finished: bool = False
 
@@ -83,165 +78,187 @@ class BatchedGossip(BatchedAlgorithm):
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
         self.settings: GossipSettings = ctx.config.gossip
-        seed = ctx.config.seed
-        # each node's own stream, as a process-engine node seeds its averager
-        self.rngs = [random.Random(seed * 7919 + rank) for rank in range(ctx.graph.n)]
-        self.scores = [PeerScores(ctx.graph.neighbours(rank), self.rngs[rank]) for rank in range(ctx.graph.n)]
+        self.clock = ModelledClock()
         rule = get_rule(ctx.config.aggregation)
-        self.rule = rule if rule.robust else None  # as a process-engine node's ``GossipAverager``
-        self.watches = [PeerWatch() for _ in range(ctx.graph.n)]
-        self.latest: list[dict[int, torch.Tensor]] = [{} for _ in range(ctx.graph.n)]  # robust: peers' last pulls
+        # each node's own stream and decisions, as a process-engine node's ``GossipAverager``
+        self.gossips = [GossipState(ctx.graph.neighbours(rank), self.settings, ctx.config.seed * 7919 + rank, rule,
+                                    PeerWatch(), self.clock) for rank in range(ctx.graph.n)]
         self.bad = BadNodes(ctx.config, 0, ctx.stacked.state, ctx.links, ctx.local)
 
     def peers_report(self) -> dict[int, dict]:
-        reports = {rank: watch.report() for rank, watch in enumerate(self.watches)}
+        reports = {rank: gossip.watch.report() for rank, gossip in enumerate(self.gossips)}
         return {rank: report for rank, report in reports.items() if report["peers"]}
 
     def drive(self, driver: AsyncDriver) -> None:
         """Run every node's steps in modelled time, through ``driver`` (training, records)."""
-        ctx, settings = self.ctx, self.settings
-        config, state, clocks = ctx.config, ctx.stacked.state, ctx.clocks
-        nodes = config.nodes
-        total = config.iterations * config.rounds
-        step_seconds = clocks.step_seconds
-        published = state.clone()  # what each node serves: its last trained state, before its merge
-        for row in self.bad.rows:
-            published[row] = self.bad.forge_row(row, state[row], 0)
-        answers = torch.empty_like(state)  # the state each node's fetch was answered with
-        node = [_Node() for _ in range(nodes)]
-        events = EventQueue()
-        steps = PendingSteps(driver.train)
-        numbers = itertools.count()
+        _GossipRun(self, driver).run()
 
-        def push(time: float, kind: int, rank: int, other: int = -1, number: int = -1) -> None:
-            events.push(time, kind, rank, other, number)
-
-        def start(rank: int, now: float) -> None:
-            me = node[rank]
-            if me.step == total:
-                me.finished = True
-                driver.finished(rank, now)
-                return
-            me.done_at = now + step_seconds[rank]
-            steps.start(rank)
-            me.fetch = None
-            rng = self.rngs[rank]
-            if rng.random() < settings.fetch_probability and (peer := self.scores[rank].pick()) is not None:
-                wait = min(float(step_seconds[rank]), settings.timeout / 2) if settings.fresh else 0.0
-                me.fetch = _Fetch(next(numbers), peer, now, now + settings.timeout, wait)
-                self.traffic.add_one("messages_sent", rank, 1)
-                push(now + clocks.latencies(1)[0], REQUEST, peer, rank, me.fetch.number)
-                push(me.fetch.deadline, DEADLINE, rank, peer, me.fetch.number)
-            push(me.done_at, DONE, rank)
-
-        def current(client: int, number: int) -> _Fetch | None:
-            fetch = node[client].fetch
-            return fetch if fetch is not None and fetch.number == number else None
-
-        def answer(server: int, client: int, number: int, now: float) -> None:
-            fetch = current(client, number)
-            if fetch is None or now > fetch.deadline:
-                return  # the asking node has given up on it
-            answers[client].copy_(published[server])
-            # a state published before any step carries loss 0, as a process-engine node publishes it
-            fetch.answer_clock, fetch.answer_loss = node[server].clock, node[server].loss or 0.0
-            self.traffic.add_one("messages_sent", server, 1)
-            self.traffic.add_one("bytes_sent", server, ctx.stacked.row_bytes)
-            push(now + clocks.latencies(1)[0], REPLY, client, server, number)
-
-        def merge(rank: int, now: float) -> None:
-            me = node[rank]
-            me.comm += now - me.done_at
-            fetch = me.fetch
-            if fetch is not None:
-                if fetch.replied is None:
-                    self.scores[rank].no_answer(fetch.peer)
-                    me.failed += 1
-                elif fetch.answer_loss is None or not np.isfinite(fetch.answer_loss):
-                    self.scores[rank].failure(fetch.peer)
-                    me.failed += 1
-                elif (problem := refusal(answers[rank])) is not None:
-                    self.watches[rank].refused(fetch.peer, problem)
-                    self.scores[rank].failure(fetch.peer)
-                    me.failed += 1
-                else:
-                    self.watches[rank].heard(fetch.peer)
-                    self.scores[rank].success(fetch.peer)
-                    own = me.loss if me.loss is not None else 0.0
-                    factor = 1.0 if not np.isfinite(own) else interpolation_factor(
-                        settings, me.clock, fetch.answer_clock, own, fetch.answer_loss)
-                    self._merge(rank, fetch.peer, answers[rank], factor)
-                    me.clock = factor * fetch.answer_clock + (1 - factor) * me.clock
-                    me.merged += 1
-            me.waiting = False
-            me.step += 1
-            if me.step % config.rounds == 0:
-                iteration = me.step // config.rounds - 1
-                driver.record(rank, iteration, now, {
-                    "train": config.rounds * float(step_seconds[rank]), "comm": me.comm, "merged": me.merged,
-                    "failed": me.failed, "clock": me.clock, "train_loss": float(np.mean(me.losses))})
-                me.comm, me.merged, me.failed, me.losses = 0.0, 0, 0, []
-            start(rank, now)
-
-        for rank in range(nodes):
-            start(rank, 0.0)
-        while events:
-            now, (kind, rank, other, number) = events.pop()
-            me = node[rank]
-            if kind == DONE:
-                for trained, (loss,) in steps.settle(rank).items():  # every started step, computed together
-                    node[trained].loss = loss
-                    node[trained].losses.append(loss)
-                me.clock += 1
-                published[rank].copy_(self.bad.forge_row(rank, state[rank], int(me.clock)))
-                for client, asked in me.held:
-                    answer(rank, client, asked, now)
-                me.held.clear()
-                fetch = me.fetch
-                if fetch is None or fetch.gone or fetch.replied is not None or now >= fetch.deadline:
-                    merge(rank, now)
-                else:
-                    me.waiting = True  # until its answer comes, or its fetch's deadline
-            elif kind == REQUEST:  # rank is the peer asked, other the node asking
-                fetch = current(other, number)
-                if fetch is None:
-                    continue
-                self.traffic.add_one("messages_received", rank, 1)
-                if me.finished:  # gone: the asking node's call fails at once
-                    fetch.gone = True
-                    if node[other].waiting:
-                        merge(other, now)
-                elif fetch.wait > 0:  # fresh: held for the next publish, or the wait
-                    me.held.append((other, number))
-                    push(now + fetch.wait, HOLD_END, rank, other, number)
-                else:
-                    answer(rank, other, number, now)
-            elif kind == HOLD_END:
-                if (other, number) in me.held:
-                    me.held.remove((other, number))
-                    answer(rank, other, number, now)
-            elif kind == REPLY:  # rank is the node asking
-                fetch = current(rank, number)
-                if fetch is None or fetch.replied is not None or now > fetch.deadline:
-                    continue
-                fetch.replied = now
-                self.traffic.add_one("messages_received", rank, 1)
-                self.traffic.add_one("bytes_received", rank, ctx.stacked.row_bytes)
-                if me.waiting:
-                    merge(rank, now)
-            elif kind == DEADLINE:
-                fetch = current(rank, number)
-                if fetch is not None and fetch.replied is None and me.waiting:
-                    self.traffic.add_one("gather_timeouts", rank, 1)
-                    merge(rank, now)
-
-    def _merge(self, rank: int, peer: int, answer: torch.Tensor, factor: float) -> None:
+    def move(self, rank: int, peer: int, answer: torch.Tensor, factor: float) -> None:
         """Node ``rank`` moves toward ``answer`` (``peer``'s state) by ``factor``; with a robust rule,
         toward the rule's aggregate of its model and each peer's latest pulled one (equal weights)."""
         state = self.ctx.stacked.state
-        if self.rule is None:
+        if self.gossips[rank].rule is None:
             state[rank].lerp_(answer, factor)
+        else:
+            self.gossips[rank].move_robustly(state[rank], answer.clone(), peer, factor)
+
+
+class _GossipRun:
+    """One run of every node's steps and fetches, on one event queue: each event kind is a method
+    (``done``, ``request``, ``hold_end``, ``reply``, ``deadline``), taking ``(rank, other, number,
+    now)``; a node's decisions are its ``GossipState``'s."""
+
+    def __init__(self, algorithm: BatchedGossip, driver: AsyncDriver):
+        ctx = algorithm.ctx
+        self.algorithm, self.driver, self.gossips, self.clock = algorithm, driver, algorithm.gossips, algorithm.clock
+        self.config, self.clocks, self.traffic = ctx.config, ctx.clocks, algorithm.traffic
+        self.state = ctx.stacked.state
+        self.row_bytes = ctx.stacked.row_bytes
+        self.total = self.config.iterations * self.config.rounds
+        self.published = self.state.clone()  # what each node serves: its last trained state, before its merge
+        for row in algorithm.bad.rows:
+            self.published[row] = algorithm.bad.forge_row(row, self.state[row], 0)
+        self.answers = torch.empty_like(self.state)  # the state each node's fetch was answered with
+        self.nodes = [_Node() for _ in range(self.config.nodes)]
+        self.events = EventQueue()
+        self.steps = PendingSteps(driver.train)
+        self.numbers = itertools.count()
+        self.handlers = {DONE: self.done, REQUEST: self.request, HOLD_END: self.hold_end, REPLY: self.reply,
+                         DEADLINE: self.deadline}
+
+    def run(self) -> None:
+        """Start every node at time 0, then take the events in the order of modelled time."""
+        for rank in range(self.config.nodes):
+            self.start(rank, 0.0)
+        while self.events:
+            now, (kind, rank, other, number) = self.events.pop()
+            self.clock.now = now
+            self.handlers[kind](rank, other, number, now)
+
+    def schedule(self, time: float, kind: int, rank: int, other: int = -1, number: int = -1) -> None:
+        self.events.push(time, kind, rank, other, number)
+
+    def latency(self) -> float:
+        """One message's modelled time on the wire."""
+        return self.clocks.latencies(1)[0]
+
+    def start(self, rank: int, now: float) -> None:
+        """Node ``rank`` starts its next step (maybe a fetch with it), or is finished."""
+        me = self.nodes[rank]
+        if me.step == self.total:
+            me.finished = True
+            self.driver.finished(rank, now)
             return
-        self.latest[rank][peer] = answer.clone()
-        state[rank].lerp_(robust_target(self.rule, state[rank], self.latest[rank], peer, self.watches[rank],
-                                        len(self.ctx.graph.neighbours(rank))), factor)
+        step_seconds = self.clocks.step_seconds[rank]
+        me.done_at = now + step_seconds
+        self.steps.start(rank)
+        me.fetch = None
+        fetch = self.gossips[rank].start_step(float(step_seconds))
+        if fetch is not None:
+            me.fetch = _InFlight(next(self.numbers), fetch)
+            self.traffic.sent(rank)
+            self.schedule(now + self.latency(), REQUEST, fetch.peer, rank, me.fetch.number)
+            self.schedule(fetch.deadline, DEADLINE, rank, fetch.peer, me.fetch.number)
+        self.schedule(me.done_at, DONE, rank)
+
+    def done(self, rank: int, other: int, number: int, now: float) -> None:
+        """Node ``rank``'s step is trained: it publishes, answers the fetches held for that, and
+        merges (or waits for its fetch)."""
+        me = self.nodes[rank]
+        for trained, (loss,) in self.steps.settle(rank).items():  # every started step, computed together
+            self.nodes[trained].loss = loss
+            self.nodes[trained].losses.append(loss)
+        gossip = self.gossips[rank]
+        gossip.trained()
+        self.published[rank].copy_(self.algorithm.bad.forge_row(rank, self.state[rank], int(gossip.clock)))
+        for client, asked in me.held:
+            self.answer(rank, client, asked, now)
+        me.held.clear()
+        fetch = me.fetch
+        if fetch is None or fetch.gone or fetch.replied is not None or now >= fetch.fetch.deadline:
+            self.merge(rank, now)
+        else:
+            me.waiting = True  # until its answer comes, or its fetch's deadline
+
+    def request(self, rank: int, other: int, number: int, now: float) -> None:
+        """Node ``other``'s fetch reaches ``rank``: gone, held for its next publish (fresh), or answered."""
+        fetch = self.current(other, number)
+        if fetch is None:
+            return
+        self.traffic.received(rank)
+        if self.nodes[rank].finished:  # gone: the asking node's call fails at once
+            fetch.gone = True
+            if self.nodes[other].waiting:
+                self.merge(other, now)
+        elif fetch.fetch.wait > 0:  # fresh: held for the next publish, or the wait
+            self.nodes[rank].held.append((other, number))
+            self.schedule(now + fetch.fetch.wait, HOLD_END, rank, other, number)
+        else:
+            self.answer(rank, other, number, now)
+
+    def hold_end(self, rank: int, other: int, number: int, now: float) -> None:
+        """A fresh fetch's wait at ``rank`` ends: answered with what ``rank`` has, if still held."""
+        held = self.nodes[rank].held
+        if (other, number) in held:
+            held.remove((other, number))
+            self.answer(rank, other, number, now)
+
+    def reply(self, rank: int, other: int, number: int, now: float) -> None:
+        """``other``'s answer reaches ``rank``, the node asking: taken if before the deadline."""
+        fetch = self.current(rank, number)
+        if fetch is None or fetch.replied is not None or now > fetch.fetch.deadline:
+            return
+        fetch.replied = now
+        self.traffic.received(rank, self.row_bytes)
+        if self.nodes[rank].waiting:
+            self.merge(rank, now)
+
+    def deadline(self, rank: int, other: int, number: int, now: float) -> None:
+        """``rank``'s fetch times out: a node waiting for it merges without it."""
+        fetch = self.current(rank, number)
+        if fetch is not None and fetch.replied is None and self.nodes[rank].waiting:
+            self.traffic.add_one("gather_timeouts", rank, 1)
+            self.merge(rank, now)
+
+    def current(self, client: int, number: int) -> _InFlight | None:
+        """Node ``client``'s fetch, if ``number`` is still its current one."""
+        fetch = self.nodes[client].fetch
+        return fetch if fetch is not None and fetch.number == number else None
+
+    def answer(self, server: int, client: int, number: int, now: float) -> None:
+        """``server`` answers ``client``'s fetch with the state it publishes now (unless given up on)."""
+        fetch = self.current(client, number)
+        if fetch is None or now > fetch.fetch.deadline:
+            return  # the asking node has given up on it
+        self.answers[client].copy_(self.published[server])
+        # a state published before any step carries loss 0, as a process-engine node publishes it
+        fetch.answer_clock, fetch.answer_loss = self.gossips[server].clock, self.nodes[server].loss or 0.0
+        self.traffic.sent(server, self.row_bytes)
+        self.schedule(now + self.latency(), REPLY, client, server, number)
+
+    def merge(self, rank: int, now: float) -> None:
+        """Node ``rank``'s wait ends: it judges its fetch (merging an accepted answer), records a
+        finished iteration, and starts its next step."""
+        me = self.nodes[rank]
+        me.comm += now - me.done_at
+        fetch = me.fetch
+        if fetch is not None:
+            answered = fetch.replied is not None
+            reply = Reply(fetch.answer_clock, fetch.answer_loss, (self.answers[rank],)) if answered else None
+            verdict = self.gossips[rank].judge(reply, me.loss)
+            if verdict.merged:
+                self.algorithm.move(rank, verdict.peer, self.answers[rank], verdict.factor)
+        me.waiting = False
+        me.step += 1
+        if me.step % self.config.rounds == 0:
+            self.record(rank, now)
+        self.start(rank, now)
+
+    def record(self, rank: int, now: float) -> None:
+        """Node ``rank`` finished an iteration: its log columns."""
+        me, rounds = self.nodes[rank], self.config.rounds
+        merged, failed = self.gossips[rank].tally()
+        self.driver.record(rank, me.step // rounds - 1, now, {
+            "train": rounds * float(self.clocks.step_seconds[rank]), "comm": me.comm, "merged": merged,
+            "failed": failed, "clock": self.gossips[rank].clock, "train_loss": float(np.mean(me.losses))})
+        me.comm, me.losses = 0.0, []

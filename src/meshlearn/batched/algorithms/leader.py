@@ -9,7 +9,8 @@ staleness-weighted aggregate, except that the first cycle waits for every member
 latency to reach the leader (none for the leader's own), and the answer one to come back. Members
 keep pinging a living leader in the process engine, so none is ever counted lost here.
 Synchronous (``leader.sync``): the book holds every push until each member pushed its cycle, as
-the process engine's does, and answers all of them with that cycle's aggregate.
+the process engine's does, and answers all of them with that cycle's aggregate. Each event kind
+is a method of ``_LeaderRun``.
 """
 
 from __future__ import annotations
@@ -27,24 +28,10 @@ from meshlearn.batched.algorithms.base import (
     register_batched,
 )
 from meshlearn.batched.byzantine import BadNodes
-from meshlearn.batched.events import EventQueue, PendingSteps
-from meshlearn.clock import Clock
+from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
 
 DONE, PUSH, REPLY, BARRIER = range(4)
 LEADER = 0
-
-
-class ModelledClock(Clock):
-    """A clock that reads the modelled time the event queue has reached."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def time(self) -> float:
-        return self.now
 
 
 @register_batched
@@ -66,83 +53,110 @@ class BatchedLeader(BatchedAlgorithm):
 
     def drive(self, driver: AsyncDriver) -> None:
         """Run every member's iterations and pushes in modelled time, through ``driver``."""
-        ctx, config = self.ctx, self.ctx.config
-        state, clocks, nodes = ctx.stacked.state, ctx.clocks, config.nodes
-        clock = ModelledClock()
-        book = LeaderState(list(range(nodes)), LEADER, config.tcp.wait_timeout, self.settings.first_barrier,
-                           self.settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch,
-                           sync=self.settings.sync, drawn=None if self.settings.fraction == 1 else
-                           lambda cycle: participants(config.seed, cycle, nodes, self.settings.fraction))
-        answers: dict[int, torch.Tensor] = {}  # the aggregate each member was answered with
-        held: list[int] = []  # pushes the book may not answer yet
-        iteration = [0] * nodes
-        pushed_at = [0.0] * nodes
-        events = EventQueue()
-        steps = PendingSteps(driver.train, config.rounds)
-        size = ctx.stacked.row_bytes
-        push = events.push
+        _LeaderRun(self, driver).run()
 
-        def start(rank: int, now: float) -> None:
-            if iteration[rank] == config.iterations:
-                driver.finished(rank, now)
-                return
-            steps.start(rank)
-            push(now + config.rounds * float(clocks.step_seconds[rank]), DONE, rank)
+    def book(self, clock: ModelledClock) -> LeaderState:
+        """The leader's book, as the process engine's leader keeps it, on the modelled ``clock``."""
+        config, settings, nodes = self.ctx.config, self.settings, self.ctx.config.nodes
+        drawn = None if settings.fraction == 1 else \
+            lambda cycle: participants(config.seed, cycle, nodes, settings.fraction)
+        return LeaderState(list(range(nodes)), LEADER, config.tcp.wait_timeout, settings.first_barrier,
+                           settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch,
+                           sync=settings.sync, drawn=drawn)
 
-        def answer(rank: int, now: float) -> None:
-            answers[rank] = book.answer_for(rank).to(state.device)
-            latency = 0.0 if rank == LEADER else float(clocks.latencies(1)[0])
-            if rank != LEADER:
-                self.traffic.add_one("messages_sent", LEADER, 1)
-                self.traffic.add_one("bytes_sent", LEADER, size)
-            push(now + latency, REPLY, rank)
 
-        def release(now: float) -> None:
-            for rank in book.answerable(list(held)):
-                held.remove(rank)
-                answer(rank, now)
+class _LeaderRun:
+    """One run of every member's iterations and pushes, on one event queue: each event kind is a
+    method (``done``, ``push_arrives``, ``barrier``, ``reply``), taking ``(rank, now)``."""
 
+    def __init__(self, algorithm: BatchedLeader, driver: AsyncDriver):
+        ctx = algorithm.ctx
+        self.algorithm, self.driver, self.config, self.traffic = algorithm, driver, ctx.config, algorithm.traffic
+        self.state, self.clocks, self.samples = ctx.stacked.state, ctx.clocks, ctx.samples
+        self.size = ctx.stacked.row_bytes
+        self.clock = ModelledClock()
+        self.book = algorithm.book(self.clock)
+        nodes = self.config.nodes
+        self.answers: dict[int, torch.Tensor] = {}  # the aggregate each member was answered with
+        self.held: list[int] = []  # pushes the book may not answer yet
+        self.iteration = [0] * nodes
+        self.pushed_at = [0.0] * nodes
+        self.losses: dict[int, list[float]] = {rank: [] for rank in range(nodes)}  # since each one's last push
+        self.events = EventQueue()
+        self.steps = PendingSteps(driver.train, self.config.rounds)
+        self.handlers = {DONE: self.done, PUSH: self.push_arrives, BARRIER: self.barrier, REPLY: self.reply}
+
+    def run(self) -> None:
+        """Start every member at time 0, then take the events in the order of modelled time."""
+        nodes = self.config.nodes
         for rank in range(nodes):
-            start(rank, 0.0)
-        if self.settings.first_barrier:
-            push(config.tcp.wait_timeout, BARRIER, LEADER)
-        losses: dict[int, list[float]] = {rank: [] for rank in range(nodes)}
-        while events:
-            now, (kind, rank) = events.pop()
-            clock.now = now
+            self.start(rank, 0.0)
+        if self.algorithm.settings.first_barrier:
+            self.events.push(self.config.tcp.wait_timeout, BARRIER, LEADER)
+        while self.events:
+            now, (kind, rank) = self.events.pop()
+            self.clock.now = now
             for member in range(nodes):  # living members keep pinging the leader
-                book.touch(member)
-            if kind == DONE:
-                for member, trained in steps.settle(rank).items():  # every started iteration, together
-                    losses[member] += trained
-                pushed_at[rank] = now
-                latency = 0.0 if rank == LEADER else float(clocks.latencies(1)[0])
-                if rank != LEADER:
-                    self.traffic.add_one("messages_sent", rank, 1)
-                    self.traffic.add_one("bytes_sent", rank, size)
-                push(now + latency, PUSH, rank)
-            elif kind == PUSH:
-                if rank != LEADER:
-                    self.traffic.add_one("messages_received", LEADER, 1)
-                    self.traffic.add_one("bytes_received", LEADER, size)
-                final = iteration[rank] + 1 == config.iterations
-                trained = losses[rank]  # the local steps that made this model (a final one that diverged is left out)
-                book.submit(rank, self.bad.forge_row(rank, state[rank], iteration[rank]), ctx.samples[rank], final,
-                            cycle=iteration[rank], loss=sum(trained) / len(trained) if trained else None)
-                held.append(rank)
-                release(now)
-            elif kind == BARRIER:
-                release(now)  # the first cycle stops waiting for latecomers
-            elif kind == REPLY:
-                if rank != LEADER:
-                    self.traffic.add_one("messages_received", rank, 1)
-                    self.traffic.add_one("bytes_received", rank, size)
-                state[rank].copy_(answers.pop(rank))
-                done = iteration[rank]
-                iteration[rank] += 1
-                spent = config.rounds * float(clocks.step_seconds[rank])
-                driver.record(rank, done, now, {
-                    "train": spent, "comm": now - pushed_at[rank], "leader": LEADER,
-                    "train_loss": sum(losses[rank]) / len(losses[rank]) if losses[rank] else None})
-                losses[rank] = []
-                start(rank, now)
+                self.book.touch(member)
+            self.handlers[kind](rank, now)
+
+    def start(self, rank: int, now: float) -> None:
+        """Member ``rank`` starts its next iteration's local steps, or is finished."""
+        if self.iteration[rank] == self.config.iterations:
+            self.driver.finished(rank, now)
+            return
+        self.steps.start(rank)
+        self.events.push(now + self.config.rounds * float(self.clocks.step_seconds[rank]), DONE, rank)
+
+    def done(self, rank: int, now: float) -> None:
+        """Member ``rank``'s local steps are trained: it pushes its model to the leader."""
+        for member, trained in self.steps.settle(rank).items():  # every started iteration, together
+            self.losses[member] += trained
+        self.pushed_at[rank] = now
+        self._send(PUSH, rank, rank, now)
+
+    def push_arrives(self, rank: int, now: float) -> None:
+        """Member ``rank``'s push reaches the leader: recorded in the book, answered once it may be."""
+        if rank != LEADER:
+            self.traffic.received(LEADER, self.size)
+        iteration = self.iteration[rank]
+        trained = self.losses[rank]  # the local steps that made this model (a final one that diverged is left out)
+        self.book.submit(rank, self.algorithm.bad.forge_row(rank, self.state[rank], iteration), self.samples[rank],
+                         iteration + 1 == self.config.iterations, cycle=iteration,
+                         loss=sum(trained) / len(trained) if trained else None)
+        self.held.append(rank)
+        self.release(now)
+
+    def barrier(self, rank: int, now: float) -> None:
+        """The first cycle stops waiting for latecomers."""
+        self.release(now)
+
+    def reply(self, rank: int, now: float) -> None:
+        """The leader's answer reaches member ``rank``: it trains on from the aggregate."""
+        if rank != LEADER:
+            self.traffic.received(rank, self.size)
+        self.state[rank].copy_(self.answers.pop(rank))
+        done = self.iteration[rank]
+        self.iteration[rank] += 1
+        losses = self.losses[rank]
+        self.driver.record(rank, done, now, {
+            "train": self.config.rounds * float(self.clocks.step_seconds[rank]), "comm": now - self.pushed_at[rank],
+            "leader": LEADER, "train_loss": sum(losses) / len(losses) if losses else None})
+        self.losses[rank] = []
+        self.start(rank, now)
+
+    def release(self, now: float) -> None:
+        """Answer the held pushes the book allows now."""
+        for rank in self.book.answerable(list(self.held)):
+            self.held.remove(rank)
+            self.answers[rank] = self.book.answer_for(rank).to(self.state.device)
+            self._send(REPLY, rank, LEADER, now)
+
+    def _send(self, kind: int, member: int, sender: int, now: float) -> None:
+        """A message between the leader and ``member``, sent by ``sender`` at ``now``: event ``kind``
+        for ``member`` a latency later (at once, and not counted, for the leader's own)."""
+        latency = 0.0
+        if member != LEADER:
+            latency = float(self.clocks.latencies(1)[0])
+            self.traffic.sent(sender, self.size)
+        self.events.push(now + latency, kind, member)
