@@ -63,8 +63,14 @@ AFTER = {
          B + "mixing.py::MetropolisMixing"]),
     "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
         [A + "averaging.py::masked_average_"], [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
-    "gossip": BEFORE["gossip"],
-    "leader (members' side; the leader's book is one, LeaderState)": BEFORE["leader (members' side; the leader's book is one, LeaderState)"],
+    "gossip: the order a node calls its GossipState in (its decisions: algorithms/gossipstate.py, once)": (
+        [A + "gossip.py::GossipAverager.update_send", A + "gossip.py::GossipAverager.update_wait",
+         A + "gossip.py::GossipAverager._judged"],
+        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.merge",
+         B + "algorithms/gossip.py::BatchedGossip.move"]),
+    "leader (members' side; the leader's book is one, LeaderState)": (
+        BEFORE["leader (members' side; the leader's book is one, LeaderState)"][0],
+        [B + "algorithms/leader.py::BatchedLeader", B + "algorithms/leader.py::_LeaderRun"]),
 }
 LAYOUTS = {"before": BEFORE, "after": AFTER}
 
