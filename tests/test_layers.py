@@ -90,11 +90,12 @@ def test_relative_imports_are_resolved():
 
 @pytest.mark.parametrize("path", sorted((SRC / "definitions").rglob("*.py")), ids=lambda p: p.name)
 def test_the_algorithm_layer_uses_no_engine_transport_or_config(path):
-    """Algorithm definitions are torch only: shared modules and each other, no sockets, engine or
-    configuration (docs/architecture.md)."""
+    """Algorithm definitions are torch only: shared modules, each other and the torch-only rules
+    beside them (aggregation, sharing), no sockets, engine or configuration (docs/architecture.md)."""
     for name in _imports(path):
         other = _top(name)
-        assert other is None or other == "definitions" or other in SHARED, f"{path.name} imports {name}"
+        assert other is None or other in ("definitions", "aggregation", "sharing") or other in SHARED, \
+            f"{path.name} imports {name}"
         assert not name.startswith(("zmq", "socket")), f"{path.name} imports {name}"
 
 
@@ -145,3 +146,22 @@ def test_no_module_imports_itself_back():
     """No import cycle anywhere in the package (imports only type checkers read aside): an engine's
     registry of runtimes, its runners and its network import one way."""
     assert _import_cycles("meshlearn") == []
+
+
+def test_the_batched_engine_loads_no_sockets_and_the_configuration_no_torch():
+    """Rules both engines use live below them (the algorithm layer, aggregation, data), not in
+    process-engine files that would pull ZeroMQ into the batched engine; a configuration is
+    checked, algorithm declarations included, before torch loads."""
+    import subprocess
+    import sys
+
+    probe = ("import sys, importlib; importlib.import_module(sys.argv[1]); "
+             "print(sorted(m for m in ('zmq', 'torch', 'meshlearn.node', 'meshlearn.wire') if m in sys.modules))")
+    engine = subprocess.run([sys.executable, "-c", probe, "meshlearn.batched.engine"], capture_output=True, text=True,
+                            check=True)
+    assert engine.stdout.strip() == "['torch']"
+    config = subprocess.run([sys.executable, "-c", probe + "; from meshlearn.config import make_config; "
+                             "make_config({'algorithm': 'pushsum', 'topology': 'one-peer-exponential'}); "
+                             "make_config({'algorithm': 'gossip'}); print('torch' in sys.modules)", "meshlearn.config"],
+                            capture_output=True, text=True, check=True)
+    assert config.stdout.split() == ["[]", "False"]

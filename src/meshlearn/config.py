@@ -12,7 +12,7 @@ section given in the same file, so a flag overrides a file.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationInfo, field_validator, model_validator
@@ -33,6 +33,9 @@ from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
 from meshlearn.transport.settings import TcpSettings, UdpSettings
+
+if TYPE_CHECKING:
+    from meshlearn.data import Dataset
 
 SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
@@ -338,6 +341,14 @@ def _slowdown_amount(text: str) -> tuple[float, float] | None:
         return (1.0, seconds) if seconds >= 0 else None
     factor = float(text)
     return (factor, 0.0) if factor >= 1 else None
+
+
+def load_run_dataset(config: ExperimentConfig) -> "Dataset":
+    """The dataset a run trains and tests on, as every engine and the report load it: ``config.dataset``,
+    with ``reshuffle`` its train and test sets pooled and split again with the run's seed."""
+    from meshlearn.data import load_dataset  # loads torch: only once a run starts
+
+    return load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None)
 
 
 def make_config(values: dict[str, Any]) -> ExperimentConfig:

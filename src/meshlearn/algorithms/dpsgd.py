@@ -8,7 +8,6 @@ import time
 
 import torch
 
-from meshlearn.aggregation.present import aggregate_present
 from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.averaging import (
     MISSING_CHUNK_RULES,
@@ -17,6 +16,7 @@ from meshlearn.algorithms.averaging import (
     weighted_average_,
 )
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.definitions.dpsgd import robust_merge
 from meshlearn.definitions.settings import DpsgdSettings
 from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.topology import mh_row
@@ -184,23 +184,20 @@ class DPSGD(Algorithm):
 
     def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool) -> None:
         """The node's model <- the rule over it and the models in ``usable`` (per chunk of what
-        arrived, when ``chunked``)."""
+        arrived, when ``chunked``): D-PSGD's ``robust_merge``, for this one node."""
         state = self.ctx.flat.state
-        models = torch.empty(1, 1 + len(usable), state.numel(), dtype=state.dtype, device=state.device)
-        models[0, 0] = state
-        for k, j in enumerate(usable, start=1):
-            models[0, k] = _vector(self.ctx.flat, received[j])
-        own = 1.0 - sum(self.weights[j] for j in usable)
-        weights = torch.tensor([[own] + [self.weights[j] for j in usable]], dtype=torch.float64)
+        vectors = state.new_zeros((1, 0, state.numel())) if not usable else \
+            torch.stack([_vector(self.ctx.flat, received[j]) for j in usable]).unsqueeze(0).to(state.device)
+        weights = torch.tensor([[self.weights[j] for j in usable]], dtype=torch.float64)
+        present, chunk_elements = None, 0
         if chunked:
-            chunks = [received[j].chunks for j in usable]
-            present = torch.stack([torch.ones_like(chunks[0].present)] + [c.present for c in chunks]).unsqueeze(0)
-            result = aggregate_present(self.rule, models, weights, present.to(state.device),
-                                       chunks[0].chunk_bytes // state.element_size())[0]
-        else:
-            result = self.rule(models, weights)[0]
-            self.watch.observe(usable, models[0], result)
-        state.copy_(result)
+            present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(state.device)
+            chunk_elements = received[usable[0]].chunks.chunk_bytes // state.element_size()
+        result, models = robust_merge(self.rule, state.detach().unsqueeze(0), vectors, weights, present,
+                                      chunk_elements)
+        if not chunked:
+            self.watch.observe(usable, models[0], result[0])
+        state.copy_(result[0])
 
 
 def _vector(flat, msg: Message) -> torch.Tensor:

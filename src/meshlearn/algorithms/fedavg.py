@@ -14,43 +14,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
 
-import numpy as np
 import torch
 
 from meshlearn.aggregation.suspects import refusal
-from meshlearn.aggregation.weights import by_samples
 from meshlearn.algorithms.averaging import weighted_average_
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
+from meshlearn.definitions.fedavg import SERVER, participants, sample_weights
 from meshlearn.definitions.settings import FedAvgSettings
 from meshlearn.errors import ConfigError
-from meshlearn.sharing.base import share_count
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
 log = logging.getLogger(__name__)
-
-SERVER = 0
-SALT = 0xFEDA
-
-
-def participants(seed: int, iteration: int, nodes: int, fraction: float) -> list[int]:
-    """The nodes whose models the server takes at ``iteration`` (sorted; all of them at 1.0)."""
-    count = share_count(fraction, nodes)
-    if count == nodes:
-        return list(range(nodes))
-    return sorted(int(i) for i in np.random.default_rng([seed, SALT, iteration]).choice(nodes, count, replace=False))
-
-
-def sample_weights(contributors: list[int], shard_sizes: Sequence[int]) -> dict[int, float]:
-    """Each contributor's weight: its share of the contributors' training samples. The sizes come
-    from the run's seeded partition, which the server computes itself: a count a client claimed
-    over the network could make it outweigh everyone (or, huge, zero every weight)."""
-    counts = by_samples([shard_sizes[rank] for rank in contributors])
-    total = sum(counts)
-    return {rank: count / total for rank, count in zip(contributors, counts)}
-
 
 @register_runtime
 class FedAvg(Algorithm):

@@ -33,18 +33,18 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
-from meshlearn.config import ExperimentConfig
+from meshlearn.config import ExperimentConfig, load_run_dataset
 from meshlearn.data import (
     Dataset,
     partition_dataset,
     shard_as_test_set,
     split_validation,
 )
+from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
-from meshlearn.node.factory import load_run_dataset
 from meshlearn.optim import make_optimizer
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
@@ -168,12 +168,12 @@ class BatchedSimulation:
             make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed).wire_bytes()
         clocks = VirtualClocks(config, self.step_time, message_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
+        if shard.count > 1 and not definition(config.algorithm).needs.torchrun:
+            raise ConfigError(f"{config.algorithm} runs in one process of the batched engine, not under torchrun: "
+                              "start it without torchrun")
         algorithm = batched_algorithm_class(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
                            [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
-        if algorithm.asynchronous and shard.count > 1:
-            raise ConfigError(f"{config.algorithm} runs in one process of the batched engine (its nodes' steps are "
-                              "ordered in modelled time), not under torchrun: start it without torchrun")
         return _Run(
             config=config, shard=shard, collective=collective, dataset=dataset, validation=validation,
             shards=parts[shard.start:shard.stop], stacked=stacked,

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 
 from meshlearn.aggregation.base import AggregationRule
-from meshlearn.aggregation.present import aggregate_present
 from meshlearn.aggregation.suspects import PeerRecord, PeerWatch, deviant_rows
 from meshlearn.batched.mixing import Links
+from meshlearn.definitions.dpsgd import robust_merge
 
 
 class RobustMixing:
@@ -52,16 +52,11 @@ class RobustMixing:
             block = max(1, self.BLOCK_ELEMENTS // ((d + 1) * max(1, state.shape[1])))
             for start in range(0, len(nodes), block):
                 rows, where = nodes[start:start + block], positions[start:start + block]
-                models = torch.cat([state[rows].unsqueeze(1), source[links.sender[where]]], dim=1)
-                w = weight[where]
-                weights = torch.cat([(1.0 - w.sum(1, keepdim=True)), w], dim=1)
-                mask = torch.cat([torch.ones_like(present[where[:, :1]]), present[where]], dim=1)
-                if bool(mask.all()):
-                    out = self.rule(models, weights)
+                out, models = robust_merge(self.rule, state[rows], source[links.sender[where]], weight[where],
+                                           present[where], self.chunk_elements)
+                if bool(present[where].all()):
                     bad = deviant_rows(models, out)[:, 1:].cpu().numpy()
                     np.add.at(self.deviant, where.cpu().numpy()[bad], 1)
-                else:
-                    out = aggregate_present(self.rule, models, weights, mask, self.chunk_elements)
                 result[rows] = out
         state.copy_(result)
 

@@ -20,6 +20,8 @@ from meshlearn.definitions.settings import DpsgdSettings
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from meshlearn.aggregation.base import AggregationRule
+
 
 @register_algorithm
 class DpsgdDefinition(Definition):
@@ -45,6 +47,26 @@ def fill_local_weights(weights: "Tensor", present: "Tensor", own_weight: "Tensor
     and d_j the sender's degree; a missing value counts as the node's own."""
     heard = present.amax(-1).gt(0).sum(1, keepdim=True)  # [B, 1]
     return present / (1.0 + sender_degree.maximum(heard))[..., None]
+
+
+def robust_merge(rule: "AggregationRule", own: "Tensor", received: "Tensor", weights: "Tensor",
+                 present: "Tensor | None" = None, chunk_elements: int = 0) -> tuple["Tensor", "Tensor"]:
+    """D-PSGD's step under a robust aggregation rule, for B nodes: the rule over each node's own
+    model ``own`` [B, P] (its weight: what its neighbours' ``weights`` [B, K] leave of one) and those
+    it ``received`` [B, K, P]; per chunk of what arrived where ``present`` [B, K, C] says chunks (or,
+    with C = 1, whole models) are missing. Returns the new models [B, P] and the stack the rule saw
+    [B, 1 + K, P] (row 0 each node's own), to judge deviant peers by."""
+    from meshlearn.aggregation.present import aggregate_present  # loads torch: only once a run aggregates
+
+    models = own.new_empty((own.shape[0], 1 + received.shape[1], own.shape[1]))
+    models[:, 0], models[:, 1:] = own, received
+    every = weights.new_empty((weights.shape[0], 1 + weights.shape[1]))
+    every[:, 0], every[:, 1:] = 1.0 - weights.sum(1), weights
+    mask = None
+    if present is not None:
+        mask = present.new_ones((present.shape[0], 1 + present.shape[1], present.shape[2]))
+        mask[:, 1:] = present
+    return aggregate_present(rule, models, every, mask, chunk_elements), models
 
 
 MissingValueRule = Callable[["Tensor", "Tensor", "Tensor", "Tensor"], "Tensor"]

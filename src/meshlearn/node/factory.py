@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from meshlearn.algorithms import algorithm_class
-from meshlearn.config import ExperimentConfig
-from meshlearn.data import Dataset, load_dataset, partition_dataset
+from meshlearn.config import ExperimentConfig, load_run_dataset
+from meshlearn.data import partition_dataset
+from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -22,6 +22,8 @@ from meshlearn.transport.pull import PullEndpoint
 from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 from meshlearn.wire.sealed import FrameSeal
 
+SERVED = {"pull": PullEndpoint, "hub": HubEndpoint}  # the endpoints that serve requests, by declared kind
+
 
 def make_transport(
     config: ExperimentConfig, rank: int, flat: FlatState, host: str | None = None, port: int | None = None,
@@ -34,11 +36,11 @@ def make_transport(
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
-    needed = algorithm_class(config.algorithm).endpoint
-    if needed is Unconnected:
+    needed = definition(config.algorithm).needs.endpoint  # the algorithm's declaration
+    if needed == "none":
         return Unconnected(rank)
-    if needed in (PullEndpoint, HubEndpoint):  # request and answer, over TCP
-        return needed(rank, host, port, settings=config.tcp, secret=secret, seal=seal)
+    if needed in SERVED:  # request and answer, over TCP
+        return SERVED[needed](rank, host, port, settings=config.tcp, secret=secret, seal=seal)
     netem = config.net
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
@@ -54,12 +56,6 @@ def make_transport(
                             netem=netem, seed=config.seed)
     return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret,
                         seal=seal)
-
-
-def load_run_dataset(config: ExperimentConfig) -> Dataset:
-    """The dataset a run trains and tests on, as every engine and the report load it: ``config.dataset``,
-    with ``reshuffle`` its train and test sets pooled and split again with the run's seed."""
-    return load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None)
 
 
 def build_node(

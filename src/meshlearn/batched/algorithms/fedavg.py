@@ -7,14 +7,13 @@ import numpy as np
 import torch
 
 from meshlearn.algorithms.averaging import weighted_average_
-from meshlearn.algorithms.fedavg import SERVER, participants, sample_weights
 from meshlearn.batched.algorithms.base import (
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
     register_batched,
 )
-from meshlearn.errors import ConfigError
+from meshlearn.definitions.fedavg import SERVER, participants, sample_weights
 
 
 @register_batched
@@ -25,9 +24,6 @@ class BatchedFedAvg(BatchedAlgorithm):
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
-        if ctx.plan is not None:
-            raise ConfigError("fedavg runs in one process of the batched engine, not under torchrun: start it "
-                              "without torchrun")
         self.fraction = ctx.config.fedavg.fraction
         self.nodes = ctx.config.nodes
         self.clients = np.arange(1, self.nodes)

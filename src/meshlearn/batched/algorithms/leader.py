@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.algorithms.fedavg import participants
 from meshlearn.algorithms.leaderstate import LeaderState
 from meshlearn.batched.algorithms.base import (
     AsyncDriver,
@@ -29,6 +28,7 @@ from meshlearn.batched.algorithms.base import (
 )
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
+from meshlearn.definitions.fedavg import participants
 
 DONE, PUSH, REPLY, BARRIER = range(4)
 LEADER = 0

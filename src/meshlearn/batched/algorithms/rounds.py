@@ -11,7 +11,6 @@ import torch
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.mixing import Links, mixing_matrix
 from meshlearn.definitions.base import RoundAlgorithm
-from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, rounds_of
 
 
@@ -26,9 +25,6 @@ class BatchedRounds(BatchedAlgorithm):
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
         config = ctx.config
-        if ctx.plan is not None:
-            raise ConfigError(f"{self.name} runs in one process of the batched engine, not under torchrun: start it "
-                              "without torchrun")
         settings = config.settings_of(self.name) if self.definition.settings is not None else None
         self.rule = self.definition(rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed),
                                     config.nodes, config.seed, settings)
