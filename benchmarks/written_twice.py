@@ -54,8 +54,11 @@ BEFORE = {
         [B + "algorithms/fedavg.py::BatchedFedAvg"]),
 }
 AFTER = {
-    **{rule: BEFORE[rule] for rule in ("robust aggregation", "sharing schemes' exchange", "what a bad node sends",
+    **{rule: BEFORE[rule] for rule in ("sharing schemes' exchange", "what a bad node sends",
                                         "FedAvg's server and clients")},
+    "the glue around D-PSGD's robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
+        [A + "dpsgd.py::DPSGD._aggregate_robust", A + "dpsgd.py::_vector"],
+        [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
     "D-PSGD's exchange (whole models, rounds, counting)": (
         BEFORE["D-PSGD's exchange (whole models, rounds, counting)"][0],
         [B + "algorithms/dpsgd.py::BatchedDPSGD.__init__", B + "algorithms/dpsgd.py::BatchedDPSGD.after_local_steps",
