@@ -1,21 +1,29 @@
 """The algorithm layer (``meshlearn.definitions``): rules over stacks, checked by hand, and a
 user's algorithm written as one file, run by both engines."""
 
+import queue
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from helpers.engines import BASE, batched_states, process_engine_states
 
+from meshlearn.algorithms.base import AlgorithmContext
+from meshlearn.algorithms.rounds import runner_for
+from meshlearn.batched import BatchedSimulation
 from meshlearn.config import make_config
 from meshlearn.definitions.base import DEFINITIONS, RoundAlgorithm
 from meshlearn.definitions.pushsum import PushSum, PushSumSettings
 from meshlearn.definitions.tracking import GradientTracking
 from meshlearn.errors import ConfigError
+from meshlearn.flat import FlatState
+from meshlearn.sim.report import load_logs
 from meshlearn.topology import build_topology
 from meshlearn.topology.sampling import OnePeerExponential, Round, StaticRounds
+from meshlearn.transport import Transport
 
 
 class Fixed:
@@ -204,3 +212,65 @@ def test_a_users_algorithm_is_checked_against_its_declaration_from_the_command_l
                               "--output", str(tmp_path / "typo"), *common], capture_output=True, text=True, timeout=120)
     assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
     assert "unknown algorithm 'median-of-peer'" in unknown.stderr and "median-of-peers" in unknown.stderr
+
+
+class MemoryTransport(Transport):
+    """Nodes of one process pushing messages through queues; messages from ``dropped`` senders are lost."""
+
+    def __init__(self, rank, queues, dropped=()):
+        super().__init__(rank)
+        self.queues, self.dropped = queues, set(dropped)
+
+    gather_timeout = 0.5
+
+    def bind(self):
+        return "memory"
+
+    def connect(self, peers):
+        pass
+
+    def close(self):
+        pass
+
+    def send(self, peer, msg):
+        if self.node_id not in self.dropped:
+            self.queues[peer].put(msg)
+
+    def recv(self, timeout):
+        try:
+            return self.queues[self.node_id].get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+@pytest.mark.parametrize("engine", ["process", "batched"])
+def test_a_payload_that_does_not_come_leaves_its_weight_with_the_node_as_dpsgd_does(engine, tmp_path):
+    """Identical models averaged with one neighbour's payload missing stay where they are (D-PSGD's
+    rule keeps the weights summing to one), for both engines' round runners."""
+    graph = build_topology("ring", 4, 0)
+    start = torch.full((4, 3), 2.0)
+    if engine == "process":
+        queues = {rank: queue.Queue() for rank in range(4)}
+        runners = []
+        for rank in range(4):
+            flat = FlatState(torch.nn.Linear(2, 1))  # 3 values, all 2.0
+            flat.state.data.copy_(start[rank])
+            ctx = AlgorithmContext(rank, flat, MemoryTransport(rank, queues, dropped={0}), graph, seed=0)
+            runners.append(runner_for(GradientTracking)(ctx))
+        with ThreadPoolExecutor(4) as pool:
+            records = list(pool.map(lambda runner: runner.after_local_steps(0), runners))
+        assert [record["missing"] for record in records] == [0, 1, 0, 1]  # 0's neighbours (ring) lost its message
+        states = torch.stack([r.ctx.flat.state for r in runners])
+        assert [r.watch.report()["peers"] for r in runners] == [{}] * 4  # nothing refused: 0's messages lost
+    else:
+        config = make_config({**BASE, "nodes": 4, "topology": "ring", "algorithm": "tracking", "rounds": 1, "lr": 1e-9,
+                              "iterations": 2, "slowdown": "0:+5s", "wait_timeout": 0.5, "engine": "batched",
+                              "step_time": 0.001})
+        (tmp_path / "logs").mkdir()
+        simulation = BatchedSimulation(config, graph, tmp_path / "logs")
+        simulation.run()
+        states = simulation.stacked.state
+        start = states[:1].expand_as(states).clone()  # one model at the start, steps of lr 1e-9
+        late = load_logs(tmp_path)[1]
+        assert [e["missing"] for e in late if e.get("event") == "iteration"][:1] == [1]  # node 0 was late
+    assert torch.allclose(states, start[:, :states.shape[1]], atol=1e-6), states

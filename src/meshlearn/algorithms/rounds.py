@@ -61,6 +61,8 @@ class RoundRunner(Algorithm):
         usable = [sender for sender in senders if sender in admitted]
         weights = [exchange.weights[rank][sender] for sender in usable]
         own_weight = self.rule.own_weights(exchange, [rank])[0]
+        if self.rule.keeps_missing:  # the weight of a sender not heard stays with the node's own
+            own_weight += sum(w for sender, w in exchange.weights[rank].items() if sender not in usable)
         with torch.no_grad():
             if self.rule.linear:  # the weighted sum in place, into one buffer kept across rounds
                 mixed = self._mixed(sent)

@@ -49,6 +49,7 @@ class RoundAlgorithm(Definition):
 
     needs: ClassVar[Needs] = Needs(dynamic=True)
     linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum): a sparse product in the batched engine
+    keeps_missing: ClassVar[bool] = True  # a sender not heard in time leaves its weight to the node's own payload
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None):
         self.rounds, self.nodes, self.seed, self.options = rounds, nodes, seed, settings
@@ -59,7 +60,10 @@ class RoundAlgorithm(Definition):
 
     def own_weights(self, exchange: Round, ranks: list[int]) -> list[float]:
         """The weight of each node's own payload in its merge (rows ``ranks``): by default what its
-        senders' weights leave of one."""
+        senders' weights leave of one. With ``keeps_missing`` (the default, D-PSGD's rule) the
+        engines add the weight of each sender whose payload did not come in time, so a node's
+        weights always sum to one; without it (push-sum, whose weight accounts for it) that share
+        is lost."""
         return [1.0 - sum(exchange.weights[rank].values()) for rank in ranks]
 
     def begin(self, own: "Tensor") -> State:

@@ -46,6 +46,7 @@ class PushSum(RoundAlgorithm):
 
     name = "pushsum"
     settings = PushSumSettings
+    keeps_missing = False  # a share that did not arrive is lost to x and w alike: x / w stays unbiased
     summary = "Stochastic Gradient Push, Assran et al. 2019: push-sum over directed and time-varying graphs"
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None):

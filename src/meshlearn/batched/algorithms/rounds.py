@@ -41,6 +41,8 @@ class BatchedRounds(BatchedAlgorithm):
         arrived, waited = self.network.gather(links.sender.cpu().numpy(), links.receiver.cpu().numpy())
         heard = torch.from_numpy(arrived).to(links.weight.device)
         weight = links.weight * heard.to(links.weight.dtype)
+        if self.rule.keeps_missing:  # the weight of a sender not heard stays with the node's own
+            own_weight = own_weight + links.incoming(links.weight - weight)
         if self.rule.linear:
             mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), sent)
             self.rule.merge(own, self.state, mixed, iteration)
