@@ -54,8 +54,7 @@ BEFORE = {
         [B + "algorithms/fedavg.py::BatchedFedAvg"]),
 }
 AFTER = {
-    **{rule: BEFORE[rule] for rule in ("sharing schemes' exchange", "what a bad node sends",
-                                        "FedAvg's server and clients")},
+    **{rule: BEFORE[rule] for rule in ("sharing schemes' exchange", "what a bad node sends")},
     "the glue around D-PSGD's robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
         [A + "dpsgd.py::DPSGD._aggregate_robust", A + "dpsgd.py::_vector"],
         [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),

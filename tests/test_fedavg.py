@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from meshlearn.algorithms.fedavg import participants, sample_weights
 from meshlearn.config import make_config
+from meshlearn.definitions.fedavg import participants, sample_weights
 from meshlearn.errors import ConfigError
 from meshlearn.sim import simulate
 from meshlearn.sim.report import load_logs

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshlearn.algorithms import LeaderState
-from meshlearn.algorithms.fedavg import participants
+from meshlearn.definitions.fedavg import participants
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
 from meshlearn.sim import simulate

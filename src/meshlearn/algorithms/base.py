@@ -120,7 +120,7 @@ class Algorithm(ABC):
 
 
 ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm of the process engine", built_in={
-    name: f"meshlearn.algorithms.{name}" for name in ("dpsgd", "gossip", "leader", "fedavg")})
+    name: f"meshlearn.algorithms.{name}" for name in ("dpsgd", "gossip", "leader")})
 
 
 def register_runtime(cls: type[Algorithm]) -> type[Algorithm]:

@@ -36,8 +36,8 @@ import torch
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.algorithms.election import Election
-from meshlearn.definitions.fedavg import participants
 from meshlearn.algorithms.leaderstate import LeaderState
+from meshlearn.definitions.fedavg import participants
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import WireError
 from meshlearn.sparselog import SparseLog

@@ -13,7 +13,7 @@ from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext
 from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.errors import ConfigError
-from meshlearn.topology.sampling import StaticRounds
+from meshlearn.topology.sampling import Round, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
@@ -35,14 +35,25 @@ class RoundRunner(Algorithm):
         super().__init__(ctx)
         if ctx.transport.lossy:
             raise ConfigError(f"algorithm {self.name} needs transport tcp (it needs every message whole)")
-        if ctx.sampler is not None:  # peers that change every round: it may meet anyone
+        self.talks_to = self.definition.talks_to
+        if ctx.sampler is not None and self.talks_to == "neighbours":  # peers that change every round
             self.talks_to = "everyone"
         rounds = ctx.sampler or StaticRounds(ctx.graph)
-        self.rule = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings)
+        self.rule = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
+                                    ranks=[ctx.rank])
         self.state = self.rule.begin(ctx.flat.state.detach().unsqueeze(0))
         self._buffer: torch.Tensor | None = None
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        record = {"encode": 0.0, "comm": 0.0, "average": 0.0, "received": 0, "missing": 0}
+        for phase in range(self.rule.phases):
+            self.rule.phase = phase
+            for name, value in self._exchange(iteration, iteration * self.rule.phases + phase).items():
+                record[name] += value
+        return record
+
+    def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
+        """One exchange of the iteration (``tag``: its number on the wire, one per phase)."""
         ctx, rank = self.ctx, self.ctx.rank
         own = ctx.flat.state.detach().unsqueeze(0)
         t0 = time.perf_counter()
@@ -54,11 +65,21 @@ class RoundRunner(Algorithm):
         t1 = time.perf_counter()
         senders = list(exchange.receive_from[rank])
         ctx.transport.broadcast(list(exchange.send_to[rank]),
-                                Message(Kind.MODEL, rank, iteration, len(senders), {PAYLOAD: sent[0]}))
-        received = ctx.transport.gather(iteration, senders)
+                                Message(Kind.MODEL, rank, tag, len(senders), {PAYLOAD: sent[0]}))
+        received = ctx.transport.gather(tag, senders) if senders else {}
         t2 = time.perf_counter()
         admitted = self._admit(received, sent[0])
         usable = [sender for sender in senders if sender in admitted]
+        self._merge(own, sent, received, usable, exchange, iteration)
+        ctx.transport.recycle(received.values())
+        t3 = time.perf_counter()
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
+                "missing": len(senders) - len(usable)}
+
+    def _merge(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
+               exchange: Round, iteration: int) -> None:
+        """The definition's merge of this node's payload and the ``usable`` ones received."""
+        rank = self.ctx.rank
         weights = [exchange.weights[rank][sender] for sender in usable]
         own_weight = self.rule.own_weights(exchange, [rank])[0]
         if self.rule.keeps_missing:  # the weight of a sender not heard stays with the node's own
@@ -75,10 +96,6 @@ class RoundRunner(Algorithm):
                     if usable else sent.new_zeros((1, 0, sent.shape[1]))
                 self.rule.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
                                       torch.tensor([own_weight], dtype=torch.float64), iteration)
-        ctx.transport.recycle(received.values())
-        t3 = time.perf_counter()
-        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
-                "missing": len(senders) - len(usable)}
 
     def _mixed(self, sent: torch.Tensor) -> torch.Tensor:
         """The buffer the weighted sum goes into (one, reused while the payload's shape holds)."""

@@ -15,7 +15,7 @@ loads. The rules use tensor methods only."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from meshlearn.definitions.needs import Needs
 from meshlearn.plugins import Registry
@@ -44,15 +44,26 @@ class RoundAlgorithm(Definition):
     """A synchronous algorithm given as rules over stacks (see the module), run by both engines.
 
     Built with the run's ``rounds`` (who sends to whom each iteration, static or dynamic), the node
-    count, the seed and its ``settings`` (an instance of its ``settings`` class, or None). The
-    defaults are D-PSGD's: send the model, take the round's weighted average."""
+    count, the seed, its ``settings`` (an instance of its ``settings`` class, or None), every node's
+    training samples (``shard_sizes``, the seeded partition's) and the ranks of the B rows it computes
+    (``ranks``). The defaults are D-PSGD's: send the model, take the round's weighted average.
+
+    An iteration may hold several exchanges (``phases``: FedAvg's clients push, then the server
+    answers); the engines set ``phase`` (0, 1, ...) before each one's calls. ``talks_to`` says whom a
+    node of the process engine connects to: its topology's ``neighbours``, ``everyone``, or
+    ``server`` (node 0 with everyone, the others with node 0)."""
 
     needs: ClassVar[Needs] = Needs(dynamic=True)
     linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum): a sparse product in the batched engine
-    keeps_missing: ClassVar[bool] = True  # a sender not heard in time leaves its weight to the node's own payload
+    keeps_missing: bool = True  # a sender not heard in time leaves its weight to the node's own payload
+    phases: ClassVar[int] = 1
+    talks_to: ClassVar[str] = "neighbours"
 
-    def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None):
+    def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None,
+                 shard_sizes: Sequence[int] = (), ranks: Sequence[int] = ()):
         self.rounds, self.nodes, self.seed, self.options = rounds, nodes, seed, settings
+        self.shard_sizes, self.ranks = tuple(shard_sizes), list(ranks)
+        self.phase = 0
 
     def round(self, iteration: int) -> Round:
         """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""

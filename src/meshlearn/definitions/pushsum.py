@@ -17,7 +17,7 @@ peer sampling (``epidemic:S``: each node pushes to S peers drawn per round) or t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
 
 from pydantic import Field
 
@@ -49,8 +49,9 @@ class PushSum(RoundAlgorithm):
     keeps_missing = False  # a share that did not arrive is lost to x and w alike: x / w stays unbiased
     summary = "Stochastic Gradient Push, Assran et al. 2019: push-sum over directed and time-varying graphs"
 
-    def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None):
-        super().__init__(rounds, nodes, seed, settings)
+    def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None,
+                 **run: Sequence[int]):
+        super().__init__(rounds, nodes, seed, settings, **run)
         self.step = (settings or PushSumSettings()).step
 
     def round(self, iteration: int) -> Round:

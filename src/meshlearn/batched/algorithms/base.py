@@ -92,7 +92,7 @@ class BatchedAlgorithm(ABC):
 
 BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
     "runtime of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
-                                                 for name in ("local", "dpsgd", "gossip", "leader", "fedavg")})
+                                                 for name in ("local", "dpsgd", "gossip", "leader")})
 
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:

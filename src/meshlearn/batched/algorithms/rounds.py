@@ -27,13 +27,25 @@ class BatchedRounds(BatchedAlgorithm):
         config = ctx.config
         settings = config.settings_of(self.name) if self.definition.settings is not None else None
         self.rule = self.definition(rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed),
-                                    config.nodes, config.seed, settings)
+                                    config.nodes, config.seed, settings, shard_sizes=ctx.samples,
+                                    ranks=list(range(config.nodes)))
         self.network = ctx.network
         self.state = self.rule.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, torch.Tensor] | None = None
 
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
+        nodes = self.ctx.config.nodes
+        record = {"comm": np.zeros(nodes), "received": np.zeros(nodes, dtype=np.int64),
+                  "missing": np.zeros(nodes, dtype=np.int64)}
+        for phase in range(self.rule.phases):
+            self.rule.phase = phase
+            for name, values in self._exchange(iteration).items():
+                record[name] += values
+        return record
+
+    def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
+        """One exchange of the iteration, for every node."""
         own = self.ctx.stacked.state
         links, own_weight = self._links(self.rule.round(iteration))
         sent = self.rule.payload(own, self.state, iteration)
