@@ -30,13 +30,14 @@ BEFORE = {
          B + "algorithms/dpsgd.py::BatchedDPSGD._join_round", B + "algorithms/dpsgd.py::BatchedDPSGD._sources",
          B + "mixing.py::MetropolisMixing", B + "mixing.py::Links.of_round"]),
     "missing-value rules (lost chunks, partial shares)": (
-        [A + "averaging.py::_element_mask", A + "averaging.py::per_chunk_weights", A + "averaging.py::fill_local_weights",
-         A + "averaging.py::masked_average_"],
+        [A + "averaging.py::_element_mask", A + "averaging.py::per_chunk_weights",
+         A + "averaging.py::fill_local_weights", A + "averaging.py::masked_average_"],
         [B + "mixing.py::ChunkedMixing", B + "mixing.py::_incoming_rows"]),
     "robust aggregation": (
         [A + "dpsgd.py::DPSGD._aggregate_robust", A + "dpsgd.py::_vector"],
         [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
-    "peer reports": (["src/meshlearn/aggregation/suspects.py::PeerWatch.report"], [B + "robust.py::RobustMixing.reports"]),
+    "peer reports": (["src/meshlearn/aggregation/suspects.py::PeerWatch.report"],
+                     [B + "robust.py::RobustMixing.reports"]),
     "sharing schemes' exchange": ([A + "dpsgd.py::DPSGD._exchange_shares"], [B + "sharing.py::SharedMixing"]),
     "what a bad node sends": ([A + "base.py::AlgorithmContext.outgoing"],
                               [B + "byzantine.py::BadNodes.forge", B + "byzantine.py::BadNodes.forge_row",
@@ -44,7 +45,8 @@ BEFORE = {
     "gossip": (
         [A + "gossip.py::GossipAverager.update_send", A + "gossip.py::GossipAverager.update_wait",
          A + "gossip.py::GossipAverager._publish", A + "gossip.py::GossipAverager._merge_robust"],
-        [B + "algorithms/gossip.py::_Fetch", B + "algorithms/gossip.py::_Node", B + "algorithms/gossip.py::BatchedGossip"]),
+        [B + "algorithms/gossip.py::_Fetch", B + "algorithms/gossip.py::_Node",
+         B + "algorithms/gossip.py::BatchedGossip"]),
     "leader (members' side; the leader's book is one, LeaderState)": (
         [A + "leader.py::Leader.after_local_steps", A + "leader.py::Leader._exchange", A + "leader.py::Leader._drawn",
          A + "leader.py::Leader.respond", A + "leader.py::Leader.release", A + "leader.py::Leader._answer"],
@@ -64,7 +66,8 @@ AFTER = {
          B + "algorithms/dpsgd.py::BatchedDPSGD._join_round", B + "algorithms/dpsgd.py::BatchedDPSGD._sources",
          B + "mixing.py::MetropolisMixing"]),
     "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
-        [A + "averaging.py::masked_average_"], [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
+        [A + "averaging.py::masked_average_"],
+        [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
     "gossip: the order a node calls its GossipState in (its decisions: algorithms/gossipstate.py, once)": (
         [A + "gossip.py::GossipAverager.update_send", A + "gossip.py::GossipAverager.update_wait",
          A + "gossip.py::GossipAverager._judged"],
@@ -109,7 +112,8 @@ def _docstring_lines(tree: ast.AST) -> set[int]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+            docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
+            if docstring and isinstance(first.value.value, str):
                 found.update(range(first.lineno, first.end_lineno + 1))
     return found
 

@@ -1,7 +1,8 @@
 """A user's algorithm in one file: D-PSGD that moves only halfway toward the neighbours' average.
 
     meshlearn simulate --models-module examples/my_algorithm.py --algorithm half-step --nodes 8 --lr 0.3 --iterations 30
-    meshlearn simulate --models-module examples/my_algorithm.py --algorithm half-step --nodes 256 --engine batched --lr 0.3 --iterations 30
+    meshlearn simulate --models-module examples/my_algorithm.py --algorithm half-step --nodes 256 --engine batched \
+        --lr 0.3 --iterations 30
 """
 
 from meshlearn.definitions import Needs, RoundAlgorithm, register_algorithm

@@ -7,7 +7,8 @@ from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     "DEFINITIONS": "base", "Definition": "base", "RoundAlgorithm": "base", "State": "base", "definition": "base",
-    "names_that": "base", "algorithms_help": "base", "register_algorithm": "base", "Needs": "needs", "RunShape": "needs", "refusal": "needs",
+    "names_that": "base", "algorithms_help": "base", "register_algorithm": "base", "Needs": "needs",
+    "RunShape": "needs", "refusal": "needs",
     "DpsgdSettings": "settings", "FedAvgSettings": "settings", "GossipSettings": "settings",
     "LeaderSettings": "settings", "PushSumSettings": "pushsum",
 }

@@ -65,7 +65,8 @@ class Node:
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
             samples=len(self.loader.indices), shard_sizes=tuple(shard_sizes), iterations=config.iterations,
-            rule=config.aggregation, sharing=config.sharing, sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
+            rule=config.aggregation, sharing=config.sharing,
+            sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))
         self.log = log
