@@ -12,7 +12,7 @@ import torch
 from helpers.engines import BASE, batched_states, process_engine_states
 
 from meshlearn.algorithms.base import AlgorithmContext
-from meshlearn.algorithms.rounds import runner_for
+from meshlearn.algorithms.runtimes import algorithm_class
 from meshlearn.batched import BatchedSimulation
 from meshlearn.config import make_config
 from meshlearn.definitions.base import DEFINITIONS, RoundAlgorithm
@@ -256,7 +256,7 @@ def test_a_payload_that_does_not_come_leaves_its_weight_with_the_node_as_dpsgd_d
             flat = FlatState(torch.nn.Linear(2, 1))  # 3 values, all 2.0
             flat.state.data.copy_(start[rank])
             ctx = AlgorithmContext(rank, flat, MemoryTransport(rank, queues, dropped={0}), graph, seed=0)
-            runners.append(runner_for(GradientTracking)(ctx))
+            runners.append(algorithm_class("tracking")(ctx))
         with ThreadPoolExecutor(4) as pool:
             records = list(pool.map(lambda runner: runner.after_local_steps(0), runners))
         assert [record["missing"] for record in records] == [0, 1, 0, 1]  # 0's neighbours (ring) lost its message

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Mapping
 
 import torch
 
@@ -16,6 +17,9 @@ from meshlearn.plugins import Registry
 from meshlearn.settings import Settings
 from meshlearn.topology import Graph
 from meshlearn.transport.base import Endpoint, Unconnected
+from meshlearn.wire import Message
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from meshlearn.attacks.forge import Attack
@@ -84,6 +88,20 @@ class Algorithm(ABC):
         """Refused and deviant models per peer, and the suspected peers (the run log's final event)."""
         return self.watch.report()
 
+    def admit(self, received: Mapping[int, Message], problem_of: Callable[[Message], str | None]) -> list[int]:
+        """The senders whose messages may be merged, in rank order (so that a run is bit-for-bit
+        reproducible); the others (``problem_of`` says why) are refused, counted per peer and logged."""
+        usable = []
+        for sender in sorted(received):
+            problem = problem_of(received[sender])
+            if problem is None:
+                usable.append(sender)
+                self.watch.heard(sender)
+            else:
+                self.watch.refused(sender, problem)
+                log.warning("node %d: refused the model of %d: %s", self.ctx.rank, sender, problem)
+        return usable
+
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""
 
@@ -125,7 +143,7 @@ ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm of the process engin
 
 def register_runtime(cls: type[Algorithm]) -> type[Algorithm]:
     """Class decorator adding the process engine's own runtime for the algorithm ``cls.name`` (one
-    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``rounds.runner_for``)."""
+    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``runtimes``)."""
     return ALGORITHMS.add(cls.name, cls)
 
 

@@ -163,24 +163,19 @@ class DPSGD(Algorithm):
                                                          ctx.flat.segments_of(forged)))
 
     def _admit(self, received: dict[int, Message]) -> list[int]:
-        """The senders whose models may be aggregated, in rank order (so that a run is bit-for-bit
-        reproducible); the others are refused and counted."""
-        usable = []
-        for sender in sorted(received):
-            msg = received[sender]
-            problem = self.ctx.flat.check_compatible(msg.tensors)
-            chunks = msg.chunks
-            if problem is None and chunks is None:
-                problem = next(filter(None, map(refusal, msg.tensors.values())), None)
-            elif problem is None:
-                problem = refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
-            if problem is None:
-                usable.append(sender)
-                self.watch.heard(sender)
-            else:
-                self.watch.refused(sender, problem)
-                log.warning("node %d: refused the model of %d: %s", self.ctx.rank, sender, problem)
-        return usable
+        """The senders whose models may be aggregated, in rank order; the others are refused and counted."""
+        return self.admit(received, self._problem)
+
+    def _problem(self, msg: Message) -> str | None:
+        """Why a received model must not be aggregated: another size or dtype, NaN or Inf (in the
+        chunks that arrived, over a lossy transport); None if it may."""
+        problem = self.ctx.flat.check_compatible(msg.tensors)
+        chunks = msg.chunks
+        if problem is None and chunks is None:
+            problem = next(filter(None, map(refusal, msg.tensors.values())), None)
+        elif problem is None:
+            problem = refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
+        return problem
 
     def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool) -> None:
         """The node's model <- the rule over it and the models in ``usable`` (per chunk of what

@@ -3,7 +3,6 @@ one node (B = 1), over the messages of each round."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import ClassVar
 
@@ -17,7 +16,6 @@ from meshlearn.topology.sampling import Round, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
-log = logging.getLogger(__name__)
 PAYLOAD = "payload"  # the one tensor of a round algorithm's message
 
 
@@ -25,7 +23,7 @@ class RoundRunner(Algorithm):
     """Each iteration: the round's peers from the definition, its payload to every peer, the
     payloads of the round's senders gathered (a late or refused one weighs nothing), and the
     definition's merge over the stack of what came. ``definition`` is set per algorithm
-    (``runner_for``)."""
+    (``definitions.base.engine_class``)."""
 
     definition: ClassVar[type[RoundAlgorithm]]
     endpoint = Transport
@@ -106,30 +104,11 @@ class RoundRunner(Algorithm):
     def _admit(self, received: dict[int, Message], sent: torch.Tensor) -> set[int]:
         """The senders whose payload may be merged: one tensor of this node's payload's size and
         dtype, finite; the others are refused and counted."""
-        usable = set()
-        for sender in sorted(received):
-            tensors = received[sender].tensors
-            payload = tensors.get(PAYLOAD)
-            if set(tensors) != {PAYLOAD} or payload.dtype != sent.dtype or payload.shape != sent.shape:
-                problem = f"it sent {sorted(tensors)[:3]}, not one {PAYLOAD} of {sent.numel()} {sent.dtype} values"
-            else:
-                problem = refusal(payload)
-            if problem is None:
-                usable.add(sender)
-                self.watch.heard(sender)
-            else:
-                self.watch.refused(sender, problem)
-                log.warning("node %d: refused the message of %d: %s", self.ctx.rank, sender, problem)
-        return usable
 
+        def problem(msg: Message) -> str | None:
+            payload = msg.tensors.get(PAYLOAD)
+            if set(msg.tensors) != {PAYLOAD} or payload.dtype != sent.dtype or payload.shape != sent.shape:
+                return f"it sent {sorted(msg.tensors)[:3]}, not one {PAYLOAD} of {sent.numel()} {sent.dtype} values"
+            return refusal(payload)
 
-_RUNNERS: dict[type[RoundAlgorithm], type[RoundRunner]] = {}
-
-
-def runner_for(definition: type[RoundAlgorithm]) -> type[RoundRunner]:
-    """The process-engine algorithm class that runs ``definition`` (one per definition)."""
-    if definition not in _RUNNERS:
-        _RUNNERS[definition] = type(f"{definition.__name__}Runner", (RoundRunner,),
-                                    {"name": definition.name, "definition": definition,
-                                     "__doc__": f"The process engine's runner of {definition.name}."})
-    return _RUNNERS[definition]
+        return set(self.admit(received, problem))

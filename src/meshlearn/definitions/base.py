@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from meshlearn.definitions.needs import Needs
+from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
 from meshlearn.settings import Settings
 from meshlearn.topology.sampling import Round, Rounds
@@ -127,3 +128,22 @@ def algorithms_help() -> str:
     """Every registered algorithm with its summary, for the command line and the settings reference."""
     return " | ".join(f"{name} ({definition(name).summary})" for name in DEFINITIONS.names()) + \
         " | one registered by --models-module"
+
+
+_RUNNERS: dict[tuple[type, type[RoundAlgorithm]], type] = {}
+
+
+def engine_class(name: str, runtimes: Registry, runner: type, engine: str) -> type:
+    """The class an engine runs the algorithm ``name`` with: its own runtime (registered in
+    ``runtimes``), or its ``runner`` of round algorithms specialised to the definition (one class per
+    runner and definition). ConfigError if the algorithm is unknown or the engine cannot run it."""
+    found = definition(name)
+    if name in runtimes:
+        return runtimes.get(name)
+    if not issubclass(found, RoundAlgorithm):
+        raise ConfigError(f"algorithm {name} has no runtime in the {engine} engine: give it one, or write it as a "
+                          "RoundAlgorithm")
+    if (runner, found) not in _RUNNERS:
+        _RUNNERS[runner, found] = type(f"{found.__name__}{runner.__name__}", (runner,), {
+            "name": found.name, "definition": found, "__doc__": f"The {engine} engine's runner of {found.name}."})
+    return _RUNNERS[runner, found]

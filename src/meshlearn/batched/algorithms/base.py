@@ -97,5 +97,5 @@ BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
 
 def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
     """Class decorator adding the batched engine's own runtime for the algorithm ``cls.name`` (one
-    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``rounds.batched_runner_for``)."""
+    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``runtimes``)."""
     return BATCHED_ALGORITHMS.add(cls.name, cls)

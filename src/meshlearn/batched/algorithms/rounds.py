@@ -18,7 +18,7 @@ class BatchedRounds(BatchedAlgorithm):
     """Each iteration: the round's links and weights from the definition, every node's payload,
     who heard whom in time from the modelled network, and the definition's merge: for a
     ``linear`` one, of one sparse product (weights of late links zero); else of the stacked
-    payloads each node received. ``definition`` is set per algorithm (``batched_runner_for``)."""
+    payloads each node received. ``definition`` is set per algorithm (``definitions.base.engine_class``)."""
 
     definition: ClassVar[type[RoundAlgorithm]]
 
@@ -73,15 +73,3 @@ class BatchedRounds(BatchedAlgorithm):
                                dtype=torch.float64, device=device)
             self._round = (exchange, Links.of_round(exchange, device), own)
         return self._round[1], self._round[2]
-
-
-_RUNNERS: dict[type[RoundAlgorithm], type[BatchedRounds]] = {}
-
-
-def batched_runner_for(definition: type[RoundAlgorithm]) -> type[BatchedRounds]:
-    """The batched-engine algorithm class that runs ``definition`` (one per definition)."""
-    if definition not in _RUNNERS:
-        _RUNNERS[definition] = type(f"Batched{definition.__name__}", (BatchedRounds,),
-                                    {"name": definition.name, "definition": definition,
-                                     "__doc__": f"The batched engine's runner of {definition.name}."})
-    return _RUNNERS[definition]
