@@ -3,9 +3,10 @@
 import json
 
 import pytest
+import torch
 
 from meshlearn.config import make_config
-from meshlearn.definitions.fedavg import participants, sample_weights
+from meshlearn.definitions.fedavg import FedAvg, participants
 from meshlearn.errors import ConfigError
 from meshlearn.sim import simulate
 from meshlearn.sim.report import load_logs
@@ -21,7 +22,14 @@ def test_the_drawn_share_of_nodes_is_seeded_and_changes_each_round():
 
 def test_contributions_weigh_by_the_partitions_shard_sizes():
     # the sizes are the seeded partition's, which the server computes: nothing a client claims
-    assert sample_weights([0, 3], [100, 5, 5, 300]) == {0: 0.25, 3: 0.75}
+    server = FedAvg(None, 4, seed=1, shard_sizes=[100, 5, 5, 300], ranks=[0])
+    round_ = server.round(0)  # phase 0: every node drawn (fraction 1), 1-3 push to node 0
+    assert round_.receive_from[0] == (1, 2, 3) and server.own_weights(round_, [0]) == [100.0]
+    own, state = torch.tensor([[4.0]]), server.begin(torch.tensor([[4.0]]))
+    sent = server.payload(own, state, 0)
+    node_3 = torch.tensor([[8.0, 1.0]])  # its model and the trailing 1, with node 3's weight; 1 and 2 did not come
+    server.merge(own, state, sent * 100.0 + node_3 * round_.weights[0][3], 0)
+    assert float(own[0, 0]) == 0.25 * 4.0 + 0.75 * 8.0  # by samples over what came: 100 and 300
     assert participants(1, 0, 100, 0.07) == sorted(set(participants(1, 0, 100, 0.07))) and \
         len(participants(1, 0, 100, 0.07)) == 7  # 0.07 * 100 is 7.000000000000001 in floats: still 7
 

@@ -44,17 +44,6 @@ def participants(seed: int, iteration: int, nodes: int, fraction: float) -> list
     return sorted(int(i) for i in np.random.default_rng([seed, SALT, iteration]).choice(nodes, count, replace=False))
 
 
-def sample_weights(contributors: list[int], shard_sizes: Sequence[int]) -> dict[int, float]:
-    """Each contributor's weight: its share of the contributors' training samples. The sizes come
-    from the run's seeded partition, which the server computes itself: a count a client claimed
-    over the network could make it outweigh everyone (or, huge, zero every weight)."""
-    from meshlearn.aggregation.weights import by_samples
-
-    counts = by_samples([shard_sizes[rank] for rank in contributors])
-    total = sum(counts)
-    return {rank: count / total for rank, count in zip(contributors, counts)}
-
-
 @register_algorithm
 class FedAvg(RoundAlgorithm):
     """The drawn nodes push to node 0, which averages by samples and answers everyone (see the module)."""
@@ -73,7 +62,9 @@ class FedAvg(RoundAlgorithm):
             raise ConfigError("FedAvg's server weighs models by every node's shard sizes, from the seeded partition: "
                               f"it was given {len(self.shard_sizes)} shard sizes for {nodes} nodes")
         self.fraction = (settings or FedAvgSettings()).fraction
-        self.samples = [float(max(1, size)) for size in self.shard_sizes]  # aggregation.weights.by_samples
+        from meshlearn.aggregation.weights import by_samples
+
+        self.samples = by_samples(self.shard_sizes)
         self._rounds: dict[tuple[int, int], Round] = {}
         self._server_weight = 0.0
 
