@@ -5,13 +5,14 @@ import json
 
 import pytest
 import torch
+from helpers.engines import metropolis_average
 
 from meshlearn.aggregation import aggregate_present, get_rule, parse_rule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.algorithms.averaging import weighted_average_
 from meshlearn.attacks.forge import ForgeInputs, make_attack
 from meshlearn.attacks.spec import parse_byzantine
-from meshlearn.batched.mixing import Links, MetropolisMixing
+from meshlearn.batched.mixing import Links
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.node import build_node
@@ -120,8 +121,7 @@ def test_mean_is_dpsgds_metropolis_hastings_average():
     generator = torch.Generator().manual_seed(2)
     state = torch.randn(8, 300, generator=generator)
     links = Links.of(graph)
-    mixed = state.clone()
-    MetropolisMixing(links).mix_(mixed)
+    mixed = metropolis_average(links, state)
     mean = get_rule("mean")
     for i in range(8):
         senders = links.sender[links.receiver == i]

@@ -9,13 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.engines import BASE, batched_states, process_engine_states
+from helpers.engines import BASE, batched_states, metropolis_average, process_engine_states
 
 from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched import BatchedSimulation
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
-from meshlearn.batched.mixing import ChunkedMixing, Links, MetropolisMixing
+from meshlearn.batched.mixing import ChunkedMixing, Links
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
@@ -88,14 +88,12 @@ def test_batchnorm_statistics_are_kept_per_node_as_in_the_process_engine(tmp_pat
 
 def test_mixing_takes_the_metropolis_hastings_average_and_keeps_weight_of_missed_models():
     graph = Graph(3, [(0, 1), (1, 2)])  # a path: degrees 1, 2, 1; w01 = w12 = 1/3
-    mixing = MetropolisMixing(Links.of(graph))
+    links = Links.of(graph)
     state = torch.tensor([[3.0, 0.0], [0.0, 3.0], [6.0, 6.0]])
-    every = state.clone()
-    mixing.mix_(every)
+    every = metropolis_average(links, state)
     assert torch.allclose(every, torch.tensor([[2.0, 1.0], [3.0, 3.0], [4.0, 5.0]]))
     # links in receiver order: 1->0, 0->1, 2->1, 1->2; the model from 2 to 1 missed its deadline
-    some = state.clone()
-    mixing.mix_(some, torch.tensor([True, True, False, True]))
+    some = metropolis_average(links, state, torch.tensor([True, True, False, True]))
     assert torch.allclose(some[1], torch.tensor([1.0, 2.0]))  # 1/3 of node 0, 2/3 its own
     assert torch.allclose(some[[0, 2]], every[[0, 2]])
 
@@ -234,9 +232,8 @@ def test_chunked_mixing_is_the_process_engines_chunked_average_for_every_node(ru
 @pytest.mark.parametrize("rule", ["per-chunk", "fill-local"])
 def test_chunked_mixing_without_loss_is_plain_dpsgd_and_keeps_identical_models(rule):
     graph, links, state = _random_graph_state(9)
-    chunked, plain = state.clone(), state.clone()
+    chunked, plain = state.clone(), metropolis_average(links, state)
     ChunkedMixing(links, graph, rule, chunk_elements=8).mix_(chunked, torch.ones(len(links), 13, dtype=torch.bool))
-    MetropolisMixing(links).mix_(plain)
     assert torch.allclose(chunked, plain, atol=1e-6)
     same = state[:1].repeat(7, 1)
     masks = ChunkLoss(NetemSpec(loss=0.5, corr=0.3), len(links), 13, np.random.default_rng(3))

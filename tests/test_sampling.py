@@ -4,8 +4,9 @@ import json
 
 import pytest
 import torch
+from helpers.engines import metropolis_average
 
-from meshlearn.batched.mixing import Links, MetropolisMixing
+from meshlearn.batched.mixing import Links
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.sim import simulate
@@ -44,7 +45,7 @@ def test_a_rounds_links_average_what_each_node_received_by_hand():
     exchange = Round(send_to=((1,), (0, 2), (1,)), receive_from=((1,), (0, 2), (1,)),
                      weights=({1: 1 / 2}, {0: 1 / 3, 2: 1 / 3}, {1: 1 / 2}))
     state = torch.tensor([[1.0], [4.0], [7.0]])
-    MetropolisMixing(Links.of_round(exchange)).mix_(state)
+    state = metropolis_average(Links.of_round(exchange), state)
     assert torch.allclose(state, torch.tensor([[2.5], [4.0], [5.5]]))
 
 

@@ -28,3 +28,13 @@ def batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
                                    tmp_path / vectorize)
     simulation.run()
     return simulation.stacked.state
+
+
+def metropolis_average(links, state: torch.Tensor, arrived: torch.Tensor | None = None) -> torch.Tensor:
+    """The batched engine's D-PSGD average of ``state`` over ``links`` (``arrived``: per link,
+    whether its model came in time; a late one's weight stays with the receiver's own)."""
+    from meshlearn.batched.mixing import heard_weights, mixing_matrix
+
+    heard = torch.ones(len(links), dtype=torch.bool) if arrived is None else arrived
+    weight, own = heard_weights(links, 1.0 - links.incoming(links.weight), heard)
+    return torch.sparse.mm(mixing_matrix(links, weight, own, state.dtype), state)

@@ -168,9 +168,8 @@ class BatchedSimulation:
             make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed).wire_bytes()
         clocks = VirtualClocks(config, self.step_time, message_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
-        if shard.count > 1 and not definition(config.algorithm).needs.torchrun:
-            raise ConfigError(f"{config.algorithm} runs in one process of the batched engine, not under torchrun: "
-                              "start it without torchrun")
+        if shard.count > 1:
+            refuse_torchrun(config)
         algorithm = batched_algorithm_class(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
                            [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
@@ -362,3 +361,15 @@ def _lists(columns: dict[str, Any]) -> dict[str, list]:
             values = values.tolist()
         out[name] = list(values)
     return out
+
+
+def refuse_torchrun(config: ExperimentConfig) -> None:
+    """ConfigError, in one line, if this run cannot be split over torchrun processes: its
+    algorithm's declaration says it runs in one process, or its peers change every round or it
+    shares parts of models (both are exchanged in one process only)."""
+    for lacks, what in ((not definition(config.algorithm).needs.torchrun, config.algorithm),
+                        (bool(config.dynamic()), config.dynamic()),
+                        (config.sharing != "full", f"sharing {config.sharing}")):
+        if lacks:
+            raise ConfigError(f"{what} runs in one process of the batched engine, not under torchrun: start it "
+                              "without torchrun")

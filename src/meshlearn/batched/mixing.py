@@ -110,27 +110,13 @@ def mixing_matrix(links: Links, weight: torch.Tensor, own: torch.Tensor, dtype: 
     return torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
 
 
-class MetropolisMixing:
-    """``X <- W X`` with the Metropolis-Hastings matrix W of the graph, where a link whose model
-    did not arrive in time gives its weight to the receiver's own model (as a process-engine
-    D-PSGD node does when a neighbour misses its deadline)."""
-
-    def __init__(self, links: Links):
-        self.links = links
-
-    def matrix(self, state: torch.Tensor, arrived: torch.Tensor | None = None) -> torch.Tensor:
-        """The iteration's mixing matrix (sparse, the state's dtype)."""
-        links = self.links
-        weight = links.weight if arrived is None else links.weight * arrived.to(links.weight.dtype)
-        return mixing_matrix(links, weight, 1.0 - links.incoming(weight), state.dtype)
-
-    @torch.no_grad()
-    def mix_(self, state: torch.Tensor, arrived: torch.Tensor | None = None,
-             source: torch.Tensor | None = None) -> None:
-        """Average every node's row with its neighbours' rows, in place (``source``: the rows the
-        links' senders index, when they are more than ``state``'s own)."""
-        source = state if source is None else source
-        state.copy_(torch.sparse.mm(self.matrix(state, arrived), source))
+def heard_weights(links: Links, own_weight: torch.Tensor, heard: torch.Tensor,
+                  keeps_missing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each link's weight where its message was ``heard`` in time (0 where not), and each node's
+    own weight: ``own_weight``, plus (``keeps_missing``, D-PSGD's rule) the weights of the links it
+    did not hear, so a node whose neighbour missed the deadline keeps that share of its own model."""
+    weight = links.weight * heard.to(links.weight.dtype)
+    return weight, own_weight + links.incoming(links.weight - weight) if keeps_missing else own_weight
 
 
 class ChunkedMixing:
@@ -164,7 +150,7 @@ class ChunkedMixing:
     @torch.no_grad()
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor, source: torch.Tensor | None = None) -> None:
         """Average every node's row with the chunks of its neighbours' rows that arrived, in place
-        (``source``: the rows the links' senders index, as for ``MetropolisMixing``)."""
+        (``source``: the rows the links' senders index, when they are more than ``state``'s own)."""
         source = state if source is None else source
         links = self.links
         weight, own = self.weights(arrived)

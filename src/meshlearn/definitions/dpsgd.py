@@ -1,6 +1,7 @@
-"""D-PSGD's declaration (Lian et al. 2017) and its missing-value rules over stacks, which both
-engines' runtimes (``algorithms.dpsgd``, ``batched.algorithms.dpsgd``) call: they add what a
-``RoundAlgorithm`` does not yet express (lost UDP chunks, robust rules, attacks, sharing schemes).
+"""D-PSGD (Lian et al. 2017): a ``RoundAlgorithm`` with the defaults (send the model, take the
+round's weighted average), and its missing-value rules over stacks, which both engines' runtimes
+(``algorithms.dpsgd``, ``batched.algorithms.dpsgd``) call for what a ``RoundAlgorithm`` does not
+express: lost UDP chunks, robust rules, attacks and sharing schemes.
 
 A missing-value rule weighs each neighbour's values where only some arrived (a lossy transport's
 chunks, a sharing scheme's shares): ``weights`` [B, K] (each neighbour's Metropolis-Hastings
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from meshlearn.definitions.base import Definition, register_algorithm
+from meshlearn.definitions.base import RoundAlgorithm, register_algorithm
 from meshlearn.definitions.needs import ALL_SCHEMES, Needs
 from meshlearn.definitions.settings import DpsgdSettings
 
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 
 @register_algorithm
-class DpsgdDefinition(Definition):
+class DpsgdDefinition(RoundAlgorithm):
     """Synchronous decentralized SGD: average with the neighbours after the local steps."""
 
     name = "dpsgd"

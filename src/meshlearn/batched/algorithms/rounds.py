@@ -9,16 +9,20 @@ import numpy as np
 import torch
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
-from meshlearn.batched.mixing import Links, mixing_matrix
+from meshlearn.batched.mixing import Links, heard_weights, mixing_matrix
 from meshlearn.definitions.base import RoundAlgorithm
-from meshlearn.topology.sampling import Round, rounds_of
+from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
 
 class BatchedRounds(BatchedAlgorithm):
     """Each iteration: the round's links and weights from the definition, every node's payload,
     who heard whom in time from the modelled network, and the definition's merge: for a
     ``linear`` one, of one sparse product (weights of late links zero); else of the stacked
-    payloads each node received. ``definition`` is set per algorithm (``definitions.base.engine_class``)."""
+    payloads each node received. ``definition`` is set per algorithm (``definitions.base.engine_class``).
+
+    Under torchrun (a static graph) this process holds a block of the nodes: the links into it are
+    ``ctx.local`` and the rows its links read (``sources``) are the block's payloads, then those
+    the other blocks send. Every process models the whole run's network (the same draws)."""
 
     definition: ClassVar[type[RoundAlgorithm]]
 
@@ -26,12 +30,12 @@ class BatchedRounds(BatchedAlgorithm):
         super().__init__(ctx, traffic)
         config = ctx.config
         settings = config.settings_of(self.name) if self.definition.settings is not None else None
-        self.rule = self.definition(rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed),
-                                    config.nodes, config.seed, settings, shard_sizes=ctx.samples,
-                                    ranks=list(range(config.nodes)))
+        self.rounds = rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed)
+        self.rule = self.definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
+                                    ranks=list(ctx.shard.ranks))
         self.network = ctx.network
         self.state = self.rule.begin(ctx.stacked.state)
-        self._round: tuple[Round, Links, torch.Tensor] | None = None
+        self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
 
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
@@ -41,35 +45,59 @@ class BatchedRounds(BatchedAlgorithm):
         for phase in range(self.rule.phases):
             self.rule.phase = phase
             for name, values in self._exchange(iteration).items():
-                record[name] += values
+                record[name] = record[name] + values if name in record else values
         return record
 
     def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
         """One exchange of the iteration, for every node."""
         own = self.ctx.stacked.state
-        links, own_weight = self._links(self.rule.round(iteration))
+        everyone, links, own_weight = self._links(self.rule.round(iteration))
         sent = self.rule.payload(own, self.state, iteration)
         self.network.carry(sent.shape[1] * sent.element_size())
-        arrived, waited = self.network.gather(links.sender.cpu().numpy(), links.receiver.cpu().numpy())
-        heard = torch.from_numpy(arrived).to(links.weight.device)
-        weight = links.weight * heard.to(links.weight.dtype)
-        if self.rule.keeps_missing:  # the weight of a sender not heard stays with the node's own
-            own_weight = own_weight + links.incoming(links.weight - weight)
+        arrived, waited = self.network.gather(everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy(),
+                                              self.silent())
+        heard = torch.from_numpy(arrived).to(links.weight.device)[links.ids]
+        weight, own_weight = heard_weights(links, own_weight, heard, self.rule.keeps_missing)
+        source = self.sources(sent, iteration)
         if self.rule.linear:
-            mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), sent)
+            mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), source)
             self.rule.merge(own, self.state, mixed, iteration)
         else:
-            received, weights = links.stack(sent[links.sender]), links.stack(weight)
+            received, weights = links.stack(source[links.sender]), links.stack(weight)
             self.rule.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
-        expected = links.incoming(torch.ones_like(links.weight)).cpu().numpy().astype(np.int64)
-        received = links.incoming(heard.to(torch.float64)).cpu().numpy().astype(np.int64)
-        return {"comm": waited, "received": received, "missing": expected - received}
+        return {"comm": waited, **heard_counts(everyone, arrived)}
 
-    def _links(self, exchange: Round) -> tuple[Links, torch.Tensor]:
-        """The round's links and each node's own weight (the last round's again when unchanged)."""
+    def sources(self, sent: torch.Tensor, iteration: int) -> torch.Tensor:
+        """The rows the links' senders index: this block's payloads ``sent``, then (under torchrun)
+        those of the other blocks."""
+        ctx = self.ctx
+        return sent if ctx.plan is None else torch.cat([sent, ctx.collective.exchange(sent, ctx.plan)])
+
+    def silent(self) -> np.ndarray | None:
+        """Per link of the run, whether its receiver ignores it (None: none does)."""
+        return None
+
+    def links_of(self, exchange: Round) -> tuple[Links, Links]:
+        """The round's links: every link of the run, and those into this process's nodes (the
+        context's for the static graph's round, under torchrun too; others run in one process)."""
+        if isinstance(self.rounds, StaticRounds) and exchange is self.rounds.round(0):
+            return self.ctx.links, self.ctx.local
+        links = Links.of_round(exchange, self.ctx.stacked.state.device)
+        return links, links
+
+    def _links(self, exchange: Round) -> tuple[Links, Links, torch.Tensor]:
+        """``links_of`` the round and each node's own weight (the last round's again when unchanged)."""
         if self._round is None or self._round[0] is not exchange:
-            device = self.ctx.stacked.state.device
-            own = torch.tensor(self.rule.own_weights(exchange, list(range(self.ctx.config.nodes))),
-                               dtype=torch.float64, device=device)
-            self._round = (exchange, Links.of_round(exchange, device), own)
-        return self._round[1], self._round[2]
+            everyone, links = self.links_of(exchange)
+            own = torch.tensor(self.rule.own_weights(exchange, list(self.ctx.shard.ranks)), dtype=torch.float64,
+                               device=links.weight.device)
+            self._round = (exchange, everyone, links, own)
+        return self._round[1:]
+
+
+def heard_counts(links: Links, arrived: np.ndarray) -> dict[str, np.ndarray]:
+    """Per node of the run, the links into it whose message ``arrived`` (``received``) and those
+    whose did not (``missing``)."""
+    receiver = links.receiver.cpu().numpy()
+    received = np.bincount(receiver, weights=arrived, minlength=links.nodes).astype(np.int64)
+    return {"received": received, "missing": np.bincount(receiver, minlength=links.nodes) - received}
