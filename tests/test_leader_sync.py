@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from meshlearn.algorithms import LeaderState
-from meshlearn.definitions.fedavg import participants
+from meshlearn.algorithms.leaderstate import Push
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
+from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.sim import simulate
 
 
@@ -70,6 +72,33 @@ def test_a_fraction_takes_the_drawn_members_models_each_cycle():
         book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
     assert len(drawn[0]) == 3 and book.answerable(members) == members  # everyone is waited for and answered
     assert torch.allclose(book.answer_for(4), _state(sum(drawn[0]) / 3)) and book.rounds == {0: 3}
+
+
+def test_the_book_of_the_settings_draws_among_the_whole_group_and_releases_each_cycle_once():
+    clock = FakeClock()
+    settings = LeaderSettings(sync=True, fraction=0.5, weighting="equal")
+    group = [1, 3, 5, 7, 9, 11]
+    drawn = [group[i] for i in participants(5, 0, 6, 0.5)]
+    book = LeaderState.of(settings, group[:5], 1, 5, 10.0, group=group, clock=clock)  # 11 is known dead
+    for member in group[:5]:
+        book.take(member, Push.after(_state(float(member)), 10, 0, 4))
+    answers = book.release([9, 3, 1, 5, 7])
+    assert list(answers) == [9, 3, 1, 5, 7] and all(a is answers[1] for a in answers.values())  # one aggregate
+    taken = [m for m in drawn if m != 11]
+    assert torch.allclose(answers[1], _state(sum(taken) / len(taken))) and book.rounds == {0: len(taken)}
+    book.take(1, Push.after(_state(1.0), 10, 1, 4))
+    assert book.release([1]) == {} and book.release([3])[3] is answers[3]  # a push sent again: the same answer
+
+
+def test_a_push_says_its_cycle_whether_it_is_final_and_a_loss_that_is_not_finite_as_inf():
+    first, last = Push.after(_state(0.0), 3, 0, 2, 0.5), Push.after(_state(0.0), 3, 1, 2, float("nan"))
+    assert (first.cycle, first.final, first.loss) == (0, False, 0.5)
+    assert (last.cycle, last.final, last.loss) == (1, True, float("inf"))
+    assert Push.after(_state(0.0), 3, 0, 2).loss is None
+    book = LeaderState.of(LeaderSettings(first_barrier=True), [0, 1, 2], 0, 1, 10.0, start=False, clock=FakeClock())
+    assert book.take(1, first) and book.take(2, last)
+    answers = book.release([2, 1])  # taken over: no first-cycle barrier; 2's final push waits for the others
+    assert list(answers) == [1] and torch.equal(answers[1], _state(0.0))
 
 
 def test_every_node_gets_the_same_model_each_cycle_and_both_engines_agree(tmp_path):

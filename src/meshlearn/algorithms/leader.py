@@ -28,7 +28,6 @@ empty: the members push their cycle to it again, and it answers once every livin
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
@@ -36,8 +35,7 @@ import torch
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.algorithms.election import Election
-from meshlearn.algorithms.leaderstate import LeaderState
-from meshlearn.definitions.fedavg import participants
+from meshlearn.algorithms.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import WireError
 from meshlearn.sparselog import SparseLog
@@ -81,19 +79,16 @@ class Leader(Algorithm):
         members = {self.ctx.rank, *self.hub.peers}
         self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost)
         if self.election.leader == self.ctx.rank:
-            self._lead(first=self.settings.first_barrier)
+            self._lead(start=True)
         self._watcher = GuardedThread(self.election.watch, f"leader-watch-{self.ctx.rank}",
                                       (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
-        final = iteration + 1 == ctx.iterations
         t0 = time.perf_counter()
-        loss = train_loss if train_loss is not None and math.isfinite(train_loss) else (None if train_loss is None
-                                                                                       else float("inf"))
-        aggregate = self._exchange(ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True), iteration,
-                                   final, loss)
+        state = ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True)
+        aggregate = self._exchange(Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss))
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -118,8 +113,8 @@ class Leader(Algorithm):
         if self._watcher is not None:
             self._watcher.join(timeout=PING_TIMEOUT + 2)
 
-    def _exchange(self, state: torch.Tensor, cycle: int, final: bool, loss: float | None = None) -> torch.Tensor:
-        """Give the leader this member's state of ``cycle`` and take its aggregate back, following
+    def _exchange(self, push: Push) -> torch.Tensor:
+        """Give the leader this member's ``push`` and take its aggregate back, following
         fail-over, and sending the push again when it is refused on the way."""
         ctx = self.ctx
         refused = 0  # in a row
@@ -127,12 +122,12 @@ class Leader(Algorithm):
             leader = self.election.leader
             if leader == ctx.rank:
                 book = self._lead()
-                book.submit(ctx.rank, state, ctx.samples, final, copy=False, cycle=cycle, loss=loss)
+                book.take(ctx.rank, push, copy=False)
                 self.hub.poke()  # held pushes may be answerable now
                 return book.wait(ctx.rank)
-            reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(state),
-                                        {"op": "push", "samples": ctx.samples, "final": final, "cycle": cycle,
-                                         "loss": None if loss is None else min(loss, 1e30)},
+            reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(push.state),
+                                        {"op": "push", "samples": ctx.samples, "final": push.final, "cycle": push.cycle,
+                                         "loss": None if push.loss is None else min(push.loss, 1e30)},
                                         patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
             if reply is None:  # no answer: the leader is gone
                 self.election.mark_dead(leader)
@@ -142,25 +137,20 @@ class Leader(Algorithm):
             elif is_refusal(reply):  # damaged on the way: the same leader, again
                 refused += 1
                 self._refusals.warning("push", "node %d: the push of cycle %d to %d was refused on the way, sent "
-                                       "again: %s", ctx.rank, cycle, leader, reply.meta.get("reason"))
+                                       "again: %s", ctx.rank, push.cycle, leader, reply.meta.get("reason"))
                 time.sleep(min(MAX_REFUSED_BACKOFF, REFUSED_BACKOFF * 2 ** (refused - 1)))
             else:  # it does not lead (yet), or is closing: ask again shortly
                 time.sleep(RETRY)
                 self.election.resolve()
 
-    def _lead(self, first: bool = False) -> LeaderState:
+    def _lead(self, start: bool = False) -> LeaderState:
         with self._lock:
             if self.state is None:
                 alive = [m for m in self.election.members if not self.election.is_dead(m)]
-                self.state = LeaderState(alive, self.ctx.rank, self.timeout, first, self.settings.weighting,
-                                         rule=self.rule, watch=self.watch, sync=self.settings.sync,
-                                         drawn=self._drawn if self.settings.fraction < 1 else None)
+                self.state = LeaderState.of(self.settings, alive, self.ctx.rank, self.ctx.seed, self.timeout,
+                                            start=start, group=self.election.members, rule=self.rule,
+                                            watch=self.watch)
             return self.state
-
-    def _drawn(self, cycle: int) -> list[int]:
-        """The members whose models make synchronous ``cycle``'s aggregate (every member draws the same)."""
-        members = self.election.members
-        return [members[i] for i in participants(self.ctx.seed, cycle, len(members), self.settings.fraction)]
 
     def task_report(self) -> dict:
         """Synchronous: how many models each cycle's aggregate took, of the cycles this member led."""
@@ -208,24 +198,17 @@ class Leader(Algorithm):
             raise WireError(f"a push that does not fit this run: {problem}")
         samples, final, cycle = fields
         vector = torch.cat([request.tensors[name] for name in self.ctx.flat.ranges])
-        book = self._lead()
-        if not book.submit(sender, vector, samples, final, copy=False, cycle=cycle,
-                           loss=meta_number(request.meta, "loss", None)):
+        if not self._lead().take(sender, Push(vector, samples, cycle, final, meta_number(request.meta, "loss", None)),
+                                 copy=False):
             raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
-        return self._answer(book.answer_for(sender)) if book.can_answer(sender) else None
+        return self.release([sender]).get(sender)
 
     def release(self, held: list[int]) -> dict[int, Answer]:
+        """Answers for those of the ``held`` pushes (by member) that the book allows now."""
         book = self.state
-        ready = book.answerable(held) if book is not None else []
-        if not ready:
-            return {}
-        if book.sync:  # each its cycle's aggregate (the same one, made once, for every member of a cycle)
-            return {sender: self._answer(book.answer_for(sender)) for sender in ready}
-        answer = self._answer(book.aggregate())
-        return {sender: answer for sender in ready}
-
-    def _answer(self, aggregate: torch.Tensor) -> Answer:
-        return Answer(self.ctx.flat.segments_of(aggregate), {"status": "ok"})
+        answers = book.release(held) if book is not None else {}
+        return {sender: Answer(self.ctx.flat.segments_of(aggregate), {"status": "ok"})
+                for sender, aggregate in answers.items()}
 
 
 def _push_fields(meta: dict) -> tuple[int, bool, int] | None:

@@ -48,6 +48,8 @@ from meshlearn.aggregation import (
 )
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
+from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.settings import LeaderSettings
 
 log = logging.getLogger(__name__)
 Weighting = Literal["staleness", "samples", "equal"]
@@ -69,6 +71,28 @@ class Contribution:
     waiting_final: bool = False  # its latest push was final and waits for the others
     cycle: int = -1  # the cycle of its latest push, where pushes say theirs
     loss: float | None = None  # the mean loss of the local steps before its latest push, where it says it
+
+
+@dataclass(frozen=True)
+class Push:
+    """What a member gives the leader after its local steps of one cycle (its iteration): its model
+    (a flat state vector), its shard's samples, whether the model is its final one, and the mean
+    loss of the local steps that made it (None where it does not say; inf where not finite)."""
+
+    state: torch.Tensor
+    samples: int
+    cycle: int
+    final: bool
+    loss: float | None = None
+
+    @classmethod
+    def after(cls, state: torch.Tensor, samples: int, iteration: int, iterations: int,
+              loss: float | None = None) -> Push:
+        """The push a member makes after the local steps of ``iteration`` (of ``iterations``: the
+        last one's is final), whose mean loss was ``loss``."""
+        if loss is not None and not math.isfinite(loss):
+            loss = math.inf
+        return cls(state, samples, iteration, iteration + 1 == iterations, loss)
 
 
 class LeaderState:
@@ -97,6 +121,21 @@ class LeaderState:
         self._started = now
         self._first_open = first_barrier
         self._cond = threading.Condition()
+
+    @classmethod
+    def of(cls, settings: LeaderSettings, members: list[int], me: int, seed: int, peer_timeout: float, *,
+           start: bool = True, group: list[int] | None = None, rule: str | AggregationRule = "mean",
+           watch: PeerWatch | None = None, clock: Clock = SYSTEM) -> LeaderState:
+        """The book a leader keeps under ``settings``, of ``members``. Only a book that starts the
+        run (``start``; not one taken over on fail-over) waits for everyone in the first cycle,
+        where ``first_barrier``. With ``fraction`` below 1, each synchronous cycle's aggregate takes
+        the models of the members of ``group`` (all of them, sorted; by default ``members``) drawn
+        for it from ``seed`` (``fedavg.participants``: every member draws the same)."""
+        group = list(members if group is None else group)
+        drawn = None if settings.fraction == 1 else \
+            lambda cycle: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
+        return cls(members, me, peer_timeout, start and settings.first_barrier, settings.weighting, rule=rule,
+                   clock=clock, watch=watch, sync=settings.sync, drawn=drawn)
 
     # --- what members do ----------------------------------------------------------------------
 
@@ -143,7 +182,21 @@ class LeaderState:
             self._cond.notify_all()
             return True
 
+    def take(self, member: int, push: Push, copy: bool = True) -> bool:
+        """Record ``member``'s ``push`` (as ``submit``; False for a refused one)."""
+        return self.submit(member, push.state, push.samples, push.final, copy=copy, cycle=push.cycle, loss=push.loss)
+
     # --- when answers may go ------------------------------------------------------------------
+
+    def release(self, held: list[int]) -> dict[int, torch.Tensor]:
+        """The answers to those of the ``held`` pushes (by member, in their order) that may have
+        theirs now: the aggregate, made once for all of them (sync: each its cycle's)."""
+        with self._cond:
+            ready = [m for m in held if self._can_answer(m)]
+            if self.sync or not ready:
+                return {m: self._answer_for(m) for m in ready}
+            aggregate = self._aggregate()
+            return {m: aggregate for m in ready}
 
     def can_answer(self, member: int) -> bool:
         """Whether ``member``'s latest push may have its answer now: not while the first cycle

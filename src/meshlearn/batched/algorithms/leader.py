@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.algorithms.leaderstate import LeaderState
+from meshlearn.algorithms.leaderstate import LeaderState, Push
 from meshlearn.batched.algorithms.base import (
     AsyncDriver,
     BatchedAlgorithm,
@@ -28,7 +28,6 @@ from meshlearn.batched.algorithms.base import (
 )
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
-from meshlearn.definitions.fedavg import participants
 
 DONE, PUSH, REPLY, BARRIER = range(4)
 LEADER = 0
@@ -57,12 +56,9 @@ class BatchedLeader(BatchedAlgorithm):
 
     def book(self, clock: ModelledClock) -> LeaderState:
         """The leader's book, as the process engine's leader keeps it, on the modelled ``clock``."""
-        config, settings, nodes = self.ctx.config, self.settings, self.ctx.config.nodes
-        drawn = None if settings.fraction == 1 else \
-            lambda cycle: participants(config.seed, cycle, nodes, settings.fraction)
-        return LeaderState(list(range(nodes)), LEADER, config.tcp.wait_timeout, settings.first_barrier,
-                           settings.weighting, rule=config.aggregation, clock=clock, watch=self.watch,
-                           sync=settings.sync, drawn=drawn)
+        config = self.ctx.config
+        return LeaderState.of(self.settings, list(range(config.nodes)), LEADER, config.seed, config.tcp.wait_timeout,
+                              rule=config.aggregation, watch=self.watch, clock=clock)
 
 
 class _LeaderRun:
@@ -119,11 +115,10 @@ class _LeaderRun:
         """Member ``rank``'s push reaches the leader: recorded in the book, answered once it may be."""
         if rank != LEADER:
             self.traffic.received(LEADER, self.size)
-        iteration = self.iteration[rank]
-        trained = self.losses[rank]  # the local steps that made this model (a final one that diverged is left out)
-        self.book.submit(rank, self.algorithm.bad.forge_row(rank, self.state[rank], iteration), self.samples[rank],
-                         iteration + 1 == self.config.iterations, cycle=iteration,
-                         loss=sum(trained) / len(trained) if trained else None)
+        iteration, trained = self.iteration[rank], self.losses[rank]  # the local steps that made this model
+        state = self.algorithm.bad.forge_row(rank, self.state[rank], iteration)
+        self.book.take(rank, Push.after(state, self.samples[rank], iteration, self.config.iterations,
+                                        sum(trained) / len(trained) if trained else None))
         self.held.append(rank)
         self.release(now)
 
@@ -147,9 +142,9 @@ class _LeaderRun:
 
     def release(self, now: float) -> None:
         """Answer the held pushes the book allows now."""
-        for rank in self.book.answerable(list(self.held)):
+        for rank, aggregate in self.book.release(self.held).items():
             self.held.remove(rank)
-            self.answers[rank] = self.book.answer_for(rank).to(self.state.device)
+            self.answers[rank] = aggregate.to(self.state.device)
             self._send(REPLY, rank, LEADER, now)
 
     def _send(self, kind: int, member: int, sender: int, now: float) -> None:
