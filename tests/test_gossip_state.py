@@ -122,6 +122,49 @@ def test_a_robust_node_stays_put_until_it_has_pulled_two_peers_then_moves_toward
     assert sorted(node.latest) == [1, 2]
 
 
+def test_what_a_node_publishes_reads_back_as_the_reply_its_peers_judge():
+    node = _node()
+    node.trained(2.0)
+    assert node.meta(None) == {"clock": 2.0, "loss": 0.0}  # before any loss: 0, as a fresh node publishes
+    assert node.meta(float("nan")) == {"clock": 2.0, "loss": None}  # a diverged node: peers take nothing
+    reply = Reply.read(node.meta(1.5), (torch.ones(2),))
+    assert (reply.clock, reply.loss, reply.problem) == (2.0, 1.5, None)
+    assert Reply.read({"clock": -1.0, "loss": "x"}, ()).clock is None  # a peer's metadata is checked
+
+
+def test_take_judges_then_moves_the_state_segment_by_segment_and_only_when_merged():
+    node = _node()
+    own = torch.zeros(5)
+    node.start_step(0.1)
+    verdict, _ = node.take(Reply(1.0, 1.0, (torch.full((2,), 4.0), torch.full((3,), 8.0))), 1.0, own)
+    assert verdict.merged and verdict.factor == 0.25
+    assert torch.equal(own, torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0]))  # each segment lerped toward its own
+    node.start_step(0.1)
+    verdict, _ = node.take(Reply(1.0, None, (torch.full((5,), 8.0),)), 1.0, own)
+    assert verdict.outcome == DIVERGED and torch.equal(own, torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0]))
+
+
+def test_a_fetch_the_engine_cannot_send_is_forgotten():
+    node, sent = _node(), []
+    assert node.start_step(0.1, sent.append) == sent[0] == node.fetch
+
+    def broken(fetch):
+        raise ConnectionError("down")
+
+    node.cancel()
+    with pytest.raises(ConnectionError):
+        node.start_step(0.1, broken)
+    assert node.fetch is None
+
+
+def test_the_iteration_columns_are_the_tally_and_the_clock():
+    node = _node()
+    node.start_step(0.1)
+    node.judge(None, 1.0)
+    node.trained(3.0)
+    assert node.columns() == {"merged": 0, "failed": 1, "clock": 3.0} and node.tally() == (0, 0)
+
+
 class _Endpoint:
     """A pull endpoint stand-in: records what is published and answers fetches with ``answer``."""
 

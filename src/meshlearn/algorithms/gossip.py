@@ -31,7 +31,6 @@ carries its fetches over a ``PullEndpoint`` from the training thread.
 
 from __future__ import annotations
 
-import math
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterable
@@ -44,6 +43,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runt
 from meshlearn.algorithms.gossipstate import (
     DIVERGED,
     ROBUST_PEERS,
+    Fetch,
     GossipState,
     PeerScores,
     Reply,
@@ -54,7 +54,7 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
-from meshlearn.wire import Message, meta_number, meta_real
+from meshlearn.wire import Message
 
 __all__ = ["ROBUST_PEERS", "Gossip", "GossipAverager", "GossipSettings", "GossipState", "PeerScores",
            "interpolation_factor", "robust_target"]
@@ -97,23 +97,18 @@ class GossipAverager:
         if not self._trained_published:
             self._publish(loss)
         self._trained_published = False
-        fetch = self.node.start_step(self._step_seconds)
-        if fetch is not None:
-            try:
-                self._pending_answer = self.endpoint.fetch(fetch.peer, self.node.settings.timeout, fetch.wait)
-            except BaseException:
-                self.node.cancel()  # never started
-                raise
+        self.node.start_step(self._step_seconds, self._fetch)
         self._sent_at = self.node.time.monotonic()
+
+    def _fetch(self, fetch: Fetch) -> None:
+        """Send ``fetch`` over the endpoint (its answer arrives on a fetch thread)."""
+        self._pending_answer = self.endpoint.fetch(fetch.peer, self.node.settings.timeout, fetch.wait)
 
     def _publish(self, loss: float | None) -> None:
         vector = self.flat.state.detach()
         if self.forge is not None:
             vector = self.forge(vector, int(self.node.clock))
-        state = self.flat.segments_of(vector.to("cpu", copy=True))
-        loss = float(loss or 0.0)
-        # A loss that is not finite (a diverged worker) is published as null: peers take nothing from it.
-        self.endpoint.publish(state, {"clock": self.node.clock, "loss": loss if math.isfinite(loss) else None})
+        self.endpoint.publish(self.flat.segments_of(vector.to("cpu", copy=True)), self.node.meta(loss))
 
     def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
         """Count ``steps`` trained and publish the trained state; wait for the fetch started by
@@ -129,19 +124,11 @@ class GossipAverager:
         started = self.node.time.monotonic()
         reply = self._answer(max(0.0, fetch.deadline - started) + 0.05)
         waited = self.node.time.monotonic() - started
-        verdict = self.node.judge(None if reply is None else self._judged(reply), loss)
+        verdict, average = self.node.take(None if reply is None else self._judged(reply), loss, self.flat.state)
         record = {"fetched": verdict.peer, "factor": verdict.factor, "comm": waited}
         if not verdict.merged:
             return {**record, "failed": 1, **({"diverged": 1} if verdict.outcome == DIVERGED else {})}
-        t0 = self.node.time.monotonic()
-        if self.node.rule is not None:
-            pulled = torch.cat([reply.tensors[name].reshape(-1) for name in self.flat.ranges])
-            self.node.move_robustly(self.flat.state, pulled.to(self.flat.state.device, copy=True), verdict.peer,
-                                    verdict.factor)
-        else:
-            for name, target in self.flat.tensors().items():
-                target.lerp_(reply.tensors[name].to(target.device), verdict.factor)
-        return {**record, "average": self.node.time.monotonic() - t0}
+        return {**record, "average": average}
 
     def _answer(self, timeout: float) -> Message | None:
         """The pending fetch's answer, or None after ``timeout`` seconds (the fetch thread ends the
@@ -163,9 +150,9 @@ class GossipAverager:
             self._sent_at = None
 
     def _judged(self, reply: Message) -> Reply:
-        """A fetch's answer as ``GossipState.judge`` reads it."""
-        return Reply(meta_number(reply.meta, "clock"), meta_real(reply.meta, "loss"), list(reply.tensors.values()),
-                     self.flat.check_compatible(reply.tensors))
+        """A fetch's answer as ``GossipState.judge`` reads it: its segments in this state's order."""
+        problem = self.flat.check_compatible(reply.tensors)
+        return Reply.read(reply.meta, () if problem else [reply.tensors[name] for name in self.flat.ranges], problem)
 
 
 @register_runtime
@@ -195,8 +182,6 @@ class Gossip(Algorithm):
         self._average += record.get("average", 0.0)
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        merged, failed = self.averager.node.tally()
-        record = {"comm": self._comm, "average": self._average, "merged": merged, "failed": failed,
-                  "clock": self.averager.clock}
+        record = {"comm": self._comm, "average": self._average, **self.averager.node.columns()}
         self._comm = self._average = 0.0
         return record

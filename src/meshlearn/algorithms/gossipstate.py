@@ -4,21 +4,25 @@ leader's book for both).
 ``GossipState`` holds what dpwa's node keeps between steps: its random stream, its peers' scores
 (``PeerScores``), what it saw of each peer (``PeerWatch``), dpwa's clock (steps trained,
 interpolated with the peers'), the fetch it has pending, and, with a robust rule, each peer's
-latest pulled model. Its events are short methods: ``start_step`` (before a local step: maybe start
-a fetch), ``trained`` (a step done), ``judge`` (the fetch ended: with a reply, or with none) and
-``move_robustly`` (a robust rule's merge). Time is read from an injected ``Clock``: the process
-engine's threads use the real one (``GossipAverager``), the batched engine's event queue a modelled
-one (``batched.algorithms.gossip``), tests a ``FakeClock``. Moving the model toward a plain reply,
-and carrying requests and replies, stay with the engines: a process-engine node lerps its
-parameters segment by segment, the batched engine one row of its stacked state.
+latest pulled model. Its events are short methods, called by both engines in one order:
+``start_step`` (before a local step: maybe start a fetch, handed to the engine to send),
+``trained`` (a step done; ``meta`` is what the node publishes with its trained state), ``judge``
+(the fetch ended: with a ``Reply``, read from what the peer published, or with none) and ``move``
+(a merged verdict moves the node's model: a lerp toward the peer, or a robust rule's merge), the
+two together ``take``.
+Time is read from an injected ``Clock``: the process engine's threads use the real one
+(``GossipAverager``), the batched engine's event queue a modelled one
+(``batched.algorithms.gossip``), tests a ``FakeClock``. Carrying requests and replies stays with
+the engines: a process-engine node over its pull endpoint's sockets, the batched engine as events
+with modelled latencies.
 """
 
 from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -26,6 +30,7 @@ from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
+from meshlearn.wire import meta_number, meta_real
 
 ROBUST_PEERS = 2  # peers' models a robust rule compares before a gossiping node moves at all
 NO_ANSWER, REFUSED, DIVERGED, MERGED = "no answer", "refused", "diverged", "merged"
@@ -144,16 +149,24 @@ class Reply:
     tensors: Sequence[torch.Tensor]
     problem: str | None = None
 
+    @classmethod
+    def read(cls, meta: dict[str, Any], tensors: Sequence[torch.Tensor], problem: str | None = None) -> "Reply":
+        """A peer's answer from the ``meta`` it published with its state (``GossipState.meta``),
+        checked as anything from a peer is: a clock that is not a number >= 0, or a loss that is not
+        a finite number, reads as None. ``tensors``: the state, cut as the node's own state is."""
+        return cls(meta_number(meta, "clock"), meta_real(meta, "loss"), tensors, problem)
+
 
 @dataclass(frozen=True)
 class Verdict:
-    """How a fetch of ``peer`` ended: ``outcome`` is ``MERGED`` (move toward the peer's state by
-    ``factor``), ``NO_ANSWER``, ``REFUSED`` (another model, or NaN or Inf in it) or ``DIVERGED``
-    (the peer's loss is not finite: nothing taken from it)."""
+    """How a fetch of ``peer`` ended: ``outcome`` is ``MERGED`` (move toward the peer's state,
+    ``pulled``, by ``factor``), ``NO_ANSWER``, ``REFUSED`` (another model, or NaN or Inf in it) or
+    ``DIVERGED`` (the peer's loss is not finite: nothing taken from it)."""
 
     peer: int
     outcome: str
     factor: float = 0.0
+    pulled: Sequence[torch.Tensor] = field(default=(), repr=False, compare=False)
 
     @property
     def merged(self) -> bool:
@@ -182,11 +195,13 @@ class GossipState:
         self.merged = self.failed = 0  # fetches merged and failed, in all
         self._tallied = (0, 0)  # ``merged`` and ``failed`` at the last ``tally``
 
-    def start_step(self, step_seconds: float) -> Fetch | None:
+    def start_step(self, step_seconds: float, send: Callable[[Fetch], object] | None = None) -> Fetch | None:
         """Before a local step that takes about ``step_seconds``: with probability
         ``fetch_probability`` (one draw of the node's stream, then ``PeerScores.pick``), start
         fetching a peer, unless a fetch is still pending or every peer sits out. A fresh fetch asks
-        the peer to hold it for ``step_seconds``, at most half the timeout. The fetch started, or None."""
+        the peer to hold it for ``step_seconds``, at most half the timeout. ``send``: how the engine
+        carries a fetch (called with it; if it raises, the fetch never started and is forgotten).
+        The fetch started, or None."""
         settings = self.settings
         if self.fetch is not None or not self.scores.score or self.rng.random() >= settings.fetch_probability:
             return None
@@ -196,17 +211,30 @@ class GossipState:
         now = self.time.monotonic()
         wait = min(step_seconds, settings.timeout / 2) if settings.fresh else 0.0
         self.fetch = Fetch(peer, wait, now, now + settings.timeout)
+        if send is not None:
+            try:
+                send(self.fetch)
+            except BaseException:
+                self.cancel()
+                raise
         return self.fetch
 
     def trained(self, steps: float = 1.0) -> None:
         """``steps`` local steps done: dpwa's clock counts them."""
         self.clock += steps
 
+    def meta(self, loss: float | None) -> dict[str, float | None]:
+        """What the node publishes with its state (read back by ``Reply.read``): dpwa's clock and
+        its loss (None before any step counts as 0; a loss that is not finite, a diverged node's,
+        is published as None: peers take nothing from it)."""
+        loss = float(loss or 0.0)
+        return {"clock": self.clock, "loss": loss if math.isfinite(loss) else None}
+
     def judge(self, reply: Reply | None, own_loss: float | None) -> Verdict:
         """The pending fetch ended with ``reply`` (None: no answer in time, or the peer gone);
         ``own_loss`` is the node's loss after its step (a loss that is not finite takes all of the
         peer). Scores the peer, counts what the watch saw, and for a merged reply moves dpwa's clock
-        by the factor the model moves by (the engine moves the model: ``move_robustly`` or a lerp)."""
+        by the factor the model moves by (``move`` then moves the model)."""
         fetch = self.fetch
         if fetch is None:
             raise RuntimeError("judge called with no fetch pending")
@@ -230,11 +258,34 @@ class GossipState:
             interpolation_factor(self.settings, self.clock, reply.clock, own, reply.loss)
         self.clock = factor * reply.clock + (1 - factor) * self.clock
         self.merged += 1
-        return Verdict(peer, MERGED, factor)
+        return Verdict(peer, MERGED, factor, reply.tensors)
 
     def cancel(self) -> None:
         """Forget the pending fetch without judging it: the engine could not carry it out."""
         self.fetch = None
+
+    def take(self, reply: Reply | None, own_loss: float | None, own: torch.Tensor) -> tuple[Verdict, float]:
+        """The pending fetch ended with ``reply``: ``judge`` it, then ``move`` the node's model
+        ``own`` as the verdict says. The verdict, and the seconds the move took on the node's clock."""
+        verdict = self.judge(reply, own_loss)
+        started = self.time.monotonic()
+        self.move(verdict, own)
+        return verdict, self.time.monotonic() - started
+
+    def move(self, verdict: Verdict, own: torch.Tensor) -> None:
+        """After ``verdict`` (nothing unless merged): move the node's model ``own`` (its whole state
+        vector, cut as the verdict's ``pulled`` is) in place by the verdict's factor, toward the
+        peer's state or, with a robust rule, toward the rule's aggregate (``move_robustly``)."""
+        if not verdict.merged:
+            return
+        pulled = verdict.pulled
+        if self.rule is not None:
+            self.move_robustly(own, torch.cat([t.reshape(-1) for t in pulled]).to(own.device), verdict.peer,
+                               verdict.factor)
+            return
+        with torch.no_grad():
+            for target, source in zip(own.split([t.numel() for t in pulled]), pulled):
+                target.lerp_(source.to(target.device), verdict.factor)
 
     def move_robustly(self, own: torch.Tensor, pulled: torch.Tensor, peer: int, factor: float) -> None:
         """With a robust rule, after a merged verdict: keep ``pulled`` (the node's own copy) as
@@ -250,6 +301,12 @@ class GossipState:
         merged, failed = self.merged - self._tallied[0], self.failed - self._tallied[1]
         self._tallied = (self.merged, self.failed)
         return merged, failed
+
+    def columns(self) -> dict[str, float]:
+        """Gossip's columns of an iteration's record in the run log: fetches merged and failed since
+        the last call (``tally``), and dpwa's clock."""
+        merged, failed = self.tally()
+        return {"merged": merged, "failed": failed, "clock": self.clock}
 
     def _refused(self, peer: int, problem: str) -> Verdict:
         self.watch.refused(peer, problem)

@@ -12,8 +12,9 @@ finished all its steps is gone: fetching it fails at once. Everything happens in
 modelled time (an event queue); the nodes' steps are still computed together: a step only reads
 and writes its own node's row, so every step that has started is computed in one vectorized call
 the first time one of their results is needed. A node's decisions (whether and whom to fetch,
-how a reply is judged, how far it moves, dpwa's clock) are its ``GossipState``, the process
-engine's own, reading the modelled time; each event kind is a method of ``_GossipRun``.
+what it publishes, how a reply is read and judged, how its model moves, dpwa's clock) are its
+``GossipState``, the process engine's own, reading the modelled time; each event kind is a method
+of ``_GossipRun``, which only carries fetches and replies.
 """
 
 from __future__ import annotations
@@ -47,9 +48,8 @@ class _InFlight:
 
     number: int  # the fetch's own number: events of an earlier fetch are recognised and ignored
     fetch: Fetch
-    replied: float | None = None  # when the answer arrived (None: not yet, or never)
-    answer_clock: float = 0.0
-    answer_loss: float | None = None
+    answer: Reply | None = None  # what the peer answered (None: not yet, or never)
+    reply: Reply | None = None  # that answer, once it arrived in time (None: not yet, or never)
     gone: bool = False  # the peer had finished: failed at once
 
 
@@ -92,15 +92,6 @@ class BatchedGossip(BatchedAlgorithm):
     def drive(self, driver: AsyncDriver) -> None:
         """Run every node's steps in modelled time, through ``driver`` (training, records)."""
         _GossipRun(self, driver).run()
-
-    def move(self, rank: int, peer: int, answer: torch.Tensor, factor: float) -> None:
-        """Node ``rank`` moves toward ``answer`` (``peer``'s state) by ``factor``; with a robust rule,
-        toward the rule's aggregate of its model and each peer's latest pulled one (equal weights)."""
-        state = self.ctx.stacked.state
-        if self.gossips[rank].rule is None:
-            state[rank].lerp_(answer, factor)
-        else:
-            self.gossips[rank].move_robustly(state[rank], answer.clone(), peer, factor)
 
 
 class _GossipRun:
@@ -153,13 +144,16 @@ class _GossipRun:
         me.done_at = now + step_seconds
         self.steps.start(rank)
         me.fetch = None
-        fetch = self.gossips[rank].start_step(float(step_seconds))
-        if fetch is not None:
-            me.fetch = _InFlight(next(self.numbers), fetch)
-            self.traffic.sent(rank)
-            self.schedule(now + self.latency(), REQUEST, fetch.peer, rank, me.fetch.number)
-            self.schedule(fetch.deadline, DEADLINE, rank, fetch.peer, me.fetch.number)
+        self.gossips[rank].start_step(float(step_seconds), lambda fetch: self.send(rank, fetch, now))
         self.schedule(me.done_at, DONE, rank)
+
+    def send(self, rank: int, fetch: Fetch, now: float) -> None:
+        """Node ``rank`` sends ``fetch``: its request reaches the peer after a latency, and the node
+        gives up on it at its deadline."""
+        flight = self.nodes[rank].fetch = _InFlight(next(self.numbers), fetch)
+        self.traffic.sent(rank)
+        self.schedule(now + self.latency(), REQUEST, fetch.peer, rank, flight.number)
+        self.schedule(fetch.deadline, DEADLINE, rank, fetch.peer, flight.number)
 
     def done(self, rank: int, other: int, number: int, now: float) -> None:
         """Node ``rank``'s step is trained: it publishes, answers the fetches held for that, and
@@ -175,7 +169,7 @@ class _GossipRun:
             self.answer(rank, client, asked, now)
         me.held.clear()
         fetch = me.fetch
-        if fetch is None or fetch.gone or fetch.replied is not None or now >= fetch.fetch.deadline:
+        if fetch is None or fetch.gone or fetch.reply is not None or now >= fetch.fetch.deadline:
             self.merge(rank, now)
         else:
             me.waiting = True  # until its answer comes, or its fetch's deadline
@@ -206,9 +200,9 @@ class _GossipRun:
     def reply(self, rank: int, other: int, number: int, now: float) -> None:
         """``other``'s answer reaches ``rank``, the node asking: taken if before the deadline."""
         fetch = self.current(rank, number)
-        if fetch is None or fetch.replied is not None or now > fetch.fetch.deadline:
+        if fetch is None or fetch.reply is not None or now > fetch.fetch.deadline:
             return
-        fetch.replied = now
+        fetch.reply = fetch.answer
         self.traffic.received(rank, self.row_bytes)
         if self.nodes[rank].waiting:
             self.merge(rank, now)
@@ -216,7 +210,7 @@ class _GossipRun:
     def deadline(self, rank: int, other: int, number: int, now: float) -> None:
         """``rank``'s fetch times out: a node waiting for it merges without it."""
         fetch = self.current(rank, number)
-        if fetch is not None and fetch.replied is None and self.nodes[rank].waiting:
+        if fetch is not None and fetch.reply is None and self.nodes[rank].waiting:
             self.traffic.add_one("gather_timeouts", rank, 1)
             self.merge(rank, now)
 
@@ -231,8 +225,7 @@ class _GossipRun:
         if fetch is None or now > fetch.fetch.deadline:
             return  # the asking node has given up on it
         self.answers[client].copy_(self.published[server])
-        # a state published before any step carries loss 0, as a process-engine node publishes it
-        fetch.answer_clock, fetch.answer_loss = self.gossips[server].clock, self.nodes[server].loss or 0.0
+        fetch.answer = Reply.read(self.gossips[server].meta(self.nodes[server].loss), (self.answers[client],))
         self.traffic.sent(server, self.row_bytes)
         self.schedule(now + self.latency(), REPLY, client, server, number)
 
@@ -241,13 +234,8 @@ class _GossipRun:
         finished iteration, and starts its next step."""
         me = self.nodes[rank]
         me.comm += now - me.done_at
-        fetch = me.fetch
-        if fetch is not None:
-            answered = fetch.replied is not None
-            reply = Reply(fetch.answer_clock, fetch.answer_loss, (self.answers[rank],)) if answered else None
-            verdict = self.gossips[rank].judge(reply, me.loss)
-            if verdict.merged:
-                self.algorithm.move(rank, verdict.peer, self.answers[rank], verdict.factor)
+        if me.fetch is not None:
+            self.gossips[rank].take(me.fetch.reply, me.loss, self.state[rank])
         me.waiting = False
         me.step += 1
         if me.step % self.config.rounds == 0:
@@ -257,8 +245,7 @@ class _GossipRun:
     def record(self, rank: int, now: float) -> None:
         """Node ``rank`` finished an iteration: its log columns."""
         me, rounds = self.nodes[rank], self.config.rounds
-        merged, failed = self.gossips[rank].tally()
         self.driver.record(rank, me.step // rounds - 1, now, {
-            "train": rounds * float(self.clocks.step_seconds[rank]), "comm": me.comm, "merged": merged,
-            "failed": failed, "clock": self.gossips[rank].clock, "train_loss": float(np.mean(me.losses))})
+            "train": rounds * float(self.clocks.step_seconds[rank]), "comm": me.comm, **self.gossips[rank].columns(),
+            "train_loss": float(np.mean(me.losses))})
         me.comm, me.losses = 0.0, []
