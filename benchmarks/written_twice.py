@@ -62,19 +62,18 @@ AFTER = {
         [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
     "D-PSGD's exchange (whole models, rounds, counting)": (
         BEFORE["D-PSGD's exchange (whole models, rounds, counting)"][0],
-        [B + "algorithms/dpsgd.py::BatchedDPSGD.__init__", B + "algorithms/dpsgd.py::BatchedDPSGD.after_local_steps",
-         B + "algorithms/dpsgd.py::BatchedDPSGD._join_round", B + "algorithms/dpsgd.py::BatchedDPSGD._sources",
-         B + "mixing.py::MetropolisMixing"]),
+        [B + "algorithms/dpsgd.py::BatchedDPSGD", B + "algorithms/rounds.py::BatchedRounds._exchange",
+         B + "mixing.py::heard_weights"]),
     "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
         [A + "averaging.py::masked_average_"],
         [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
     "gossip: the order a node calls its GossipState in (its decisions: algorithms/gossipstate.py, once)": (
         [A + "gossip.py::GossipAverager.update_send", A + "gossip.py::GossipAverager.update_wait",
          A + "gossip.py::GossipAverager._judged"],
-        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.merge",
-         B + "algorithms/gossip.py::BatchedGossip.move"]),
+        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.merge"]),
     "leader (members' side; the leader's book is one, LeaderState)": (
-        BEFORE["leader (members' side; the leader's book is one, LeaderState)"][0],
+        [A + "leader.py::Leader.after_local_steps", A + "leader.py::Leader._exchange", A + "leader.py::Leader._lead",
+         A + "leader.py::Leader.respond", A + "leader.py::Leader.release"],
         [B + "algorithms/leader.py::BatchedLeader", B + "algorithms/leader.py::_LeaderRun"]),
 }
 LAYOUTS = {"before": BEFORE, "after": AFTER}

@@ -387,3 +387,16 @@ def test_udp_async_averages_only_the_chunks_that_arrived_when_each_node_was_read
     iterations = {rank: [e for e in events if e["event"] == "iteration"] for rank, events in logs.items()}
     assert all(e["received"] == 3 and e["comm"] == 0 for e in iterations[0])
     assert all(e["received"] == 0 and e["comm"] == 0 for r in range(1, 6) for e in iterations[r])
+
+
+@pytest.mark.parametrize("extra,named", [({"algorithm": "gossip"}, "gossip"),
+                                         ({"peer_sampling": "epidemic:2"}, "peer_sampling epidemic:2"),
+                                         ({"sharing": "topk:0.1"}, "sharing topk:0.1")])
+def test_runs_that_torchrun_cannot_split_are_refused_in_one_line(extra, named):
+    from meshlearn.batched.engine import refuse_torchrun
+
+    refuse_torchrun(make_config({**BASE, "engine": "batched"}))  # plain D-PSGD splits
+    with pytest.raises(ConfigError) as refused:
+        refuse_torchrun(make_config({**BASE, "engine": "batched", **extra}))
+    assert str(refused.value) == f"{named} runs in one process of the batched engine, not under torchrun: start it " \
+                                 "without torchrun"

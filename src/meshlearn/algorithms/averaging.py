@@ -3,10 +3,15 @@ applied to one node's models where only some chunks or values arrived."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, MissingValueRule
 from meshlearn.wire import Message
+
+if TYPE_CHECKING:
+    from meshlearn.sharing import Shared, Sharing
 
 
 def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tuple[float, torch.Tensor]]) -> None:
@@ -64,6 +69,21 @@ def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Te
     everything = torch.ones(state.numel(), dtype=torch.bool)
     masked_average_(state, own, [(w, degree, values, everything if mask is None else mask)
                                  for w, degree, values, mask in shares], rule)
+
+
+def merge_shares_(scheme: "Sharing", state: torch.Tensor, weights: dict[int, float], shared: dict[int, "Shared"],
+                  degrees: "dict[int, int] | list[int]", rule: MissingValueRule | str) -> list[int]:
+    """In place: one node's D-PSGD step with a sharing scheme, in both engines: the scheme's own
+    update where it makes one (CHOCO-SGD, over every neighbour's ``weights``), else the average of
+    ``state`` with the neighbours' ``shared`` values (``average_shares_``, senders' ``degrees``);
+    then the scheme's bookkeeping. Returns the senders whose updates the scheme lost track of."""
+    lost: list[int] = []
+    if scheme.mixes:
+        lost = scheme.mix_(state, weights, shared)
+    else:
+        average_shares_(state, [(weights[j], degrees[j], s.values, s.mask) for j, s in shared.items()], rule)
+    scheme.averaged(state)
+    return lost
 
 
 def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],

@@ -11,15 +11,15 @@ import torch
 from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.averaging import (
     MISSING_CHUNK_RULES,
-    average_shares_,
     chunked_average_,
+    merge_shares_,
     weighted_average_,
 )
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.definitions.dpsgd import robust_merge
 from meshlearn.definitions.settings import DpsgdSettings
 from meshlearn.sharing import Shared, Sharing, make_sharing
-from meshlearn.topology import mh_row
+from meshlearn.topology.sampling import StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
@@ -49,14 +49,10 @@ class DPSGD(Algorithm):
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
         settings = ctx.settings or DpsgdSettings()
-        row = mh_row(ctx.graph, ctx.rank)
-        self.neighbours = ctx.graph.neighbours(ctx.rank)  # whom it hears from
-        self.targets = self.neighbours  # whom it sends to
+        self.rounds = ctx.sampler or StaticRounds(ctx.graph)
         if ctx.sampler is not None:  # a new round, new peers: it may meet anyone
             self.talks_to = "everyone"
-        self.weights = {j: w for j, w in row.items() if j != ctx.rank}
-        self.own_weight = 1.0 - sum(self.weights.values())
-        self.lossy = ctx.transport.lossy
+        self._join_round(0)
         self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
         state = ctx.flat.state
         self.sharing: Sharing | None = None if ctx.sharing == "full" else \
@@ -67,8 +63,7 @@ class DPSGD(Algorithm):
             self.sharing.start(self.ctx.flat.state)
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        if self.ctx.sampler is not None:
-            self._join_round(iteration)
+        self._join_round(iteration)
         if self.sharing is not None:
             return self._exchange_shares(iteration)
         ctx = self.ctx
@@ -84,7 +79,7 @@ class DPSGD(Algorithm):
         t2 = time.perf_counter()
         usable = self._admit(received)
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
-        chunked = bool(partial) or (self.lossy and bool(usable) and len(usable) < len(self.neighbours))
+        chunked = bool(partial) or (ctx.transport.lossy and bool(usable) and len(usable) < len(self.neighbours))
         if self.rule.robust:
             self._aggregate_robust(usable, received, chunked)
         elif chunked:
@@ -107,8 +102,8 @@ class DPSGD(Algorithm):
         }
 
     def _join_round(self, iteration: int) -> None:
-        """Take this iteration's peers and weights from the run's peer sampler."""
-        exchange, rank = self.ctx.sampler.round(iteration), self.ctx.rank
+        """Take this iteration's peers (whom it sends to, whom it hears from) and their weights."""
+        exchange, rank = self.rounds.round(iteration), self.ctx.rank
         self.targets, self.neighbours = list(exchange.send_to[rank]), list(exchange.receive_from[rank])
         self.weights = dict(exchange.weights[rank])
         self.own_weight = 1.0 - sum(self.weights.values())
@@ -133,14 +128,10 @@ class DPSGD(Algorithm):
                 log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)
             else:
                 self.watch.heard(sender)
-        if sharing.mixes:
-            for sender in sharing.mix_(state, self.weights, shared):
-                log.warning("node %d: missed an update of %d, whose estimate is now out of step: it is left out "
-                            "from now on", ctx.rank, sender)
-        else:
-            average_shares_(state, [(self.weights[j], received[j].degree, s.values, s.mask) for j, s in shared.items()],
-                            self.missing_chunk_rule)
-        sharing.averaged(state)
+        degrees = {sender: received[sender].degree for sender in shared}
+        for sender in merge_shares_(sharing, state, self.weights, shared, degrees, self.missing_chunk_rule):
+            log.warning("node %d: missed an update of %d, whose estimate is now out of step: it is left out "
+                        "from now on", ctx.rank, sender)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, average_shares_
+from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, merge_shares_
 from meshlearn.batched.mixing import Links
 from meshlearn.sharing import Shared, Sharing, make_sharing
 
@@ -38,9 +38,5 @@ class SharedMixing:
         arrived = arrived.tolist()
         for rank, scheme in enumerate(self.schemes):
             row = state[rank]
-            heard = [(j, w) for link, j, w in self.incoming[rank] if arrived[link]]
-            if scheme.mixes:
-                scheme.mix_(row, {j: w for _, j, w in self.incoming[rank]}, {j: sent[j] for j, _ in heard})
-            else:
-                average_shares_(row, [(w, self.degrees[j], sent[j].values, sent[j].mask) for j, w in heard], self.rule)
-            scheme.averaged(row)
+            heard = {j: sent[j] for link, j, _ in self.incoming[rank] if arrived[link]}
+            merge_shares_(scheme, row, {j: w for _, j, w in self.incoming[rank]}, heard, self.degrees, self.rule)
