@@ -58,12 +58,11 @@ BEFORE = {
 AFTER = {
     **{rule: BEFORE[rule] for rule in ("sharing schemes' exchange", "what a bad node sends")},
     "the glue around D-PSGD's robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
-        [A + "dpsgd.py::DPSGD._aggregate_robust", A + "dpsgd.py::_vector"],
+        [A + "dpsgd.py::DPSGD._aggregate_robust"],
         [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
-    "D-PSGD's exchange (whole models, rounds, counting)": (
-        BEFORE["D-PSGD's exchange (whole models, rounds, counting)"][0],
-        [B + "algorithms/dpsgd.py::BatchedDPSGD", B + "algorithms/rounds.py::BatchedRounds._exchange",
-         B + "mixing.py::heard_weights"]),
+    "D-PSGD's exchange: its variants (the plain average: each engine's round runner, as for every RoundAlgorithm)": (
+        [A + "dpsgd.py::DPSGD.__init__", A + "dpsgd.py::DPSGD._exchange", A + "dpsgd.py::DPSGD._send"],
+        [B + "algorithms/dpsgd.py::BatchedDPSGD"]),
     "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
         [A + "averaging.py::masked_average_"],
         [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),

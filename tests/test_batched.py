@@ -17,6 +17,7 @@ from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links
 from meshlearn.config import make_config
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
 from meshlearn.sgd import StackedSGD
@@ -225,7 +226,7 @@ def test_chunked_mixing_is_the_process_engines_chunked_average_for_every_node(ru
                     chunks = Chunks(8 * 4, arrived[link].clone(), state[j] * arrived[link].repeat_interleave(8)[:100])
                     received.append((row[j], Message(Kind.MODEL, j, 0, graph.degree(j), chunks=chunks)))
             expected = state[i].clone()
-            chunked_average_(expected, row[i], received, rule)
+            chunked_average_(expected, row[i], received, MISSING_CHUNK_RULES[rule])
             assert torch.allclose(mixed[i], expected, atol=1e-6), (seed, i)
 
 

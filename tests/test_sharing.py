@@ -6,8 +6,9 @@ import json
 import pytest
 import torch
 
-from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, masked_average_
+from meshlearn.algorithms.averaging import masked_average_
 from meshlearn.config import make_config
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
 from meshlearn.sharing import make_sharing
 from meshlearn.sharing.base import pack_bits, unpack_bits

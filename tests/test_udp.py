@@ -7,14 +7,15 @@ import threading
 import time
 
 import pytest
-from helpers.waiting import wait_until
 import torch
+from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError, WireError
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -273,7 +274,7 @@ def test_identical_models_stay_identical_under_any_loss(rule):
             present[0] = trial % 2 == 0 or bool(present[0])
             degree = int(torch.randint(1, 5, (1,)))
             received.append((1 / (1 + max(3, degree)), _partial(model.clone(), present, 80, degree)))
-        chunked_average_(state, 1 - sum(w for w, _ in received), received, rule)
+        chunked_average_(state, 1 - sum(w for w, _ in received), received, MISSING_CHUNK_RULES[rule])
         assert torch.allclose(state, model, atol=1e-6)
 
 
@@ -287,7 +288,7 @@ def test_no_loss_per_chunk_equals_metropolis_hastings():
     for rule in ("per-chunk", "fill-local"):
         state = own.clone()
         msgs = [(w, _partial(o, torch.ones(7, dtype=torch.bool), 80, d)) for w, o, d in zip(weights, others, degrees)]
-        chunked_average_(state, 1 - sum(weights), msgs, rule)
+        chunked_average_(state, 1 - sum(weights), msgs, MISSING_CHUNK_RULES[rule])
         assert torch.allclose(state, expected, atol=1e-6)
 
 
@@ -298,11 +299,11 @@ def test_lost_chunk_takes_weights_from_arrived_neighbours_only():
     present_b = torch.tensor([True, False])  # b's second chunk (elements 4..7) lost
     msgs = [(1 / 3, _partial(a, present_a, 4, 1)), (1 / 3, _partial(b, present_b, 4, 1))]
     state = own.clone()
-    chunked_average_(state, 1 / 3, msgs, "per-chunk")
+    chunked_average_(state, 1 / 3, msgs, MISSING_CHUNK_RULES["per-chunk"])
     assert torch.allclose(state[:4], torch.full((4,), 4.0))  # (0 + 4 + 8) / 3
     assert torch.allclose(state[4:], torch.full((4,), 2.0))  # (0 + 4) / 2: b's missing chunk counts for nobody
     state = own.clone()
-    chunked_average_(state, 1 / 3, msgs, "fill-local")
+    chunked_average_(state, 1 / 3, msgs, MISSING_CHUNK_RULES["fill-local"])
     assert torch.allclose(state[4:], torch.full((4,), 4 / 3))  # b's chunk replaced by the local 0
 
 
@@ -314,11 +315,12 @@ def test_per_chunk_loss_in_a_regular_graph_biases_toward_neither_side():
     presence = [torch.tensor([True, True]), torch.tensor([True, True]), torch.tensor([True, False])]
     msgs = [(0.25, _partial(v, p, 4, 3)) for v, p in zip(values, presence)]
     state = own.clone()
-    chunked_average_(state, 0.25, msgs, "per-chunk")
+    chunked_average_(state, 0.25, msgs, MISSING_CHUNK_RULES["per-chunk"])
     assert torch.allclose(state[:4], torch.full((4,), 18 / 4))
     assert torch.allclose(state[4:], torch.full((4,), 9 / 3))
     state = own.clone()
-    chunked_average_(state, 0.25, msgs, "fill-local")  # the study's rule: the lost quarter goes to the node
+    # the study's rule: the lost quarter goes to the node
+    chunked_average_(state, 0.25, msgs, MISSING_CHUNK_RULES["fill-local"])
     assert torch.allclose(state[4:], torch.full((4,), 9 / 4))
 
 

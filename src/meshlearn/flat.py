@@ -75,7 +75,7 @@ class FlatState:
         n_params = sum(p.numel() for _, p in params)
         self.params = self.state[:n_params]
         self.buffers = self.state[n_params:]
-        self.ranges = _segment_ranges(self.state.numel(), self.state.element_size())
+        self.ranges = segment_ranges(self.state.numel(), self.state.element_size())
         self._segments = {name: self.state[a:b] for name, (a, b) in self.ranges.items()}
         self._pool: list[tuple[torch.Tensor, Receipt | None]] = []
 
@@ -97,8 +97,9 @@ class FlatState:
         """The state as named segments (views, not copies), as sent on the wire."""
         return self._segments
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the state as segments, safe to send while training goes on (the one copy).
+    def snapshot(self, vector: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """A CPU copy of the state (or of ``vector``, of its size and dtype) as segments, safe to
+        send while training goes on (the one copy).
 
         Copies go into pooled buffers; hand the transport's receipt to ``release`` so the buffer
         is reused once the transport is done with it (no page faults from fresh allocations).
@@ -112,7 +113,7 @@ class FlatState:
             if len(self._pool) < SNAPSHOT_POOL:
                 self._pool.append((buffer, None))
         with torch.no_grad():
-            buffer.copy_(self.state)
+            buffer.copy_(self.state if vector is None else vector)
         return self.segments_of(buffer)
 
     def segments_of(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -143,7 +144,8 @@ class FlatState:
         return None
 
 
-def _segment_ranges(numel: int, element_size: int) -> dict[str, tuple[int, int]]:
-    """Name -> (start, stop) element range of each wire segment, each at most SEGMENT_BYTES."""
+def segment_ranges(numel: int, element_size: int) -> dict[str, tuple[int, int]]:
+    """Name -> (start, stop) element range of each wire segment of a vector of ``numel`` elements,
+    each at most SEGMENT_BYTES."""
     step = max(1, SEGMENT_BYTES // element_size)
     return {f"state.{i}": (start, min(start + step, numel)) for i, start in enumerate(range(0, numel, step))}

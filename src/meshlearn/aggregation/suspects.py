@@ -46,7 +46,10 @@ class PeerWatch:
         """After a robust aggregation of ``models`` ``[K, P]`` (row 0 the node's own, then one per
         peer of ``peers``) into ``aggregate`` ``[P]``: count the peers whose model is deviant (only
         ``judged``, where the others' models are older ones already judged)."""
-        deviant = deviant_rows(models.unsqueeze(0), aggregate.unsqueeze(0))[0, 1:]
+        self.count_deviant(peers, deviant_rows(models.unsqueeze(0), aggregate.unsqueeze(0))[0, 1:], judged)
+
+    def count_deviant(self, peers: list[int], deviant: torch.Tensor, judged: int | None = None) -> None:
+        """Count the ``peers`` whose ``deviant`` flag [K] is set (only ``judged``, if given)."""
         for peer, bad in zip(peers, deviant.tolist()):
             if bad and (judged is None or peer == judged):
                 self._of(peer).deviant += 1

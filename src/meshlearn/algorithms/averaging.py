@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, MissingValueRule
+from meshlearn.definitions.dpsgd import MissingValueRule
 from meshlearn.wire import Message
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def weighted_average_(target: torch.Tensor, own_weight: float, others: list[tupl
 
 
 def masked_average_(state: torch.Tensor, own_weight: float,
-                    received: list[tuple[float, int, torch.Tensor, torch.Tensor]], rule: MissingValueRule | str,
+                    received: list[tuple[float, int, torch.Tensor, torch.Tensor]], rule: MissingValueRule,
                     unit_elements: int = 1) -> None:
     """In place: Metropolis-Hastings averaging of models of which only some values arrived.
 
@@ -37,10 +37,6 @@ def masked_average_(state: torch.Tensor, own_weight: float,
     node sum to one). ``rule`` (of ``MISSING_CHUNK_RULES``, D-PSGD's rules over stacks, run here
     for one node) gives each neighbour's weight per unit; the node keeps the rest.
     """
-    if isinstance(rule, str):
-        if rule not in MISSING_CHUNK_RULES:
-            raise ValueError(f"unknown missing-chunk rule {rule!r}")
-        rule = MISSING_CHUNK_RULES[rule]
     if not received:
         return
     with torch.no_grad():
@@ -58,7 +54,7 @@ def masked_average_(state: torch.Tensor, own_weight: float,
 
 
 def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Tensor, torch.Tensor | None]],
-                    rule: MissingValueRule | str) -> None:
+                    rule: MissingValueRule) -> None:
     """In place: ``state`` <- its average with the neighbours' shares (weight, degree, values,
     mask of the values sent, or None for all of them), each value over those who sent it by
     ``rule``; the node keeps the weight of the neighbours that sent nothing."""
@@ -72,7 +68,7 @@ def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Te
 
 
 def merge_shares_(scheme: "Sharing", state: torch.Tensor, weights: dict[int, float], shared: dict[int, "Shared"],
-                  degrees: "dict[int, int] | list[int]", rule: MissingValueRule | str) -> list[int]:
+                  degrees: "dict[int, int] | list[int]", rule: MissingValueRule) -> list[int]:
     """In place: one node's D-PSGD step with a sharing scheme, in both engines: the scheme's own
     update where it makes one (CHOCO-SGD, over every neighbour's ``weights``), else the average of
     ``state`` with the neighbours' ``shared`` values (``average_shares_``, senders' ``degrees``);
@@ -87,7 +83,7 @@ def merge_shares_(scheme: "Sharing", state: torch.Tensor, weights: dict[int, flo
 
 
 def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
-                     rule: MissingValueRule | str) -> None:
+                     rule: MissingValueRule) -> None:
     """In place: Metropolis-Hastings averaging where some chunks of some models are missing
     (``received``: each neighbour's weight and message; ``masked_average_`` per chunk)."""
     chunk_elements = received[0][1].chunks.chunk_bytes // state.element_size() if received else 1

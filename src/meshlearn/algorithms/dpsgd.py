@@ -1,5 +1,7 @@
 """D-PSGD: after the local steps, send the model to every neighbour and take the
-Metropolis-Hastings weighted average of what arrived."""
+Metropolis-Hastings weighted average of what arrived. The plain average is the round runner's
+(``RoundRunner``: static or dynamic rounds); this file adds the variants: lost UDP chunks, a
+robust rule, a sharing scheme, and a bad node sending what its attack forges."""
 
 from __future__ import annotations
 
@@ -9,25 +11,19 @@ import time
 import torch
 
 from meshlearn.aggregation.suspects import refusal
-from meshlearn.algorithms.averaging import (
-    MISSING_CHUNK_RULES,
-    chunked_average_,
-    merge_shares_,
-    weighted_average_,
-)
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
-from meshlearn.definitions.dpsgd import robust_merge
+from meshlearn.algorithms.averaging import chunked_average_, merge_shares_
+from meshlearn.algorithms.base import AlgorithmContext, register_runtime
+from meshlearn.algorithms.rounds import RoundRunner
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, DpsgdDefinition, robust_merge
 from meshlearn.definitions.settings import DpsgdSettings
 from meshlearn.sharing import Shared, Sharing, make_sharing
-from meshlearn.topology.sampling import StaticRounds
-from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
 log = logging.getLogger(__name__)
 
 
 @register_runtime
-class DPSGD(Algorithm):
+class DPSGD(RoundRunner):
     """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
 
     A neighbour whose model misses the deadline is left out of this iteration's average and
@@ -44,15 +40,12 @@ class DPSGD(Algorithm):
     """
 
     name = "dpsgd"
-    endpoint = Transport
+    definition = DpsgdDefinition
+    takes_lossy = True
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
         settings = ctx.settings or DpsgdSettings()
-        self.rounds = ctx.sampler or StaticRounds(ctx.graph)
-        if ctx.sampler is not None:  # a new round, new peers: it may meet anyone
-            self.talks_to = "everyone"
-        self._join_round(0)
         self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
         state = ctx.flat.state
         self.sharing: Sharing | None = None if ctx.sharing == "full" else \
@@ -62,11 +55,15 @@ class DPSGD(Algorithm):
         if self.sharing is not None:
             self.sharing.start(self.ctx.flat.state)
 
-    def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        self._join_round(iteration)
+    def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
+        ctx = self.ctx
+        if self.sharing is None and not (ctx.transport.lossy or self.rule.robust or ctx.attack is not None):
+            return super()._exchange(iteration, tag)  # the plain average
+        exchange, rank = self.rules.round(iteration), ctx.rank
+        self.targets, self.neighbours = list(exchange.send_to[rank]), list(exchange.receive_from[rank])
+        self.weights = dict(exchange.weights[rank])
         if self.sharing is not None:
             return self._exchange_shares(iteration)
-        ctx = self.ctx
         t0 = time.perf_counter()
         received = None
         if ctx.attack is not None and ctx.attack.rushing:
@@ -77,36 +74,22 @@ class DPSGD(Algorithm):
         if received is None:
             received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
-        usable = self._admit(received)
+        usable = self.admit(received, self._problem)
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
         chunked = bool(partial) or (ctx.transport.lossy and bool(usable) and len(usable) < len(self.neighbours))
+        own = ctx.flat.state.detach().unsqueeze(0)
         if self.rule.robust:
             self._aggregate_robust(usable, received, chunked)
         elif chunked:
-            chunked_average_(ctx.flat.state, self.own_weight, [(self.weights[j], received[j]) for j in usable],
-                             self.missing_chunk_rule)
+            chunked_average_(ctx.flat.state, 1.0 - sum(self.weights.values()),
+                             [(self.weights[j], received[j]) for j in usable], self.missing_chunk_rule)
         else:
-            own = 1.0 - sum(self.weights[j] for j in usable)
-            for name, target in ctx.flat.tensors().items():
-                weighted_average_(target, own, [(self.weights[j], received[j].tensors[name]) for j in usable])
+            self._merge(own, own, received, usable, exchange, iteration)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
-        return {
-            "encode": t1 - t0,
-            "comm": t2 - t1,
-            "average": t3 - t2,
-            "received": len(usable),
-            "missing": len(self.neighbours) - len(usable),
-            "partial": len(partial),
-            "chunks_missing": sum(m.chunks.missing for m in partial),
-        }
-
-    def _join_round(self, iteration: int) -> None:
-        """Take this iteration's peers (whom it sends to, whom it hears from) and their weights."""
-        exchange, rank = self.rounds.round(iteration), self.ctx.rank
-        self.targets, self.neighbours = list(exchange.send_to[rank]), list(exchange.receive_from[rank])
-        self.weights = dict(exchange.weights[rank])
-        self.own_weight = 1.0 - sum(self.weights.values())
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
+                "missing": len(self.neighbours) - len(usable), "partial": len(partial),
+                "chunks_missing": sum(m.chunks.missing for m in partial)}
 
     def _exchange_shares(self, iteration: int) -> dict[str, float]:
         """Send what the sharing scheme makes of the model, then average what the neighbours sent
@@ -139,55 +122,37 @@ class DPSGD(Algorithm):
 
     def _send(self, iteration: int, received: dict[int, Message] | None) -> None:
         """Send this node's model (or, for a bad node, what it forges) to every neighbour."""
-        ctx = self.ctx
-        if ctx.attack is None:
-            snapshot = ctx.flat.snapshot()
-            msg = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), snapshot)
-            ctx.flat.release(snapshot, ctx.transport.broadcast(self.targets, msg))
-            return
+        ctx, state = self.ctx, self.ctx.flat.state.detach()
         seen = None
         if received:
-            seen = torch.stack([_vector(ctx.flat, received[j]) for j in sorted(received)
+            seen = torch.stack([self.vector(received[j], state) for j in sorted(received)
                                 if ctx.flat.check_compatible(received[j].tensors) is None])
-        forged = ctx.outgoing(ctx.flat.state.detach(), iteration, seen)
-        ctx.transport.broadcast(self.targets, Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours),
-                                                         ctx.flat.segments_of(forged)))
-
-    def _admit(self, received: dict[int, Message]) -> list[int]:
-        """The senders whose models may be aggregated, in rank order; the others are refused and counted."""
-        return self.admit(received, self._problem)
+        sent = state if ctx.attack is None else ctx.outgoing(state, iteration, seen)
+        self.send(self.targets, sent, iteration, len(self.neighbours))
 
     def _problem(self, msg: Message) -> str | None:
         """Why a received model must not be aggregated: another size or dtype, NaN or Inf (in the
         chunks that arrived, over a lossy transport); None if it may."""
-        problem = self.ctx.flat.check_compatible(msg.tensors)
         chunks = msg.chunks
-        if problem is None and chunks is None:
-            problem = next(filter(None, map(refusal, msg.tensors.values())), None)
-        elif problem is None:
-            problem = refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
-        return problem
+        if chunks is None:
+            return self.payload_problem(msg, self.ctx.flat.state)
+        return self.ctx.flat.check_compatible(msg.tensors) or \
+            refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
 
     def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool) -> None:
         """The node's model <- the rule over it and the models in ``usable`` (per chunk of what
         arrived, when ``chunked``): D-PSGD's ``robust_merge``, for this one node."""
         state = self.ctx.flat.state
         vectors = state.new_zeros((1, 0, state.numel())) if not usable else \
-            torch.stack([_vector(self.ctx.flat, received[j]) for j in usable]).unsqueeze(0).to(state.device)
+            torch.stack([self.vector(received[j], state) for j in usable]).unsqueeze(0).to(state.device)
         weights = torch.tensor([[self.weights[j] for j in usable]], dtype=torch.float64)
         present, chunk_elements = None, 0
         if chunked:
             present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(state.device)
             chunk_elements = received[usable[0]].chunks.chunk_bytes // state.element_size()
-        result, models = robust_merge(self.rule, state.detach().unsqueeze(0), vectors, weights, present,
-                                      chunk_elements)
-        if not chunked:
-            self.watch.observe(usable, models[0], result[0])
+        result, deviant = robust_merge(self.rule, state.detach().unsqueeze(0), vectors, weights, present,
+                                       chunk_elements)
+        if deviant is not None:
+            self.watch.count_deviant(usable, deviant[0])
         state.copy_(result[0])
 
-
-def _vector(flat, msg: Message) -> torch.Tensor:
-    """A received model as one flat vector (the received buffer itself where it is one)."""
-    if msg.chunks is not None:
-        return msg.chunks.vector
-    return torch.cat([msg.tensors[name].reshape(-1) for name in flat.ranges])

@@ -1,5 +1,7 @@
 """The process engine's runtime for a ``RoundAlgorithm`` (``definitions``): its rules, for this
-one node (B = 1), over the messages of each round."""
+one node (B = 1), over the messages of each round. A payload travels as the state does: named
+segments of at most ``flat.SEGMENT_BYTES``, copied into pooled buffers when it has the model's
+size (no allocation per round)."""
 
 from __future__ import annotations
 
@@ -12,42 +14,44 @@ from meshlearn.aggregation.suspects import refusal
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext
 from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.errors import ConfigError
+from meshlearn.flat import segment_ranges
 from meshlearn.topology.sampling import Round, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
-
-PAYLOAD = "payload"  # the one tensor of a round algorithm's message
 
 
 class RoundRunner(Algorithm):
     """Each iteration: the round's peers from the definition, its payload to every peer, the
     payloads of the round's senders gathered (a late or refused one weighs nothing), and the
     definition's merge over the stack of what came. ``definition`` is set per algorithm
-    (``definitions.base.engine_class``)."""
+    (``definitions.base.engine_class``); a subclass that handles a lossy transport itself sets
+    ``takes_lossy``."""
 
     definition: ClassVar[type[RoundAlgorithm]]
     endpoint = Transport
     talks_to = "neighbours"
+    takes_lossy: ClassVar[bool] = False
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
-        if ctx.transport.lossy:
+        if ctx.transport.lossy and not self.takes_lossy:
             raise ConfigError(f"algorithm {self.name} needs transport tcp (it needs every message whole)")
         self.talks_to = self.definition.talks_to
         if ctx.sampler is not None and self.talks_to == "neighbours":  # peers that change every round
             self.talks_to = "everyone"
         rounds = ctx.sampler or StaticRounds(ctx.graph)
-        self.rule = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
-                                    ranks=[ctx.rank])
-        self.state = self.rule.begin(ctx.flat.state.detach().unsqueeze(0))
+        self.rules = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
+                                     ranks=[ctx.rank])
+        self.state = self.rules.begin(ctx.flat.state.detach().unsqueeze(0))
         self._buffer: torch.Tensor | None = None
+        self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         record = {"encode": 0.0, "comm": 0.0, "average": 0.0, "received": 0, "missing": 0}
-        for phase in range(self.rule.phases):
-            self.rule.phase = phase
-            for name, value in self._exchange(iteration, iteration * self.rule.phases + phase).items():
-                record[name] += value
+        for phase in range(self.rules.phases):
+            self.rules.phase = phase
+            for name, value in self._exchange(iteration, iteration * self.rules.phases + phase).items():
+                record[name] = record.get(name, 0) + value
         return record
 
     def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
@@ -55,18 +59,15 @@ class RoundRunner(Algorithm):
         ctx, rank = self.ctx, self.ctx.rank
         own = ctx.flat.state.detach().unsqueeze(0)
         t0 = time.perf_counter()
-        exchange = self.rule.round(iteration)
+        exchange = self.rules.round(iteration)
         with torch.no_grad():
-            sent = self.rule.payload(own, self.state, iteration)
-        if sent.data_ptr() == own.data_ptr():
-            sent = sent.clone()  # the state changes while the transport may still be sending it
+            sent = self.rules.payload(own, self.state, iteration)
         t1 = time.perf_counter()
         senders = list(exchange.receive_from[rank])
-        ctx.transport.broadcast(list(exchange.send_to[rank]),
-                                Message(Kind.MODEL, rank, tag, len(senders), {PAYLOAD: sent[0]}))
+        self.send(list(exchange.send_to[rank]), sent[0], tag, len(senders))
         received = ctx.transport.gather(tag, senders) if senders else {}
         t2 = time.perf_counter()
-        admitted = self._admit(received, sent[0])
+        admitted = set(self.admit(received, lambda msg: self.payload_problem(msg, sent[0])))
         usable = [sender for sender in senders if sender in admitted]
         self._merge(own, sent, received, usable, exchange, iteration)
         ctx.transport.recycle(received.values())
@@ -74,41 +75,70 @@ class RoundRunner(Algorithm):
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
                 "missing": len(senders) - len(usable)}
 
+    def send(self, targets: list[int], payload: torch.Tensor, tag: int, degree: int) -> None:
+        """Send ``payload`` [Q] to ``targets`` as named segments (a copy: the state changes while
+        the transport may still be sending it; one from the pool where it has the model's size)."""
+        flat, transport = self.ctx.flat, self.ctx.transport
+        if payload.shape == flat.state.shape and payload.dtype == flat.state.dtype:
+            segments = flat.snapshot(payload)
+            flat.release(segments, transport.broadcast(targets, Message(Kind.MODEL, self.ctx.rank, tag, degree,
+                                                                        segments)))
+            return
+        if payload.data_ptr() == flat.state.data_ptr():
+            payload = payload.clone()
+        transport.broadcast(targets, Message(Kind.MODEL, self.ctx.rank, tag, degree, self.segments(payload)))
+
+    def segments(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``vector`` cut into the wire's named segments (views)."""
+        return {name: vector[a:b] for name, (a, b) in self.ranges(vector).items()}
+
+    def ranges(self, vector: torch.Tensor) -> dict[str, tuple[int, int]]:
+        """The segments' element ranges of a payload like ``vector`` (worked out once per size)."""
+        if vector.numel() not in self._ranges:
+            self._ranges[vector.numel()] = segment_ranges(vector.numel(), vector.element_size())
+        return self._ranges[vector.numel()]
+
+    def vector(self, msg: Message, like: torch.Tensor) -> torch.Tensor:
+        """A received payload (segments of a payload ``like`` this node's) as one vector (the
+        received buffer itself where it is one)."""
+        if msg.chunks is not None:
+            return msg.chunks.vector
+        return torch.cat([msg.tensors[name] for name in self.ranges(like)])
+
+    def payload_problem(self, msg: Message, sent: torch.Tensor) -> str | None:
+        """Why a received payload must not be merged (not this node's payload's segments, sizes and
+        dtype, or NaN or Inf), or None."""
+        tensors, ranges = msg.tensors, self.ranges(sent)
+        if tensors.keys() != ranges.keys() or any(tensors[name].dtype != sent.dtype or tensors[name].shape != (b - a,)
+                                                  for name, (a, b) in ranges.items()):
+            return f"it sent {sorted(tensors)[:3]}, not {len(ranges)} segments of {sent.numel()} {sent.dtype} values"
+        return next(filter(None, map(refusal, tensors.values())), None)
+
     def _merge(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
                exchange: Round, iteration: int) -> None:
         """The definition's merge of this node's payload and the ``usable`` ones received."""
         rank = self.ctx.rank
         weights = [exchange.weights[rank][sender] for sender in usable]
-        own_weight = self.rule.own_weights(exchange, [rank])[0]
-        if self.rule.keeps_missing:  # the weight of a sender not heard stays with the node's own
+        own_weight = self.rules.own_weights(exchange, [rank])[0]
+        if self.rules.keeps_missing:  # the weight of a sender not heard stays with the node's own
             own_weight += sum(w for sender, w in exchange.weights[rank].items() if sender not in usable)
         with torch.no_grad():
-            if self.rule.linear:  # the weighted sum in place, into one buffer kept across rounds
+            if self.rules.linear:  # the weighted sum in place, into one buffer kept across rounds
                 mixed = self._mixed(sent)
                 torch.mul(sent, own_weight, out=mixed)
                 for sender, weight in zip(usable, weights):
-                    mixed[0].add_(received[sender].tensors[PAYLOAD], alpha=weight)
-                self.rule.merge(own, self.state, mixed, iteration)
+                    for name, (a, b) in self.ranges(sent[0]).items():
+                        mixed[0, a:b].add_(received[sender].tensors[name].to(mixed.device, non_blocking=True),
+                                           alpha=weight)
+                self.rules.merge(own, self.state, mixed, iteration)
             else:
-                stack = torch.stack([received[sender].tensors[PAYLOAD] for sender in usable]).unsqueeze(0) \
-                    if usable else sent.new_zeros((1, 0, sent.shape[1]))
-                self.rule.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
-                                      torch.tensor([own_weight], dtype=torch.float64), iteration)
+                stack = sent.new_zeros((1, 0, sent.shape[1])) if not usable else \
+                    torch.stack([self.vector(received[sender], sent[0]) for sender in usable])[None].to(sent.device)
+                self.rules.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
+                                       torch.tensor([own_weight], dtype=torch.float64), iteration)
 
     def _mixed(self, sent: torch.Tensor) -> torch.Tensor:
         """The buffer the weighted sum goes into (one, reused while the payload's shape holds)."""
         if self._buffer is None or self._buffer.shape != sent.shape or self._buffer.dtype != sent.dtype:
             self._buffer = torch.empty_like(sent)
         return self._buffer
-
-    def _admit(self, received: dict[int, Message], sent: torch.Tensor) -> set[int]:
-        """The senders whose payload may be merged: one tensor of this node's payload's size and
-        dtype, finite; the others are refused and counted."""
-
-        def problem(msg: Message) -> str | None:
-            payload = msg.tensors.get(PAYLOAD)
-            if set(msg.tensors) != {PAYLOAD} or payload.dtype != sent.dtype or payload.shape != sent.shape:
-                return f"it sent {sorted(msg.tensors)[:3]}, not one {PAYLOAD} of {sent.numel()} {sent.dtype} values"
-            return refusal(payload)
-
-        return set(self.admit(received, problem))

@@ -68,10 +68,9 @@ class BadNodes:
     def forge_row(self, row: int, own: torch.Tensor, iteration: int) -> torch.Tensor:
         """What node ``row`` sends for its model ``own`` at ``iteration`` (``own`` for an honest
         node; asynchronous algorithms, where a rushing attack sees no neighbours)."""
-        for k, (bad_row, attack) in enumerate(self.attacks):
-            if bad_row == row:
-                return attack.sent(own, self.initial[k], self.seed, self.start + row, iteration)
-        return own
+        k = next((k for k, (bad_row, _) in enumerate(self.attacks) if bad_row == row), None)
+        return own if k is None else \
+            self.attacks[k][1].sent(own, self.initial[k], self.seed, self.start + row, iteration)
 
     def sent(self, state: torch.Tensor, forged: torch.Tensor) -> torch.Tensor:
         """The block's rows as its nodes send them (for other blocks)."""

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from meshlearn.aggregation.base import AggregationRule
-from meshlearn.aggregation.suspects import PeerRecord, PeerWatch, deviant_rows
+from meshlearn.aggregation.suspects import PeerRecord, PeerWatch
 from meshlearn.batched.mixing import Links
 from meshlearn.definitions.dpsgd import robust_merge
 
@@ -52,11 +52,10 @@ class RobustMixing:
             block = max(1, self.BLOCK_ELEMENTS // ((d + 1) * max(1, state.shape[1])))
             for start in range(0, len(nodes), block):
                 rows, where = nodes[start:start + block], positions[start:start + block]
-                out, models = robust_merge(self.rule, state[rows], source[links.sender[where]], weight[where],
-                                           present[where], self.chunk_elements)
-                if bool(present[where].all()):
-                    bad = deviant_rows(models, out)[:, 1:].cpu().numpy()
-                    np.add.at(self.deviant, where.cpu().numpy()[bad], 1)
+                out, deviant = robust_merge(self.rule, state[rows], source[links.sender[where]], weight[where],
+                                            present[where], self.chunk_elements)
+                if deviant is not None:
+                    np.add.at(self.deviant, where.cpu().numpy()[deviant.cpu().numpy()], 1)
                 result[rows] = out
         state.copy_(result)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, merge_shares_
+from meshlearn.algorithms.averaging import merge_shares_
 from meshlearn.batched.mixing import Links
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.sharing import Shared, Sharing, make_sharing
 
 

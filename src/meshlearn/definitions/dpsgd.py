@@ -51,13 +51,15 @@ def fill_local_weights(weights: "Tensor", present: "Tensor", own_weight: "Tensor
 
 
 def robust_merge(rule: "AggregationRule", own: "Tensor", received: "Tensor", weights: "Tensor",
-                 present: "Tensor | None" = None, chunk_elements: int = 0) -> tuple["Tensor", "Tensor"]:
+                 present: "Tensor | None" = None, chunk_elements: int = 0) -> tuple["Tensor", "Tensor | None"]:
     """D-PSGD's step under a robust aggregation rule, for B nodes: the rule over each node's own
     model ``own`` [B, P] (its weight: what its neighbours' ``weights`` [B, K] leave of one) and those
     it ``received`` [B, K, P]; per chunk of what arrived where ``present`` [B, K, C] says chunks (or,
-    with C = 1, whole models) are missing. Returns the new models [B, P] and the stack the rule saw
-    [B, 1 + K, P] (row 0 each node's own), to judge deviant peers by."""
+    with C = 1, whole models) are missing. Returns the new models [B, P] and, where every model came
+    whole, [B, K] flags of the received models deviant from them (``deviant_rows``: for suspicion);
+    None where some came in part (the rule saw parts of them)."""
     from meshlearn.aggregation.present import aggregate_present  # loads torch: only once a run aggregates
+    from meshlearn.aggregation.suspects import deviant_rows
 
     models = own.new_empty((own.shape[0], 1 + received.shape[1], own.shape[1]))
     models[:, 0], models[:, 1:] = own, received
@@ -67,7 +69,8 @@ def robust_merge(rule: "AggregationRule", own: "Tensor", received: "Tensor", wei
     if present is not None:
         mask = present.new_ones((present.shape[0], 1 + present.shape[1], present.shape[2]))
         mask[:, 1:] = present
-    return aggregate_present(rule, models, every, mask, chunk_elements), models
+    out = aggregate_present(rule, models, every, mask, chunk_elements)
+    return out, deviant_rows(models, out)[:, 1:] if present is None or bool(present.all()) else None
 
 
 MissingValueRule = Callable[["Tensor", "Tensor", "Tensor", "Tensor"], "Tensor"]

@@ -57,10 +57,9 @@ class BatchedDPSGD(BatchedRounds):
         if self.chunks:
             present, waited, columns["chunks_missing"] = network.gather_chunks(senders, receivers, self.chunks,
                                                                                self.bad.skipped)
-            arrived = present.any(1)
         else:
-            arrived, waited = network.gather(senders, receivers, self.bad.skipped)
-            present = arrived
+            present, waited = network.gather(senders, receivers, self.bad.skipped)
+        arrived = present.any(1) if self.chunks else present
         mine = torch.from_numpy(present).to(state.device)[ctx.local.ids]
         if isinstance(variant, SharedMixing):
             variant.mix_(state, mine, iteration)

@@ -31,10 +31,10 @@ class BatchedRounds(BatchedAlgorithm):
         config = ctx.config
         settings = config.settings_of(self.name) if self.definition.settings is not None else None
         self.rounds = rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed)
-        self.rule = self.definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
+        self.rules = self.definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
                                     ranks=list(ctx.shard.ranks))
         self.network = ctx.network
-        self.state = self.rule.begin(ctx.stacked.state)
+        self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
 
     @torch.no_grad()
@@ -42,8 +42,8 @@ class BatchedRounds(BatchedAlgorithm):
         nodes = self.ctx.config.nodes
         record = {"comm": np.zeros(nodes), "received": np.zeros(nodes, dtype=np.int64),
                   "missing": np.zeros(nodes, dtype=np.int64)}
-        for phase in range(self.rule.phases):
-            self.rule.phase = phase
+        for phase in range(self.rules.phases):
+            self.rules.phase = phase
             for name, values in self._exchange(iteration).items():
                 record[name] = record[name] + values if name in record else values
         return record
@@ -51,20 +51,20 @@ class BatchedRounds(BatchedAlgorithm):
     def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
         """One exchange of the iteration, for every node."""
         own = self.ctx.stacked.state
-        everyone, links, own_weight = self._links(self.rule.round(iteration))
-        sent = self.rule.payload(own, self.state, iteration)
+        everyone, links, own_weight = self._links(self.rules.round(iteration))
+        sent = self.rules.payload(own, self.state, iteration)
         self.network.carry(sent.shape[1] * sent.element_size())
         arrived, waited = self.network.gather(everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy(),
                                               self.silent())
         heard = torch.from_numpy(arrived).to(links.weight.device)[links.ids]
-        weight, own_weight = heard_weights(links, own_weight, heard, self.rule.keeps_missing)
+        weight, own_weight = heard_weights(links, own_weight, heard, self.rules.keeps_missing)
         source = self.sources(sent, iteration)
-        if self.rule.linear:
+        if self.rules.linear:
             mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), source)
-            self.rule.merge(own, self.state, mixed, iteration)
+            self.rules.merge(own, self.state, mixed, iteration)
         else:
             received, weights = links.stack(source[links.sender]), links.stack(weight)
-            self.rule.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
+            self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
         return {"comm": waited, **heard_counts(everyone, arrived)}
 
     def sources(self, sent: torch.Tensor, iteration: int) -> torch.Tensor:
@@ -89,7 +89,7 @@ class BatchedRounds(BatchedAlgorithm):
         """``links_of`` the round and each node's own weight (the last round's again when unchanged)."""
         if self._round is None or self._round[0] is not exchange:
             everyone, links = self.links_of(exchange)
-            own = torch.tensor(self.rule.own_weights(exchange, list(self.ctx.shard.ranks)), dtype=torch.float64,
+            own = torch.tensor(self.rules.own_weights(exchange, list(self.ctx.shard.ranks)), dtype=torch.float64,
                                device=links.weight.device)
             self._round = (exchange, everyone, links, own)
         return self._round[1:]
