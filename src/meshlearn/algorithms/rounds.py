@@ -123,14 +123,17 @@ class RoundRunner(Algorithm):
         if self.rules.keeps_missing:  # the weight of a sender not heard stays with the node's own
             own_weight += sum(w for sender, w in exchange.weights[rank].items() if sender not in usable)
         with torch.no_grad():
-            if self.rules.linear:  # the weighted sum in place, into one buffer kept across rounds
-                mixed = self._mixed(sent)
+            if self.rules.linear:  # the weighted sum in place: into the model itself where the merge is to
+                # take it and the payload is the model (D-PSGD), else into one buffer kept across rounds
+                in_place = sent.data_ptr() == own.data_ptr() and type(self.rules).merge is RoundAlgorithm.merge
+                mixed = own if in_place else self._mixed(sent)
                 torch.mul(sent, own_weight, out=mixed)
                 for sender, weight in zip(usable, weights):
                     for name, (a, b) in self.ranges(sent[0]).items():
                         mixed[0, a:b].add_(received[sender].tensors[name].to(mixed.device, non_blocking=True),
                                            alpha=weight)
-                self.rules.merge(own, self.state, mixed, iteration)
+                if not in_place:
+                    self.rules.merge(own, self.state, mixed, iteration)
             else:
                 stack = sent.new_zeros((1, 0, sent.shape[1])) if not usable else \
                     torch.stack([self.vector(received[sender], sent[0]) for sender in usable])[None].to(sent.device)
