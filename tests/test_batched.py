@@ -401,3 +401,52 @@ def test_runs_that_torchrun_cannot_split_are_refused_in_one_line(extra, named):
         refuse_torchrun(make_config({**BASE, "engine": "batched", **extra}))
     assert str(refused.value) == f"{named} runs in one process of the batched engine, not under torchrun: start it " \
                                  "without torchrun"
+
+
+def test_a_steps_flops_are_counted_from_shapes_by_hand():
+    from meshlearn.models.cost import step_flops
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 3))
+    before = [p.clone() for p in model.parameters()]
+    rng = torch.get_rng_state()
+    # forward x @ W^T: 2 x 5 x 4 x 3; backward only the weights' gradient (the input needs none): as much again
+    assert step_flops(model, (4,), 5) == 2 * (2 * 5 * 4 * 3)
+    assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, model.parameters()))
+    assert torch.equal(rng, torch.get_rng_state())
+    conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
+    assert step_flops(conv, (1, 6, 6), 2) > step_flops(conv, (1, 6, 6), 1) > 0
+
+
+def _modelled(output) -> tuple[dict, list]:
+    """A batched run's modelled times: each node's elapsed and the iterations' time columns."""
+    summary = json.loads((output / "summary.json").read_text())
+    events = [json.loads(line) for line in (output / "logs" / "nodes.jsonl").read_text().splitlines()]
+    columns = [{k: e["columns"][k] for k in ("train", "comm")} for e in events if e["event"] == "iteration"]
+    start = next(e for e in events if e["event"] == "start")
+    return {rank: node["elapsed"] for rank, node in summary["per_node"].items()}, [start["step_time"], columns]
+
+
+def test_modelled_times_are_the_same_on_a_quiet_and_a_loaded_machine(tmp_path):
+    values = {**BASE, "engine": "batched", "nodes": 8, "iterations": 6, "net": "delay=5ms,jitter=2ms"}
+    simulate(make_config({**values, "output": str(tmp_path / "quiet")}), progress=False)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3)]  # more than the cores
+    try:
+        simulate(make_config({**values, "output": str(tmp_path / "loaded")}), progress=False)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    quiet, loaded = _modelled(tmp_path / "quiet"), _modelled(tmp_path / "loaded")
+    assert quiet == loaded and quiet[1][0] > 0
+
+
+def test_a_measured_step_time_is_recorded_in_the_runs_config_and_reruns_exactly(tmp_path):
+    from meshlearn.config import read_config_file
+
+    simulate(make_config({**BASE, "engine": "batched", "step_cost": "measured", "output": str(tmp_path / "one")}),
+             progress=False)
+    recorded = read_config_file(tmp_path / "one" / "config.yaml")
+    first = _modelled(tmp_path / "one")
+    assert recorded["batched"]["step_time"] == first[1][0] > 0
+    simulate(make_config({**recorded, "output": str(tmp_path / "two")}), progress=False)
+    assert _modelled(tmp_path / "two") == first

@@ -45,6 +45,7 @@ from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
+from meshlearn.models.cost import step_flops
 from meshlearn.optim import make_optimizer
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
@@ -63,6 +64,19 @@ def vectorize(config: ExperimentConfig, model: nn.Module) -> bool:
     if choice != "auto":
         return choice == "on"
     return not (config.device == "cpu" and has_convolutions(model))
+
+
+def modelled_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, config: ExperimentConfig) -> float:
+    """Modelled seconds of one node's local SGD step: ``step_time`` where configured; else, by
+    ``step_cost``, the model's counted FLOPs per step over ``device_gflops`` plus ``step_overhead``
+    (the default: the same for a config on any machine, under any load), or ``measure_step_time``."""
+    settings = config.batched
+    if settings.step_time:
+        return settings.step_time
+    if settings.step_cost == "measured":
+        return measure_step_time(model, dataset, indices, config)
+    flops = step_flops(model, dataset.input_shape, config.batch_size)
+    return flops / (settings.device_gflops * 1e9) + settings.step_overhead
 
 
 def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, config: ExperimentConfig) -> float:
@@ -115,7 +129,9 @@ class BatchedSimulation:
                                          "samples": run.samples, "byzantine": [bad.get(r) for r in run.ranks]},
                     parameters=run.stacked.param_count, state_bytes=run.stacked.row_bytes,
                     threads=torch.get_num_threads(), time=time.time(), engine="batched",
-                    vectorized=run.models.vectorized, step_time=self.step_time, processes=self.shard.count))
+                    vectorized=run.models.vectorized, step_time=self.step_time,
+                    step_cost="configured" if self.config.batched.step_time else self.config.batched.step_cost,
+                    processes=self.shard.count))
             if run.algorithm.asynchronous:
                 driver = _Asynchronous(run, self.progress)
                 run.algorithm.drive(driver)
@@ -155,7 +171,7 @@ class BatchedSimulation:
         torch.manual_seed(config.seed)  # every node starts from this one model, as in the process engine
         model = build_model(config.model, dataset.input_shape, dataset.num_classes).to(device)
         self.step_time = collective.broadcast(
-            config.batched.step_time or (measure_step_time(model, dataset, parts[0], config) if shard.main else 0.0))
+            modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
         stacked = self.stacked = StackedState(model, shard.size, device)
         models = NodeModels(stacked, vectorize(config, model), config.batched.chunk)
         links = Links.of(graph, device)

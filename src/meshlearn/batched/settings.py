@@ -12,7 +12,7 @@ from meshlearn.settings import Settings
 
 class BatchedSettings(Settings):
     """How the batched engine trains its nodes and models time (flat names: ``batched_vectorize``,
-    ``batched_chunk``, ``step_time``, ``bandwidth_gbps``)."""
+    ``batched_chunk``; the others as they are)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"vectorize": "batched_vectorize", "chunk": "batched_chunk"}
 
@@ -21,6 +21,15 @@ class BatchedSettings(Settings):
         "(off); auto: vectorized, except models with convolutions on the CPU, where one node at a time is "
         "faster (benchmarks/RESULTS.md)")
     chunk: int = Field(0, ge=0, description="nodes per vectorized call, to bound memory (0 = all at once)")
-    step_time: float = Field(0.0, ge=0, description="modelled seconds of one node's local SGD step (0 = "
-                             "measured on the first steps, one node alone)")
+    step_time: float = Field(0.0, ge=0, description="modelled seconds of one node's local SGD step (0 = from "
+                             "step_cost)")
+    step_cost: Literal["flops", "measured"] = Field(
+        "flops", description="where a step's modelled time comes from when step_time is 0: flops (the model's "
+        "counted FLOPs per step / device_gflops + step_overhead: the same on any machine and under any load), "
+        "or measured (the fastest of a few steps of one node alone on this machine, which moves with its load; "
+        "the run's config.yaml records what was measured as step_time)")
+    device_gflops: float = Field(50.0, gt=0, description="modelled speed of every node's device for step_cost "
+                                 "flops, in GFLOP/s (50: one 2026 CPU core on float32 CNNs, benchmarks/RESULTS.md)")
+    step_overhead: float = Field(0.00025, ge=0, description="modelled seconds every step costs beside its FLOPs "
+                                 "(step_cost flops): the framework's per-step work, which dominates tiny models")
     bandwidth_gbps: float = Field(1.0, gt=0, description="modelled bandwidth of every link, in Gbit/s")

@@ -42,6 +42,10 @@ def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[st
                                            progress=lambda done: bar.update(done - bar.n))
             summaries = simulation.run()
         if shard.main:
+            if not config.batched.step_time and config.batched.step_cost == "measured":  # rerun as measured
+                measured = config.batched.model_copy(update={"step_time": simulation.step_time})
+                (output / "config.yaml").write_text(
+                    config.model_copy(update={"output": str(output), "batched": measured}).to_yaml())
             (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
             write_report(output)
         collective.barrier()  # nobody leaves before the results are written

@@ -1,0 +1,27 @@
+"""What one local SGD step of a model costs in floating-point operations, counted once from its
+shapes: the batched engine's default model of compute time, the same on any machine."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+def step_flops(model: nn.Module, input_shape: tuple[int, ...], batch_size: int) -> int:
+    """Floating-point operations of one training step of ``model`` on a batch of ``batch_size``
+    inputs of ``input_shape``: the matrix products and convolutions of the forward pass and of the
+    backward pass of the cross-entropy loss, as ``torch.utils.flop_counter`` counts them
+    (elementwise work and the optimizer's update are left out). It depends on shapes only: counted
+    on tensors without data (the meta device), the model and torch's random state untouched."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.random.fork_rng(devices=[]):
+        alone = copy.deepcopy(model).to("meta")
+        x = torch.zeros((batch_size, *input_shape), device="meta")
+        y = torch.zeros(batch_size, dtype=torch.int64, device="meta")
+        with FlopCounterMode(display=False) as counter:
+            F.cross_entropy(alone(x), y).backward()
+    return int(counter.get_total_flops())
