@@ -36,6 +36,7 @@ from meshlearn.wire.codec import Chunks
     ("dpsgd", {"sharing": "quantize:4"}), ("dpsgd", {"sharing": "choco:0.2"}),
     ("dpsgd", {"peer_sampling": "graph"}), ("dpsgd", {"peer_sampling": "epidemic:2", "momentum": 0.9}),
     ("fedavg", {}), ("fedavg", {"fedavg_fraction": 0.5, "momentum": 0.9}),
+    ("fedavg", {"fedavg_fraction": 0.5, "optimizer": "adam", "lr": 0.01}),
     ("dpsgd", {"optimizer": "adam:betas=0.8 0.99", "lr": 0.01, "weight_decay": 1e-4}),
     ("dpsgd", {"full_epochs": True, "rounds": 1, "iterations": 2}),
     ("dpsgd", {"topology": "one-peer-exponential"}), ("pushsum", {"topology": "ring", "momentum": 0.9}),

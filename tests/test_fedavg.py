@@ -74,3 +74,37 @@ def test_a_quick_federated_run_learns_and_the_server_answers_everyone(tmp_path):
     pushed = sum(s["messages_sent"] for rank, s in stats.items() if rank != 0)
     drawn = [participants(1, t, 8, 0.5) for t in range(60)]
     assert pushed == sum(len(d) - (0 in d) for d in drawn) == stats[0]["messages_received"]
+
+
+@pytest.mark.parametrize("engine", ["process", "batched"])
+def test_nodes_not_drawn_for_a_round_skip_its_local_steps(tmp_path, engine, monkeypatch):
+    from meshlearn.batched.models import NodeModels
+
+    trained_rows = []
+    gradients = NodeModels.gradients
+    monkeypatch.setattr(NodeModels, "gradients",
+                        lambda self, batches: trained_rows.append(sum(len(b.ranks) for b in batches))
+                        or gradients(self, batches))
+    config = make_config({"engine": engine, "nodes": 8, "iterations": 4, "rounds": 2, "algorithm": "fedavg",
+                          "fedavg_fraction": 0.25, "dataset": "digits", "model": "mlp", "test_after": 4,
+                          "seed": 5, "step_time": 0.001, "output": str(tmp_path)})
+    simulate(config, progress=False)
+    for iteration in range(4):
+        drawn = participants(5, iteration, 8, 0.25)
+        records = {rank: event for rank, events in load_logs(tmp_path).items() for event in events
+                   if event["event"] == "iteration" and event["iteration"] == iteration}
+        assert len(drawn) == 2 and len(records) == 8
+        for rank, event in records.items():
+            assert (event["train_loss"] is not None) == (rank in drawn), (iteration, rank)
+            assert (event["train"] > 0) == (rank in drawn)
+    if engine == "batched":
+        assert trained_rows == [2] * (4 * 2)  # two drawn nodes a step, two steps an iteration
+
+
+def test_with_an_optimizer_that_steps_every_row_together_every_node_trains(tmp_path):
+    config = make_config({"engine": "batched", "nodes": 6, "iterations": 2, "algorithm": "fedavg",
+                          "fedavg_fraction": 0.5, "optimizer": "adam", "lr": 0.01, "dataset": "digits",
+                          "model": "mlp", "step_time": 0.001, "output": str(tmp_path)})
+    simulate(config, progress=False)
+    iterations = [e for events in load_logs(tmp_path).values() for e in events if e["event"] == "iteration"]
+    assert len(iterations) == 12 and all(e["train_loss"] is not None for e in iterations)

@@ -75,6 +75,14 @@ class TorchRows:
         self.params.grad = None
 
 
+def steps_rows_apart(spec: str) -> bool:
+    """Whether the optimizer ``spec`` names steps each node's parameter rows on its own in the batched
+    engine (plain SGD: ``StackedSGD``), so a node may skip a round's local steps (an algorithm's
+    ``trains``) in both engines alike; a ``torch.optim`` one steps every row together, so with it
+    every node trains every round, in both engines, and the engines still compute the same models."""
+    return parse_optimizer(spec) == ("SGD", {})
+
+
 def make_optimizer(spec: str, params: "torch.Tensor", lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
     """The optimizer ``spec`` names over parameter rows ``params`` (``[N, P]``)."""
     from meshlearn.sgd import StackedSGD

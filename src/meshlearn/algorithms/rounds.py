@@ -46,6 +46,10 @@ class RoundRunner(Algorithm):
         self._buffer: torch.Tensor | None = None
         self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
 
+    def trains(self, iteration: int) -> bool:
+        chosen = self.rules.trains(iteration)
+        return chosen is None or self.ctx.rank in chosen
+
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         record = {"encode": 0.0, "comm": 0.0, "average": 0.0, "received": 0, "missing": 0}
         for phase in range(self.rules.phases):

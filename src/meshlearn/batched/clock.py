@@ -54,9 +54,12 @@ class VirtualClocks:
         self.transfer = message_bytes * 8 / (self.bandwidth_gbps * 1e9)
         self.message_bytes = message_bytes
 
-    def train(self, rounds: int) -> np.ndarray:
-        """Advance every clock by ``rounds`` local steps; returns each node's compute time."""
+    def train(self, rounds: int, ranks: list[int] | None = None) -> np.ndarray:
+        """Advance every clock (or those of ``ranks``, the others idle) by ``rounds`` local steps;
+        returns each node's compute time."""
         spent = self.step_seconds * rounds
+        if ranks is not None:
+            spent = np.where(np.isin(np.arange(len(spent)), ranks), spent, 0.0)
         self.now += spent
         return spent
 

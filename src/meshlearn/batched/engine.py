@@ -46,7 +46,7 @@ from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
 from meshlearn.models.cost import step_flops
-from meshlearn.optim import make_optimizer
+from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
 from meshlearn.sgd import local_step
@@ -199,22 +199,20 @@ class BatchedSimulation:
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
             samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None,
-            steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1))
+            steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1),
+            skips_idle=steps_rows_apart(config.optimizer))
 
     def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
         """Every node takes each iteration's steps together, then the algorithm exchanges; returns
         the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
         for iteration in range(config.iterations):
-            losses = torch.zeros(shard.size, dtype=torch.float64)
-            for _ in range(run.steps):
-                grads, loss = run.models.gradients(run.batches.next())
-                run.sgd.step(grads)
-                losses += loss.double().cpu()
-            compute = clocks.train(run.steps)
+            trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
+            losses = run.train(trainers)
+            compute = clocks.train(run.steps, None if trainers is None else [shard.start + r for r in trainers])
             columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
                        **run.algorithm.after_local_steps(iteration)}
-            train_loss = collective.gather((losses / run.steps).tolist() if run.steps else [None] * shard.size)
+            train_loss = collective.gather(losses)
             columns["t"] = clocks.now
             done = iteration + 1
             evaluation = consensus = None
@@ -256,6 +254,22 @@ class _Run:
     log: JsonlLog | None
     began: float = field(default_factory=time.perf_counter)
     steps: int = 1  # local steps per iteration: rounds, or rounds x the shards' batches (full_epochs)
+    skips_idle: bool = True  # nodes an iteration does not ask to train skip it (steps_rows_apart)
+
+    def train(self, rows: list[int] | None = None) -> list[float | None]:
+        """This iteration's local steps of every node of the block (or of ``rows`` only: the others
+        draw no batch and take no step); each node's mean loss (None for an idle one)."""
+        losses = torch.zeros(self.shard.size, dtype=torch.float64)
+        index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.stacked.state.device)
+        for _ in range(self.steps if rows is None or rows else 0):
+            grads, loss = self.models.gradients(self.batches.next(rows))
+            if index is None:
+                self.sgd.step(grads)
+            else:
+                self.sgd.step(grads[index], index)
+            losses += loss.double().cpu()
+        trained = set(range(self.shard.size) if rows is None else rows)
+        return [float(losses[r]) / self.steps if self.steps and r in trained else None for r in range(self.shard.size)]
 
     def evaluates_after(self, done: int) -> bool:
         """Whether the nodes are evaluated once ``done`` iterations are done."""

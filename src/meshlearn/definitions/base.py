@@ -70,6 +70,11 @@ class RoundAlgorithm(Definition):
         """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""
         return self.rounds.round(iteration)
 
+    def trains(self, iteration: int) -> "Sequence[int] | None":
+        """The nodes whose local steps ``iteration`` asks for (None: every node). The others skip
+        them (their models would not be used): no batch drawn, no step, no modelled compute."""
+        return None
+
     def own_weights(self, exchange: Round, ranks: list[int]) -> list[float]:
         """The weight of each node's own payload in its merge (rows ``ranks``): by default what its
         senders' weights leave of one. With ``keeps_missing`` (the default, D-PSGD's rule) the

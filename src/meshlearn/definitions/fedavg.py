@@ -6,9 +6,9 @@ First a seeded share of the nodes (every node draws the same ones) pushes its tr
 the server, which averages them weighted by their training samples (the seeded partition's shard
 sizes, never a count a client sends; a round in which no model came keeps the last average).
 Then the server sends the result to every node, and every node trains on from it (one that did not
-hear it in time trains on from its own). Nodes that were not drawn train that round too, but their
-models are replaced by the server's before they are used, so the result is FedAvg's (only their
-compute is spent for nothing), and every node's evaluation is the global model's.
+hear it in time trains on from its own). Nodes that were not drawn skip the round's local steps
+(``trains``): their models would be replaced by the server's before being used. So idle nodes cost
+nothing, and every node's evaluation is the global model's.
 
 The payload carries a 1 after the model, so the weighted sum the engines compute also gives the
 total weight of what arrived: the server divides by it (only what came counts, by samples)."""
@@ -73,6 +73,10 @@ class FedAvg(RoundAlgorithm):
         """Only a node that did not hear the server keeps its own model; a push that did not come
         is simply not averaged."""
         return self.phase == 1
+
+    def trains(self, iteration: int) -> list[int] | None:
+        """The nodes drawn for ``iteration`` (None: all of them, at fraction 1)."""
+        return None if self.fraction >= 1 else participants(self.seed, iteration, self.nodes, self.fraction)
 
     def round(self, iteration: int) -> Round:
         """Phase 0: the drawn nodes other than the server push to it, each weighing its samples.

@@ -14,7 +14,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
-from meshlearn.optim import make_optimizer
+from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.runlog import JsonlLog
 from meshlearn.sgd import local_step
 from meshlearn.topology import Graph
@@ -57,6 +57,7 @@ class Node:
                                         config.weight_decay)
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
+        self.skips_idle = steps_rows_apart(config.optimizer)  # an iteration not asking for its steps is skipped
         self.transport = make_transport(self.flat)
         transport = self.transport
         attackers = config.attackers()
@@ -147,7 +148,8 @@ class Node:
             for iteration in range(config.iterations):
                 self.algorithm.before_local_steps(iteration)
                 losses, train_time = [], 0.0
-                for _ in range(self.steps):
+                idle = self.skips_idle and not self.algorithm.trains(iteration)
+                for _ in range(0 if idle else self.steps):
                     self.algorithm.before_step()
                     t0 = time.perf_counter()
                     losses.append(self.train_step())

@@ -76,6 +76,11 @@ class BatchedAlgorithm(ABC):
         self.ctx = ctx
         self.traffic = traffic
 
+    def trainers(self, iteration: int) -> list[int] | None:
+        """The nodes of this block (numbered from 0) whose local steps ``iteration`` asks for
+        (None: every one); the others skip them, where the optimizer allows (``steps_rows_apart``)."""
+        return None
+
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         """Exchange and merge every node's model for this iteration; advance their clocks."""
         raise NotImplementedError(f"{self.name} is asynchronous: it drives its own steps")

@@ -37,6 +37,10 @@ class BatchedRounds(BatchedAlgorithm):
         self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
 
+    def trainers(self, iteration: int) -> list[int] | None:
+        chosen, shard = self.rules.trains(iteration), self.ctx.shard
+        return None if chosen is None else [rank - shard.start for rank in chosen if shard.start <= rank < shard.stop]
+
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         nodes = self.ctx.config.nodes
