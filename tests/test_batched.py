@@ -451,3 +451,21 @@ def test_a_measured_step_time_is_recorded_in_the_runs_config_and_reruns_exactly(
     assert recorded["batched"]["step_time"] == first[1][0] > 0
     simulate(make_config({**recorded, "output": str(tmp_path / "two")}), progress=False)
     assert _modelled(tmp_path / "two") == first
+
+
+def test_nodes_holding_the_same_model_are_evaluated_once(tmp_path, monkeypatch):
+    from meshlearn.batched.evaluate import distinct_rows
+    from meshlearn.batched.models import NodeModels
+
+    states = torch.tensor([[1.0, 2.0], [3.0, 4.0], [1.0, 2.0], [1.0, 2.0 + 1e-6], [3.0, 4.0]])
+    assert distinct_rows(states, [0, 1, 2, 3, 4]) == ([0, 1, 3], [0, 1, 0, 2, 1])
+    assert distinct_rows(states, [4, 2, 0]) == ([0, 1], [0, 1, 1])
+    evaluated = []
+    logits = NodeModels.logits
+    monkeypatch.setattr(NodeModels, "logits", lambda self, ranks, x, rows=None: evaluated.append(len(ranks))
+                        or logits(self, ranks, x, rows))
+    _batched({**BASE, "algorithm": "fedavg", "test_after": 5}, tmp_path / "fedavg")
+    assert set(evaluated) == {1}  # every node holds the server's model: one evaluation serves all six
+    evaluated.clear()
+    _batched({**BASE, "test_after": 5}, tmp_path / "dpsgd")
+    assert set(evaluated) == {6}  # D-PSGD's nodes differ
