@@ -260,14 +260,13 @@ class _Run:
         """This iteration's local steps of every node of the block (or of ``rows`` only: the others
         draw no batch and take no step); each node's mean loss (None for an idle one)."""
         losses = torch.zeros(self.shard.size, dtype=torch.float64)
-        index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=self.stacked.state.device)
+        everyone = torch.arange(self.shard.size, device=self.stacked.state.device)
         for _ in range(self.steps if rows is None or rows else 0):
-            grads, loss = self.models.gradients(self.batches.next(rows))
-            if index is None:
-                self.sgd.step(grads)
-            else:
-                self.sgd.step(grads[index], index)
-            losses += loss.double().cpu()
+            ranks, grads, loss = self.models.gradients(self.batches.next(rows))
+            losses[ranks.cpu()] += loss.double().cpu()
+            if len(ranks) == self.shard.size and not bool((ranks == everyone).all()):  # batches of two sizes
+                grads = grads[torch.argsort(ranks)]  # in rank order, for an optimizer that steps every row together
+            self.sgd.step(grads, None if len(ranks) == self.shard.size else ranks)
         trained = set(range(self.shard.size) if rows is None else rows)
         return [float(losses[r]) / self.steps if self.steps and r in trained else None for r in range(self.shard.size)]
 
@@ -311,10 +310,9 @@ class _Asynchronous:
 
     def train(self, ranks: list[int]) -> dict[int, float]:
         run = self.run
-        index = torch.tensor(ranks, device=run.stacked.state.device)
-        grads, losses = run.models.gradients(run.batches.next(ranks))
-        run.sgd.step(grads[index], index)
-        return {rank: float(losses[rank]) for rank in ranks}
+        index, grads, losses = run.models.gradients(run.batches.next(ranks))
+        run.sgd.step(grads, index)
+        return {rank: float(loss) for rank, loss in zip(index.tolist(), losses.tolist())}
 
     def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
         run = self.run

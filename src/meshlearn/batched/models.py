@@ -48,6 +48,8 @@ class NodeModels:
         self._grad = grad_and_value(self._loss)
         self._vgrad = vmap(self._grad, randomness="different")
         self._vforward = vmap(self._forward, randomness="different")
+        self._grads: torch.Tensor | None = None  # [N, P], reused by every step
+        self._losses: torch.Tensor | None = None
 
     # --- the per-node functions -----------------------------------------------------------------
 
@@ -63,27 +65,40 @@ class NodeModels:
 
     # --- training -----------------------------------------------------------------------------
 
-    def gradients(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every node's loss gradient on its batch, [N, param_count], and its loss, [N]."""
+    def gradients(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The loss gradients of the batches' nodes: their ranks [n] (batch after batch), the
+        gradients [n, param_count] and the losses [n], in that order. The gradients are written into
+        one buffer kept across steps (valid until the next call): a step allocates no [N, P] tensor."""
         stacked = self.stacked
-        grads = torch.empty_like(stacked.params)
-        losses = torch.empty(stacked.nodes, dtype=stacked.state.dtype, device=stacked.state.device)
+        ranks = batches[0].ranks if len(batches) == 1 else torch.cat([batch.ranks for batch in batches])
+        if self._grads is None:
+            self._grads = torch.empty((stacked.nodes, stacked.param_count), dtype=stacked.state.dtype,
+                                      device=stacked.state.device)
+            self._losses = torch.empty(stacked.nodes, dtype=stacked.state.dtype, device=stacked.state.device)
+        grads, losses = self._grads[:len(ranks)], self._losses[:len(ranks)]
         self.model.train()
+        at = 0
         for batch in batches:
             if self.vectorized:
                 for start in range(0, len(batch.ranks), self.chunk):
                     part = slice(start, start + self.chunk)
-                    self._vectorized(batch.ranks[part], batch.x[part], batch.y[part], grads, losses)
+                    count = len(batch.ranks[part])
+                    self._vectorized(batch.ranks[part], batch.x[part], batch.y[part], grads[at:at + count],
+                                     losses[at:at + count])
+                    at += count
             else:
                 for index, rank in enumerate(batch.ranks.tolist()):
                     named = stacked.named(stacked.row(rank), stacked.counters_of(rank))
                     grad, loss = self._grad(*self._split(named), batch.x[index], batch.y[index])
-                    grads[rank] = self._flatten(grad, 1)[0]
-                    losses[rank] = loss
-        return grads, losses
+                    self._flatten(grad, grads[at:at + 1])
+                    losses[at] = loss
+                    at += 1
+        return ranks, grads, losses
 
     def _vectorized(self, ranks: torch.Tensor, x: torch.Tensor, y: torch.Tensor, grads: torch.Tensor,
                     losses: torch.Tensor) -> None:
+        """The gradients of the nodes ``ranks`` into ``grads`` [n, P] and their losses into
+        ``losses`` [n], one vmap call; their BatchNorm statistics into their rows."""
         stacked = self.stacked
         whole = len(ranks) == stacked.nodes and bool((ranks == torch.arange(stacked.nodes, device=ranks.device)).all())
         rows = stacked.state if whole else stacked.state[ranks]
@@ -94,8 +109,8 @@ class NodeModels:
         buffers = {slot.name: named[slot.name].contiguous() for slot in stacked.buffer_slots}
         named.update(buffers)
         grad, loss = self._vgrad(*self._split(named), x, y)
-        grads[ranks] = self._flatten(grad, len(ranks))
-        losses[ranks] = loss.detach()
+        self._flatten(grad, grads)
+        losses.copy_(loss.detach())
         target = slice(None) if whole else ranks
         for slot in stacked.buffer_slots:
             stacked.state[target, slot.offset:slot.offset + slot.numel] = buffers[slot.name].reshape(len(ranks), -1)
@@ -103,8 +118,9 @@ class NodeModels:
             for name, value in counters.items():
                 stacked.counters[name][ranks] = value
 
-    def _flatten(self, grad: dict[str, torch.Tensor], nodes: int) -> torch.Tensor:
-        return torch.cat([grad[name].reshape(nodes, -1) for name in self.stacked.param_names], 1)
+    def _flatten(self, grad: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+        """Per-parameter gradients of n nodes into ``out`` [n, P], in the state's parameter order."""
+        torch.cat([grad[name].reshape(len(out), -1) for name in self.stacked.param_names], 1, out=out)
 
     # --- evaluation ---------------------------------------------------------------------------
 
