@@ -469,3 +469,24 @@ def test_nodes_holding_the_same_model_are_evaluated_once(tmp_path, monkeypatch):
     evaluated.clear()
     _batched({**BASE, "test_after": 5}, tmp_path / "dpsgd")
     assert set(evaluated) == {6}  # D-PSGD's nodes differ
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+@pytest.mark.parametrize("keep", [False, True])
+def test_a_large_tensor_allocated_again_faults_no_pages_in_once_freed_memory_is_kept(keep):
+    program = f"""
+import resource, torch
+from meshlearn.batched.memory import keep_freed_memory
+assert keep_freed_memory() if {keep} else True
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for round in range(2):
+    before = faults()
+    block = torch.ones(64 * 1024 * 1024 // 4)  # 64 MiB, over glibc's largest mmap threshold
+    del block
+print(faults() - before)
+"""
+    faulted = int(subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, check=True,
+                                 timeout=120).stdout)
+    pages = 64 * 1024 * 1024 // 4096
+    assert (faulted < pages // 10) if keep else (faulted > pages // 2)

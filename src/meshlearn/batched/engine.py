@@ -28,6 +28,7 @@ from meshlearn.batched.batches import NodeBatches
 from meshlearn.batched.byzantine import flipped_labels
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
+from meshlearn.batched.memory import keep_freed_memory
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
@@ -120,6 +121,7 @@ class BatchedSimulation:
     def run(self) -> dict[int, dict[str, Any]]:
         """Train every node for the configured iterations; returns each node's final summary (in
         the first process; the others return none)."""
+        keep_freed_memory()  # a step's large tensors reuse freed memory instead of faulting fresh pages in
         run = self._build()
         try:
             if run.log is not None:
