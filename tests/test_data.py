@@ -349,3 +349,24 @@ def test_a_bad_leaf_folder_is_one_clear_error(tmp_path, monkeypatch, breakage, m
     breakage(root)
     with pytest.raises(DatasetError, match=message):
         load_leaf(root)
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as scikit_digits
+
+    from meshlearn.data.datasets import load_digits
+
+    ours, theirs = load_digits(), scikit_digits()
+    images = np.concatenate([ours.train_x.numpy(), ours.test_x.numpy()])
+    labels = np.concatenate([ours.train_y.numpy(), ours.test_y.numpy()])
+    expected = (theirs.images.astype(np.float32) / 16.0)[:, None]
+    order = np.lexsort([labels] + [images.reshape(len(images), -1)[:, k] for k in range(64)])
+    reference = np.lexsort([theirs.target] + [expected.reshape(len(expected), -1)[:, k] for k in range(64)])
+    assert np.array_equal(images[order], expected[reference])
+    assert np.array_equal(labels[order], theirs.target[reference])
+    program = "import sys; from meshlearn.data.datasets import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
+    assert loaded.stdout.strip() == "False", loaded.stderr

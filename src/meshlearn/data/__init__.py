@@ -7,7 +7,7 @@ from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_dataset", "load_digits", "load_idx",
-                                      "load_imagefolder", "load_leaf", "loader_modules", "make_dataset",
+                                      "load_imagefolder", "load_leaf", "make_dataset",
                                       "reshuffled", "shard_as_test_set", "split_validation", "test_samples")},
     "ShardLoader": "loader", "loader_seed": "loader", "parse_spec": "specs", "register_dataset": "specs",
 }

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import loader_modules, partition_dataset
+from meshlearn.data import partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
@@ -345,7 +345,7 @@ def start_forkserver(config: ExperimentConfig) -> None:
     so while the caller goes on (run_processes starts it before it checks the run). Ctrl-C is ignored
     while it starts: the launcher alone handles Ctrl-C, and the forkserver ignores it itself only
     once its imports are done, so a Ctrl-C during start-up printed its KeyboardInterrupt traceback."""
-    mp.get_context("forkserver").set_forkserver_preload(["torch", "meshlearn.node", *loader_modules(config.dataset)])
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "meshlearn.node"])
     if threading.current_thread() is not threading.main_thread():
         mp.forkserver.ensure_running()  # signal handlers belong to the main thread, and so does Ctrl-C
         return
