@@ -367,6 +367,7 @@ def test_digits_are_scikit_learns_read_without_importing_it():
     reference = np.lexsort([theirs.target] + [expected.reshape(len(expected), -1)[:, k] for k in range(64)])
     assert np.array_equal(images[order], expected[reference])
     assert np.array_equal(labels[order], theirs.target[reference])
-    program = "import sys; from meshlearn.data.datasets import load_digits; load_digits(); print('sklearn' in sys.modules)"
+    program = ("import sys; from meshlearn.data.datasets import load_digits; load_digits(); "
+               "print('sklearn' in sys.modules)")
     loaded = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120)
     assert loaded.stdout.strip() == "False", loaded.stderr
