@@ -48,7 +48,7 @@ class NodeModels:
         self._grad = grad_and_value(self._loss)
         self._vgrad = vmap(self._grad, randomness="different")
         self._vforward = vmap(self._forward, randomness="different")
-        self._grads: torch.Tensor | None = None  # [N, P], reused by every step
+        self._grads: torch.Tensor | None = None  # [n, P], reused by every step
         self._losses: torch.Tensor | None = None
 
     # --- the per-node functions -----------------------------------------------------------------
@@ -71,10 +71,10 @@ class NodeModels:
         one buffer kept across steps (valid until the next call): a step allocates no [N, P] tensor."""
         stacked = self.stacked
         ranks = batches[0].ranks if len(batches) == 1 else torch.cat([batch.ranks for batch in batches])
-        if self._grads is None:
-            self._grads = torch.empty((stacked.nodes, stacked.param_count), dtype=stacked.state.dtype,
+        if self._grads is None or len(self._grads) < len(ranks):  # as many rows as the most nodes a step trains
+            self._grads = torch.empty((len(ranks), stacked.param_count), dtype=stacked.state.dtype,
                                       device=stacked.state.device)
-            self._losses = torch.empty(stacked.nodes, dtype=stacked.state.dtype, device=stacked.state.device)
+            self._losses = torch.empty(len(ranks), dtype=stacked.state.dtype, device=stacked.state.device)
         grads, losses = self._grads[:len(ranks)], self._losses[:len(ranks)]
         self.model.train()
         at = 0
