@@ -417,6 +417,16 @@ def test_a_steps_flops_are_counted_from_shapes_by_hand():
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
     assert step_flops(conv, (1, 6, 6), 2) > step_flops(conv, (1, 6, 6), 1) > 0
 
+    class ReadsValues(torch.nn.Module):  # a user's model the meta device cannot run: counted on the CPU
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.linear(x) * (1.0 if float(x.sum()) >= 0 else 2.0)
+
+    assert step_flops(ReadsValues(), (4,), 5) == 2 * (2 * 5 * 4 * 3)
+
 
 def _modelled(output) -> tuple[dict, list]:
     """A batched run's modelled times: each node's elapsed and the iterations' time columns."""

@@ -15,13 +15,21 @@ def step_flops(model: nn.Module, input_shape: tuple[int, ...], batch_size: int) 
     inputs of ``input_shape``: the matrix products and convolutions of the forward pass and of the
     backward pass of the cross-entropy loss, as ``torch.utils.flop_counter`` counts them
     (elementwise work and the optimizer's update are left out). It depends on shapes only: counted
-    on tensors without data (the meta device), the model and torch's random state untouched."""
+    on tensors without data (the meta device; on the CPU, with zeros, for a model the meta device
+    cannot run), the model and torch's random state untouched."""
+    try:
+        return _counted(model, input_shape, batch_size, "meta")
+    except (NotImplementedError, RuntimeError):  # a user's model that reads values (.item(), data-dependent shapes)
+        return _counted(model, input_shape, batch_size, "cpu")
+
+
+def _counted(model: nn.Module, input_shape: tuple[int, ...], batch_size: int, device: str) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.random.fork_rng(devices=[]):
-        alone = copy.deepcopy(model).to("meta")
-        x = torch.zeros((batch_size, *input_shape), device="meta")
-        y = torch.zeros(batch_size, dtype=torch.int64, device="meta")
+        alone = copy.deepcopy(model).to(device)
+        x = torch.zeros((batch_size, *input_shape), device=device)
+        y = torch.zeros(batch_size, dtype=torch.int64, device=device)
         with FlopCounterMode(display=False) as counter:
             F.cross_entropy(alone(x), y).backward()
     return int(counter.get_total_flops())
