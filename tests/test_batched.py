@@ -500,3 +500,31 @@ print(faults() - before)
                                  timeout=120).stdout)
     pages = 64 * 1024 * 1024 // 4096
     assert (faulted < pages // 10) if keep else (faulted > pages // 2)
+
+
+def test_a_gossip_answer_carries_the_clock_and_loss_its_state_was_published_with(tmp_path, monkeypatch):
+    # As a process-engine node's endpoint serves them: a merge after the publish moves the server's
+    # clock, but what it serves until its next publish is the published state with that publish's clock.
+    from meshlearn.algorithms.gossipstate import GossipState
+    from meshlearn.batched.algorithms import gossip as batched_gossip
+
+    at_publish, answered = {}, []
+    trained, answer = GossipState.trained, batched_gossip._GossipRun.answer
+
+    def recording_trained(state, *args, **kwargs):  # a node publishes right after its step counts
+        result = trained(state, *args, **kwargs)
+        at_publish[id(state)] = state.clock
+        return result
+
+    def recording_answer(run, server, client, number, now):
+        answer(run, server, client, number, now)
+        fetch = run.current(client, number)
+        if fetch is not None and fetch.answer is not None and id(run.gossips[server]) in at_publish:
+            answered.append((fetch.answer.clock, at_publish[id(run.gossips[server])], run.gossips[server].clock))
+
+    monkeypatch.setattr(GossipState, "trained", recording_trained)
+    monkeypatch.setattr(batched_gossip._GossipRun, "answer", recording_answer)
+    _batched({**BASE, "nodes": 6, "iterations": 10, "rounds": 2, "algorithm": "gossip", "fetch_probability": 1.0,
+              "fetch_fresh": False, "interpolation": "clock", "net": "delay=3ms,jitter=2ms"}, tmp_path)
+    assert answered and all(sent == published for sent, published, _ in answered)
+    assert any(now != published for _, published, now in answered)  # merges moved clocks past a publish

@@ -109,6 +109,7 @@ class _GossipRun:
         self.published = self.state.clone()  # what each node serves: its last trained state, before its merge
         for row in algorithm.bad.rows:
             self.published[row] = algorithm.bad.forge_row(row, self.state[row], 0)
+        self.meta = [gossip.meta(None) for gossip in self.gossips]  # the clock and loss published with it
         self.answers = torch.empty_like(self.state)  # the state each node's fetch was answered with
         self.nodes = [_Node() for _ in range(self.config.nodes)]
         self.events = EventQueue()
@@ -165,6 +166,7 @@ class _GossipRun:
         gossip = self.gossips[rank]
         gossip.trained()
         self.published[rank].copy_(self.algorithm.bad.forge_row(rank, self.state[rank], int(gossip.clock)))
+        self.meta[rank] = gossip.meta(me.loss)  # as the process engine publishes them: this step's
         for client, asked in me.held:
             self.answer(rank, client, asked, now)
         me.held.clear()
@@ -225,7 +227,7 @@ class _GossipRun:
         if fetch is None or now > fetch.fetch.deadline:
             return  # the asking node has given up on it
         self.answers[client].copy_(self.published[server])
-        fetch.answer = Reply.read(self.gossips[server].meta(self.nodes[server].loss), (self.answers[client],))
+        fetch.answer = Reply.read(self.meta[server], (self.answers[client],))
         self.traffic.sent(server, self.row_bytes)
         self.schedule(now + self.latency(), REPLY, client, server, number)
 
