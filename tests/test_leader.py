@@ -63,14 +63,14 @@ def test_the_first_cycle_waits_for_everyone_then_pushes_are_answered_at_once():
     clock = FakeClock()
     book = LeaderState([0, 1, 2], me=0, peer_timeout=10.0, first_barrier=True, weighting="samples", clock=clock)
     book.submit(1, _state(1.0), samples=10, final=False)
-    assert not book.can_answer(1)  # 0 and 2 are not in yet
+    assert 1 not in book.release([1])  # 0 and 2 are not in yet
     book.submit(0, _state(2.0), samples=10, final=False)
-    assert book.answerable([0, 1]) == []
+    assert book.release([0, 1]) == {}
     book.submit(2, _state(3.0), samples=20, final=False)
-    assert book.answerable([0, 1, 2]) == [0, 1, 2]
+    assert list(book.release([0, 1, 2])) == [0, 1, 2]
     assert torch.allclose(book.aggregate(), _state((10 * 1 + 10 * 2 + 20 * 3) / 40))
     book.submit(1, _state(5.0), samples=10, final=False)
-    assert book.can_answer(1)  # the barrier is the first cycle's only
+    assert 1 in book.release([1])  # the barrier is the first cycle's only
 
 
 def test_the_first_cycle_waits_no_longer_than_the_peer_timeout():
@@ -78,9 +78,9 @@ def test_the_first_cycle_waits_no_longer_than_the_peer_timeout():
     book = LeaderState([0, 1, 2], me=0, peer_timeout=10.0, first_barrier=True, clock=clock)
     book.submit(0, _state(1.0), samples=10, final=False)
     clock.advance(9.9)
-    assert not book.can_answer(0)
+    assert 0 not in book.release([0])
     clock.advance(0.2)
-    assert book.can_answer(0)
+    assert 0 in book.release([0])
 
 
 def test_a_silent_member_is_lost_and_left_out_until_it_pushes_again():
@@ -106,11 +106,11 @@ def test_final_pushes_wait_for_every_final_model_or_its_loss():
     for member, value in ((0, 1.0), (1, 2.0), (2, 3.0)):
         book.submit(member, _state(value), samples=1, final=False)
     book.submit(1, _state(6.0), samples=1, final=True)
-    assert not book.can_answer(1) and book.can_answer(2)  # 2's push is not final: answered at once
+    assert 1 not in book.release([1]) and 2 in book.release([2])  # 2's push is not final: answered at once
     book.submit(0, _state(0.0), samples=1, final=True)
-    assert book.answerable([0, 1]) == []
+    assert book.release([0, 1]) == {}
     clock.advance(6.0)  # 2 goes silent: lost, and the finals are released without it
-    assert book.answerable([0, 1]) == [0, 1] and book.all_final()
+    assert list(book.release([0, 1])) == [0, 1] and book.all_final()
     assert torch.allclose(book.aggregate(), _state(3.0))
 
 

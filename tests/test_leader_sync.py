@@ -30,21 +30,21 @@ def test_a_synchronous_cycle_waits_for_every_member_and_answers_all_with_one_agg
     book = _sync_book(clock)
     for member, value in ((0, 0.0), (1, 3.0), (2, 6.0)):
         book.submit(member, _state(value), samples=10, final=False, cycle=0)
-    assert book.answerable([0, 1, 2]) == [0, 1, 2]
-    assert torch.allclose(book.answer_for(1), _state(3.0))
+    assert list(book.release([0, 1, 2])) == [0, 1, 2]
+    assert torch.allclose(book.release([1])[1], _state(3.0))
     book.submit(1, _state(100.0), samples=10, final=False, cycle=1)  # a fast member's next cycle ...
-    assert not book.can_answer(1)  # ... waits for the others' cycle 1, however long they take
+    assert 1 not in book.release([1])  # ... waits for the others' cycle 1, however long they take
     clock.advance(5.0)
     for member in (0, 1, 2):
         book.touch(member)  # alive (they ping): still waited for
     clock.advance(9.0)
-    assert not book.can_answer(1)
-    assert torch.allclose(book.answer_for(2), _state(3.0))  # a slower member's cycle 0: the same aggregate
+    assert 1 not in book.release([1])
+    assert torch.allclose(book.release([2])[2], _state(3.0))  # a slower member's cycle 0: the same aggregate
     book.submit(0, _state(1.0), samples=10, final=False, cycle=1)
-    assert book.answerable([0, 1]) == []
+    assert book.release([0, 1]) == {}
     book.submit(2, _state(7.0), samples=10, final=False, cycle=1)
-    assert book.answerable([0, 1, 2]) == [0, 1, 2]
-    assert torch.allclose(book.answer_for(0), _state(36.0))
+    assert list(book.release([0, 1, 2])) == [0, 1, 2]
+    assert torch.allclose(book.release([0])[0], _state(36.0))
     assert book.rounds == {0: 3, 1: 3}
 
 
@@ -57,10 +57,10 @@ def test_a_lost_member_is_no_longer_waited_for():
     book.submit(1, _state(4.0), samples=10, final=False, cycle=1)
     clock.advance(9.0)
     book.touch(1)
-    assert not book.can_answer(0)  # 2 is silent, not yet for the peer timeout
+    assert 0 not in book.release([0])  # 2 is silent, not yet for the peer timeout
     clock.advance(1.5)
-    assert book.answerable([0, 1]) == [0, 1]  # 2 is lost: left out of the aggregate too
-    assert torch.allclose(book.answer_for(0), _state(3.0)) and book.rounds[1] == 2
+    assert list(book.release([0, 1])) == [0, 1]  # 2 is lost: left out of the aggregate too
+    assert torch.allclose(book.release([0])[0], _state(3.0)) and book.rounds[1] == 2
 
 
 def test_a_fraction_takes_the_drawn_members_models_each_cycle():
@@ -70,8 +70,8 @@ def test_a_fraction_takes_the_drawn_members_models_each_cycle():
     book = _sync_book(clock, members, drawn=lambda cycle: drawn[cycle])
     for member in members:
         book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
-    assert len(drawn[0]) == 3 and book.answerable(members) == members  # everyone is waited for and answered
-    assert torch.allclose(book.answer_for(4), _state(sum(drawn[0]) / 3)) and book.rounds == {0: 3}
+    assert len(drawn[0]) == 3 and list(book.release(members)) == members  # everyone is waited for and answered
+    assert torch.allclose(book.release([4])[4], _state(sum(drawn[0]) / 3)) and book.rounds == {0: 3}
 
 
 def test_the_book_of_the_settings_draws_among_the_whole_group_and_releases_each_cycle_once():

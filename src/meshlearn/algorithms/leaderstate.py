@@ -198,18 +198,6 @@ class LeaderState:
             aggregate = self._aggregate()
             return {m: aggregate for m in ready}
 
-    def can_answer(self, member: int) -> bool:
-        """Whether ``member``'s latest push may have its answer now: not while the first cycle
-        waits for everyone (sync: not before every living member pushed its cycle), and a final
-        push not before every member is final or lost."""
-        with self._cond:
-            return self._can_answer(member)
-
-    def answerable(self, members: list[int]) -> list[int]:
-        """Those of ``members`` whose pushes may have their answer now."""
-        with self._cond:
-            return [m for m in members if self._can_answer(m)]
-
     def wait(self, member: int, poll: float = 0.05) -> torch.Tensor:
         """Block until ``member``'s push may be answered, then return the aggregate (the leader's
         own training thread only)."""
@@ -222,12 +210,6 @@ class LeaderState:
         """The aggregate of the latest models of every member not lost."""
         with self._cond:
             return self._aggregate()
-
-    def answer_for(self, member: int) -> torch.Tensor:
-        """What ``member``'s answerable push is answered with: the aggregate (sync: its cycle's, the
-        same for every member of the cycle)."""
-        with self._cond:
-            return self._answer_for(member)
 
     def all_final(self) -> bool:
         """Whether every member has pushed its final model or is lost."""
