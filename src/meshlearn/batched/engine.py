@@ -34,6 +34,7 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
+from meshlearn.batched.workers import WorkerChoice, available_cores
 from meshlearn.config import ExperimentConfig, load_run_dataset
 from meshlearn.data import (
     Dataset,
@@ -65,6 +66,16 @@ def vectorize(config: ExperimentConfig, model: nn.Module) -> bool:
     if choice != "auto":
         return choice == "on"
     return not (config.device == "cpu" and has_convolutions(model))
+
+
+def worker_counts(config: ExperimentConfig) -> tuple[int, WorkerChoice]:
+    """How many worker threads may train the nodes, and how the count for each step is chosen
+    (``batched_workers``; auto: one, or one per available core, whichever the first steps find faster;
+    one on a GPU, which is one device whatever the threads)."""
+    if config.batched.workers:
+        return config.batched.workers, WorkerChoice([config.batched.workers])
+    cores = 1 if config.device != "cpu" else available_cores()
+    return cores, WorkerChoice([1, cores])
 
 
 def modelled_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, config: ExperimentConfig) -> float:
@@ -155,9 +166,10 @@ class BatchedSimulation:
                 "metrics": [summaries[r]["metrics"] for r in run.ranks],
                 "stats": [summaries[r]["stats"] for r in run.ranks],
                 "elapsed": [summaries[r]["elapsed"] for r in run.ranks],
-                **({"peers": peers} if any(peers) else {})}, clock="modelled"))
+                **({"peers": peers} if any(peers) else {})}, clock="modelled", workers=run.models.choice.chosen))
             return summaries
         finally:
+            run.models.close()
             if run.log is not None:
                 run.log.close()
 
@@ -175,7 +187,7 @@ class BatchedSimulation:
         self.step_time = collective.broadcast(
             modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
         stacked = self.stacked = StackedState(model, shard.size, device)
-        models = NodeModels(stacked, vectorize(config, model), config.batched.chunk)
+        models = NodeModels(stacked, vectorize(config, model), config.batched.chunk, *worker_counts(config))
         links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links

@@ -8,13 +8,17 @@ process engine computes for it, up to floating-point summation order.
 
 from __future__ import annotations
 
+import copy
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from meshlearn.batched.stacked import StackedState
+from meshlearn.batched.workers import WorkerChoice, Workers
 
 EVAL_SAMPLES_PER_CALL = 65_536  # node x sample pairs per vectorized evaluation call (bounds memory)
 
@@ -33,35 +37,58 @@ def has_convolutions(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
 
 
+class _Replica:
+    """One worker thread's copy of the template model, with the vectorized gradient bound to it
+    (``functional_call`` rebinds a module's tensors while it runs, so threads may not share one)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = copy.deepcopy(model).train()
+        self.vgrad = vmap(grad_and_value(self.loss), randomness="different")
+
+    def loss(self, params: dict, rest: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(functional_call(self.model, (params, rest), (x,)), y)
+
+
+@dataclass
+class _Job:
+    """Nodes ``start:stop`` of ``batch``, whose gradients go to the step's rows ``at`` onwards."""
+
+    batch: Batch
+    start: int
+    stop: int
+    at: int
+
+
 class NodeModels:
     """Gradients and predictions of every node's model, read from and written to ``stacked``.
 
     ``vectorized``: one ``vmap`` call per block of at most ``chunk`` nodes (0: all); else a loop
     over nodes. A training pass updates the nodes' buffers (BatchNorm statistics) in their rows.
+    Training runs on worker threads of one intra-op thread each (``batched/workers.py``): as many
+    as ``choice`` says, at most ``workers``; the count never changes a node's result.
     """
 
-    def __init__(self, stacked: StackedState, vectorized: bool, chunk: int = 0):
+    def __init__(self, stacked: StackedState, vectorized: bool, chunk: int = 0, workers: int = 1,
+                 choice: WorkerChoice | None = None, clock: Callable[[], float] = time.perf_counter):
         self.stacked = stacked
         self.model = stacked.template
         self.vectorized = vectorized
         self.chunk = chunk or stacked.nodes
-        self._grad = grad_and_value(self._loss)
-        self._vgrad = vmap(self._grad, randomness="different")
+        self.workers = Workers(workers, lambda: _Replica(self.model))
+        self.choice = choice or WorkerChoice([1])
+        self.clock = clock
+        self.draws_random: bool | None = None  # whether a training step draws random numbers (known after the first)
         self._vforward = vmap(self._forward, randomness="different")
+        self._param_slots = stacked.slots[:len(stacked.param_names)]
         self._grads: torch.Tensor | None = None  # [n, P], reused by every step
         self._losses: torch.Tensor | None = None
 
-    # --- the per-node functions -----------------------------------------------------------------
-
-    def _split(self, named: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-        params = {name: named[name] for name in self.stacked.param_names}
-        return params, {name: value for name, value in named.items() if name not in params}
-
-    def _loss(self, params: dict, rest: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(functional_call(self.model, (params, rest), (x,)), y)
-
     def _forward(self, named: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, named, (x,))
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self.workers.close()
 
     # --- training -----------------------------------------------------------------------------
 
@@ -76,51 +103,86 @@ class NodeModels:
                                       device=stacked.state.device)
             self._losses = torch.empty(len(ranks), dtype=stacked.state.dtype, device=stacked.state.device)
         grads, losses = self._grads[:len(ranks)], self._losses[:len(ranks)]
-        self.model.train()
-        at = 0
-        for batch in batches:
-            if self.vectorized:
-                for start in range(0, len(batch.ranks), self.chunk):
-                    part = slice(start, start + self.chunk)
-                    count = len(batch.ranks[part])
-                    self._vectorized(batch.ranks[part], batch.x[part], batch.y[part], grads[at:at + count],
-                                     losses[at:at + count])
-                    at += count
-            else:
-                for index, rank in enumerate(batch.ranks.tolist()):
-                    named = stacked.named(stacked.row(rank), stacked.counters_of(rank))
-                    grad, loss = self._grad(*self._split(named), batch.x[index], batch.y[index])
-                    self._flatten(grad, grads[at:at + 1])
-                    losses[at] = loss
-                    at += 1
+        workers = self.choice.next()
+        jobs = self._jobs(batches, workers)
+        work = lambda replica, part: self._work(replica, part, grads, losses)  # noqa: E731
+        if self.draws_random is None:
+            # the first node alone, to learn whether a step draws random numbers (dropout): drawn from
+            # threads at once, they would come in an order that changes from run to run
+            before = torch.random.get_rng_state()
+            self.workers.run(work, jobs[:1], 1)
+            self.draws_random = not torch.equal(before, torch.random.get_rng_state())
+            if self.draws_random:
+                self.choice = WorkerChoice([1])
+            self.workers.run(work, jobs[1:], self.choice.next())
+            return ranks, grads, losses
+        began = self.clock()
+        self.workers.run(work, jobs, workers)
+        self.choice.record(workers, self.clock() - began)
         return ranks, grads, losses
 
-    def _vectorized(self, ranks: torch.Tensor, x: torch.Tensor, y: torch.Tensor, grads: torch.Tensor,
-                    losses: torch.Tensor) -> None:
+    def _jobs(self, batches: list[Batch], workers: int) -> list[_Job]:
+        """The step's jobs: one per node, or (vectorized) blocks of at most ``chunk`` nodes, as many
+        as the workers at least."""
+        jobs, at = [], 0
+        for batch in batches:
+            count = len(batch.ranks)
+            size = min(self.chunk, -(-count // workers)) if self.vectorized else 1
+            for start in range(0, count, size):
+                stop = min(count, start + size)
+                jobs.append(_Job(batch, start, stop, at))
+                at += stop - start
+        return jobs
+
+    def _work(self, replica: _Replica, jobs: list[_Job], grads: torch.Tensor, losses: torch.Tensor) -> None:
+        for job in jobs:
+            batch, count = job.batch, job.stop - job.start
+            if self.vectorized:
+                self._vectorized(replica, batch.ranks[job.start:job.stop], batch.x[job.start:job.stop],
+                                 batch.y[job.start:job.stop], grads[job.at:job.at + count],
+                                 losses[job.at:job.at + count])
+            else:
+                losses[job.at] = self._node(replica.model, int(batch.ranks[job.start]), batch.x[job.start],
+                                            batch.y[job.start], grads[job.at])
+
+    def _node(self, model: nn.Module, rank: int, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """Node ``rank``'s loss on (x, y); its gradient accumulated straight into ``grad`` [P]
+        (each parameter a leaf viewing the node's row, whose ``.grad`` views ``grad``)."""
+        named = self.stacked.named(self.stacked.row(rank), self.stacked.counters_of(rank))
+        grad.zero_()
+        for slot in self._param_slots:
+            leaf = named[slot.name].detach().requires_grad_()
+            leaf.grad = grad[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            named[slot.name] = leaf
+        if x.dim() == 4 and x.device.type == "cpu":  # images channels-last: oneDNN's faster convolutions here
+            x = x.contiguous(memory_format=torch.channels_last)
+        loss = nn.functional.cross_entropy(functional_call(model, named, (x,)), y)
+        loss.backward()
+        return loss.detach()
+
+    def _vectorized(self, replica: _Replica, ranks: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
+                    grads: torch.Tensor, losses: torch.Tensor) -> None:
         """The gradients of the nodes ``ranks`` into ``grads`` [n, P] and their losses into
         ``losses`` [n], one vmap call; their BatchNorm statistics into their rows."""
         stacked = self.stacked
-        whole = len(ranks) == stacked.nodes and bool((ranks == torch.arange(stacked.nodes, device=ranks.device)).all())
-        rows = stacked.state if whole else stacked.state[ranks]
-        counters = stacked.counters_of(None if whole else ranks)
+        first = int(ranks[0])
+        consecutive = bool((ranks == torch.arange(first, first + len(ranks), device=ranks.device)).all())
+        target = slice(first, first + len(ranks)) if consecutive else ranks  # a view of the rows, not a copy
+        rows = stacked.state[target]
+        counters = stacked.counters_of(target)
         named = stacked.named(rows, counters)
         # vmap writes BatchNorm's statistics only into contiguous tensors (a strided view of the rows
         # would silently keep the old values): update copies, then put them back into the rows.
         buffers = {slot.name: named[slot.name].contiguous() for slot in stacked.buffer_slots}
         named.update(buffers)
-        grad, loss = self._vgrad(*self._split(named), x, y)
-        self._flatten(grad, grads)
+        params = {name: named[name] for name in stacked.param_names}
+        grad, loss = replica.vgrad(params, {name: v for name, v in named.items() if name not in params}, x, y)
+        torch.cat([grad[name].reshape(len(ranks), -1) for name in stacked.param_names], 1, out=grads)
         losses.copy_(loss.detach())
-        target = slice(None) if whole else ranks
         for slot in stacked.buffer_slots:
             stacked.state[target, slot.offset:slot.offset + slot.numel] = buffers[slot.name].reshape(len(ranks), -1)
-        if not whole:
-            for name, value in counters.items():
-                stacked.counters[name][ranks] = value
-
-    def _flatten(self, grad: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-        """Per-parameter gradients of n nodes into ``out`` [n, P], in the state's parameter order."""
-        torch.cat([grad[name].reshape(len(out), -1) for name in self.stacked.param_names], 1, out=out)
+        for name, value in counters.items():  # (a view of the rows' counters: the copy onto itself is harmless)
+            stacked.counters[name][target] = value
 
     # --- evaluation ---------------------------------------------------------------------------
 

@@ -14,13 +14,17 @@ class BatchedSettings(Settings):
     """How the batched engine trains its nodes and models time (flat names: ``batched_vectorize``,
     ``batched_chunk``; the others as they are)."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {"vectorize": "batched_vectorize", "chunk": "batched_chunk"}
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"vectorize": "batched_vectorize", "chunk": "batched_chunk",
+                                            "workers": "batched_workers"}
 
     vectorize: Literal["auto", "on", "off"] = Field(
         "auto", description="train the nodes in one vectorized call (torch.func.vmap: on) or one after another "
         "(off); auto: vectorized, except models with convolutions on the CPU, where one node at a time is "
         "faster (benchmarks/RESULTS.md)")
     chunk: int = Field(0, ge=0, description="nodes per vectorized call, to bound memory (0 = all at once)")
+    workers: int = Field(0, ge=0, description="threads that train the nodes, each on one torch intra-op thread "
+                         "(the count changes speed, never results); 0 = auto: on the CPU, times the run's first "
+                         "steps on one worker and on one per core and keeps the faster; on a GPU, one")
     step_time: float = Field(0.0, ge=0, description="modelled seconds of one node's local SGD step (0 = from "
                              "step_cost)")
     step_cost: Literal["flops", "measured"] = Field(

@@ -49,8 +49,8 @@ class StackedState:
         named.update(counters)
         return named
 
-    def counters_of(self, index: torch.Tensor | int | None) -> dict[str, torch.Tensor]:
-        """The counters of some nodes (``index``: a tensor of ranks, one rank, or None for all)."""
+    def counters_of(self, index: torch.Tensor | int | slice | None) -> dict[str, torch.Tensor]:
+        """The counters of some nodes (``index``: a tensor of ranks, one rank, a slice of ranks, or None for all)."""
         if index is None:
             return self.counters
         return {name: value[index] for name, value in self.counters.items()}

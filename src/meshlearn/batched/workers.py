@@ -1,0 +1,90 @@
+"""The threads that train the batched engine's nodes, and how many of them a run uses.
+
+Every node's step runs on a worker thread with one torch intra-op thread, so a node's arithmetic
+is the same whatever the number of workers (a convolution's result depends on its intra-op
+threads): the count changes the speed of a run, never its results. Workers block on a queue
+between steps instead of spinning as OpenMP threads do, so a loaded machine slows a run without
+the spikes that oversubscribed intra-op threads gave.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, Sequence, TypeVar
+
+import torch
+
+Job = TypeVar("Job")
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on, shared among the processes ``torchrun`` started on this machine."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+class WorkerChoice:
+    """How many workers the next step uses: a fixed count, or (``auto``) each candidate in turn for
+    ``trials`` steps, then for good the one whose median step took least time. The steps timed are
+    the run's own (nothing is computed twice), and since the count never changes results, the
+    choice, which follows the machine's load, does not either."""
+
+    def __init__(self, candidates: Sequence[int], trials: int = 3):
+        if not candidates:
+            raise ValueError("WorkerChoice needs at least one candidate worker count")
+        self.candidates = sorted(set(candidates))
+        self.trials = trials
+        self.times: dict[int, list[float]] = {count: [] for count in self.candidates}
+        self.chosen: int | None = self.candidates[0] if len(self.candidates) == 1 else None
+
+    def next(self) -> int:
+        """The worker count for the next step."""
+        if self.chosen is not None:
+            return self.chosen
+        return min(self.candidates, key=lambda count: len(self.times[count]))
+
+    def record(self, count: int, seconds: float) -> None:
+        """A step on ``count`` workers took ``seconds``; choose once every candidate has its trials."""
+        if self.chosen is not None:
+            return
+        self.times[count].append(seconds)
+        if all(len(times) >= self.trials for times in self.times.values()):
+            self.chosen = min(self.candidates, key=lambda c: (statistics.median(self.times[c]), c))
+
+
+class Workers:
+    """Up to ``count`` threads with one intra-op thread each, started on first use. ``run`` splits
+    a step's jobs into contiguous parts, one per worker, each done with that worker's own copy of
+    some per-thread state (``make``: e.g. a model, which ``functional_call`` rebinds, so threads
+    may not share one)."""
+
+    def __init__(self, count: int, make: Callable[[], object]):
+        self.count = count
+        self._make = make
+        self._own: list[object] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def run(self, work: Callable[[object, list[Job]], None], jobs: list[Job], workers: int) -> None:
+        """Do ``jobs`` on ``workers`` threads (at most ``count``), in order within each part; wait
+        for all, then raise the first failure."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.count, thread_name_prefix="meshlearn-worker",
+                                            initializer=torch.set_num_threads, initargs=(1,))
+        workers = max(1, min(workers, self.count, len(jobs)))
+        while len(self._own) < workers:
+            self._own.append(self._make())
+        futures: list[Future] = []
+        for index in range(workers):
+            part = jobs[len(jobs) * index // workers:len(jobs) * (index + 1) // workers]
+            futures.append(self._pool.submit(work, self._own[index], part))
+        wait(futures)
+        for future in futures:
+            future.result()
+
+    def close(self) -> None:
+        """Stop the threads (a later ``run`` starts them again)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
