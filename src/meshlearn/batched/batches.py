@@ -7,12 +7,12 @@ import torch
 
 from meshlearn.attacks.forge import LabelFlip
 from meshlearn.batched.models import Batch
-from meshlearn.data import Dataset, ShardLoader, loader_seed
+from meshlearn.data import Dataset, ShardLoaders, loader_seed
 
 
 class NodeBatches:
     """Mini-batches for all nodes: node r draws from its shard with the seed a process-engine
-    node r uses (``ShardLoader``, ``loader_seed``), so both engines see the same batches in the
+    node r uses (``ShardLoaders``, ``loader_seed``), so both engines see the same batches in the
     same order. Nodes whose batches differ in size (an epoch's last, short batch) come in
     separate groups, since one vectorized call needs one batch size."""
 
@@ -22,32 +22,28 @@ class NodeBatches:
         self.flipped = flipped  # nodes (numbered from 0) that train on flipped labels (a label-flip attack)
         self.device = torch.device(device)
         # ``parts`` are the shards of nodes first_rank, first_rank + 1, ...; batches name them from 0
-        self.loaders = [ShardLoader(dataset, part, batch_size, loader_seed(run_seed, first_rank + index))
-                        for index, part in enumerate(parts)]
+        self.loaders = ShardLoaders(dataset, parts, batch_size,
+                                    [loader_seed(run_seed, first_rank + index) for index in range(len(parts))])
 
     def samples(self) -> list[int]:
         """Samples in each node's shard."""
-        return [len(loader.indices) for loader in self.loaders]
+        return self.loaders.sizes.tolist()
 
     def next(self, ranks: list[int] | None = None) -> list[Batch]:
         """The next batch of every node (or of ``ranks``), grouped by batch size (usually one group)."""
-        ranks = range(len(self.loaders)) if ranks is None else ranks
-        picks = {rank: self.loaders[rank].next_indices() for rank in ranks}
-        groups: dict[int, list[int]] = {}
-        for rank, pick in picks.items():
-            groups.setdefault(len(pick), []).append(rank)
         batches = []
-        for size, members in groups.items():
-            index = torch.cat([picks[rank] for rank in members])
+        for members, picks in self.loaders.next(ranks):
+            count, size = picks.shape
+            index = torch.from_numpy(picks.reshape(-1))
             x = self.dataset.normalize(self.dataset.train_x[index])
-            y = self.dataset.train_y[index].view(len(members), size)
-            flip = [k for k, rank in enumerate(members) if rank in self.flipped]
+            y = self.dataset.train_y[index].view(count, size)
+            flip = [k for k, rank in enumerate(members.tolist()) if rank in self.flipped] if self.flipped else []
             if flip:
                 y = y.clone()
                 y[flip] = LabelFlip.flip(y[flip], self.dataset.num_classes)
             batches.append(Batch(
-                torch.tensor(members, device=self.device),
-                x.view(len(members), size, *x.shape[1:]).to(self.device, non_blocking=True),
+                torch.from_numpy(members).to(self.device),
+                x.view(count, size, *x.shape[1:]).to(self.device, non_blocking=True),
                 y.to(self.device, non_blocking=True),
             ))
         return batches

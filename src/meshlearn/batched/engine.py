@@ -34,7 +34,7 @@ from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
-from meshlearn.batched.workers import WorkerChoice, available_cores
+from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
 from meshlearn.config import ExperimentConfig, load_run_dataset
 from meshlearn.data import (
     Dataset,
@@ -133,45 +133,53 @@ class BatchedSimulation:
         """Train every node for the configured iterations; returns each node's final summary (in
         the first process; the others return none)."""
         keep_freed_memory()  # a step's large tensors reuse freed memory instead of faulting fresh pages in
-        run = self._build()
-        try:
-            if run.log is not None:
-                bad = {rank: str(spec) for rank, spec in self.config.attackers().items()}
-                run.log.write(columnar_event(
-                    "start", run.ranks, {"neighbours": [self.graph.neighbours(r) for r in run.ranks],
-                                         "samples": run.samples, "byzantine": [bad.get(r) for r in run.ranks]},
-                    parameters=run.stacked.param_count, state_bytes=run.stacked.row_bytes,
-                    threads=torch.get_num_threads(), time=time.time(), engine="batched",
-                    vectorized=run.models.vectorized, step_time=self.step_time,
-                    step_cost="configured" if self.config.batched.step_time else self.config.batched.step_cost,
-                    processes=self.shard.count))
-            if run.algorithm.asynchronous:
-                driver = _Asynchronous(run, self.progress)
-                run.algorithm.drive(driver)
-                finish = driver.finish
-                final = run.collective.gather(_evaluations(run, full=True))
-            else:
-                final = self._lockstep(run)  # its last evaluation is of the final models
-                finish = run.clocks.now
-            reports = run.algorithm.peers_report()
-            peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
-            if run.log is None:
-                return {}
-            by_rank = dict(final)
-            summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
-                                "stats": run.traffic.of(rank),
-                                "metrics": None if rank not in by_rank else by_rank[rank].__dict__}
-                         for rank in run.ranks}
-            run.log.write(columnar_event("final", run.ranks, {
-                "metrics": [summaries[r]["metrics"] for r in run.ranks],
-                "stats": [summaries[r]["stats"] for r in run.ranks],
-                "elapsed": [summaries[r]["elapsed"] for r in run.ranks],
-                **({"peers": peers} if any(peers) else {})}, clock="modelled", workers=run.models.choice.chosen))
-            return summaries
-        finally:
-            run.models.close()
-            if run.log is not None:
-                run.log.close()
+        # this thread's tensor work on one intra-op thread too, as the workers': the run's parallelism
+        # is theirs (a second intra-op thread here spun between small operations: 3.5 of 19 CPU s for
+        # 1,024 MLP nodes, for half a second of wall-clock time; benchmarks/RESULTS.md)
+        with intra_op_threads(1 if self.config.device == "cpu" else None):
+            run = self._build()
+            try:
+                return self._train(run)
+            finally:
+                run.models.close()
+                if run.log is not None:
+                    run.log.close()
+
+    def _train(self, run: "_Run") -> dict[int, dict[str, Any]]:
+        """The run proper, once built: start event, iterations, final evaluation and summaries."""
+        if run.log is not None:
+            bad = {rank: str(spec) for rank, spec in self.config.attackers().items()}
+            run.log.write(columnar_event(
+                "start", run.ranks, {"neighbours": [self.graph.neighbours(r) for r in run.ranks],
+                                     "samples": run.samples, "byzantine": [bad.get(r) for r in run.ranks]},
+                parameters=run.stacked.param_count, state_bytes=run.stacked.row_bytes,
+                threads=torch.get_num_threads(), time=time.time(), engine="batched",
+                vectorized=run.models.vectorized, step_time=self.step_time,
+                step_cost="configured" if self.config.batched.step_time else self.config.batched.step_cost,
+                processes=self.shard.count))
+        if run.algorithm.asynchronous:
+            driver = _Asynchronous(run, self.progress)
+            run.algorithm.drive(driver)
+            finish = driver.finish
+            final = run.collective.gather(_evaluations(run, full=True))
+        else:
+            final = self._lockstep(run)  # its last evaluation is of the final models
+            finish = run.clocks.now
+        reports = run.algorithm.peers_report()
+        peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
+        if run.log is None:
+            return {}
+        by_rank = dict(final)
+        summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
+                            "stats": run.traffic.of(rank),
+                            "metrics": None if rank not in by_rank else by_rank[rank].__dict__}
+                     for rank in run.ranks}
+        run.log.write(columnar_event("final", run.ranks, {
+            "metrics": [summaries[r]["metrics"] for r in run.ranks],
+            "stats": [summaries[r]["stats"] for r in run.ranks],
+            "elapsed": [summaries[r]["elapsed"] for r in run.ranks],
+            **({"peers": peers} if any(peers) else {})}, clock="modelled", workers=run.models.choice.chosen))
+        return summaries
 
     def _build(self) -> "_Run":
         """Everything the run needs: data, the nodes' state and models, links, clocks, algorithm."""

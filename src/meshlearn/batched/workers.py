@@ -9,14 +9,27 @@ the spikes that oversubscribed intra-op threads gave.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import torch
 
 Job = TypeVar("Job")
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int | None) -> Iterator[None]:
+    """Inside the block, the calling thread's torch ops use ``count`` intra-op threads (None: as they were)."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def available_cores() -> int:

@@ -9,7 +9,8 @@ _WHERE = {
     **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_dataset", "load_digits", "load_idx",
                                       "load_imagefolder", "load_leaf", "make_dataset",
                                       "reshuffled", "shard_as_test_set", "split_validation", "test_samples")},
-    "ShardLoader": "loader", "loader_seed": "loader", "parse_spec": "specs", "register_dataset": "specs",
+    "ShardLoader": "loader", "ShardLoaders": "loader", "loader_seed": "loader", "parse_spec": "specs",
+    "register_dataset": "specs",
 }
 __all__ = sorted(_WHERE) + ["partition", "partition_dataset"]
 

@@ -13,20 +13,78 @@ def loader_seed(run_seed: int, rank: int) -> int:
     return run_seed * 1000 + rank
 
 
+class ShardLoaders:
+    """Endless mini-batches of many nodes' shards, drawn together. Each node reshuffles its shard
+    every epoch with its own seeded generator, and a batch never spans two epochs; a step for all
+    nodes costs a few array operations (plus a shuffle for each node starting an epoch), not a
+    call per node. ``ShardLoader`` is this for one node, so every engine draws the same batches."""
+
+    def __init__(self, dataset: Dataset, shards: list[np.ndarray], batch_size: int, seeds: list[int]):
+        self.dataset = dataset
+        self.shards = [np.asarray(shard, dtype=np.int64) for shard in shards]
+        self.sizes = np.array([len(shard) for shard in self.shards], dtype=np.int64)
+        if len(self.sizes) == 0 or (self.sizes == 0).any():
+            raise ValueError("a node's shard is empty")
+        self.batch_sizes = np.minimum(batch_size, self.sizes)
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.epochs = np.zeros(len(self.shards), dtype=np.int64)
+        self.samples_seen = np.zeros(len(self.shards), dtype=np.int64)
+        self._orders = np.zeros((len(self.shards), int(self.sizes.max())), dtype=np.int64)  # row k: node k's epoch order
+        self._pos = np.zeros(len(self.shards), dtype=np.int64)
+        for node in range(len(self.shards)):
+            self._shuffle(node)
+
+    def _shuffle(self, node: int) -> None:
+        size = int(self.sizes[node])
+        order = torch.randperm(size, generator=self.generators[node]).numpy() if size > 1 else np.zeros(1, np.int64)
+        self._orders[node, :size] = self.shards[node][order]
+        self._pos[node] = 0
+
+    def next(self, nodes: np.ndarray | list[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The training-set indices of the next batch of every node (or of ``nodes``), grouped by
+        batch size (usually one group; an epoch's last batch may be short): (the group's nodes,
+        their indices [n, size]) per group, in the order of each group's first node."""
+        nodes = np.arange(len(self.shards)) if nodes is None else np.asarray(nodes, dtype=np.int64)
+        for node in nodes[self._pos[nodes] >= self.sizes[nodes]]:  # a new epoch: a new order
+            self.epochs[node] += 1
+            self._shuffle(int(node))
+        take = np.minimum(self.batch_sizes[nodes], self.sizes[nodes] - self._pos[nodes])
+        starts = self._pos[nodes]
+        self._pos[nodes] += take
+        self.samples_seen[nodes] += take
+        sizes = np.unique(take)
+        groups = []
+        for size in sizes:
+            chosen = take == size
+            members = nodes[chosen]
+            columns = starts[chosen][:, None] + np.arange(size)
+            groups.append((members, self._orders[members[:, None], columns]))
+        if len(groups) > 1:
+            groups.sort(key=lambda group: int(np.flatnonzero(nodes == group[0][0])[0]))
+        return groups
+
+
 class ShardLoader:
-    """Endless mini-batches of a node's samples; a batch never spans two epochs."""
+    """Endless mini-batches of one node's samples, reshuffled (seeded) every epoch; a batch never
+    spans two epochs (``ShardLoaders`` for one node)."""
 
     def __init__(self, dataset: Dataset, indices: np.ndarray, batch_size: int, seed: int):
         self.dataset = dataset
         self.indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         if len(self.indices) == 0:
             raise ValueError("a node's shard is empty")
-        self.batch_size = min(batch_size, len(self.indices))
-        self.generator = torch.Generator().manual_seed(seed)
-        self.epoch = 0
-        self.samples_seen = 0
-        self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
-        self._pos = 0
+        self._many = ShardLoaders(dataset, [np.asarray(indices)], batch_size, [seed])
+        self.batch_size = int(self._many.batch_sizes[0])
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return int(self._many.epochs[0])
+
+    @property
+    def samples_seen(self) -> int:
+        """Samples drawn so far."""
+        return int(self._many.samples_seen[0])
 
     @property
     def batches_per_epoch(self) -> int:
@@ -35,14 +93,8 @@ class ShardLoader:
 
     def next_indices(self) -> torch.Tensor:
         """The training-set indices of the next batch (the order ``next_batch`` follows)."""
-        if self._pos >= len(self._order):
-            self.epoch += 1
-            self._order = self.indices[torch.randperm(len(self.indices), generator=self.generator)]
-            self._pos = 0
-        batch = self._order[self._pos:self._pos + self.batch_size]
-        self._pos += len(batch)
-        self.samples_seen += len(batch)
-        return batch
+        (_, indices), = self._many.next()
+        return torch.from_numpy(indices[0])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next (normalized inputs, labels) batch."""

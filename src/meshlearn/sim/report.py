@@ -11,6 +11,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from meshlearn.errors import ConfigError, MeshlearnError
@@ -41,9 +42,10 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
         return float("nan"), float("nan")
     if len(values) == 1:
         return float(values[0]), 0.0
-    if not all(math.isfinite(v) for v in values):  # a diverged run (inf or NaN loss) still gets its report
-        return statistics.fmean(values), float("nan")
-    return statistics.fmean(values), statistics.pstdev(values)
+    array = np.asarray(values, dtype=np.float64)
+    if not np.isfinite(array).all():  # a diverged run (inf or NaN loss) still gets its report
+        return float(array.mean()), float("nan")
+    return float(array.mean()), float(array.std())
 
 
 def attackers_of(logs: dict[int, list[dict]]) -> dict[int, str]:
@@ -103,16 +105,15 @@ def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
         for event in events:
             if event.get("event") != "iteration":
                 continue
-            values = {phase: event.get(phase, 0.0) or 0.0 for phase in PHASES}
-            for phase, value in values.items():
+            values = [event.get(phase, 0.0) or 0.0 for phase in PHASES]
+            for phase, value in zip(PHASES, values):
                 if phase != "eval" or event.get("eval") is not None:
                     phases[phase].append(value)
-            phases["total"].append(sum(values.values()))
-            phases["overhead"].append(values["encode"] + values["comm"] + values["average"])
-    return {
-        name: {"median": statistics.median(v), "mean": statistics.fmean(v), "std": statistics.pstdev(v)}
-        for name, v in phases.items() if v
-    }
+            phases["total"].append(sum(values))
+            phases["overhead"].append(values[1] + values[2] + values[3])  # encode + comm + average
+    arrays = {name: np.asarray(v, dtype=np.float64) for name, v in phases.items() if v}
+    return {name: {"median": float(np.median(a)), "mean": float(a.mean()), "std": float(a.std())}
+            for name, a in arrays.items()}
 
 
 def final_summary(logs: dict[int, list[dict]], robust: bool = True) -> dict[str, Any]:
