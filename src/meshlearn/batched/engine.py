@@ -290,7 +290,8 @@ class _Run:
                 grads = grads[torch.argsort(ranks)]  # in rank order, for an optimizer that steps every row together
             self.sgd.step(grads, None if len(ranks) == self.shard.size else ranks)
         trained = set(range(self.shard.size) if rows is None else rows)
-        return [float(losses[r]) / self.steps if self.steps and r in trained else None for r in range(self.shard.size)]
+        means = (losses / max(1, self.steps)).tolist()
+        return [means[r] if self.steps and r in trained else None for r in range(self.shard.size)]
 
     def evaluates_after(self, done: int) -> bool:
         """Whether the nodes are evaluated once ``done`` iterations are done."""

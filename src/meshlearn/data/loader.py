@@ -45,9 +45,11 @@ class ShardLoaders:
         batch size (usually one group; an epoch's last batch may be short): (the group's nodes,
         their indices [n, size]) per group, in the order of each group's first node."""
         nodes = np.arange(len(self.shards)) if nodes is None else np.asarray(nodes, dtype=np.int64)
-        for node in nodes[self._pos[nodes] >= self.sizes[nodes]]:  # a new epoch: a new order
-            self.epochs[node] += 1
-            self._shuffle(int(node))
+        ended = nodes[self._pos[nodes] >= self.sizes[nodes]]  # a new epoch: a new order (one sample: the same)
+        self.epochs[ended] += 1
+        self._pos[ended] = 0
+        for node in ended[self.sizes[ended] > 1].tolist():
+            self._shuffle(node)
         take = np.minimum(self.batch_sizes[nodes], self.sizes[nodes] - self._pos[nodes])
         starts = self._pos[nodes]
         self._pos[nodes] += take
