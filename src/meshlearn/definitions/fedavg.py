@@ -117,10 +117,17 @@ class FedAvg(RoundAlgorithm):
     def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
         """Each row: the weighted sum over the weight that came; the server with nothing come keeps
         the last average."""
+        import torch
+
         total = mixed[:, -1:]
-        own.copy_(mixed[:, :-1] / total.clamp_min(1e-30))
-        if SERVER in self.ranks:
-            row = self.ranks.index(SERVER)
-            if self.phase == 0 and float(total[row]) == 0.0:  # nobody's model this round
-                own[row] = state["global"]
+        row = self.ranks.index(SERVER) if SERVER in self.ranks else None
+        if self.phase == 0:  # only the server takes anything: a client's row is its own model over 1, unchanged
+            if row is not None:
+                if float(total[row]) == 0.0:  # nobody's model this round
+                    own[row] = state["global"]
+                else:
+                    torch.div(mixed[row, :-1], total[row], out=own[row])
+        else:
+            torch.div(mixed[:, :-1], total.clamp_min(1e-30), out=own)
+        if row is not None:
             state["global"].copy_(own[row])
