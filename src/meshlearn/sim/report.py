@@ -96,24 +96,36 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
     return row
 
 
-def iteration_times(logs: dict[int, list[dict]]) -> dict[str, dict[str, float]]:
+def phase_seconds(event: dict[str, Any]) -> list[float]:
+    """An ``iteration`` event's seconds per phase, in ``PHASES`` order (a phase it does not give: 0)."""
+    return [event.get(phase) or 0.0 for phase in PHASES]
+
+
+Records = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def iteration_records(logs: dict[int, list[dict]]) -> Records:
+    """Every ``iteration`` event of a run's logs as arrays: the ranks [n], the seconds per phase
+    [n, len(PHASES)] and whether each evaluated [n] (one pass over the events, for 100,000 of them)."""
+    records = [(rank, phase_seconds(event), event.get("eval") is not None)
+               for rank, events in logs.items() for event in events if event.get("event") == "iteration"]
+    if not records:
+        return np.zeros(0, dtype=np.int64), np.zeros((0, len(PHASES))), np.zeros(0, dtype=bool)
+    ranks, seconds, evaluated = zip(*records)
+    return np.asarray(ranks, dtype=np.int64), np.asarray(seconds, dtype=np.float64), np.asarray(evaluated)
+
+
+def iteration_times(logs: dict[int, list[dict]], records: Records | None = None) -> dict[str, dict[str, float]]:
     """Median, mean and std of each phase of an iteration, of the whole, and of the overhead
     (encode + send/wait + average, i.e. the iteration minus training and evaluation), over all nodes.
-    ``eval`` is over the iterations that evaluated (most do not: counted as 0 it had a median of 0)."""
-    phases: dict[str, list[float]] = defaultdict(list)
-    for events in logs.values():
-        for event in events:
-            if event.get("event") != "iteration":
-                continue
-            values = [event.get(phase, 0.0) or 0.0 for phase in PHASES]
-            for phase, value in zip(PHASES, values):
-                if phase != "eval" or event.get("eval") is not None:
-                    phases[phase].append(value)
-            phases["total"].append(sum(values))
-            phases["overhead"].append(values[1] + values[2] + values[3])  # encode + comm + average
-    arrays = {name: np.asarray(v, dtype=np.float64) for name, v in phases.items() if v}
-    return {name: {"median": float(np.median(a)), "mean": float(a.mean()), "std": float(a.std())}
-            for name, a in arrays.items()}
+    ``eval`` is over the iterations that evaluated (most do not: counted as 0 it had a median of 0).
+    ``records``: ``iteration_records(logs)``, where the caller has them."""
+    _, seconds, evaluated = records or iteration_records(logs)
+    column = {phase: seconds[:, index] for index, phase in enumerate(PHASES)}
+    phases = {**column, "eval": column["eval"][evaluated], "total": seconds.sum(1),
+              "overhead": column["encode"] + column["comm"] + column["average"]}
+    return {name: {"median": float(np.median(values)), "mean": float(values.mean()), "std": float(values.std())}
+            for name, values in phases.items() if len(values)}
 
 
 def final_summary(logs: dict[int, list[dict]], robust: bool = True) -> dict[str, Any]:
@@ -272,7 +284,8 @@ def write_report(output: Path) -> dict[str, Any]:
         writer.writeheader()
         writer.writerows(rows)
     summary = final_summary(logs, robust=judges_peers(output))
-    summary["iteration_time"] = iteration_times(logs)
+    records = iteration_records(logs)
+    summary["iteration_time"] = iteration_times(logs, records)
     summary.update(start_up_times(output, logs))
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
     title = run_title(output)
@@ -281,7 +294,8 @@ def write_report(output: Path) -> dict[str, Any]:
         _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png", axis)
         _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis)
     _save(topology_figure(output, summary, title), output / TOPOLOGY_FIGURE)
-    _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled"), output / TIME_FIGURE)
+    _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled", records=records),
+          output / TIME_FIGURE)
     write_run_predictions(output, summary, title)
     return summary
 
@@ -522,17 +536,21 @@ class PhaseTimes:
         if event.get("event") != "iteration":
             return
         sums = self._sums.setdefault(rank, [0.0] * len(PHASES))
-        for index, phase in enumerate(PHASES):
-            sums[index] += event.get(phase) or 0.0
+        for index, value in enumerate(phase_seconds(event)):
+            sums[index] += value
         self._counts[rank] += 1
 
     @classmethod
-    def of(cls, logs: dict[int, list[dict]]) -> PhaseTimes:
-        """The phase times of a run's logs (``load_logs``)."""
+    def of(cls, logs: dict[int, list[dict]], records: Records | None = None) -> PhaseTimes:
+        """The phase times of a run's logs (``load_logs``), summed as arrays (``iteration_records``,
+        or ``records`` where the caller has them)."""
         times = cls()
-        for rank, events in logs.items():
-            for event in events:
-                times.add(rank, event)
+        ranks, seconds, _ = records or iteration_records(logs)
+        unique, inverse = np.unique(ranks, return_inverse=True)
+        sums = np.zeros((len(unique), len(PHASES)))
+        np.add.at(sums, inverse, seconds)  # event after event, as ``add`` sums them
+        for rank, total, count in zip(unique.tolist(), sums.tolist(), np.bincount(inverse).tolist()):
+            times._sums[rank], times._counts[rank] = total, count
         return times
 
     def per_node(self) -> dict[int, dict[str, float]]:
@@ -548,10 +566,11 @@ class PhaseTimes:
         return {phase: sum(sums[index] for sums in self._sums.values()) / count for index, phase in enumerate(PHASES)}
 
 
-def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = False):
+def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = False,
+                      records: Records | None = None):
     """Where an iteration's time goes: each phase's mean (ms), stacked (``PhaseTimes``), per node
     (or, for many nodes, over all of them); None without iterations."""
-    times = PhaseTimes.of(logs)
+    times = PhaseTimes.of(logs, records)
     per_node = times.per_node()
     if not per_node:
         return None
