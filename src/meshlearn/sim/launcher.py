@@ -370,6 +370,8 @@ def _ctrl_c_between_starts() -> Iterator[threading.Event]:
         yield interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
+    if interrupted.is_set():  # one that came after the caller's last look
+        raise KeyboardInterrupt
 
 
 def _name_this_process(name: str) -> None:
