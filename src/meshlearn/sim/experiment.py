@@ -45,6 +45,7 @@ from meshlearn.sim.report import (
     TIME_LABEL,
     evaluation_table,
     final_summary,
+    iteration_records,
     load_logs,
     x_axes,
 )
@@ -173,8 +174,7 @@ def _result_line(run_dir: Path) -> str:
 def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:
     logs = load_logs(run_dir)
     final = final_summary(logs)
-    totals = [sum((e.get(k) or 0.0) for k in ("train", "encode", "comm", "average", "eval"))
-              for events in logs.values() for e in events if e.get("event") == "iteration"]
+    totals = iteration_records(logs)[1].sum(1).tolist()  # each iteration's seconds, its phases added
     per_node = []
     for rank, node in final["per_node"].items():
         stats = node["stats"]
