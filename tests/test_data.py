@@ -293,10 +293,9 @@ def _reference_batches(shard: np.ndarray, batch_size: int, seed: int, count: int
 def test_shard_loaders_draw_every_nodes_batches_as_its_own_loader_would():
     from meshlearn.data import ShardLoaders
 
-    data = load_digits()
     shards = [np.array([7]), np.array([3, 9]), np.arange(20, 25), np.arange(40, 52)]
     seeds = [11, 12, 13, 14]
-    loaders = ShardLoaders(data, shards, 4, seeds)
+    loaders = ShardLoaders(shards, 4, seeds)
     expected = [_reference_batches(shard, 4, seed, 6) for shard, seed in zip(shards, seeds)]
     drawn: list[list[list[int]]] = [[] for _ in shards]
     for step in range(6):
@@ -308,13 +307,13 @@ def test_shard_loaders_draw_every_nodes_batches_as_its_own_loader_would():
                 drawn[node].append(pick)
     assert drawn == expected
     assert loaders.epochs.tolist() == [5, 5, 2, 1] and loaders.samples_seen.tolist() == [6, 12, 15, 24]
-    only = ShardLoaders(data, shards, 4, seeds)
+    only = ShardLoaders(shards, 4, seeds)
     for step in range(3):  # a subset of the nodes draws; the others keep their place
         (members, picks), = only.next([2])
         assert members.tolist() == [2] and picks[0].tolist() == expected[2][step]
     assert only.next([3])[0][1][0].tolist() == expected[3][0]
     with pytest.raises(ValueError, match="empty"):
-        ShardLoaders(data, [np.array([1]), np.array([], dtype=np.int64)], 4, [1, 2])
+        ShardLoaders([np.array([1]), np.array([], dtype=np.int64)], 4, [1, 2])
 
 
 def test_a_registered_dataset_is_named_like_a_built_in_one_and_checked(tmp_path):

@@ -22,7 +22,7 @@ class NodeBatches:
         self.flipped = flipped  # nodes (numbered from 0) that train on flipped labels (a label-flip attack)
         self.device = torch.device(device)
         # ``parts`` are the shards of nodes first_rank, first_rank + 1, ...; batches name them from 0
-        self.loaders = ShardLoaders(dataset, parts, batch_size,
+        self.loaders = ShardLoaders(parts, batch_size,
                                     [loader_seed(run_seed, first_rank + index) for index in range(len(parts))])
 
     def samples(self) -> list[int]:

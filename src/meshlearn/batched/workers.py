@@ -82,6 +82,8 @@ class Workers:
     def run(self, work: Callable[[object, list[Job]], None], jobs: list[Job], workers: int) -> None:
         """Do ``jobs`` on ``workers`` threads (at most ``count``), in order within each part; wait
         for all, then raise the first failure."""
+        if not jobs:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.count, thread_name_prefix="meshlearn-worker",
                                             initializer=torch.set_num_threads, initargs=(1,))

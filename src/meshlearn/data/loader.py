@@ -19,8 +19,7 @@ class ShardLoaders:
     nodes costs a few array operations (plus a shuffle for each node starting an epoch), not a
     call per node. ``ShardLoader`` is this for one node, so every engine draws the same batches."""
 
-    def __init__(self, dataset: Dataset, shards: list[np.ndarray], batch_size: int, seeds: list[int]):
-        self.dataset = dataset
+    def __init__(self, shards: list[np.ndarray], batch_size: int, seeds: list[int]):
         self.shards = [np.asarray(shard, dtype=np.int64) for shard in shards]
         self.sizes = np.array([len(shard) for shard in self.shards], dtype=np.int64)
         if len(self.sizes) == 0 or (self.sizes == 0).any():
@@ -75,7 +74,7 @@ class ShardLoader:
         self.indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))
         if len(self.indices) == 0:
             raise ValueError("a node's shard is empty")
-        self._many = ShardLoaders(dataset, [np.asarray(indices)], batch_size, [seed])
+        self._many = ShardLoaders([np.asarray(indices)], batch_size, [seed])
         self.batch_size = int(self._many.batch_sizes[0])
 
     @property
