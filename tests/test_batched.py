@@ -15,7 +15,7 @@ from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched import BatchedSimulation
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
-from meshlearn.batched.mixing import ChunkedMixing, Links
+from meshlearn.batched.mixing import ChunkedMixing, Links, mixing_matrix, weighted_sums
 from meshlearn.config import make_config
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
@@ -24,6 +24,7 @@ from meshlearn.sgd import StackedSGD
 from meshlearn.sim import simulate
 from meshlearn.sim.report import load_logs
 from meshlearn.topology import Graph, build_topology, mh_row
+from meshlearn.topology.sampling import Round
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.codec import Chunks
 
@@ -114,6 +115,44 @@ def test_stacked_sgd_is_torch_sgd_per_node():
             optimizer.step()
     for i in range(3):
         assert torch.allclose(rows[i], alone[i].detach(), atol=1e-7)
+
+
+@pytest.mark.parametrize("momentum,weight_decay", [(0.0, 0.0), (0.9, 0.01)])
+def test_stacked_sgd_steps_a_subset_of_rows_as_torch_sgd_does_each_node(momentum, weight_decay):
+    torch.manual_seed(0)
+    rows = torch.randn(4, 5)
+    before = rows.clone()
+    stacked = StackedSGD(rows, lr=0.1, momentum=momentum, weight_decay=weight_decay)
+    alone = [torch.nn.Parameter(rows[i].clone()) for i in range(4)]
+    optimizers = [torch.optim.SGD([p], lr=0.1, momentum=momentum, weight_decay=weight_decay) for p in alone]
+    for chosen in ([1, 3], [0, 1], [3]):
+        grad = torch.randn(len(chosen), 5)
+        stacked.step(grad.clone(), torch.tensor(chosen))
+        for k, i in enumerate(chosen):
+            alone[i].grad = grad[k].clone()
+            optimizers[i].step()
+    assert torch.equal(rows[2], before[2])  # never chosen: untouched
+    for i in range(4):
+        assert torch.allclose(rows[i], alone[i].detach(), atol=1e-7)
+
+
+def test_weighted_sums_take_only_the_rows_that_mix_through_the_product():
+    torch.manual_seed(0)
+    nodes, nobody = 6, ()
+    # nodes 2 and 5 push to node 0 (a FedAvg push): every other row keeps its payload as it is
+    links = Links.of_round(Round(((),) * nodes, ((2, 5),) + (nobody,) * (nodes - 1),
+                                 ({2: 0.25, 5: 0.5},) + ({},) * (nodes - 1)))
+    own = torch.tensor([0.25] + [1.0] * (nodes - 1), dtype=torch.float64)
+    sent = torch.randn(nodes, 7)
+    full = torch.sparse.mm(mixing_matrix(links, links.weight, own, sent.dtype), sent)
+    expected = sent.clone()
+    expected[0] = 0.25 * sent[0] + 0.25 * sent[2] + 0.5 * sent[5]
+    payload = sent.clone()  # the rows read and the one written into: one tensor, as in a run
+    mixed = weighted_sums(links, links.weight, own, payload, payload, reusable=True)
+    assert torch.equal(mixed, full) and torch.allclose(mixed, expected)
+    held = sent.clone()  # not reusable (it is the models, say): written nowhere, the product of every row
+    assert torch.equal(weighted_sums(links, links.weight, own, held, held, reusable=False), full)
+    assert torch.equal(held, sent)
 
 
 def _clocks(values: dict, step_time: float, message_bytes: int = 1000) -> VirtualClocks:

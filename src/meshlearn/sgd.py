@@ -25,6 +25,9 @@ class StackedSGD:
     def step(self, grads: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """One update from the gradients ``grads`` (which it may overwrite): of every row, or of
         the rows ``rows`` only (``grads`` then holds theirs, in that order)."""
+        if rows is not None and not self.weight_decay and not self.momentum:  # plain SGD: added in place
+            self.params.index_add_(0, rows, grads, alpha=-self.lr)
+            return
         params = self.params if rows is None else self.params[rows]
         if self.weight_decay:
             grads.add_(params, alpha=self.weight_decay)

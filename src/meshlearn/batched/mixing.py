@@ -100,18 +100,43 @@ class Links:
         return out.index_add_(0, self.receiver, values)
 
 
-def mixing_matrix(links: Links, weight: torch.Tensor, own: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def mixing_matrix(links: Links, weight: torch.Tensor, own: torch.Tensor, dtype: torch.dtype,
+                  rows: torch.Tensor | None = None) -> torch.Tensor:
     """The sparse matrix taking each receiver's row to ``own`` times itself plus ``weight`` times
-    each of its links' sender rows (one weight per link, one own weight per node)."""
-    diagonal = torch.arange(links.nodes, device=links.receiver.device)
-    rows = torch.cat([links.receiver, diagonal])
-    cols = torch.cat([links.sender, diagonal])
-    values = torch.cat([weight, own]).to(dtype)
-    size = (links.nodes, links.columns)
-    coo = torch.sparse_coo_tensor(torch.stack([rows, cols]), values, size, check_invariants=False).coalesce()
+    each of its links' sender rows (one weight per link, one own weight per node); with ``rows``
+    (ascending node indices that every link's receiver is among), only those nodes' rows, in order."""
+    diagonal = torch.arange(links.nodes, device=links.receiver.device) if rows is None else rows
+    receiver = links.receiver
+    if rows is not None:  # number the kept rows from 0
+        place = torch.empty(links.nodes, dtype=torch.int64, device=rows.device)
+        place[rows] = torch.arange(len(rows), device=rows.device)
+        receiver, own = place[receiver], own[rows]
+    size = (len(diagonal), links.columns)
+    kept = own != 0  # a node that keeps nothing of its own (FedAvg's clients hearing the server) does not read it
+    coordinates = torch.stack([torch.cat([receiver, torch.arange(len(diagonal), device=diagonal.device)[kept]]),
+                               torch.cat([links.sender, diagonal[kept]])])
+    values = torch.cat([weight, own[kept]]).to(dtype)
+    coo = torch.sparse_coo_tensor(coordinates, values, size, check_invariants=False).coalesce()
     with warnings.catch_warnings():  # torch calls its CSR tensors beta, once per process, on stderr
         warnings.filterwarnings("ignore", "Sparse CSR tensor support is in beta", UserWarning)
         return coo.to_sparse_csr()  # its product reads the rows 10% faster than COO's, bitwise the same
+
+
+def weighted_sums(links: Links, weight: torch.Tensor, own: torch.Tensor, source: torch.Tensor,
+                  sent: torch.Tensor, reusable: bool) -> torch.Tensor:
+    """Each node's ``own`` weight times its payload row plus ``weight`` times each of its links'
+    sender rows of ``source`` (whose first rows are the nodes' payloads ``sent``). A node that takes
+    nothing from another (no link into it, own weight exactly 1) keeps its payload row as it is, so
+    where most nodes are such (FedAvg's push to the server), only the others go through the sparse
+    product and are written into ``sent`` (when ``reusable``: nothing else holds it); else all do."""
+    takes = own != 1.0
+    takes[links.receiver] = True
+    rows = takes.nonzero().squeeze(1)
+    if not reusable or 2 * len(rows) > links.nodes:
+        return torch.sparse.mm(mixing_matrix(links, weight, own, sent.dtype), source)
+    if len(rows):
+        sent[rows] = torch.sparse.mm(mixing_matrix(links, weight, own, sent.dtype, rows), source)
+    return sent
 
 
 def heard_weights(links: Links, own_weight: torch.Tensor, heard: torch.Tensor,

@@ -7,6 +7,8 @@ from torch import nn
 
 from meshlearn.flat import FlatState
 
+CONSENSUS_BLOCK = 1 << 22  # parameter values taken to float64 at once for the consensus distance (32 MB)
+
 
 class StackedState:
     """The states of ``nodes`` copies of ``model``, one row each, in ``FlatState``'s layout
@@ -63,9 +65,14 @@ class StackedState:
         """What the consensus distance needs of these nodes' rows (or of ``rows``, shaped like
         them), to be summed with other blocks' (float64): the row count, the sum of squared
         norms, then the sum of the parameter rows."""
-        params = (self.state if rows is None else rows)[:, :self.param_count].double()
-        head = torch.tensor([params.shape[0], params.pow(2).sum()], dtype=torch.float64, device=params.device)
-        return torch.cat([head, params.sum(0)])
+        params = (self.state if rows is None else rows)[:, :self.param_count]
+        sums = torch.zeros(2 + self.param_count, dtype=torch.float64, device=params.device)
+        sums[0] = params.shape[0]
+        for block in params.split(max(1, CONSENSUS_BLOCK // max(1, self.param_count))):  # bounded float64 copies
+            block = block.double()
+            sums[1] += block.pow(2).sum()
+            sums[2:] += block.sum(0)
+        return sums
 
 
 def consensus_distance(sums: torch.Tensor) -> float:

@@ -88,7 +88,8 @@ class RoundAlgorithm(Definition):
         return {}
 
     def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
-        """What each node sends this round, [B, Q] (every peer gets the same)."""
+        """What each node sends this round, [B, Q] (every peer gets the same). An engine may write
+        into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent."""
         return own
 
     def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:

@@ -110,8 +110,9 @@ class FedAvg(RoundAlgorithm):
 
     def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
         """The model, then a 1 (what the weighted sum adds up to the weight that came)."""
-        sent = own.new_ones((own.shape[0], own.shape[1] + 1))
+        sent = own.new_empty((own.shape[0], own.shape[1] + 1))
         sent[:, :-1] = own
+        sent[:, -1] = 1.0
         return sent
 
     def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:

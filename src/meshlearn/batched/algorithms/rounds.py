@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
-from meshlearn.batched.mixing import Links, heard_weights, mixing_matrix
+from meshlearn.batched.mixing import Links, heard_weights, weighted_sums
 from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
@@ -64,12 +64,19 @@ class BatchedRounds(BatchedAlgorithm):
         weight, own_weight = heard_weights(links, own_weight, heard, self.rules.keeps_missing)
         source = self.sources(sent, iteration)
         if self.rules.linear:
-            mixed = torch.sparse.mm(mixing_matrix(links, weight, own_weight, sent.dtype), source)
+            mixed = weighted_sums(links, weight, own_weight, source, sent, self._fresh(sent, own))
             self.rules.merge(own, self.state, mixed, iteration)
         else:
             received, weights = links.stack(source[links.sender]), links.stack(weight)
             self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
         return {"comm": waited, **heard_counts(everyone, arrived)}
+
+    def _fresh(self, sent: torch.Tensor, own: torch.Tensor) -> bool:
+        """Whether the payload ``sent`` is a tensor of its own (not the models nor the definition's
+        state), which the weighted sums may then be written into."""
+        held = [own, *(value for value in self.state.values() if isinstance(value, torch.Tensor))]
+        storage = sent.untyped_storage().data_ptr()
+        return all(tensor.untyped_storage().data_ptr() != storage for tensor in held)
 
     def sources(self, sent: torch.Tensor, iteration: int) -> torch.Tensor:
         """The rows the links' senders index: this block's payloads ``sent``, then (under torchrun)
