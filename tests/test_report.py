@@ -72,3 +72,41 @@ def test_phase_times_are_means_over_iterations_per_node_and_over_everyone():
     assert times.overall() == pytest.approx({"train": 0.02, "encode": 0.0, "comm": 0.01, "average": 0.0,
                                              "eval": 0.02 / 3})
     assert PhaseTimes().overall() == {} and PhaseTimes().per_node() == {}
+
+
+def test_the_report_reads_a_batched_runs_iteration_columns_as_the_per_node_events_give_them(tmp_path):
+    """``read_run_logs`` turns the columnar iteration events straight into arrays: the same records as
+    ``iteration_records`` of the expanded per-node events, and the same iteration count."""
+    import numpy as np
+
+    from meshlearn.config import make_config
+    from meshlearn.sim import simulate
+    from meshlearn.sim.report import final_summary, iteration_records, load_logs, read_run_logs
+
+    simulate(make_config({"engine": "batched", "nodes": 6, "iterations": 5, "test_after": 2, "dataset": "digits",
+                          "topology": "ring", "step_time": 0.001, "output": str(tmp_path)}))
+    logs, records = read_run_logs(tmp_path)
+    assert not any(e["event"] == "iteration" for events in logs.values() for e in events)
+    expanded = iteration_records(load_logs(tmp_path))
+    assert len(records[0]) == len(expanded[0]) == 6 * 5
+    order, reference = np.lexsort((records[1][:, 0], records[0])), np.lexsort((expanded[1][:, 0], expanded[0]))
+    for mine, theirs in zip(records, expanded):
+        assert np.array_equal(mine[order], theirs[reference])
+    assert not records[2].any()  # the batched engine models no evaluation time in an iteration
+    assert final_summary(logs, records=records)["bytes_per_iteration"] == final_summary(load_logs(tmp_path))[
+        "bytes_per_iteration"]
+
+
+def test_a_columnar_iteration_event_gives_each_field_from_its_column_or_shared_and_null_phases_count_zero():
+    import numpy as np
+
+    from meshlearn.runlog import columnar_event
+    from meshlearn.sim.report import PHASES, iteration_records
+
+    event = columnar_event("iteration", [4, 7], {"train": [1.0, 2.0], "comm": [None, 0.5], "eval": [None, 0.25]},
+                           iteration=0, encode=0.125)
+    ranks, seconds, evaluated = iteration_records({}, [event])
+    assert ranks.tolist() == [4, 7] and evaluated.tolist() == [False, True]
+    expected = {"train": [1.0, 2.0], "encode": [0.125, 0.125], "comm": [0.0, 0.5], "average": [0.0, 0.0],
+                "eval": [0.0, 0.25]}
+    assert np.array_equal(seconds, np.array([expected[phase] for phase in PHASES]).T)

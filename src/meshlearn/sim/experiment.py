@@ -45,8 +45,8 @@ from meshlearn.sim.report import (
     TIME_LABEL,
     evaluation_table,
     final_summary,
-    iteration_records,
     load_logs,
+    read_run_logs,
     x_axes,
 )
 from meshlearn.sim.run import simulate
@@ -172,9 +172,9 @@ def _result_line(run_dir: Path) -> str:
 
 
 def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:
-    logs = load_logs(run_dir)
-    final = final_summary(logs)
-    totals = iteration_records(logs)[1].sum(1).tolist()  # each iteration's seconds, its phases added
+    logs, records = read_run_logs(run_dir)
+    final = final_summary(logs, records=records)
+    totals = records[1].sum(1).tolist()  # each iteration's seconds, its phases added
     per_node = []
     for rank, node in final["per_node"].items():
         stats = node["stats"]

@@ -25,16 +25,34 @@ RUN_TIMES = "run.json"  # written by the launcher: when it started and finished 
 def load_logs(output: Path) -> dict[int, list[dict[str, Any]]]:
     """Events of every node in a run folder, by rank: from each node's own log (process engine),
     or from the one columnar log of all nodes (batched engine)."""
+    return _read_logs(output, expand_iterations=True)[0]
+
+
+def read_run_logs(output: Path) -> tuple[dict[int, list[dict[str, Any]]], "Records"]:
+    """What a report reads of a run folder: ``load_logs``' events, less the batched engine's
+    ``iteration`` events, and every node's iteration events as arrays (``iteration_records``). The
+    columnar ones go into the arrays as they are (100 events for 1,024 nodes and 100 iterations),
+    never through the 102,400 per-node dictionaries ``load_logs`` would make of them."""
+    logs, columnar = _read_logs(output, expand_iterations=False)
+    return logs, iteration_records(logs, columnar)
+
+
+def _read_logs(output: Path, expand_iterations: bool) -> tuple[dict[int, list[dict[str, Any]]], list[dict]]:
+    """Events by rank, and the columnar ``iteration`` events left as they are (unless ``expand_iterations``)."""
     logs: dict[int, list[dict[str, Any]]] = {}
+    columnar: list[dict] = []
     for path in sorted((Path(output) / "logs").glob("node_*.jsonl")):
         rank = int(path.stem.split("_")[1])
         logs[rank] = list(read_jsonl(path))
     batched = Path(output) / "logs" / COLUMNAR_LOG
     if batched.is_file():
         for event in read_jsonl(batched):
+            if not expand_iterations and event.get("event") == "iteration" and "columns" in event:
+                columnar.append(event)
+                continue
             for one in per_node(event):
                 logs.setdefault(one["rank"], []).append(one)
-    return logs
+    return logs, columnar
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -104,15 +122,30 @@ def phase_seconds(event: dict[str, Any]) -> list[float]:
 Records = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-def iteration_records(logs: dict[int, list[dict]]) -> Records:
-    """Every ``iteration`` event of a run's logs as arrays: the ranks [n], the seconds per phase
-    [n, len(PHASES)] and whether each evaluated [n] (one pass over the events, for 100,000 of them)."""
+def iteration_records(logs: dict[int, list[dict]], columnar: list[dict] = ()) -> Records:
+    """Every ``iteration`` event of a run's logs, and of the ``columnar`` ones (``read_run_logs``), as
+    arrays: the ranks [n], the seconds per phase [n, len(PHASES)] and whether each evaluated [n]
+    (one pass over the events, for 100,000 of them)."""
     records = [(rank, phase_seconds(event), event.get("eval") is not None)
                for rank, events in logs.items() for event in events if event.get("event") == "iteration"]
-    if not records:
+    parts = [tuple(np.asarray(column) for column in zip(*records))] if records else []
+    parts += [_columnar_records(event) for event in columnar]
+    if not parts:
         return np.zeros(0, dtype=np.int64), np.zeros((0, len(PHASES))), np.zeros(0, dtype=bool)
-    ranks, seconds, evaluated = zip(*records)
-    return np.asarray(ranks, dtype=np.int64), np.asarray(seconds, dtype=np.float64), np.asarray(evaluated)
+    ranks, seconds, evaluated = (np.concatenate(arrays) for arrays in zip(*parts))
+    return ranks.astype(np.int64), seconds.astype(np.float64).reshape(-1, len(PHASES)), evaluated.astype(bool)
+
+
+def _columnar_records(event: dict[str, Any]) -> Records:
+    """``iteration_records`` of one columnar ``iteration`` event: each field from its column, or the
+    value the event shares for every node; a phase it does not give (or gives as null) counts 0."""
+    ranks, columns = event["ranks"], event["columns"]
+
+    def column(field: str) -> list:
+        return columns[field] if field in columns else [event.get(field)] * len(ranks)
+
+    seconds = np.array([[value or 0.0 for value in column(phase)] for phase in PHASES], dtype=np.float64).T
+    return np.asarray(ranks), seconds, np.array([value is not None for value in column("eval")], dtype=bool)
 
 
 def iteration_times(logs: dict[int, list[dict]], records: Records | None = None) -> dict[str, dict[str, float]]:
@@ -128,11 +161,12 @@ def iteration_times(logs: dict[int, list[dict]], records: Records | None = None)
             for name, values in phases.items() if len(values)}
 
 
-def final_summary(logs: dict[int, list[dict]], robust: bool = True) -> dict[str, Any]:
+def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Records | None = None) -> dict[str, Any]:
     """Final metrics (mean over the honest evaluating nodes; bad nodes' apart), traffic and
     timeouts, the peers the honest nodes suspect, and per-node rows. Under a rule that is not
     ``robust`` (the mean), one bad model spreads to every node, so the peers whose models were
-    refused include honest ones: they are listed as ``refused_from``, never as suspects."""
+    refused include honest ones: they are listed as ``refused_from``, never as suspects.
+    ``records``: ``iteration_records`` of the logs, where the caller has them."""
     attackers = attackers_of(logs)
     nodes = {}
     suspected_by: dict[str, int] = defaultdict(int)
@@ -149,7 +183,8 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True) -> dict[str,
     evaluated = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r not in attackers]
     modelled = any(e.get("event") == "final" and e.get("clock") == "modelled"
                    for events in logs.values() for e in events)
-    iterations = sum(1 for r, events in logs.items() if r in nodes for e in events if e.get("event") == "iteration")
+    ranks = (records or iteration_records(logs))[0]
+    iterations = int(np.isin(ranks, list(nodes)).sum())
     bytes_sent = sum(n["stats"]["bytes_sent"] for n in nodes.values())
     means = {}
     for key in ("accuracy", "loss", "precision", "recall", "f1"):
@@ -277,14 +312,13 @@ def write_report(output: Path) -> dict[str, Any]:
     """Write summary.csv, summary.json and the figures (accuracy.png, loss.png, topology.png,
     iteration_time.png, and predictions.png for image data) into a run folder."""
     output = Path(output)
-    logs = load_logs(output)
+    logs, records = read_run_logs(output)
     rows = evaluation_table(logs)
     with (output / "summary.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["iteration"])
         writer.writeheader()
         writer.writerows(rows)
-    summary = final_summary(logs, robust=judges_peers(output))
-    records = iteration_records(logs)
+    summary = final_summary(logs, robust=judges_peers(output), records=records)
     summary["iteration_time"] = iteration_times(logs, records)
     summary.update(start_up_times(output, logs))
     (output / "summary.json").write_text(json.dumps(summary, indent=2))
