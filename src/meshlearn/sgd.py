@@ -52,6 +52,22 @@ class StackedSGD:
         if rows is not None:
             self.params[rows] = params
 
+    @property
+    def plain(self) -> bool:
+        """Whether the update is the gradient times the learning rate alone (no momentum, no weight decay)."""
+        return not self.momentum and not self.weight_decay
+
+    @torch.no_grad()
+    def step_part(self, rows: slice | torch.Tensor, columns: slice, grads: torch.Tensor) -> None:
+        """Plain SGD's update (``plain``) of the ``columns`` of some ``rows`` (a slice, or ranks in
+        the order of ``grads``) from their gradients ``grads`` [rows, columns]: a share of ``step``'s
+        update, the same arithmetic, taken where the gradients are made."""
+        part = self.params[:, columns]
+        if isinstance(rows, slice):
+            part[rows].add_(grads, alpha=-self.lr)
+        else:
+            part.index_add_(0, rows, grads, alpha=-self.lr)
+
 
 def local_step(model: torch.nn.Module, parameters: list[torch.Tensor], optimizer: StackedSGD, x: torch.Tensor,
                y: torch.Tensor) -> torch.Tensor:

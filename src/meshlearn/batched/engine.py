@@ -211,11 +211,13 @@ class BatchedSimulation:
         algorithm = batched_algorithm_class(config.algorithm)(
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
                            [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
+        optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
+        models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients
         return _Run(
             config=config, shard=shard, collective=collective, dataset=dataset, validation=validation,
             shards=parts[shard.start:shard.stop], stacked=stacked,
             models=models,
-            sgd=make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay),
+            sgd=optimizer,
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
@@ -282,16 +284,25 @@ class _Run:
         """This iteration's local steps of every node of the block (or of ``rows`` only: the others
         draw no batch and take no step); each node's mean loss (None for an idle one)."""
         losses = torch.zeros(self.shard.size, dtype=torch.float64)
-        everyone = torch.arange(self.shard.size, device=self.stacked.state.device)
         for _ in range(self.steps if rows is None or rows else 0):
-            ranks, grads, loss = self.models.gradients(self.batches.next(rows))
+            ranks, loss = self.step(rows)
             losses[ranks.cpu()] += loss.double().cpu()
-            if len(ranks) == self.shard.size and not bool((ranks == everyone).all()):  # batches of two sizes
-                grads = grads[torch.argsort(ranks)]  # in rank order, for an optimizer that steps every row together
-            self.sgd.step(grads, None if len(ranks) == self.shard.size else ranks)
         trained = set(range(self.shard.size) if rows is None else rows)
         means = (losses / max(1, self.steps)).tolist()
         return [means[r] if self.steps and r in trained else None for r in range(self.shard.size)]
+
+    def step(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One local step of the block's nodes (or of ``rows`` only): their batches, gradients and
+        the optimizer's update (taken in the workers where it is fused: ``NodeModels.fuse``); the
+        ranks that stepped and their losses."""
+        ranks, grads, loss = self.models.gradients(self.batches.next(rows))
+        if grads is not None:
+            every = len(ranks) == self.shard.size
+            if every and not bool((ranks == torch.arange(len(ranks), device=ranks.device)).all()):
+                grads = grads[torch.argsort(ranks)]  # in rank order (batches of two sizes), for an optimizer
+                # that steps every row together
+            self.sgd.step(grads, None if every else ranks)
+        return ranks, loss
 
     def evaluates_after(self, done: int) -> bool:
         """Whether the nodes are evaluated once ``done`` iterations are done."""
@@ -333,8 +344,7 @@ class _Asynchronous:
 
     def train(self, ranks: list[int]) -> dict[int, float]:
         run = self.run
-        index, grads, losses = run.models.gradients(run.batches.next(ranks))
-        run.sgd.step(grads, index)
+        index, losses = run.step(ranks)
         return {rank: float(loss) for rank, loss in zip(index.tolist(), losses.tolist())}
 
     def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:

@@ -19,6 +19,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from meshlearn.batched.stacked import StackedState
 from meshlearn.batched.workers import WorkerChoice, Workers
+from meshlearn.sgd import StackedSGD
 
 EVAL_SAMPLES_PER_CALL = 65_536  # node x sample pairs per vectorized evaluation call (bounds memory)
 
@@ -82,6 +83,15 @@ class NodeModels:
         self._param_slots = stacked.slots[:len(stacked.param_names)]
         self._grads: torch.Tensor | None = None  # [n, P], reused by every step
         self._losses: torch.Tensor | None = None
+        self.update: StackedSGD | None = None  # plain SGD taken in the workers (``fuse``)
+
+    def fuse(self, optimizer: object) -> bool:
+        """Take ``optimizer``'s step in the workers, each block's right after its vmapped gradients,
+        parameter by parameter: no gradient row is gathered into one buffer and read again. Only
+        plain SGD (``StackedSGD.plain``) on the vectorized path; whether it was taken."""
+        if self.vectorized and isinstance(optimizer, StackedSGD) and optimizer.plain:
+            self.update = optimizer
+        return self.update is not None
 
     def _forward(self, named: dict, x: torch.Tensor) -> torch.Tensor:
         return functional_call(self.model, named, (x,))
@@ -92,15 +102,16 @@ class NodeModels:
 
     # --- training -----------------------------------------------------------------------------
 
-    def gradients(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def gradients(self, batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The loss gradients of the batches' nodes: their ranks [n] (batch after batch), the
         gradients [n, param_count] and the losses [n], in that order. The gradients are written into
-        one buffer kept across steps (valid until the next call): a step allocates no [N, P] tensor."""
+        one buffer kept across steps (valid until the next call): a step allocates no [N, P] tensor.
+        With the optimizer ``fuse``d, its step is taken instead, and the gradients are None."""
         stacked = self.stacked
         ranks = batches[0].ranks if len(batches) == 1 else torch.cat([batch.ranks for batch in batches])
         if self._grads is None or len(self._grads) < len(ranks):  # as many rows as the most nodes a step trains
-            self._grads = torch.empty((len(ranks), stacked.param_count), dtype=stacked.state.dtype,
-                                      device=stacked.state.device)
+            columns = 0 if self.update is not None else stacked.param_count  # fused: no gradient is kept
+            self._grads = torch.empty((len(ranks), columns), dtype=stacked.state.dtype, device=stacked.state.device)
             self._losses = torch.empty(len(ranks), dtype=stacked.state.dtype, device=stacked.state.device)
         grads, losses = self._grads[:len(ranks)], self._losses[:len(ranks)]
         workers = self.choice.next()
@@ -115,11 +126,11 @@ class NodeModels:
             if self.draws_random:
                 self.choice = WorkerChoice([1])
             self.workers.run(work, jobs[1:], self.choice.next())
-            return ranks, grads, losses
-        began = self.clock()
-        self.workers.run(work, jobs, workers)
-        self.choice.record(workers, self.clock() - began)
-        return ranks, grads, losses
+        else:
+            began = self.clock()
+            self.workers.run(work, jobs, workers)
+            self.choice.record(workers, self.clock() - began)
+        return ranks, None if self.update is not None else grads, losses
 
     def _jobs(self, batches: list[Batch], workers: int) -> list[_Job]:
         """The step's jobs: one per node, or (vectorized) blocks of at most ``chunk`` nodes, as many
@@ -177,7 +188,12 @@ class NodeModels:
         named.update(buffers)
         params = {name: named[name] for name in stacked.param_names}
         grad, loss = replica.vgrad(params, {name: v for name, v in named.items() if name not in params}, x, y)
-        torch.cat([grad[name].reshape(len(ranks), -1) for name in stacked.param_names], 1, out=grads)
+        if self.update is None:
+            torch.cat([grad[name].reshape(len(ranks), -1) for name in stacked.param_names], 1, out=grads)
+        else:
+            for slot in self._param_slots:
+                self.update.step_part(target, slice(slot.offset, slot.offset + slot.numel),
+                                      grad[slot.name].reshape(len(ranks), -1))
         losses.copy_(loss.detach())
         for slot in stacked.buffer_slots:
             stacked.state[target, slot.offset:slot.offset + slot.numel] = buffers[slot.name].reshape(len(ranks), -1)
