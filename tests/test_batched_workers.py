@@ -31,6 +31,22 @@ def test_one_worker_and_three_give_the_same_models_bit_for_bit(tmp_path, values)
     assert not torch.equal(one.stacked.state, start)  # the nodes did train
 
 
+@pytest.mark.parametrize("values", [
+    {"model": "mlp", "batched_vectorize": "on", "nodes": 7, "topology": "ring"},  # blocks of consecutive rows
+    {"model": "mlp", "batched_vectorize": "on", "algorithm": "fedavg", "fedavg_fraction": 0.5}])  # drawn rows
+def test_plain_sgd_in_the_workers_gives_the_models_of_the_step_after_them_bit_for_bit(tmp_path, monkeypatch, values):
+    from meshlearn.batched import models
+
+    fused = []
+    fuse = models.NodeModels.fuse
+    monkeypatch.setattr(models.NodeModels, "fuse", lambda self, optimizer: fused.append(fuse(self, optimizer)))
+    inside = _run(values, tmp_path / "inside", 2)
+    monkeypatch.setattr(models.NodeModels, "fuse", lambda self, optimizer: fused.append(False))
+    after = _run(values, tmp_path / "after", 2)
+    assert fused == [True, False]
+    assert torch.equal(inside.stacked.state, after.stacked.state)
+
+
 def test_a_model_that_draws_random_numbers_trains_on_one_worker_in_rank_order(tmp_path):
     # SimpleCNN's dropout draws from torch's one generator: from several threads at once, the draws
     # would go to nodes in an order that changes from run to run

@@ -38,8 +38,13 @@ def test_digits_shapes_and_fixed_split():
     assert first.input_shape == (1, 8, 8) and first.num_classes == 10
     assert len(first.train_y) + len(first.test_y) == 1797
     assert torch.equal(first.test_y, second.test_y) and torch.equal(first.train_x, second.train_x)
-    batch = first.normalize(first.test_x[:5])
+    raw = first.test_x[:5]
+    kept = raw.clone()
+    batch = first.normalize(raw)
     assert batch.dtype == torch.float32 and batch.shape == (5, 1, 8, 8)
+    assert torch.equal(raw, kept)  # digits are stored as floats: normalized on a copy, never in the dataset
+    mean, std = torch.tensor(first.mean).view(1, -1, 1, 1), torch.tensor(first.std).view(1, -1, 1, 1)
+    assert torch.equal(batch, (raw.float() - mean) / std)
 
 
 def _idx_bytes(array: np.ndarray) -> bytes:
