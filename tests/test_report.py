@@ -58,6 +58,31 @@ def test_topology_png_of_a_small_graph_still_draws_every_edge(tmp_path):
     assert "topology, nodes by final accuracy" in fig.axes[0].get_title()
 
 
+@pytest.mark.parametrize("nodes", [12, DRAWN + 36])  # the circle, and the summary's grid beyond DRAWN
+def test_topology_png_colours_nodes_by_their_finish_time_lag_where_asked(tmp_path, nodes):
+    """The UDP study's look at slow nodes: each node's seconds of finishing after the first one."""
+    import numpy as np
+    from matplotlib.collections import PathCollection
+
+    summary, _ = _run_folder(tmp_path, "regular:3", nodes)
+    for i, node in summary["per_node"].items():
+        node["elapsed"] = None if int(i) == 5 else 30.0 + (4.0 if int(i) in (2, 3) else 0.1 * (int(i) % 3))
+    fig = topology_figure(tmp_path, summary, "slow", colour="lag")
+    labels = [ax.get_ylabel() for ax in fig.axes]
+    assert "finish-time lag, s after the first node" in labels  # the colour bar's
+    expected = [None if int(i) == 5 else node["elapsed"] - 30.0 for i, node in sorted(
+        summary["per_node"].items(), key=lambda item: int(item[0]))]
+    if nodes <= DRAWN:
+        dots = next(c for c in fig.axes[0].collections if isinstance(c, PathCollection) and c.get_array() is not None)
+        assert np.allclose(dots.get_array(), [v for v in expected if v is not None])
+        assert "nodes by finish-time lag" in fig.axes[0].get_title()
+    else:
+        cells = fig.axes[0].images[0].get_array()
+        assert np.allclose(cells.ravel()[:nodes].filled(np.nan), [np.nan if v is None else v for v in expected],
+                           equal_nan=True)
+    assert max(v for v in expected if v is not None) == pytest.approx(4.0)
+
+
 def test_phase_times_are_means_over_iterations_per_node_and_over_everyone():
     from meshlearn.sim.report import PhaseTimes
 
@@ -105,8 +130,39 @@ def test_a_columnar_iteration_event_gives_each_field_from_its_column_or_shared_a
 
     event = columnar_event("iteration", [4, 7], {"train": [1.0, 2.0], "comm": [None, 0.5], "eval": [None, 0.25]},
                            iteration=0, encode=0.125)
-    ranks, seconds, evaluated = iteration_records({}, [event])
+    records = iteration_records({}, [event])
+    ranks, seconds, evaluated = records.ranks, records.seconds, records.evaluated
     assert ranks.tolist() == [4, 7] and evaluated.tolist() == [False, True]
+    assert records.iterations.tolist() == [0, 0] and np.isnan(records.train_loss).all()  # none logged
     expected = {"train": [1.0, 2.0], "encode": [0.125, 0.125], "comm": [0.0, 0.5], "average": [0.0, 0.0],
                 "eval": [0.0, 0.25]}
     assert np.array_equal(seconds, np.array([expected[phase] for phase in PHASES]).T)
+
+
+def test_summary_rows_give_the_training_loss_since_the_evaluation_before_and_loss_png_draws_it(tmp_path):
+    """The training loss curve (mean and std over nodes) beside the test loss, in summary.csv and loss.png."""
+    import csv
+
+    import numpy as np
+
+    from meshlearn.config import make_config
+    from meshlearn.sim import simulate
+    from meshlearn.sim.report import evaluation_table, load_logs, metric_figure
+
+    simulate(make_config({"engine": "batched", "nodes": 4, "iterations": 5, "test_after": 2, "dataset": "digits",
+                          "topology": "ring", "step_time": 0.001, "output": str(tmp_path)}))
+    logs = load_logs(tmp_path)
+    rows = evaluation_table(logs)
+    assert [row["iteration"] for row in rows] == [2, 4, 5]
+    for row, (low, high) in zip(rows, [(0, 2), (2, 4), (4, 5)]):  # iterations low+1 .. high, counted from 1
+        per_node = [np.mean([e["train_loss"] for e in events if e["event"] == "iteration"
+                             and low < e["iteration"] + 1 <= high]) for events in logs.values()]
+        assert row["train_loss_mean"] == pytest.approx(np.mean(per_node))
+        assert row["train_loss_std"] == pytest.approx(np.std(per_node))
+    assert rows[0]["train_loss_mean"] > rows[-1]["train_loss_mean"]  # it learns
+    with (tmp_path / "summary.csv").open() as handle:
+        written = list(csv.DictReader(handle))
+    assert float(written[1]["train_loss_mean"]) == pytest.approx(rows[1]["train_loss_mean"])
+    fig = metric_figure(rows, "test_loss", "test loss", "t", also=(("train_loss", "training loss"),))
+    assert all(len(ax.get_lines()) == 2 for ax in fig.axes)
+    assert [line.get_label() for line in fig.axes[0].get_lines()] == ["test loss, mean over nodes", "training loss"]

@@ -583,3 +583,81 @@ def test_a_flood_of_new_iterations_from_one_sender_holds_a_few_models_not_one_ea
     assert torch.equal(got[1].chunks.vector, genuine)
     for header, payload in _chunks_of(genuine, 2, 0):  # and so does every other sender's
         assert reassembler.add(header, payload)[0] is (header.index == 2)
+
+
+def test_a_rate_is_written_in_bits_a_second_and_read_back_exactly():
+    spec = NetemSpec.parse("delay=200ms,rate=10mbit")
+    assert (spec.delay, spec.rate) == (0.2, 10e6) and spec.active
+    assert NetemSpec.parse("rate=1.5mbit").describe().endswith("rate=1500kbit")
+    for text in ("rate=10mbit", "rate=1.5mbit", "rate=64kbit", "rate=2gbit", "rate=300bit"):
+        assert NetemSpec.parse(NetemSpec.parse(text).describe()) == NetemSpec.parse(text)
+    assert "rate" not in NetemSpec.parse("delay=1ms").describe()  # no rate: as before
+    for bad in ("rate=10", "rate=10mbps", "rate=0mbit", "rate=fast"):
+        with pytest.raises(ConfigError, match="must be a bandwidth like 10mbit"):
+            NetemSpec.parse(bad)
+
+
+def test_a_link_sends_what_is_queued_on_it_one_after_another_and_links_do_not_share():
+    from meshlearn.netem import LinkRate
+
+    rate = LinkRate(8e6)  # 1 MB a second
+    assert rate.through("a", 500_000, now=0.0) == pytest.approx(0.5)
+    assert rate.through("a", 500_000, now=0.1) == pytest.approx(1.0)  # behind the first on the same link
+    assert rate.through("b", 250_000, now=0.1) == pytest.approx(0.35)  # another link: free
+    assert rate.through("a", 1_000, now=3.0) == pytest.approx(3.001)  # an idle link starts at once
+
+
+def test_a_delay_line_keeps_order_per_key():
+    line = DelayLine(keep_order=True)
+    assert line.push("a1", 2.0, key="a") == 2.0
+    assert line.push("b1", 1.0, key="b") == 1.0  # another connection: not held behind a's
+    assert line.push("a2", 1.5, key="a") == 2.0
+    assert line.pop_due(1.0) == ["b1"] and line.pop_due(2.0) == ["a1", "a2"]
+
+
+def test_tcp_emulated_rate_holds_each_message_for_its_time_on_the_link():
+    from meshlearn.netem import LinkRate
+    from meshlearn.transport import TcpTransport
+    from meshlearn.transport.settings import TcpSettings
+
+    clock = FakeClock()
+    a = TcpTransport(0, settings=TcpSettings(wait_timeout=1, linger=1))
+    b = TcpTransport(1, settings=TcpSettings(wait_timeout=1, linger=1), clock=clock.monotonic)
+    address_a, address_b = a.bind(), b.bind()
+    thread = threading.Thread(target=b.connect, args=({0: address_a},))
+    thread.start()
+    a.connect({1: address_b})
+    thread.join()
+    b.link_rate = LinkRate(8e6)  # 1 MB a second, from now on: the handshake is done
+    try:
+        for iteration in (0, 1):  # two 500 kB models, sent at once
+            a.send(1, Message(Kind.MODEL, 0, iteration, 1, {"p": torch.ones(125_000)}))
+        deadline = time.monotonic() + 10
+        while b.stats.messages_received < 3 and time.monotonic() < deadline:  # HELLO and both models arrive ...
+            assert b.recv(0.05) is None  # ... and wait for their time on the link
+        clock.advance(0.49)
+        assert b.recv(0.05) is None  # 500 kB take 0.5 s at 8 Mbit/s
+        clock.advance(0.02)
+        assert b.recv(0.05).iteration == 0
+        assert b.recv(0.05) is None  # the second came behind it on the same link: through at 1.0 s
+        clock.advance(0.5)
+        assert b.recv(0.05).iteration == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_udp_emulated_rate_sends_each_links_datagrams_one_after_another():
+    clock, sent = FakeClock(), []
+    sender = DatagramSender(0, lambda pieces, addr: sent.append(addr), 1000, 1e12,
+                            Emulator(NetemSpec(rate=8e6), seed=5), Emulator(NetemSpec(rate=8e6), seed=5),
+                            TransportStats(), clock=clock.monotonic, sleep=clock.sleep)
+    sender.send_model(Message(Kind.MODEL, 0, 0, 1, {"all": torch.zeros(2500)}), [("a", 1), ("b", 2)], 10_000)
+    per_datagram = (1000 + HEADER_SIZE) / 1e6  # seconds on a 1 MB/s link
+    assert sent == [] and sender.pending == 20  # 10 datagrams a link, each waiting for its turn
+    clock.advance(3.5 * per_datagram)
+    sender.release_due()
+    assert sent.count(("a", 1)) == 3 and sent.count(("b", 2)) == 3  # the links run side by side
+    clock.advance(7 * per_datagram)
+    sender.release_due()
+    assert len(sent) == 20 and sender.pending == 0

@@ -94,7 +94,8 @@ class ExperimentConfig(Settings):
     sharing: str = Field("full", description="what a dpsgd node sends of its model: " + SHARING_HELP)
     transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
                                                                 "datagrams, tolerates loss)")
-    net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms")
+    net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit "
+                                                      "(rate: each link's bandwidth)")
     loss_mode: Literal["auto", "kernel", "user"] = Field(
         "auto", description="where net's loss is made: kernel (real drops in a network namespace; root + nftables), "
         "user (in the transport), auto (kernel for TCP where possible, user for UDP)")
@@ -117,6 +118,9 @@ class ExperimentConfig(Settings):
     validation: float = Field(0.0, ge=0, lt=1, description="share of the test set held out as a validation set "
                               "(seeded, the same for every node): every evaluation also reports validation loss "
                               "and accuracy, and test metrics use the rest (0 = none)")
+    topology_colour: Literal["accuracy", "lag"] = Field(
+        "accuracy", description="what topology.png colours each node by: its final test accuracy, or its finish-time "
+                                "lag (seconds it finished after the first node: whom slow nodes held back)")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
     reshuffle: bool = Field(False, description="pool the dataset's train and test sets and split them again with "
                             "the seed (same sizes, stratified by class): an experiment's seeds then also vary "

@@ -1,9 +1,12 @@
 """User-space network emulation: correlated loss, delay and jitter, applied inside a transport.
 
-Spec strings look like ``loss=20%,corr=25%,delay=200ms,jitter=50ms``. Loss follows a two-state
-Markov chain whose stationary loss rate is exactly ``loss`` and whose lag-1 correlation between
-successive drop decisions is ``corr`` (netem's "correlation" nudges a random number instead,
-which shifts the real loss rate; this keeps it). Delays are normal(delay, jitter), clipped at 0.
+Spec strings look like ``loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit``. Loss follows a
+two-state Markov chain whose stationary loss rate is exactly ``loss`` and whose lag-1 correlation
+between successive drop decisions is ``corr`` (netem's "correlation" nudges a random number
+instead, which shifts the real loss rate; this keeps it). Delays are normal(delay, jitter),
+clipped at 0. ``rate`` limits each link (one sender to one receiver) to that many bits a second
+(``LinkRate``): a message or datagram leaves after those queued before it on the link, and takes
+its bytes x 8 / rate on the wire before its delay starts.
 
 TCP cannot lose a message, only take longer: where the kernel cannot drop real packets (see
 ``meshlearn.sim.kernelnet``), ``Emulator.retransmit_delay`` models what loss costs TCP.
@@ -25,7 +28,9 @@ from meshlearn.settings import Settings
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 RTO_MIN = 0.2  # seconds: Linux's minimum TCP retransmission timeout
 SEGMENT_BYTES = 1448  # TCP payload of one 1,500-byte Ethernet frame
-_KEYS = ("loss", "corr", "delay", "jitter")
+_KEYS = ("loss", "corr", "delay", "jitter", "rate")
+_RATE_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9}  # tc's names: bits a second, powers of 1,000
+_SYNTAX = "loss=P%, corr=P%, delay=Tms, jitter=Tms, rate=Nmbit"
 
 
 class NetemSpec(Settings):
@@ -36,6 +41,8 @@ class NetemSpec(Settings):
     corr: float = Field(0.0, ge=0, le=1, description="lag-1 correlation between successive drop decisions (0..1)")
     delay: float = Field(0.0, ge=0, description="mean one-way delay per message or datagram, in seconds")
     jitter: float = Field(0.0, ge=0, description="standard deviation of the delay, in seconds")
+    rate: float = Field(0.0, ge=0, description="bandwidth of each link, in bits a second (0: unlimited; "
+                                               "10mbit in the string form)")
 
     @model_validator(mode="before")
     @classmethod
@@ -50,7 +57,7 @@ class NetemSpec(Settings):
 
     @property
     def active(self) -> bool:
-        return bool(self.loss or self.delay or self.jitter)
+        return bool(self.loss or self.delay or self.jitter or self.rate)
 
     def without_loss(self) -> "NetemSpec":
         """The same conditions with loss left to someone else (the kernel)."""
@@ -58,7 +65,7 @@ class NetemSpec(Settings):
 
     @classmethod
     def parse(cls, text: str | None) -> "NetemSpec":
-        """Parse ``loss=20%,corr=25%,delay=200ms,jitter=50ms`` (any subset, any order)."""
+        """Parse ``loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit`` (any subset, any order)."""
         try:
             fields = cls._parse_fields(text or "")
         except ValueError as exc:
@@ -71,16 +78,17 @@ class NetemSpec(Settings):
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
             if not sep or key.strip() not in _KEYS:
-                raise ValueError(f"network emulation {text!r}: {item!r} is not one of "
-                                 "loss=P%, corr=P%, delay=Tms, jitter=Tms")
+                raise ValueError(f"network emulation {text!r}: {item!r} is not one of {_SYNTAX}")
             key = key.strip()
-            values[key] = _percent(raw, text) if key in ("loss", "corr") else _duration(raw, text)
+            parse = _percent if key in ("loss", "corr") else _rate if key == "rate" else _duration
+            values[key] = parse(raw, text)
         return values
 
     def describe(self) -> str:
         """The spec written back in its own syntax."""
-        return (f"loss={self.loss * 100:g}%,corr={self.corr * 100:g}%,"
+        text = (f"loss={self.loss * 100:g}%,corr={self.corr * 100:g}%,"
                 f"delay={self.delay * 1000:g}ms,jitter={self.jitter * 1000:g}ms")
+        return text + (f",rate={_bandwidth(self.rate)}" if self.rate else "")
 
 
 def _percent(raw: str, text: str) -> float:
@@ -96,6 +104,42 @@ def _duration(raw: str, text: str) -> float:
     if not match:
         raise ValueError(f"network emulation {text!r}: {raw!r} must be a duration like 200ms")
     return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
+
+
+def _rate(raw: str, text: str) -> float:
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?bit)\s*", raw.lower())
+    value = float(match.group(1)) * _RATE_UNITS[match.group(2)] if match else 0.0
+    if value <= 0:
+        raise ValueError(f"network emulation {text!r}: {raw!r} must be a bandwidth like 10mbit "
+                         "(bit, kbit, mbit or gbit a second)")
+    return value
+
+
+def _bandwidth(bits_per_second: float) -> str:
+    """A rate in ``_rate``'s syntax, exactly: the largest unit that divides it."""
+    for unit, size in sorted(_RATE_UNITS.items(), key=lambda item: -item[1]):
+        if bits_per_second >= size and (bits_per_second / size).is_integer():
+            return f"{int(bits_per_second / size)}{unit}"
+    return f"{bits_per_second!r}bit"
+
+
+class LinkRate:
+    """Each link's emulated bandwidth (``NetemSpec.rate``, bits a second), as a clock per link: a
+    message or datagram of ``nbytes`` starts when the link is free (those before it on the same link
+    have left) and is through ``nbytes x 8 / rate`` later. Links (``key``: a peer's rank or address)
+    are independent: a node's links do not share an uplink. Pure: the caller gives the time."""
+
+    def __init__(self, bits_per_second: float):
+        if bits_per_second <= 0:
+            raise ValueError("a link rate is a positive number of bits a second")
+        self.seconds_per_byte = 8.0 / bits_per_second
+        self._free: dict[Any, float] = {}  # link -> when it has sent everything queued on it
+
+    def through(self, key: Any, nbytes: int, now: float) -> float:
+        """When ``nbytes`` handed to link ``key`` at ``now`` are through it (and the link free again)."""
+        done = max(now, self._free.get(key, now)) + nbytes * self.seconds_per_byte
+        self._free[key] = done
+        return done
 
 
 class Emulator:
@@ -158,20 +202,21 @@ def retransmit_delays(loss: float, nbytes: int, uniform: np.ndarray) -> np.ndarr
 class DelayLine:
     """Items held back by an emulated delay until they are due (a heap; not thread-safe).
 
-    With ``keep_order`` an item is never due before one pushed earlier (TCP delivers in order);
-    without it, jitter may reorder items (datagrams), as a real network may.
+    With ``keep_order`` an item is never due before one pushed earlier with the same ``key`` (TCP
+    delivers in order on each connection); without it, jitter may reorder items (datagrams), as a
+    real network may.
     """
 
     def __init__(self, keep_order: bool = False):
         self.keep_order = keep_order
         self._heap: list[tuple[float, int, Any]] = []
         self._pushed = 0
-        self._last_due = float("-inf")
+        self._last_due: dict[Any, float] = {}  # key -> the latest due time pushed with it
 
-    def push(self, item: Any, due: float) -> float:
+    def push(self, item: Any, due: float, key: Any = None) -> float:
         """Hold ``item`` until ``due`` (a clock reading); returns when it will really be due."""
         if self.keep_order:
-            due = self._last_due = max(self._last_due, due)
+            due = self._last_due[key] = max(self._last_due.get(key, due), due)
         self._pushed += 1
         heapq.heappush(self._heap, (due, self._pushed, item))
         return due

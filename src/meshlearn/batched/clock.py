@@ -10,7 +10,8 @@ long a node of a real deployment would take. Each node's clock advances by:
   lossy path, plus the retransmission delay of ``netem.retransmit_delays`` (segments lost
   independently; a segment lost k > 1 times costs k - 1 doubling timeouts from 200 ms, Linux's
   RTO minimum: a lower-bound model, see docs/network-emulation.md). Each link carries its
-  messages at the full bandwidth (a sender's links do not share an uplink).
+  messages at the full bandwidth (a sender's links do not share an uplink): ``net``'s ``rate``
+  where given, else ``bandwidth_gbps``.
 
 A synchronous D-PSGD node waits until every neighbour's model of the iteration has arrived, or
 for ``wait_timeout`` past the moment it was ready, as a process-engine node does. Over UDP (sync)
@@ -44,7 +45,9 @@ class VirtualClocks:
         self.net = config.net
         self.tcp_loss = config.net.loss if config.transport == "tcp" else 0.0
         self.wait_timeout = config.udp.timeout if config.transport == "udp" else config.tcp.wait_timeout
-        self.bandwidth_gbps = config.batched.bandwidth_gbps
+        # each link's bandwidth: the emulated one (``net: rate=...``, as the process engine's
+        # transports apply it) where given, else the modelled ``bandwidth_gbps``
+        self.bandwidth_gbps = config.net.rate / 1e9 if config.net.rate else config.batched.bandwidth_gbps
         self.resize(message_bytes)
         self.sender, self.receiver = links_sender, links_receiver
         self.rng = np.random.default_rng([config.seed, 0x71AE])  # its own stream: drawing times moves no data

@@ -174,7 +174,7 @@ def _result_line(run_dir: Path) -> str:
 def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:
     logs, records = read_run_logs(run_dir)
     final = final_summary(logs, records=records)
-    totals = records[1].sum(1).tolist()  # each iteration's seconds, its phases added
+    totals = records.seconds.sum(1).tolist()  # each iteration's seconds, its phases added
     per_node = []
     for rank, node in final["per_node"].items():
         stats = node["stats"]

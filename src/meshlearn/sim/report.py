@@ -8,8 +8,9 @@ import json
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import yaml
@@ -76,9 +77,11 @@ def attackers_of(logs: dict[int, list[dict]]) -> dict[int, str]:
     return found
 
 
-def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
+def evaluation_table(logs: dict[int, list[dict]], records: Records | None = None) -> list[dict[str, float]]:
     """Per evaluation iteration: mean and std across the honest nodes of time, test accuracy and
-    loss (and the bad nodes' mean accuracy apart, where there are any)."""
+    loss, and of their training loss since the evaluation before (``train_loss``: each node's mean
+    over those iterations' local steps, where the run logged any); the bad nodes' mean accuracy
+    apart, where there are any. ``records``: ``iteration_records(logs)``, where the caller has them."""
     attackers = attackers_of(logs)
     by_iteration: dict[int, list[dict]] = defaultdict(list)
     bad_by_iteration: dict[int, list[dict]] = defaultdict(list)
@@ -86,8 +89,31 @@ def evaluation_table(logs: dict[int, list[dict]]) -> list[dict[str, float]]:
         for event in events:
             if event.get("event") == "eval":
                 (bad_by_iteration if rank in attackers else by_iteration)[event["iteration"]].append(event)
-    return [evaluation_row(iteration, by_iteration[iteration], bad_by_iteration[iteration] if attackers else None)
-            for iteration in sorted(by_iteration)]
+    iterations = sorted(by_iteration)
+    training = _training_losses(records if records is not None else iteration_records(logs), attackers, iterations)
+    rows = [evaluation_row(iteration, by_iteration[iteration], bad_by_iteration[iteration] if attackers else None)
+            for iteration in iterations]
+    if training is not None:
+        for row, losses in zip(rows, training):
+            row["train_loss_mean"], row["train_loss_std"] = _mean_std(losses)
+    return rows
+
+
+def _training_losses(records: Records, attackers: dict[int, str], iterations: list[int]) -> list[list[float]] | None:
+    """For each evaluation after ``iterations[k]`` iterations: each honest node's mean training loss
+    over the iterations since the evaluation before; None where the run logged no training loss."""
+    kept = np.isfinite(records.train_loss) & ~np.isin(records.ranks, list(map(int, attackers)))
+    if not kept.any():
+        return None
+    done, ranks, losses = records.iterations[kept] + 1, records.ranks[kept], records.train_loss[kept]
+    windows, previous = [], 0
+    for iteration in iterations:
+        window = (done > previous) & (done <= iteration)
+        nodes, inverse = np.unique(ranks[window], return_inverse=True)
+        windows.append((np.bincount(inverse, weights=losses[window]) / np.bincount(inverse)).tolist()
+                       if len(nodes) else [])
+        previous = iteration
+    return windows
 
 
 def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = None) -> dict[str, float]:
@@ -119,24 +145,38 @@ def phase_seconds(event: dict[str, Any]) -> list[float]:
     return [event.get(phase) or 0.0 for phase in PHASES]
 
 
-Records = tuple[np.ndarray, np.ndarray, np.ndarray]
+class Records(NamedTuple):
+    """Every ``iteration`` event of a run as arrays, one entry per event (``iteration_records``)."""
+
+    ranks: np.ndarray  # [n] the node
+    seconds: np.ndarray  # [n, len(PHASES)] the seconds of each phase
+    evaluated: np.ndarray  # [n] whether the iteration ended with an evaluation
+    iterations: np.ndarray  # [n] the iteration (from 0)
+    train_loss: np.ndarray  # [n] the mean training loss of its local steps (NaN where none)
 
 
 def iteration_records(logs: dict[int, list[dict]], columnar: list[dict] = ()) -> Records:
     """Every ``iteration`` event of a run's logs, and of the ``columnar`` ones (``read_run_logs``), as
-    arrays: the ranks [n], the seconds per phase [n, len(PHASES)] and whether each evaluated [n]
-    (one pass over the events, for 100,000 of them)."""
-    records = [(rank, phase_seconds(event), event.get("eval") is not None)
+    ``Records`` (one pass over the events, for 100,000 of them)."""
+    records = [(rank, phase_seconds(event), event.get("eval") is not None, event.get("iteration", -1),
+                _number(event.get("train_loss")))
                for rank, events in logs.items() for event in events if event.get("event") == "iteration"]
     parts = [tuple(np.asarray(column) for column in zip(*records))] if records else []
     parts += [_columnar_records(event) for event in columnar]
     if not parts:
-        return np.zeros(0, dtype=np.int64), np.zeros((0, len(PHASES))), np.zeros(0, dtype=bool)
-    ranks, seconds, evaluated = (np.concatenate(arrays) for arrays in zip(*parts))
-    return ranks.astype(np.int64), seconds.astype(np.float64).reshape(-1, len(PHASES)), evaluated.astype(bool)
+        return Records(np.zeros(0, dtype=np.int64), np.zeros((0, len(PHASES))), np.zeros(0, dtype=bool),
+                       np.zeros(0, dtype=np.int64), np.zeros(0))
+    ranks, seconds, evaluated, iterations, losses = (np.concatenate(arrays) for arrays in zip(*parts))
+    return Records(ranks.astype(np.int64), seconds.astype(np.float64).reshape(-1, len(PHASES)),
+                   evaluated.astype(bool), iterations.astype(np.int64), losses.astype(np.float64))
 
 
-def _columnar_records(event: dict[str, Any]) -> Records:
+def _number(value: Any) -> float:
+    """A logged number, or NaN for none (null)."""
+    return float("nan") if value is None else float(value)
+
+
+def _columnar_records(event: dict[str, Any]) -> tuple[np.ndarray, ...]:
     """``iteration_records`` of one columnar ``iteration`` event: each field from its column, or the
     value the event shares for every node; a phase it does not give (or gives as null) counts 0."""
     ranks, columns = event["ranks"], event["columns"]
@@ -145,7 +185,9 @@ def _columnar_records(event: dict[str, Any]) -> Records:
         return columns[field] if field in columns else [event.get(field)] * len(ranks)
 
     seconds = np.array([[value or 0.0 for value in column(phase)] for phase in PHASES], dtype=np.float64).T
-    return np.asarray(ranks), seconds, np.array([value is not None for value in column("eval")], dtype=bool)
+    return (np.asarray(ranks), seconds, np.array([value is not None for value in column("eval")], dtype=bool),
+            np.asarray([-1 if value is None else value for value in column("iteration")]),
+            np.array([_number(value) for value in column("train_loss")], dtype=np.float64))
 
 
 def iteration_times(logs: dict[int, list[dict]], records: Records | None = None) -> dict[str, dict[str, float]]:
@@ -153,7 +195,8 @@ def iteration_times(logs: dict[int, list[dict]], records: Records | None = None)
     (encode + send/wait + average, i.e. the iteration minus training and evaluation), over all nodes.
     ``eval`` is over the iterations that evaluated (most do not: counted as 0 it had a median of 0).
     ``records``: ``iteration_records(logs)``, where the caller has them."""
-    _, seconds, evaluated = records or iteration_records(logs)
+    records = records or iteration_records(logs)
+    seconds, evaluated = records.seconds, records.evaluated
     column = {phase: seconds[:, index] for index, phase in enumerate(PHASES)}
     phases = {**column, "eval": column["eval"][evaluated], "total": seconds.sum(1),
               "overhead": column["encode"] + column["comm"] + column["average"]}
@@ -183,7 +226,7 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
     evaluated = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r not in attackers]
     modelled = any(e.get("event") == "final" and e.get("clock") == "modelled"
                    for events in logs.values() for e in events)
-    ranks = (records or iteration_records(logs))[0]
+    ranks = (records or iteration_records(logs)).ranks
     iterations = int(np.isin(ranks, list(nodes)).sum())
     bytes_sent = sum(n["stats"]["bytes_sent"] for n in nodes.values())
     means = {}
@@ -276,34 +319,40 @@ def x_axes(tables: list[list[dict]], time_axis: str) -> list[tuple[str, str]]:
     return axes
 
 
-def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis: str = TIME_LABEL):
+def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis: str = TIME_LABEL,
+                  also: tuple[tuple[str, str], ...] = ()):
     """One metric (``key``: test_acc or test_loss) against iteration, against time (labelled
     ``time_axis``) and against the bytes sent (where counted), mean over nodes ± std, titled
-    ``title``; the caller saves and closes the Figure."""
+    ``title``; ``also``: more series of the rows to draw beside it, as (key, legend) pairs (the
+    training loss beside the test loss). The caller saves and closes the Figure."""
     plt = pyplot()
 
     axes_keys = x_axes([rows], time_axis)
+    series = [(key, "mean over nodes" if not also else f"{label}, mean over nodes")]
+    series += [(extra, legend) for extra, legend in also if rows and f"{extra}_mean" in rows[0]]
     fig, axes = plt.subplots(1, len(axes_keys), figsize=(5.5 * len(axes_keys), 4))
     for ax, (x_key, x_label) in zip(axes, axes_keys):
         xs = [r[x_key] for r in rows]
-        mean = [r[f"{key}_mean"] for r in rows]
-        std = [r[f"{key}_std"] for r in rows]
-        ax.plot(xs, mean, marker="o", markersize=3, label="mean over nodes")
-        ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25,
-                        label="± std")
+        for name, legend in series:
+            mean = [r[f"{name}_mean"] for r in rows]
+            std = [r[f"{name}_std"] for r in rows]
+            ax.plot(xs, mean, marker="o", markersize=3, label=legend)
+            ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25,
+                            label="± std")
         ax.set_xlabel(x_label)
-        ax.set_ylabel(label)
+        ax.set_ylabel(label if len(series) == 1 else "loss")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle(f"{title}: {label}")
+    fig.suptitle(f"{title}: {label if len(series) == 1 else 'loss'}")
     fig.tight_layout()
     return fig
 
 
-def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_axis: str) -> None:
+def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_axis: str,
+          also: tuple[tuple[str, str], ...] = ()) -> None:
     plt = pyplot()
 
-    fig = metric_figure(rows, key, label, title, time_axis)
+    fig = metric_figure(rows, key, label, title, time_axis, also)
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -313,7 +362,7 @@ def write_report(output: Path) -> dict[str, Any]:
     iteration_time.png, and predictions.png for image data) into a run folder."""
     output = Path(output)
     logs, records = read_run_logs(output)
-    rows = evaluation_table(logs)
+    rows = evaluation_table(logs, records)
     with (output / "summary.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["iteration"])
         writer.writeheader()
@@ -326,8 +375,10 @@ def write_report(output: Path) -> dict[str, Any]:
     if rows:
         axis = time_label(output)
         _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png", axis)
-        _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis)
-    _save(topology_figure(output, summary, title), output / TOPOLOGY_FIGURE)
+        _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis,
+              also=(("train_loss", "training loss since the evaluation before, mean over nodes"),))
+    colour = run_config(output).get("topology_colour") or "accuracy"
+    _save(topology_figure(output, summary, title, colour), output / TOPOLOGY_FIGURE)
     _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled", records=records),
           output / TIME_FIGURE)
     write_run_predictions(output, summary, title)
@@ -396,10 +447,41 @@ def _save(fig, path: Path) -> None:
     pyplot().close(fig)
 
 
-def topology_figure(output: Path, summary: dict[str, Any], title: str):
-    """The run's graph on a circle, each node coloured by its final test accuracy (grey: not
-    evaluated; a red ring: a bad node); beyond ``DRAWN_GRAPH_NODES`` nodes a summary instead (see
-    ``_topology_summary``). None without a graph.txt."""
+@dataclass(frozen=True)
+class NodeColours:
+    """What topology.png colours each node by: one value per node (None: none to show), its name,
+    the colour scale's range, what a node without a value is called, and the colour map."""
+
+    values: list[float | None]
+    label: str
+    low: float
+    high: float
+    missing: str
+    cmap: str
+
+    @classmethod
+    def of(cls, summary: dict[str, Any], n: int, by: str = "accuracy") -> "NodeColours":
+        """``by`` ``accuracy``: each node's final test accuracy (the scale ``_accuracy_scale``);
+        ``lag``: the seconds each node finished after the first one (the UDP study's look at slow
+        nodes: whom a slow node held back)."""
+        per_node = summary.get("per_node", {})
+        if by == "lag":
+            elapsed = [(per_node.get(str(i)) or {}).get("elapsed") for i in range(n)]
+            first = min((e for e in elapsed if e is not None), default=0.0)
+            values = [None if e is None else e - first for e in elapsed]
+            known = [v for v in values if v is not None]
+            return cls(values, "finish-time lag, s after the first node", 0.0, max(known, default=0.0) or 1.0,
+                       "did not finish", "plasma")
+        values = [((per_node.get(str(i)) or {}).get("metrics") or {}).get("accuracy") for i in range(n)]
+        known = [v for v in values if v is not None]
+        low, high = _accuracy_scale(known) if known else (0.0, 1.0)
+        return cls(values, "final test accuracy", low, high, "not evaluated", "viridis")
+
+
+def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: str = "accuracy"):
+    """The run's graph on a circle, each node coloured by its final test accuracy, or by its
+    finish-time lag (``colour``, ``NodeColours``; grey: none; a red ring: a bad node); beyond
+    ``DRAWN_GRAPH_NODES`` nodes a summary instead (see ``_topology_summary``). None without a graph.txt."""
     from meshlearn.topology import read_graph_file
 
     try:
@@ -410,20 +492,19 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str):
     from matplotlib.collections import LineCollection
 
     n = graph.n
-    per_node = summary.get("per_node", {})
-    accuracy = [((per_node.get(str(i)) or {}).get("metrics") or {}).get("accuracy") for i in range(n)]
+    colours = NodeColours.of(summary, n, colour)
     bad = {int(rank) for rank in summary.get("attackers", {}) if int(rank) < n}
     if n > DRAWN_GRAPH_NODES:
-        return _topology_summary(graph, accuracy, bad, title)
+        return _topology_summary(graph, colours, bad, title)
     fig, ax = plt.subplots(figsize=(6.4, 5.6))
     xy = _on_circle(n)
     ax.add_collection(LineCollection([(xy[i], xy[j]) for i, j in graph.edges()], colors="#b8bec9",
                                      linewidths=0.8, zorder=1))
-    _circle_of_nodes(fig, ax, xy, accuracy, bad, 260 if n <= LABELLED_NODES else max(6, 6000 / n))
+    _circle_of_nodes(fig, ax, xy, colours, bad, 260 if n <= LABELLED_NODES else max(6, 6000 / n))
     if n <= LABELLED_NODES:
         for i, (x, y) in enumerate(xy):
             ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, color="white", zorder=4)
-    ax.set_title(f"{title}: topology, nodes by final accuracy")
+    ax.set_title(f"{title}: topology, nodes by {'final accuracy' if colour == 'accuracy' else 'finish-time lag'}")
     fig.tight_layout()
     return fig
 
@@ -438,21 +519,21 @@ def _accuracy_scale(values: list[float]) -> tuple[float, float]:
     return min(min(values), max(values) - ACCURACY_SPAN), max(values)
 
 
-def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], accuracy: list[float | None], bad: set[int],
+def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], colours: NodeColours, bad: set[int],
                      size: float) -> None:
-    """Nodes at ``xy`` coloured by final accuracy (grey: not evaluated), bad ones ringed in red,
-    with a colour bar and, where needed, a legend; no axes."""
+    """Nodes at ``xy`` coloured by ``colours`` (grey: no value), bad ones ringed in red, with a
+    colour bar and, where needed, a legend; no axes."""
     n = len(xy)
-    known = [i for i in range(n) if accuracy[i] is not None]
-    unknown = [i for i in range(n) if accuracy[i] is None]
+    values = colours.values
+    known = [i for i in range(n) if values[i] is not None]
+    unknown = [i for i in range(n) if values[i] is None]
     if unknown:
         ax.scatter([xy[i][0] for i in unknown], [xy[i][1] for i in unknown], s=size, c="#d0d4db", zorder=2,
-                   label="not evaluated")
+                   label=colours.missing)
     if known:
-        low, high = _accuracy_scale([accuracy[i] for i in known])
         dots = ax.scatter([xy[i][0] for i in known], [xy[i][1] for i in known], s=size, zorder=2,
-                          c=[accuracy[i] for i in known], cmap="viridis", vmin=low, vmax=high)
-        fig.colorbar(dots, ax=ax, shrink=0.8, label="final test accuracy")
+                          c=[values[i] for i in known], cmap=colours.cmap, vmin=colours.low, vmax=colours.high)
+        fig.colorbar(dots, ax=ax, shrink=0.8, label=colours.label)
     if bad:
         ax.scatter([xy[i][0] for i in bad], [xy[i][1] for i in bad], s=size * 1.6, facecolors="none",
                    edgecolors="#b3261e", linewidths=2 if n <= DRAWN_GRAPH_NODES else 1, zorder=3, label="bad node")
@@ -464,32 +545,32 @@ def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], accuracy: list[floa
     ax.axis("off")
 
 
-def _grid_of_nodes(fig, ax, accuracy: list[float | None], bad: set[int]) -> None:
-    """One cell per node, row by row in rank order, coloured by final accuracy (grey: not evaluated;
-    a red frame: a bad node), with a colour bar."""
+def _grid_of_nodes(fig, ax, colours: NodeColours, bad: set[int]) -> None:
+    """One cell per node, row by row in rank order, coloured by ``colours`` (grey: no value; a red
+    frame: a bad node), with a colour bar."""
     import numpy as np
     from matplotlib import colormaps
 
-    n = len(accuracy)
+    values = colours.values
+    n = len(values)
     columns = math.ceil(math.sqrt(n))
     rows = math.ceil(n / columns)
     cells = np.full(rows * columns, np.nan)
-    cells[:n] = [math.nan if a is None else a for a in accuracy]
-    colours = colormaps["viridis"].with_extremes(bad="#d0d4db")
-    known = [a for a in accuracy if a is not None]
-    low, high = _accuracy_scale(known) if known else (0.0, 1.0)
-    image = ax.imshow(np.ma.masked_invalid(cells.reshape(rows, columns)), cmap=colours, vmin=low, vmax=high,
+    cells[:n] = [math.nan if v is None else v for v in values]
+    known = [v for v in values if v is not None]
+    image = ax.imshow(np.ma.masked_invalid(cells.reshape(rows, columns)),
+                      cmap=colormaps[colours.cmap].with_extremes(bad="#d0d4db"), vmin=colours.low, vmax=colours.high,
                       interpolation="nearest")
     if rows * columns > n:  # the last row's empty cells
         ax.add_patch(_rectangle((n % columns - 0.5, rows - 1.5), columns - n % columns, 1, facecolor="white"))
-    fig.colorbar(image, ax=ax, shrink=0.8, label="final test accuracy")
+    fig.colorbar(image, ax=ax, shrink=0.8, label=colours.label)
     if bad:
         ax.scatter([i % columns for i in bad], [i // columns for i in bad], marker="s", s=max(8, 40000 / n),
                    facecolors="none", edgecolors="#b3261e", linewidths=1.5, label="bad node")
     if bad or len(known) < n:
         from matplotlib.patches import Patch
 
-        handles = [Patch(facecolor="#d0d4db", label="not evaluated")] if len(known) < n else []
+        handles = [Patch(facecolor="#d0d4db", label=colours.missing)] if len(known) < n else []
         handles += [Patch(facecolor="none", edgecolor="#b3261e", label="bad node")] if bad else []
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.02), fontsize=8, ncols=2, frameon=False)
     step = max(1, rows // 8)
@@ -497,7 +578,7 @@ def _grid_of_nodes(fig, ax, accuracy: list[float | None], bad: set[int]) -> None
     ax.set_yticklabels([str(r * columns) for r in range(0, rows, step)], fontsize=8)
     ax.set_ylabel(f"first rank of the row ({columns} nodes a row)")
     ax.set_xticks([])
-    ax.set_title("each node by rank, coloured by final accuracy (edges not drawn)", fontsize=9)
+    ax.set_title(f"each node by rank, coloured by {colours.label} (edges not drawn)", fontsize=9)
 
 
 def _nodes(count: int) -> str:
@@ -510,20 +591,20 @@ def _rectangle(corner: tuple[float, float], width: float, height: float, **style
     return Rectangle(corner, width, height, linewidth=0, **style)
 
 
-def _topology_summary(graph, accuracy: list[float | None], bad: set[int], title: str):
+def _topology_summary(graph, colours: NodeColours, bad: set[int], title: str):
     """topology.png for a graph too big to draw (a circle of hundreds of nodes with their edges is
-    a hairball): a square of cells, one per node in rank order, coloured by final accuracy (a block
+    a hairball): a square of cells, one per node in rank order, coloured by ``colours`` (a block
     of ranks that fell behind, or the bad nodes, still show), and beside it each node degree's
-    final accuracies (a box per degree, the bad nodes as red crosses) over how many nodes have it."""
+    values (a box per degree, the bad nodes as red crosses) over how many nodes have it."""
     plt = pyplot()
 
-    n = graph.n
+    n, values = graph.n, colours.values
     degrees = [graph.degree(i) for i in range(n)]
     edges = sum(degrees) // 2
     fig, (grid, by_degree) = plt.subplots(1, 2, figsize=(12, 5.4), gridspec_kw={"width_ratios": [1.1, 1]})
-    _grid_of_nodes(fig, grid, accuracy, bad)
+    _grid_of_nodes(fig, grid, colours, bad)
     present = sorted(set(degrees))
-    honest = {d: [accuracy[i] for i in range(n) if degrees[i] == d and accuracy[i] is not None and i not in bad]
+    honest = {d: [values[i] for i in range(n) if degrees[i] == d and values[i] is not None and i not in bad]
               for d in present}
     gap = min((b - a for a, b in itertools.pairwise(present)), default=1)
     shown = [d for d in present if honest[d]]
@@ -531,23 +612,22 @@ def _topology_summary(graph, accuracy: list[float | None], bad: set[int], title:
         by_degree.boxplot([honest[d] for d in shown], positions=shown, widths=0.6 * gap, manage_ticks=False,
                           flierprops={"markersize": 3, "markeredgecolor": "#7a8294"},
                           medianprops={"color": "#3f6fd8", "linewidth": 2})
-    attackers = [(degrees[i], accuracy[i]) for i in sorted(bad) if accuracy[i] is not None]
+    attackers = [(degrees[i], values[i]) for i in sorted(bad) if values[i] is not None]
     if attackers:
         by_degree.scatter([d for d, _ in attackers], [a for _, a in attackers], marker="x", color="#b3261e",
                           zorder=3, label="bad node")
         by_degree.legend(loc="lower right", fontsize=8)
-    known = [a for a in accuracy if a is not None]
-    if known:
-        low, high = _accuracy_scale(known)
+    if any(v is not None for v in values):
+        low, high = colours.low, colours.high
         by_degree.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
     ticks = present if len(present) <= 12 else present[::math.ceil(len(present) / 12)]
     by_degree.set_xticks(ticks)
     by_degree.set_xticklabels([f"{d}\n{_nodes(degrees.count(d))}" for d in ticks], fontsize=8)
     by_degree.set_xlim(present[0] - gap, present[-1] + gap)
     by_degree.set_xlabel("node degree (neighbours), and how many nodes have it")
-    by_degree.set_ylabel("final test accuracy (honest nodes)")
+    by_degree.set_ylabel(f"{colours.label} (honest nodes)")
     by_degree.grid(alpha=0.3, axis="y")
-    by_degree.set_title("final accuracy by node degree", fontsize=9)
+    by_degree.set_title(f"{colours.label} by node degree", fontsize=9)
     fig.suptitle(f"{title}: topology summary, {_nodes(n)} and {edges:,} edge{'' if edges == 1 else 's'} "
                  "(too many to draw each edge)")
     fig.tight_layout()
@@ -579,7 +659,8 @@ class PhaseTimes:
         """The phase times of a run's logs (``load_logs``), summed as arrays (``iteration_records``,
         or ``records`` where the caller has them)."""
         times = cls()
-        ranks, seconds, _ = records or iteration_records(logs)
+        records = records or iteration_records(logs)
+        ranks, seconds = records.ranks, records.seconds
         unique, inverse = np.unique(ranks, return_inverse=True)
         sums = np.zeros((len(unique), len(PHASES)))
         np.add.at(sums, inverse, seconds)  # event after event, as ``add`` sums them

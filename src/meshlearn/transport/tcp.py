@@ -10,7 +10,7 @@ from typing import Callable, Iterable, Mapping
 import zmq
 
 from meshlearn.errors import TransportError, WireError
-from meshlearn.netem import DelayLine, Emulator, NetemSpec
+from meshlearn.netem import DelayLine, Emulator, LinkRate, NetemSpec
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
 from meshlearn.transport.settings import TcpSettings
@@ -52,6 +52,7 @@ class TcpTransport(Transport):
         self.emulator = Emulator(netem or NetemSpec(), seed * 7919 + node_id)
         self.clock = clock  # when emulated delays fall due (tests may drive it)
         self._held = DelayLine(keep_order=True)  # messages under emulated delay: TCP never reorders
+        self.link_rate = LinkRate(self.emulator.spec.rate) if self.emulator.spec.rate else None
         self.host, self.port = host, port
         self.max_message_bytes = settings.max_message_bytes
         self.handshake_timeout = settings.handshake_timeout
@@ -165,14 +166,18 @@ class TcpTransport(Transport):
                 if time.monotonic() >= deadline and not (self._held and self._held.next_due() <= self.clock()):
                     return None
                 continue
-            msg = self._accept(self._router.recv_multipart(copy=False))
+            frames = self._router.recv_multipart(copy=False)
+            msg = self._accept(frames)
             if msg is None:
                 continue
-            delay = self.emulator.delay() + self.emulator.retransmit_delay(
+            now = self.clock()
+            through = now if self.link_rate is None else self.link_rate.through(
+                msg.sender, sum(len(frame) for frame in frames[1:]), now)  # its link's emulated bandwidth
+            due = through + self.emulator.delay() + self.emulator.retransmit_delay(
                 sum(t.numel() * t.element_size() for t in msg.tensors.values()))
-            if delay <= 0 and not self._held:
+            if due <= now and not self._held:
                 return self._deliver(msg)
-            self._held.push(msg, self.clock() + delay)  # emulated delay per message, in order
+            self._held.push(msg, due, key=msg.sender)  # emulated time on the link, in order on each
 
     def _deliver(self, msg: Message) -> Message:
         if msg.kind == Kind.BYE:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from meshlearn.netem import DelayLine, Emulator
+from meshlearn.netem import DelayLine, Emulator, LinkRate
 from meshlearn.transport.base import TransportStats
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.datagram import (
@@ -57,7 +57,9 @@ class DatagramSender:
         self.datagrams_sent = 0
         self.emulated_drops = 0
         self.delayed = DelayLine()
-        self.cond = threading.Condition()  # guards the counters and the delay line
+        # the emulated bandwidth of each link (by address), shared by models and control datagrams
+        self.link_rate = LinkRate(emulator.spec.rate) if emulator.spec.rate else None
+        self.cond = threading.Condition()  # guards the counters, the delay line and the link clocks
         self._send = send
 
     def send_model(self, msg: Message, addrs: Iterable[Address], total: int) -> None:
@@ -113,15 +115,21 @@ class DatagramSender:
             return len(self.delayed)
 
     def _emit(self, pieces: list, addr: Address, emulator: Emulator | None, tally: _Tally) -> None:
-        """Send one datagram now, or drop or delay it as ``emulator`` says."""
+        """Send one datagram now, or drop or delay it as ``emulator`` says (after its time on the
+        link, under an emulated rate: a lost datagram took its time on the link too)."""
         if emulator is not None:
+            now = self.clock()
+            through = now
+            if self.link_rate is not None:
+                with self.cond:
+                    through = self.link_rate.through(addr, sum(memoryview(p).nbytes for p in pieces), now)
             if emulator.drop():
                 tally.dropped += 1
                 return
-            delay = emulator.delay()
-            if delay > 0:
+            due = through + emulator.delay()
+            if due > now:
                 with self.cond:
-                    self.delayed.push((b"".join(pieces), addr), self.clock() + delay)
+                    self.delayed.push((b"".join(pieces), addr), due)
                     self.cond.notify_all()
                 return
         self._send_now(pieces, addr, tally)

@@ -100,7 +100,7 @@ class UdpTransport(Transport):
             host, _, port = address.removeprefix("udp://").rpartition(":")
             self._addrs[peer] = (host, int(port))
         self.start_thread(self._receive_loop, "udp-recv")
-        if self.sender.emulator.spec.delay or self.sender.emulator.spec.jitter:
+        if self.sender.emulator.spec.delay or self.sender.emulator.spec.jitter or self.sender.emulator.spec.rate:
             self.start_thread(self._delay_loop, "udp-delay")
         deadline = time.monotonic() + self.settings.handshake_timeout
         while True:
