@@ -94,7 +94,8 @@ class ExperimentConfig(Settings):
     sharing: str = Field("full", description="what a dpsgd node sends of its model: " + SHARING_HELP)
     transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
                                                                 "datagrams, tolerates loss)")
-    net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit "
+    net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. "
+                                                      "loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit "
                                                       "(rate: each link's bandwidth)")
     loss_mode: Literal["auto", "kernel", "user"] = Field(
         "auto", description="where net's loss is made: kernel (real drops in a network namespace; root + nftables), "
