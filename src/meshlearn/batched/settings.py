@@ -36,4 +36,5 @@ class BatchedSettings(Settings):
                                  "flops, in GFLOP/s (50: one 2026 CPU core on float32 CNNs, benchmarks/RESULTS.md)")
     step_overhead: float = Field(0.00025, ge=0, description="modelled seconds every step costs beside its FLOPs "
                                  "(step_cost flops): the framework's per-step work, which dominates tiny models")
-    bandwidth_gbps: float = Field(1.0, gt=0, description="modelled bandwidth of every link, in Gbit/s (net's rate replaces it where given)")
+    bandwidth_gbps: float = Field(1.0, gt=0, description="modelled bandwidth of every link, in Gbit/s (net's rate "
+                                                         "replaces it where given)")
