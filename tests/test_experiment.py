@@ -184,3 +184,19 @@ def test_a_missing_dataset_is_reported_before_the_first_run_with_where_to_get_it
                                            r"https://www\.cs\.toronto\.edu/~kriz/cifar\.html.*--quick"):
         run_experiment(experiment, progress=False)
     assert not (tmp_path / "out").exists()  # no run started
+
+
+def test_the_bandwidth_experiment_at_quick_scale_holds_each_model_for_its_time_on_the_link(tmp_path):
+    """experiments/udp-bandwidth.yaml, quick: TCP and UDP at 1, 10 and 100 Mbit/s a link. A digits MLP
+    (68,904 bytes) needs 0.55 s on a 1 Mbit/s link and 55 ms on a 10 Mbit/s one: no iteration is faster."""
+    output = run_experiment(load_experiment(EXPERIMENTS / "udp-bandwidth.yaml", quick=True, output=tmp_path / "bw"),
+                            progress=False, log=lambda line: None)
+    rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}
+    assert set(rows) == {f"{transport}-{rate}mbit" for transport in ("tcp", "udp") for rate in (1, 10, 100)}
+    on_link = {1: 68_904 * 8 / 1e6, 10: 68_904 * 8 / 1e7}
+    for transport in ("tcp", "udp"):
+        for rate, seconds in on_link.items():
+            assert float(rows[f"{transport}-{rate}mbit"]["iter_median_ms"]) >= 1000 * seconds
+        median = {rate: float(rows[f"{transport}-{rate}mbit"]["iter_median_ms"]) for rate in (1, 100)}
+        assert median[1] > median[100]
+    assert int(rows["tcp-1mbit"]["chunks_lost"]) == 0 and float(rows["tcp-1mbit"]["accuracy"]) > 0.2
