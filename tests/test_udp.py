@@ -424,11 +424,11 @@ def test_a_udp_transport_under_emulated_delay_delivers_through_its_delay_thread(
         b.close()
 
 
-def test_tcp_emulated_delay_holds_a_message_until_it_is_due():
+def _tcp_pair(clock: FakeClock):
+    """Two TCP transports on loopback, handshaken; node 1's emulated time on ``clock``."""
     from meshlearn.transport import TcpTransport
     from meshlearn.transport.settings import TcpSettings
 
-    clock = FakeClock()
     a = TcpTransport(0, settings=TcpSettings(wait_timeout=1, linger=1))
     b = TcpTransport(1, settings=TcpSettings(wait_timeout=1, linger=1), clock=clock.monotonic)
     address_a, address_b = a.bind(), b.bind()
@@ -436,6 +436,12 @@ def test_tcp_emulated_delay_holds_a_message_until_it_is_due():
     thread.start()
     a.connect({1: address_b})
     thread.join()
+    return a, b
+
+
+def test_tcp_emulated_delay_holds_a_message_until_it_is_due():
+    clock = FakeClock()
+    a, b = _tcp_pair(clock)
     b.emulator = Emulator(NetemSpec(delay=0.25), seed=1)  # from now on: the handshake is done
     try:
         a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.ones(3)}))
@@ -617,17 +623,8 @@ def test_a_delay_line_keeps_order_per_key():
 
 def test_tcp_emulated_rate_holds_each_message_for_its_time_on_the_link():
     from meshlearn.netem import LinkRate
-    from meshlearn.transport import TcpTransport
-    from meshlearn.transport.settings import TcpSettings
-
     clock = FakeClock()
-    a = TcpTransport(0, settings=TcpSettings(wait_timeout=1, linger=1))
-    b = TcpTransport(1, settings=TcpSettings(wait_timeout=1, linger=1), clock=clock.monotonic)
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
+    a, b = _tcp_pair(clock)
     b.link_rate = LinkRate(8e6)  # 1 MB a second, from now on: the handshake is done
     try:
         for iteration in (0, 1):  # two 500 kB models, sent at once
