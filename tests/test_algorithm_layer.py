@@ -156,9 +156,16 @@ def test_an_algorithm_is_refused_by_its_own_declaration():
         ({"algorithm": "pushsum", "byzantine": "1:sign-flip"}, "algorithm pushsum needs no byzantine nodes"),
         ({"algorithm": "gossip", "topology": "one-peer-exponential"}, "needs algorithm dpsgd, pushsum or tracking"),
         ({"algorithm": "tracking", "sharing": "topk:0.1"}, "needs algorithm dpsgd or local"),
-        ({"algorithm": "mine"}, "unknown algorithm 'mine'")]:
+        ({"algorithm": "mine"}, "unknown algorithm 'mine'"),
+        # request-and-answer channels carry no user-space emulation: refused, not silently ignored
+        ({"algorithm": "gossip", "net": "delay=200ms,rate=10mbit"}, "needs no emulated delay or rate on the process"),
+        ({"algorithm": "leader", "net": "jitter=5ms"}, "needs no emulated jitter on the process engine")]:
         with pytest.raises(ConfigError, match=message):
             make_config(values)
+    for values in ({"algorithm": "gossip", "net": "delay=200ms", "engine": "batched"},  # modelled there
+                   {"algorithm": "gossip", "net": "loss=10%"},  # the kernel's drops reach every TCP connection
+                   {"algorithm": "dpsgd", "net": "delay=200ms,rate=10mbit"}):
+        make_config(values)
     assert make_config({"algorithm": "pushsum", "peer_sampling": "epidemic:2"}).dynamic() == "peer_sampling epidemic:2"
     assert {"pushsum", "tracking", "dpsgd"} <= set(DEFINITIONS.names())
 

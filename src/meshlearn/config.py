@@ -321,7 +321,8 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
     return refusal(config.algorithm, definition(config.algorithm).needs, RunShape(
         engine=config.engine, transport=config.transport, sharing=config.sharing, aggregation=config.aggregation,
         byzantine=bool(config.byzantine), dynamic=config.dynamic(), full_epochs=config.full_epochs,
-        plain_sgd=parse_optimizer(config.optimizer) == ("SGD", {})))
+        plain_sgd=parse_optimizer(config.optimizer) == ("SGD", {}),
+        emulated=_either([name for name in ("delay", "jitter", "rate") if getattr(config.net, name)] or [""])))
 
 
 def _either(names: list[str]) -> str:

@@ -48,6 +48,7 @@ class RunShape:
     dynamic: str  # "" for a static graph; else what makes the peers change (for the message)
     full_epochs: bool = False
     plain_sgd: bool = True
+    emulated: str = ""  # the user-space network emulation asked for (delay, jitter, rate), "" for none
 
 
 def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
@@ -64,7 +65,10 @@ def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
         (run.engine == "batched" and not needs.synchronous and run.full_epochs,
          "rounds counted in mini-batches on the batched engine (not full_epochs): or use the process engine"),
         (run.engine == "batched" and not needs.synchronous and not run.plain_sgd,
-         "optimizer sgd on the batched engine, which steps its nodes one by one: or use the process engine")]
+         "optimizer sgd on the batched engine, which steps its nodes one by one: or use the process engine"),
+        (run.engine == "process" and bool(run.emulated) and needs.endpoint in ("pull", "hub"),
+         f"no emulated {run.emulated} on the process engine, whose request-and-answer channels are not emulated: "
+         "drop them from --net, or use the batched engine, which models them")]
     for lacks, what in lacking:
         if lacks:
             return f"algorithm {name} needs {what}"
