@@ -21,6 +21,7 @@ from meshlearn.transport.hub import HubEndpoint
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
 from meshlearn.wire.sealed import FrameSeal
+from meshlearn.wire.sealed_datagram import DatagramSeal
 
 SERVED = {"pull": PullEndpoint, "hub": HubEndpoint}  # the endpoints that serve requests, by declared kind
 
@@ -32,7 +33,7 @@ def make_transport(
     """The endpoint the configuration's algorithm needs, for node ``rank`` and its state layout
     (not yet bound). With ``secret`` every message is signed and unsigned ones are dropped
     (not over UDP, which refuses a secret); with ``seal`` every message is encrypted with a
-    task's key (network tasks; not over UDP either)."""
+    task's key (network tasks; over UDP, every datagram on its own)."""
     if port is None:
         port = config.base_port + rank if config.base_port else 0
     host = host or config.host
@@ -45,15 +46,15 @@ def make_transport(
     if config.loss_mode == "kernel":  # the kernel drops real packets (meshlearn.sim.kernelnet)
         netem = netem.without_loss()
     if config.transport == "udp":
-        if secret or seal:
-            raise ConfigError("the UDP transport does not sign or encrypt datagrams: use transport tcp in a network "
-                              "task")
+        if secret:
+            raise ConfigError("the UDP transport does not sign datagrams with a shared secret: a network task seals "
+                              "them with its key instead")
         udp = config.udp
         if not udp.chunk_bytes and config.loss_mode == "kernel":
             # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
             udp = udp.model_copy(update={"chunk_bytes": ETHERNET_CHUNK})
         return UdpTransport(rank, host, port, layout=StateLayout(flat.ranges, flat.state.dtype), settings=udp,
-                            netem=netem, seed=config.seed)
+                            netem=netem, seed=config.seed, seal=DatagramSeal(seal.key) if seal is not None else None)
     return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret,
                         seal=seal)
 

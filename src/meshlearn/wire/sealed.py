@@ -111,7 +111,8 @@ class FrameSeal:
     def __init__(self, key: bytes):
         if len(key) != KEY_BYTES:
             raise ValueError(f"a task key is {KEY_BYTES} bytes, not {len(key)}")
-        self._aead = AESGCM(bytes(key))
+        self.key = bytes(key)  # the task's: the UDP transport seals its datagrams with it too (sealed_datagram)
+        self._aead = AESGCM(self.key)
         self._counters: dict[int, int] = {}  # sender -> messages sealed so far
         self._lock = threading.Lock()
 

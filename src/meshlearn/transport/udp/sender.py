@@ -26,6 +26,7 @@ from meshlearn.wire.datagram import (
     pack_fields,
     pack_header,
 )
+from meshlearn.wire.sealed_datagram import OVERHEAD, DatagramSeal
 
 Address = tuple[str, int]
 SendFn = Callable[[list, Address], None]  # raises OSError when the kernel refuses the datagram
@@ -44,8 +45,9 @@ class DatagramSender:
 
     def __init__(self, node_id: int, send: SendFn, chunk_bytes: int, rate_bytes_per_s: float, emulator: Emulator,
                  control_emulator: Emulator, stats: TransportStats, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
+                 sleep: Callable[[float], None] = time.sleep, seal: DatagramSeal | None = None):
         self.node_id = node_id
+        self.seal = seal  # network tasks: every datagram sealed with the task's key (wire.sealed_datagram)
         self.chunk_bytes = chunk_bytes
         self.rate = rate_bytes_per_s
         self.emulator = emulator
@@ -70,17 +72,18 @@ class DatagramSender:
         whole = _contiguous(tensors, total)
         size, count = self.chunk_bytes, chunk_count(total, self.chunk_bytes)
         emulator = self.emulator if self.emulator.spec.active else None
-        heads: list[bytes] = []  # a datagram's header names no receiver: checksum each chunk once
+        heads: list[list] = []  # a datagram names no receiver: each chunk checksummed (and sealed) once
         tally, started, sent, messages = _Tally(), self.clock(), 0, 0
         for addr in addrs:
             for index in range(count):
                 start = index * size
                 pieces = [whole[start:start + size]] if whole is not None else _slice(views, start, start + size)
                 if len(heads) == index:
-                    heads.append(pack_fields(msg.kind, 0, self.node_id, msg.iteration, index, count, size,
-                                             msg.degree, total, pieces))
-                self._emit([heads[index], *pieces], addr, emulator, tally)
-                sent += HEADER_SIZE + min(size, total - start)
+                    head = pack_fields(msg.kind, 0, self.node_id, msg.iteration, index, count, size, msg.degree,
+                                       total, pieces)
+                    heads.append([head, *self.seal.close(head, b"".join(pieces))] if self.seal else [head, *pieces])
+                self._emit(heads[index], addr, emulator, tally)
+                sent += HEADER_SIZE + min(size, total - start) + (OVERHEAD if self.seal else 0)
                 ahead = sent / self.rate - (self.clock() - started)
                 if ahead > PACE_SLACK:
                     self.sleep(ahead)
@@ -92,7 +95,8 @@ class DatagramSender:
         header = ChunkHeader(kind, self.node_id, 0, 0, 1, self.chunk_bytes, 0, 0, flags)
         tally = _Tally()
         emulator = self.control_emulator if self.control_emulator.spec.active else None
-        self._emit([pack_header(header)], addr, emulator, tally)
+        head = pack_header(header)
+        self._emit([head, *self.seal.close(head, b"")] if self.seal else [head], addr, emulator, tally)
         self._count(tally)
 
     def release_due(self, wait: float = 0.0) -> None:

@@ -29,14 +29,17 @@ from meshlearn.transport.udp.sockets import DatagramReader, open_socket
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.datagram import (
     HEADER_SIZE,
+    MAX_DATAGRAM,
     ChunkHeader,
     check_payload,
     parse_header,
 )
+from meshlearn.wire.sealed_datagram import OVERHEAD, DatagramSeal, DatagramWindow
 
 log = logging.getLogger(__name__)
 HELLO_EVERY = 0.1
 POLL_MS = 100
+SEALED_SHRINK = 32  # OVERHEAD rounded up to a multiple of 8 (chunk sizes are)
 MAX_CONTROL = 64  # control messages kept for recv() (REQUEST, REPLY over UDP): no algorithm reads them today
 
 
@@ -46,18 +49,25 @@ class UdpTransport(Transport):
     lossy = True
 
     def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, layout: StateLayout,
-                 settings: UdpSettings | None = None, netem: NetemSpec | None = None, seed: int = 0):
+                 settings: UdpSettings | None = None, netem: NetemSpec | None = None, seed: int = 0,
+                 seal: DatagramSeal | None = None):
         super().__init__(node_id)
         self.settings = settings = settings or UdpSettings()
         self.host, self.port = host, port
         self.layout = layout
-        self.chunk_bytes = settings.chunk_bytes or default_chunk_bytes(host)
+        self.seal = seal  # network tasks: every datagram sealed with the task's key, and taken once
+        self.window = DatagramWindow() if seal is not None else None
+        # a sealed datagram carries OVERHEAD more bytes: its default chunk shrinks so it still fits the path
+        self.chunk_bytes = settings.chunk_bytes or default_chunk_bytes(host) - (SEALED_SHRINK if seal else 0)
+        if seal is not None and HEADER_SIZE + self.chunk_bytes + OVERHEAD > MAX_DATAGRAM:
+            raise TransportError(f"chunk_bytes {self.chunk_bytes} leaves no room for the seal: at most "
+                                 f"{MAX_DATAGRAM - HEADER_SIZE - OVERHEAD} for sealed datagrams")
         self.mode = settings.mode
         self.max_message_bytes = settings.max_message_bytes
         netem = netem or NetemSpec()
         self.sender = DatagramSender(node_id, self._sendmsg, self.chunk_bytes, settings.rate_gbps * 1e9 / 8,
                                      Emulator(netem, seed * 7919 + node_id),
-                                     Emulator(netem, seed * 7919 + node_id + 104_729), self.stats)
+                                     Emulator(netem, seed * 7919 + node_id + 104_729), self.stats, seal=seal)
         self.reassembler = Reassembler(layout, self.chunk_bytes, self.stats,
                                        late=settings.late_chunks == "use" and settings.mode == "sync")
         self.address = ""
@@ -146,6 +156,7 @@ class UdpTransport(Transport):
         reader = DatagramReader(self._sock)
         poller = select.poll()
         poller.register(self._sock, select.POLLIN)
+        plain = memoryview(bytearray(MAX_DATAGRAM))  # a sealed datagram's payload, opened
         while not self._stop.is_set():
             armed = self._armed
             try:
@@ -165,6 +176,10 @@ class UdpTransport(Transport):
                 if size < HEADER_SIZE:
                     raise WireError(f"datagram of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
                 header, checksum = parse_header(reader.head, self.max_message_bytes)
+                if self.seal is not None:
+                    payload = self._open(reader.head, header, payload, plain)
+                    if payload is None:
+                        continue
                 check_payload(reader.head, header, checksum, payload)
                 in_place = filled and armed[0].header.sender == header.sender and \
                     armed[0].header.iteration == header.iteration and armed[1] == header.index
@@ -175,6 +190,18 @@ class UdpTransport(Transport):
             except Exception:  # noqa: BLE001 - one datagram must not end reception
                 self.stats.malformed_dropped += 1
                 log.exception("node %d: a datagram could not be handled", self.node_id)
+
+    def _open(self, head: memoryview, header: ChunkHeader, body: memoryview, plain: memoryview) -> memoryview | None:
+        """A sealed datagram's payload, opened into ``plain``; None (counted) for one taken before.
+        WireError where it does not open."""
+        out = plain[:header.payload_size()]
+        prefix, counter = self.seal.open(head, body, out)
+        problem = self.window.admit(header.sender, prefix, counter)
+        if problem is not None:
+            self.stats.add(replay_dropped=1)
+            log.debug("node %d: dropped a replayed datagram: %s", self.node_id, problem)
+            return None
+        return out
 
     def _disarm(self) -> None:
         with self._cond:
@@ -194,7 +221,7 @@ class UdpTransport(Transport):
                 complete, following = self.reassembler.add(header, payload, in_place)
                 if complete:
                     self.stats.messages_received += 1
-                elif not self._taking:
+                elif not self._taking and self.seal is None:  # sealed: opened into a buffer of its own
                     self._armed = following
                 if complete or self._taking:  # wake a waiting gather only when a model completes
                     self._cond.notify_all()
