@@ -208,7 +208,7 @@ class Requester:
             peer_timeout=req.peer_timeout,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
-            fedavg=req.fedavg)
+            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout)
 
     # ---- steps -----------------------------------------------------------------------------
 

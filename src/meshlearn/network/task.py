@@ -7,7 +7,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
 from meshlearn.config import ExperimentConfig
@@ -15,7 +15,7 @@ from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
 from meshlearn.settings import MAX_SEED, Settings
-from meshlearn.transport.settings import TcpSettings
+from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 MAX_EPOCHS = 1000
 DEFAULT_LR = 0.001  # what a learning rate <= 0 becomes
@@ -23,6 +23,7 @@ SANE_LR = (1e-6, 10.0)  # a learning rate outside this range is taken, with a wa
 MAX_TASK_PEERS = 256
 MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
+UDP_TIMEOUT = 2.0  # seconds a UDP task's provider waits for an iteration's datagrams (internet round trips)
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
 
@@ -74,6 +75,13 @@ class TaskRequest(Settings):
                                 description="seconds of silence before a provider counts as gone")
     weights: str | None = Field(None, description="safetensors file of initial weights for the model "
                                                   "(default: a fresh model from the seed)")
+    transport: Literal["tcp", "udp"] = Field("tcp", description="how providers send each other models: tcp, or "
+                                             "udp (datagrams each sealed with the task's key, a lost one averaged "
+                                             "around: dpsgd only, every provider reachable directly, not through "
+                                             "the relay)")
+    udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT,
+                               description="transport udp: seconds a provider waits for its peers' datagrams of an "
+                                           "iteration before it averages what came")
     gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
@@ -81,6 +89,7 @@ class TaskRequest(Settings):
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
+    _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
 
 
 def dataset_spec(data: str) -> str:
@@ -202,6 +211,15 @@ class ServedFile(Settings):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
+    """``task`` if its algorithm runs over its transport (by the algorithm's declaration); else
+    ValueError in one line."""
+    if task.transport == "udp" and task.algorithm in DEFINITIONS and not definition(task.algorithm).needs.lossy:
+        raise ValueError(f"transport udp carries algorithms that average around lost datagrams (dpsgd); "
+                         f"{task.algorithm} needs transport tcp")
+    return task
+
+
 def network_algorithm(name: str) -> str:
     """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
     naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
@@ -237,9 +255,12 @@ class TaskSpec(Settings):
     gossip: GossipSettings = GossipSettings()
     leader: LeaderSettings = LeaderSettings()
     fedavg: FedAvgSettings = FedAvgSettings()
+    transport: Literal["tcp", "udp"] = "tcp"
+    udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT)
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
+    _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
@@ -275,6 +296,9 @@ class TaskSpec(Settings):
             test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,
             eval_nodes=0 if self.eval_every else 1, host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
+                            max_message_mb=max_message_mb),
+            transport="tcp" if alone else self.transport,
+            udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation)
 

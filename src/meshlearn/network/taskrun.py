@@ -213,14 +213,19 @@ class TaskRun:
             path = download(spec.weights.address, WEIGHTS_FILE, spec.weights.model_dump(), self.folder / "data",
                             ctx.secret, sender=ctx.id, before_chunk=self._check_cancelled)
             load_weights(model, str(path))
+        if config.transport == "udp" and ctx.relayed:
+            raise BadMessage(f"task {spec.task_id} asks for transport udp, but peers reach this provider only "
+                             "through the bootstrap's relay, which carries TCP: ask with --transport tcp, or run "
+                             "providers that can be dialed")
         seal = FrameSeal(self.task_key)
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal))
-        bound = self.node.transport.bind()  # tcp://HOST:PORT, HOST possibly 0.0.0.0 ("" for a lone provider)
-        port = bound.rpartition(":")[2]
+        bound = self.node.transport.bind()  # tcp:// or udp://HOST:PORT, HOST possibly 0.0.0.0 ("" when alone)
+        scheme, _, where = bound.partition("://")
+        port = where.rpartition(":")[2]
         if port.isdigit():
             reached, self._unexpose = ctx.reach(int(port))
-            self.engine_address = f"tcp://{reached}"
+            self.engine_address = f"{scheme}://{reached}"
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))

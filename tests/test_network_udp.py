@@ -1,0 +1,122 @@
+"""A network task over sealed UDP: `meshlearn request --transport udp`, a bootstrap and providers as
+separate processes on loopback, every datagram captured off the wire (a raw socket on lo, root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+import torch
+from helpers.netproc import Processes, start_network
+
+from meshlearn.flat import FlatState
+from meshlearn.models import build_model
+from meshlearn.transport.udp import StateLayout, UdpSettings, UdpTransport
+from meshlearn.wire import Kind, Message
+from meshlearn.wire.datagram import HEADER_SIZE, MAGIC
+from meshlearn.wire.sealed_datagram import DatagramSeal
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
+ETH_P_ALL = 0x0003
+
+
+def weight_like(payload: bytes) -> float:
+    """The share of a payload's 4-byte words that read as a float32 a model holds (finite, 1e-4 <
+    |x| < 4): about 1 for a chunk of weights in the clear, about 0.1 for random (sealed) bytes."""
+    words = np.frombuffer(payload[:len(payload) // 4 * 4], dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        magnitude = np.abs(words)
+        return float(np.mean(np.isfinite(words) & (magnitude > 1e-4) & (magnitude < 4))) if len(words) else 0.0
+
+
+class LoopbackCapture:
+    """Every meshlearn datagram on lo while it runs (an AF_PACKET socket: root only), as UDP payloads."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.datagrams: list[bytes] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> LoopbackCapture:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                frame, address = self.sock.recvfrom(1 << 17)
+            except TimeoutError:
+                continue
+            if address[2] == socket.PACKET_OUTGOING:  # each packet on lo is seen going out and coming in
+                continue
+            ip = frame[14:]  # after lo's (zeroed) Ethernet header
+            if len(ip) < 28 or ip[0] >> 4 != 4 or ip[9] != socket.IPPROTO_UDP:
+                continue
+            payload = ip[(ip[0] & 0x0F) * 4 + 8:]
+            if payload[:4] == MAGIC:
+                self.datagrams.append(bytes(payload))
+
+
+def test_the_weight_check_tells_a_model_in_the_clear_from_a_sealed_one():
+    torch.manual_seed(0)
+    flat = FlatState(build_model("mlp", (1, 8, 8), 10))
+    layout = StateLayout(flat.ranges, flat.state.dtype)
+    for seal, clear in ((None, True), (DatagramSeal(os.urandom(32)), False)):
+        a, b = (UdpTransport(rank, layout=layout, settings=UdpSettings(chunk_bytes=4000), seal=seal)
+                for rank in (0, 1))
+        sent: list[bytes] = []
+        send = a.sender._send
+        a.sender._send = lambda pieces, addr: sent.append(b"".join(bytes(p) for p in pieces)) or send(pieces, addr)
+        address_a, address_b = a.bind(), b.bind()
+        thread = threading.Thread(target=b.connect, args=({0: address_a},))
+        thread.start()
+        a.connect({1: address_b})
+        thread.join()
+        try:
+            a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+            assert b.gather(0, [0], timeout=10)[0].chunks.missing == 0
+            shares = [weight_like(d[HEADER_SIZE:]) for d in sent if d[5] == Kind.MODEL]
+            assert shares and (min(shares) > 0.9 if clear else max(shares) < 0.3), shares
+        finally:
+            a.close()
+            b.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="capturing packets on lo needs root")
+def test_a_dpsgd_task_over_sealed_udp_trains_and_no_datagram_carries_a_model_in_the_clear(procs: Processes):
+    bootstrap, ids = start_network(procs, 3)
+    with LoopbackCapture() as capture:
+        proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *TASK,
+                           "--algorithm", "dpsgd", "--transport", "udp", "--epochs", "3", "--providers", "3",
+                           "--aggregate-every", "5", "--wait", "0")
+        proc.wait(timeout=240)
+    out = procs.log("req")
+    assert proc.returncode == 0, out
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["algorithm"] == "dpsgd" and metrics["lost"] == [] and metrics["accuracy"] > 0.5
+    models = [d for d in capture.datagrams if d[5] == Kind.MODEL and len(d) > HEADER_SIZE + 256]
+    senders = {struct.unpack_from("<I", d, 8)[0] for d in models}
+    assert len(models) > 30 and senders == {0, 1, 2}  # every provider's models went over UDP ...
+    assert max(weight_like(d[HEADER_SIZE:]) for d in models) < 0.3  # ... and none of them in the clear
+
+
+def test_a_task_asking_udp_for_an_algorithm_that_needs_every_message_is_refused_in_one_line(procs: Processes):
+    proc = procs.start("bad", "request", "--bootstrap", "127.0.0.1:9", "--data", "digits", "--algorithm", "leader",
+                       "--transport", "udp")
+    assert proc.wait(timeout=60) == 2, procs.log("bad")
+    out = procs.log("bad").strip()
+    assert "transport udp carries algorithms that average around lost datagrams" in out
+    assert len(out.splitlines()) == 1 and "Traceback" not in out
