@@ -88,6 +88,17 @@ def test_poison() -> str:
     return poison
 
 
+def test_net() -> str:
+    """The emulated network a provider started with ``MESHLEARN_TEST_NET`` (``--net``'s syntax, e.g.
+    ``loss=20%,delay=200ms,jitter=50ms``) puts on its task engines' links: for tests and benchmarks
+    of slow, lossy links between providers on one machine only, never set in use. A bad value fails
+    the provider's task with a clear error."""
+    from meshlearn.netem import NetemSpec
+
+    net = os.environ.get("MESHLEARN_TEST_NET", "").strip()
+    return NetemSpec.parse(net).describe() if net else ""
+
+
 def test_device() -> str:
     """The device a provider started with ``MESHLEARN_TEST_DEVICE`` (cpu, cuda or mps) declares to
     the bootstrap, whatever it trains on: for tests of device selection only, never set in use."""
@@ -412,7 +423,7 @@ class Provider:
         return ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                Path(self.settings.data_root) if self.settings.data_root else None,
                                self.settings.max_message_mb, self.clock, self.public_host,
-                               self.expose, poison=test_poison(), keep_data=self.settings.keep_data,
+                               self.expose, poison=test_poison(), net=test_net(), keep_data=self.settings.keep_data,
                                cores=self.settings.cores, relayed=self.relayed)
 
     def _assign(self, req: Envelope) -> dict:

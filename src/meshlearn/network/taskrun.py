@@ -24,6 +24,7 @@ import torch
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, NetworkError, TaskCancelled
 from meshlearn.models import build_model, load_weights
+from meshlearn.netem import NetemSpec
 from meshlearn.network.datashare import download
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.finish import Finisher
@@ -87,6 +88,7 @@ class ProviderContext:
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
     poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
+    net: str = ""  # tests only (MESHLEARN_TEST_NET): the emulated network on this provider's engine links
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
     cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
     relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
@@ -200,6 +202,8 @@ class TaskRun:
         config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_mb)
         if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
             config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
+        if ctx.net:  # slow, lossy links emulated between providers on one machine (tests and benchmarks)
+            config = config.model_copy(update={"net": NetemSpec.parse(ctx.net)})
         graph = build_topology("full", config.nodes, spec.seed)
         threads = self.threads()
         if threads:
