@@ -120,3 +120,71 @@ def test_a_task_asking_udp_for_an_algorithm_that_needs_every_message_is_refused_
     out = procs.log("bad").strip()
     assert "transport udp carries algorithms that average around lost datagrams" in out
     assert len(out.splitlines()) == 1 and "Traceback" not in out
+
+
+def _udp_ports(pid: int) -> set[int]:
+    """The UDP ports process ``pid`` has bound (its sockets' inodes, looked up in /proc/net/udp)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    with open("/proc/net/udp") as table:
+        for line in list(table)[1:]:
+            fields = line.split()
+            if fields[9] in inodes:
+                ports.add(int(fields[1].rpartition(":")[2], 16))
+    return ports
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+def test_a_task_over_sealed_udp_keeps_training_while_its_ports_are_fuzzed(procs: Processes):
+    """A bounded loop of random and crafted datagrams at every provider's engine port while the task
+    runs: the task ends as a clean one does (0.88 here), and the providers' memory stays flat."""
+    import random
+    import time
+
+    from helpers.waiting import wait_until
+
+    from meshlearn.wire.datagram import ChunkHeader, pack_header
+
+    bootstrap, ids = start_network(procs, 3)
+    pids = [procs.procs[pid].pid for pid in ids]
+    before = {pid: _udp_ports(pid) for pid in pids}
+    proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *TASK,
+                       "--algorithm", "dpsgd", "--transport", "udp", "--epochs", "4", "--providers", "3",
+                       "--aggregate-every", "5", "--wait", "0")
+    assert wait_until(lambda: all(_udp_ports(pid) - before[pid] for pid in pids), timeout=60), procs.log("req")
+    targets = [("127.0.0.1", port) for pid in pids for port in _udp_ports(pid) - before[pid]]
+    rss = [_rss_mb(pid) for pid in pids]
+    rng = random.Random(1)
+    crafted = [pack_header(ChunkHeader(Kind.MODEL, rank, 1, 0, 1, 4000, 2, 1000)) for rank in range(3)]
+    sent = 0
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as attacker:
+        while proc.poll() is None and sent < 6000:
+            for target in targets:
+                choice = rng.random()
+                if choice < 0.4:  # random bytes
+                    datagram = os.urandom(rng.randrange(1, 3000))
+                elif choice < 0.8:  # a header that parses, a body sealed with no key of the task
+                    datagram = crafted[rng.randrange(3)] + os.urandom(1000 + 28)
+                else:  # a header cut short
+                    datagram = crafted[rng.randrange(3)][:rng.randrange(1, 48)]
+                attacker.sendto(datagram, target)
+                sent += 1
+            if sent % 300 == 0:
+                time.sleep(0.01)
+    grown = [_rss_mb(pid) - mb for pid, mb in zip(pids, rss) if os.path.exists(f"/proc/{pid}")]
+    assert proc.wait(timeout=240) == 0, procs.log("req")
+    assert sent >= 300
+    metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
+    assert metrics["lost"] == [] and metrics["accuracy"] > 0.8, metrics["accuracy"]
+    assert all(growth < 60 for growth in grown), grown

@@ -76,7 +76,7 @@ FLAG_GROUPS = {
     "data and model": ["dataset", "partition", "validation", "reshuffle", "model", "models_module"],
     "training": ["rounds", "batch_size", "lr", "optimizer", "momentum", "weight_decay", "full_epochs", "device",
                  "threads"],
-    "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate"],
+    "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate", "topology_colour"],
     "transport and emulated network": ["transport", "net", "loss_mode", "slowdown", "host", "base_port"],
     "what nodes share, robust aggregation, attacks": ["sharing", "aggregation", "byzantine"],
     "outputs": ["output"],

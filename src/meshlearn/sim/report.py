@@ -93,10 +93,15 @@ def evaluation_table(logs: dict[int, list[dict]], records: Records | None = None
     training = _training_losses(records if records is not None else iteration_records(logs), attackers, iterations)
     rows = [evaluation_row(iteration, by_iteration[iteration], bad_by_iteration[iteration] if attackers else None)
             for iteration in iterations]
-    if training is not None:
-        for row, losses in zip(rows, training):
-            row["train_loss_mean"], row["train_loss_std"] = _mean_std(losses)
-    return rows
+    if training is None:
+        return rows
+    placed = []
+    for row, losses in zip(rows, training):  # beside the test loss
+        mean, std = _mean_std(losses)
+        at = list(row).index("test_loss_std") + 1
+        items = list(row.items())
+        placed.append(dict(items[:at] + [("train_loss_mean", mean), ("train_loss_std", std)] + items[at:]))
+    return placed
 
 
 def _training_losses(records: Records, attackers: dict[int, str], iterations: list[int]) -> list[list[float]] | None:
