@@ -13,8 +13,9 @@ exchange should take 35.8 s.
 from __future__ import annotations
 
 import argparse
-import threading
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,8 +27,11 @@ from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.udp import StateLayout, UdpSettings, UdpTransport
 from meshlearn.wire import Kind, Message
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.pairs import connected  # noqa: E402  (the tests' own pairing)
 
-def connected(transport: str, flat: FlatState, net: NetemSpec, timeout: float):
+
+def transports(transport: str, flat: FlatState, net: NetemSpec, timeout: float):
     """Two transports of ``transport`` on loopback, handshaken, node 1 receiving from node 0."""
     if transport == "tcp":
         settings = TcpSettings(wait_timeout=timeout, linger=1)
@@ -36,12 +40,7 @@ def connected(transport: str, flat: FlatState, net: NetemSpec, timeout: float):
         layout = StateLayout(flat.ranges, flat.state.dtype)
         settings = UdpSettings(timeout=timeout)
         a, b = (UdpTransport(rank, layout=layout, settings=settings, netem=net) for rank in (0, 1))
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
-    return a, b
+    return connected(a, b)
 
 
 def exchange(a, b, flat: FlatState, timeout: float) -> tuple[float, int]:
@@ -69,7 +68,7 @@ def main() -> None:
     timeout = 2 * expected + 30
     print(f"{args.model}: {flat.nbytes / 1e6:.1f} MB of state; at {args.rate}: {expected:.1f} s expected")
     for transport in args.transports:
-        a, b = connected(transport, flat, net, timeout)
+        a, b = transports(transport, flat, net, timeout)
         try:
             for repeat in range(args.repeats):
                 seconds, missing = exchange(a, b, flat, timeout)

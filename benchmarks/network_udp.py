@@ -19,62 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-SECRET = "benchmark-network-secret"
-
-
-def free_port() -> int:
-    """A free port P on loopback whose P + 1 is free too (the bootstrap's relay takes P + 1)."""
-    for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            try:
-                second.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free pair of neighbouring ports")
-
-
-class Services:
-    """The meshlearn processes of one benchmark, their logs in ``folder``; all killed at the end."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.procs: list[subprocess.Popen] = []
-        self.env = {**os.environ, "MESHLEARN_SECRET": SECRET, "MESHLEARN_HOME": str(folder / "home"),
-                    "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-
-    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
-        log = open(self.folder / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "meshlearn", *args], stdout=log, stderr=subprocess.STDOUT,
-                                env={**self.env, **(env or {})}, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def wait_for(self, name: str, pattern: str, timeout: float = 60) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.search(pattern, (self.folder / f"{name}.log").read_text())
-            if found:
-                return found
-            time.sleep(0.1)
-        raise RuntimeError(f"{name} never printed {pattern!r}: see {self.folder / name}.log")
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from helpers.netproc import Processes, start_network  # noqa: E402  (the tests' own way to start a network)
 
 
 def main() -> None:
@@ -87,17 +37,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="network-udp-"))
-    services = Services(folder)
+    os.environ["MESHLEARN_HOME"] = str(folder / "home")  # keys and pinned bootstraps of this benchmark only
+    os.environ["MESHLEARN_TEST_NET"] = args.net  # every provider's engine links (the others ignore it)
+    services = Processes(folder)
     try:
-        port = free_port()
-        services.start("bootstrap", "bootstrap", "--port", str(port), "--state", str(folder / "registry.sqlite"),
-                       "--host", "127.0.0.1", "--relay-port", "0")
-        bootstrap = services.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
-        for i in range(args.providers):
-            services.start(f"p{i}", "provider", "--bootstrap", bootstrap, "--id", f"p{i}", "--host", "127.0.0.1",
-                           "--workdir", str(folder / f"p{i}"), env={"MESHLEARN_TEST_NET": args.net})
-        for i in range(args.providers):
-            services.wait_for(f"p{i}", "registered with")
+        bootstrap, _ = start_network(services, args.providers)
         print(f"{args.providers} providers, links: {args.net}; D-PSGD, {args.model} on digits, {args.epochs} epochs")
         seconds: dict[str, list[float]] = {"tcp": [], "udp": []}
         for repeat in range(args.repeats):
@@ -117,7 +61,7 @@ def main() -> None:
         tcp, udp = (sum(values) / len(values) for values in (seconds["tcp"], seconds["udp"]))
         print(f"UDP / TCP training seconds: {udp / tcp:.3f} (means {udp:.1f} / {tcp:.1f} s); logs in {folder}")
     finally:
-        services.stop()
+        services.stop_all()
 
 
 if __name__ == "__main__":

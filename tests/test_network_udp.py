@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.netproc import Processes, start_network
+from helpers.pairs import connected
 
 from meshlearn.flat import FlatState
 from meshlearn.models import build_model
@@ -75,16 +76,11 @@ def test_the_weight_check_tells_a_model_in_the_clear_from_a_sealed_one():
     flat = FlatState(build_model("mlp", (1, 8, 8), 10))
     layout = StateLayout(flat.ranges, flat.state.dtype)
     for seal, clear in ((None, True), (DatagramSeal(os.urandom(32)), False)):
-        a, b = (UdpTransport(rank, layout=layout, settings=UdpSettings(chunk_bytes=4000), seal=seal)
-                for rank in (0, 1))
+        a, b = connected(*(UdpTransport(rank, layout=layout, settings=UdpSettings(chunk_bytes=4000), seal=seal)
+                           for rank in (0, 1)))
         sent: list[bytes] = []
         send = a.sender._send
         a.sender._send = lambda pieces, addr: sent.append(b"".join(bytes(p) for p in pieces)) or send(pieces, addr)
-        address_a, address_b = a.bind(), b.bind()
-        thread = threading.Thread(target=b.connect, args=({0: address_a},))
-        thread.start()
-        a.connect({1: address_b})
-        thread.join()
         try:
             a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
             assert b.gather(0, [0], timeout=10)[0].chunks.missing == 0

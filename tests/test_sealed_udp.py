@@ -10,6 +10,7 @@ import threading
 
 import pytest
 import torch
+from helpers.pairs import connected
 from helpers.waiting import wait_until
 
 from meshlearn.errors import TransportError, WireError
@@ -72,14 +73,8 @@ def test_the_window_takes_each_datagram_once_reordered_or_not_and_one_session_a_
 
 def _pair(flat: FlatState, keys: tuple[bytes, bytes] = (KEY, KEY), **settings) -> tuple[UdpTransport, UdpTransport]:
     layout = StateLayout(flat.ranges, flat.state.dtype)
-    a, b = (UdpTransport(rank, layout=layout, settings=UdpSettings(**settings), seal=DatagramSeal(key))
-            for rank, key in enumerate(keys))
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
-    return a, b
+    return connected(*(UdpTransport(rank, layout=layout, settings=UdpSettings(**settings), seal=DatagramSeal(key))
+                       for rank, key in enumerate(keys)))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from helpers.pairs import connected
 from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -83,14 +84,8 @@ def test_fuzz_datagrams_only_raise_wire_error(noise, position, flip):
 
 
 def _pair(layout, **settings):
-    a = UdpTransport(0, layout=layout, settings=UdpSettings(**settings))
-    b = UdpTransport(1, layout=layout, settings=UdpSettings(**settings))
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
-    return a, b
+    return connected(UdpTransport(0, layout=layout, settings=UdpSettings(**settings)),
+                     UdpTransport(1, layout=layout, settings=UdpSettings(**settings)))
 
 
 @pytest.fixture
@@ -406,13 +401,7 @@ def test_emulated_delay_holds_datagrams_until_they_are_due():
 
 def test_a_udp_transport_under_emulated_delay_delivers_through_its_delay_thread(lenet_state):
     flat, layout = lenet_state
-    a = UdpTransport(0, layout=layout, netem=NetemSpec(delay=0.05))
-    b = UdpTransport(1, layout=layout)
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
+    a, b = connected(UdpTransport(0, layout=layout, netem=NetemSpec(delay=0.05)), UdpTransport(1, layout=layout))
     try:
         a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
         got = b.gather(0, [0], timeout=10)
@@ -429,14 +418,8 @@ def _tcp_pair(clock: FakeClock):
     from meshlearn.transport import TcpTransport
     from meshlearn.transport.settings import TcpSettings
 
-    a = TcpTransport(0, settings=TcpSettings(wait_timeout=1, linger=1))
-    b = TcpTransport(1, settings=TcpSettings(wait_timeout=1, linger=1), clock=clock.monotonic)
-    address_a, address_b = a.bind(), b.bind()
-    thread = threading.Thread(target=b.connect, args=({0: address_a},))
-    thread.start()
-    a.connect({1: address_b})
-    thread.join()
-    return a, b
+    return connected(TcpTransport(0, settings=TcpSettings(wait_timeout=1, linger=1)),
+                     TcpTransport(1, settings=TcpSettings(wait_timeout=1, linger=1), clock=clock.monotonic))
 
 
 def test_tcp_emulated_delay_holds_a_message_until_it_is_due():
