@@ -23,6 +23,7 @@ from meshlearn.errors import (
     NetworkError,
     UserInputError,
 )
+from meshlearn.netem import NetemSpec
 from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
@@ -88,15 +89,13 @@ def test_poison() -> str:
     return poison
 
 
-def test_net() -> str:
+def test_net() -> NetemSpec | None:
     """The emulated network a provider started with ``MESHLEARN_TEST_NET`` (``--net``'s syntax, e.g.
     ``loss=20%,delay=200ms,jitter=50ms``) puts on its task engines' links: for tests and benchmarks
     of slow, lossy links between providers on one machine only, never set in use. A bad value fails
     the provider's task with a clear error."""
-    from meshlearn.netem import NetemSpec
-
     net = os.environ.get("MESHLEARN_TEST_NET", "").strip()
-    return NetemSpec.parse(net).describe() if net else ""
+    return NetemSpec.parse(net) if net else None
 
 
 def test_device() -> str:

@@ -88,7 +88,7 @@ class ProviderContext:
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
     poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
-    net: str = ""  # tests only (MESHLEARN_TEST_NET): the emulated network on this provider's engine links
+    net: NetemSpec | None = None  # tests only (MESHLEARN_TEST_NET): the emulated network on its engine links
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
     cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
     relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
@@ -203,7 +203,7 @@ class TaskRun:
         if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
             config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
         if ctx.net:  # slow, lossy links emulated between providers on one machine (tests and benchmarks)
-            config = config.model_copy(update={"net": NetemSpec.parse(ctx.net)})
+            config = config.model_copy(update={"net": ctx.net})
         graph = build_topology("full", config.nodes, spec.seed)
         threads = self.threads()
         if threads:

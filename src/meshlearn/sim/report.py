@@ -338,12 +338,12 @@ def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis:
     fig, axes = plt.subplots(1, len(axes_keys), figsize=(5.5 * len(axes_keys), 4))
     for ax, (x_key, x_label) in zip(axes, axes_keys):
         xs = [r[x_key] for r in rows]
-        for name, legend in series:
+        for number, (name, legend) in enumerate(series):
             mean = [r[f"{name}_mean"] for r in rows]
             std = [r[f"{name}_std"] for r in rows]
             ax.plot(xs, mean, marker="o", markersize=3, label=legend)
             ax.fill_between(xs, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)], alpha=0.25,
-                            label="± std")
+                            label="± std" if number == 0 else None)  # one legend entry for the bands
         ax.set_xlabel(x_label)
         ax.set_ylabel(label if len(series) == 1 else "loss")
         ax.grid(alpha=0.3)
