@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.netem import NetemSpec
 from meshlearn.transport import TcpTransport
 from meshlearn.transport.settings import TcpSettings
-from meshlearn.transport.udp import StateLayout, UdpSettings, UdpTransport
+from meshlearn.transport.udp import UdpSettings, UdpTransport
 from meshlearn.wire import Kind, Message
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -37,7 +38,7 @@ def transports(transport: str, flat: FlatState, net: NetemSpec, timeout: float):
         settings = TcpSettings(wait_timeout=timeout, linger=1)
         a, b = TcpTransport(0, settings=settings, netem=net), TcpTransport(1, settings=settings, netem=net)
     else:
-        layout = StateLayout(flat.ranges, flat.state.dtype)
+        layout = TensorLayout.uniform(flat.ranges, flat.state.dtype)
         settings = UdpSettings(timeout=timeout)
         a, b = (UdpTransport(rank, layout=layout, settings=settings, netem=net) for rank in (0, 1))
     return connected(a, b)

@@ -17,10 +17,10 @@ import time
 import torch
 
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.transport.udp import (
     SO_RCVBUFFORCE,
-    StateLayout,
     UdpSettings,
     UdpTransport,
 )
@@ -54,7 +54,7 @@ def main() -> None:
         sink.bind(("127.0.0.1", 0))
         sink.setblocking(False)
         sinks.append(sink)
-    sender = UdpTransport(0, layout=StateLayout(flat.ranges, flat.state.dtype),
+    sender = UdpTransport(0, layout=TensorLayout.uniform(flat.ranges, flat.state.dtype),
                           settings=UdpSettings(chunk_bytes=args.chunk_bytes, rate_gbps=float("inf")))
     sender.bind()
     sender._addrs = {i + 1: sink.getsockname() for i, sink in enumerate(sinks)}  # no handshake: sinks are plain sockets

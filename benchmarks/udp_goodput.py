@@ -18,9 +18,9 @@ import time
 import torch
 
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.transport.udp import (
-    StateLayout,
     UdpSettings,
     UdpTransport,
     rcvbuf_errors,
@@ -28,10 +28,10 @@ from meshlearn.transport.udp import (
 from meshlearn.wire import Kind, Message
 
 
-def _layout(name: str) -> tuple[FlatState, StateLayout]:
+def _layout(name: str) -> tuple[FlatState, TensorLayout]:
     torch.manual_seed(0)
     flat = FlatState(build_model(name, (3, 32, 32), 10))
-    return flat, StateLayout(flat.ranges, flat.state.dtype)
+    return flat, TensorLayout.uniform(flat.ranges, flat.state.dtype)
 
 
 def _settings(args) -> UdpSettings:

@@ -16,8 +16,9 @@ from helpers.netproc import Processes, start_network
 from helpers.pairs import connected
 
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
-from meshlearn.transport.udp import StateLayout, UdpSettings, UdpTransport
+from meshlearn.transport.udp import UdpSettings, UdpTransport
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.datagram import HEADER_SIZE, MAGIC
 from meshlearn.wire.sealed_datagram import DatagramSeal
@@ -74,7 +75,7 @@ class LoopbackCapture:
 def test_the_weight_check_tells_a_model_in_the_clear_from_a_sealed_one():
     torch.manual_seed(0)
     flat = FlatState(build_model("mlp", (1, 8, 8), 10))
-    layout = StateLayout(flat.ranges, flat.state.dtype)
+    layout = TensorLayout.uniform(flat.ranges, flat.state.dtype)
     for seal, clear in ((None, True), (DatagramSeal(os.urandom(32)), False)):
         a, b = connected(*(UdpTransport(rank, layout=layout, settings=UdpSettings(chunk_bytes=4000), seal=seal)
                            for rank in (0, 1)))

@@ -42,6 +42,8 @@ NOT_RUN = {
         "8 minutes; test_experiment runs small experiment files end to end",
     "meshlearn experiment experiments/udp-bandwidth.yaml --quick   # TCP vs UDP at 1, 10 and 100 Mbit/s a link":
         "test_experiment runs this file at its quick scale and checks each model's time on the link",
+    "meshlearn experiment experiments/udp-sharing.yaml --quick     # each scheme over TCP and over lossy UDP":
+        "test_experiment runs this file at its quick scale, on both engines, and checks what came in part",
     'meshlearn simulate --nodes 8 --topology regular:3 --byzantine "3:sign-flip:10" --aggregation trimmed-mean:1':
         "the experiment file takes 12 minutes; test_aggregation runs this attack and rule (and mean and clip) "
         "and asserts the accuracies",

@@ -15,8 +15,9 @@ from helpers.waiting import wait_until
 
 from meshlearn.errors import TransportError, WireError
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
-from meshlearn.transport.udp import StateLayout, UdpSettings, UdpTransport
+from meshlearn.transport.udp import UdpSettings, UdpTransport
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.datagram import HEADER_SIZE, MAX_DATAGRAM, ChunkHeader, pack_header
 from meshlearn.wire.sealed import FrameSeal
@@ -72,7 +73,7 @@ def test_the_window_takes_each_datagram_once_reordered_or_not_and_one_session_a_
 
 
 def _pair(flat: FlatState, keys: tuple[bytes, bytes] = (KEY, KEY), **settings) -> tuple[UdpTransport, UdpTransport]:
-    layout = StateLayout(flat.ranges, flat.state.dtype)
+    layout = TensorLayout.uniform(flat.ranges, flat.state.dtype)
     return connected(*(UdpTransport(rank, layout=layout, settings=UdpSettings(**settings), seal=DatagramSeal(key))
                        for rank, key in enumerate(keys)))
 
@@ -104,7 +105,7 @@ def test_sealed_transports_exchange_a_model_bit_for_bit_and_no_datagram_carries_
 
 
 def test_a_transport_with_another_key_hears_nothing_and_says_so_in_its_counters(lenet):
-    layout = StateLayout(lenet.ranges, lenet.state.dtype)
+    layout = TensorLayout.uniform(lenet.ranges, lenet.state.dtype)
     a = UdpTransport(0, layout=layout, settings=UdpSettings(handshake_timeout=1), seal=DatagramSeal(KEY))
     b = UdpTransport(1, layout=layout, settings=UdpSettings(handshake_timeout=1), seal=DatagramSeal(bytes(32)))
     address_a, address_b = a.bind(), b.bind()
@@ -164,7 +165,7 @@ def test_forged_replayed_and_random_datagrams_are_dropped_and_counted_and_the_mo
 
 def test_a_sealed_chunk_keeps_room_for_its_seal_on_the_path():
     flat = FlatState(torch.nn.Linear(2, 2))
-    state = StateLayout(flat.ranges, flat.state.dtype)
+    state = TensorLayout.uniform(flat.ranges, flat.state.dtype)
     loopback = UdpTransport(0, layout=state, seal=DatagramSeal(KEY))
     assert HEADER_SIZE + loopback.chunk_bytes + OVERHEAD <= MAX_DATAGRAM
     ethernet = UdpTransport(0, host="10.0.0.1", layout=state, seal=DatagramSeal(KEY))

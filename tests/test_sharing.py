@@ -20,6 +20,11 @@ def _t(values, dtype=torch.float32):
     return torch.tensor(values, dtype=dtype)
 
 
+def _bucket(low, step, codes):
+    """One bucket of a quantized message: its low end and step, then ``codes`` bytes of codes."""
+    return torch.cat([_t([low, step]).view(torch.uint8), torch.zeros(codes, dtype=torch.uint8)])
+
+
 def _over_the_wire(tensors):
     """The tensors as a receiver gets them: encoded into frames and decoded (no pickle)."""
     return decode(encode(Message(Kind.MODEL, 1, 7, 3, tensors))).tensors
@@ -70,9 +75,9 @@ def test_subsampling_sends_values_only_at_positions_every_receiver_draws_itself(
 def test_quantization_by_hand_and_unbiased():
     scheme = make_sharing("quantize:2", 4, torch.float32, seed=1)
     sent = _over_the_wire(scheme.encode(_t([0, 1, 2, 3]), 0, 0))
-    # one bucket: low 0, 3 levels of step 1; codes 0 1 2 3 packed 4 to a byte, low bits first
-    assert torch.equal(sent["low"], _t([0])) and torch.equal(sent["step"], _t([1]))
-    assert sent["codes"][0] == 0 | 1 << 2 | 2 << 4 | 3 << 6 and sent["codes"].numel() == 512 // 4
+    # one bucket: low 0, 3 levels of step 1, then codes 0 1 2 3 packed 4 to a byte, low bits first
+    assert torch.equal(sent["buckets"][:8].view(torch.float32), _t([0, 1]))
+    assert sent["buckets"][8] == 0 | 1 << 2 | 2 << 4 | 3 << 6 and sent["buckets"].numel() == 8 + 512 // 4
     assert torch.equal(scheme.decode(sent, 0, 0).values, _t([0, 1, 2, 3]))
     one_bit = make_sharing("quantize:1", 1000, torch.float32, seed=1)
     model = torch.rand(1000, generator=torch.Generator().manual_seed(0))
@@ -106,8 +111,8 @@ def test_partial_models_are_averaged_per_value_over_those_who_sent_it():
 def test_choco_sends_compressed_differences_and_steps_toward_the_estimates():
     node = make_sharing("choco:0.5:0.5", 4, torch.float32, seed=1)
     sent = _over_the_wire(node.encode(_t([4, -3, 1, 0]), 0, 0))
-    assert torch.equal(sent["values"], _t([4, -3]))  # top half of the difference to its estimate (0)
-    assert torch.equal(node.own, _t([4, -3, 0, 0]))  # which takes it in
+    # the top half of the difference to its estimate (0), which takes it in: sent as the estimate's new values
+    assert torch.equal(node.own, _t([4, -3, 0, 0])) and torch.equal(sent["values"], _t([4, -3]))
     neighbour = make_sharing("choco:0.5:0.5", 4, torch.float32, seed=1)
     update = node.decode(_over_the_wire(neighbour.encode(_t([0, 0, 2, 2]), 1, 0)), 1, 0)
     state = _t([4, -3, 1, 0])
@@ -115,21 +120,33 @@ def test_choco_sends_compressed_differences_and_steps_toward_the_estimates():
     # x += gamma * w * (xhat_1 - xhat_own) = 0.125 * ([0, 0, 2, 2] - [4, -3, 0, 0])
     assert torch.allclose(state, _t([3.5, -2.625, 1.25, 0.25]))
     again = state.clone()
-    node.mix_(again, {1: 0.25, 2: 0.25}, {1: update, 2: update})  # 2 stays out; 1's estimate grows again
-    assert torch.allclose(again, state + 0.125 * (_t([0, 0, 4, 4]) - _t([4, -3, 0, 0])))
+    node.mix_(again, {1: 0.25, 2: 0.25}, {1: update, 2: update})  # 2's values 2 and 3 are in step again, 0 and 1 not
+    assert torch.allclose(again, state + 0.125 * (_t([0, 0, 2, 2]) - _t([4, -3, 0, 0])) + 0.125 * _t([0, 0, 2, 2]))
+    assert torch.equal(node.estimates[1], _t([0, 0, 2, 2]))  # the values sent again are taken, not added
 
 
-def test_choco_leaves_out_a_neighbour_whose_finite_updates_add_up_past_floats_range():
+def test_choco_over_lost_chunks_leaves_out_the_values_whose_update_may_be_lost_until_they_are_sent_again():
+    sender, node = (make_sharing("choco:0.5:1", 8, torch.float32, seed=1, lossy=True) for _ in range(2))
+    sender.encode(_t([0, 1, 0, 2, 0, 3, 0, 4]), 1, 0)  # positions 1, 3, 5, 7
+    state = torch.zeros(8)
+    assert node.mix_(state, {1: 0.5}, {}) == [1]  # its update missed: every value out of step
+    tensors = sender.encode(_t([0, 2, 0, 3, 0, 4, 0, 9]), 1, 1)  # the same positions, as 4 pairs of 8 bytes
+    middle_lost = node.receive(tensors, 1, 1, (_t([1, 0, 0, 1]).bool(), 8))
+    assert torch.nonzero(middle_lost.mask).flatten().tolist() == [1, 7]
+    assert torch.nonzero(middle_lost.unsure).flatten().tolist() == [2, 3, 4, 5, 6]
+    node.mix_(state, {1: 0.5}, {1: middle_lost})
+    assert torch.equal(state, 0.5 * _t([0, 2, 0, 0, 0, 0, 0, 9]))  # 1 and 7 back in step; 3 and 5 not yet
+    node.mix_(state, {1: 0.5}, {1: node.decode(tensors, 1, 1)})
+    assert torch.equal(state, 0.5 * _t([0, 4, 0, 3, 0, 4, 0, 18]))  # all four in step; 0, 2, 4 and 6 never sent
+
+
+def test_choco_skips_a_neighbour_whose_estimate_is_too_far_from_its_own_to_average():
     node = make_sharing("choco:1", 2, torch.float32, seed=1)
-    node.encode(_t([1, 2]), 0, 0)
+    node.encode(_t([-3e38, -3e38]), 0, 0)
     huge = node.decode({"values": _t([3e38, 3e38]), "bitmap": _t([3], torch.uint8)}, 1, 0)  # finite: decode takes it
     state = _t([1, 2])
-    assert node.mix_(state, {1: 0.5}, {1: huge}) == []
-    assert bool(torch.isfinite(state).all())
-    assert node.mix_(state, {1: 0.5}, {1: huge}) == [1]  # the estimate would reach 6e38: out of step
-    before = state.clone()
-    node.mix_(state, {1: 0.5}, {1: huge})
-    assert torch.equal(state, before) and 1 in node.out_of_step
+    assert node.mix_(state, {1: 0.5}, {1: huge}) == []  # 6e38 apart: past float's range
+    assert torch.equal(state, _t([1, 2]))
 
 
 # --- what is refused -------------------------------------------------------------------------------
@@ -145,10 +162,9 @@ def test_choco_leaves_out_a_neighbour_whose_finite_updates_add_up_past_floats_ra
     ("topk:0.0002", {"values": _t([1, 2]), "indices": _t([5, 5], torch.int32)}, "rise strictly"),
     ("topk:0.0002", {"values": _t([1, 2]), "indices": _t([-1, 5], torch.int32)}, "rise strictly"),
     ("subsample:0.2", {"values": _t([1, 2, 3])}, "expected torch.float32 \\[2\\]"),
-    ("quantize:8", {"codes": torch.zeros(512, dtype=torch.uint8), "low": _t([0]), "step": _t([-1])}, "negative"),
-    ("quantize:8", {"codes": torch.zeros(512, dtype=torch.uint8), "low": _t([float("inf")]), "step": _t([1])},
-     "NaN or Inf"),
-    ("quantize:8", {"codes": torch.zeros(256, dtype=torch.uint8), "low": _t([0]), "step": _t([1])}, "codes"),
+    ("quantize:8", {"buckets": _bucket(0, -1, 512)}, "negative"),
+    ("quantize:8", {"buckets": _bucket(float("inf"), 1, 512)}, "NaN or Inf"),
+    ("quantize:8", {"buckets": _bucket(0, 1, 256)}, "expected torch.uint8 \\[520\\]"),
     ("full", {"values": torch.zeros(9)}, "expected torch.float32 \\[10\\]"),
 ])
 def test_a_bad_share_is_refused_with_what_is_wrong(scheme, tensors, problem):
@@ -160,7 +176,6 @@ def test_a_bad_share_is_refused_with_what_is_wrong(scheme, tensors, problem):
 @pytest.mark.parametrize("values,message", [
     ({"sharing": "topk"}, "write it topk:ALPHA"), ({"sharing": "topk:1.5"}, "in \\(0, 1\\]"),
     ({"sharing": "quantize:3"}, "BITS must be one of 1, 2, 4, 8"),
-    ({"sharing": "topk:0.1", "transport": "udp"}, "needs transport tcp"),
     ({"sharing": "topk:0.1", "algorithm": "gossip"}, "needs algorithm dpsgd"),
     ({"sharing": "topk:0.1", "aggregation": "median"}, "needs aggregation mean"),
     ({"sharing": "choco:0.1", "byzantine": "1:stale"}, "no byzantine"),
@@ -201,6 +216,85 @@ def test_a_users_own_scheme_is_named_like_a_built_in_one_and_an_unknown_one_is_r
         simulate(config, progress=False)
         summaries[scheme] = json.loads((tmp_path / scheme / "summary.json").read_text())
     assert summaries["first-part:0.5"]["bytes_sent"] == pytest.approx(summaries["full"]["bytes_sent"] / 2, rel=1e-3)
+
+
+# --- lost chunks (UDP) -----------------------------------------------------------------------------
+
+OVER_UDP = ["subsample:0.1", "topk:0.1", "quantize:4", "choco:0.1"]
+
+
+@pytest.mark.parametrize("scheme", OVER_UDP)
+def test_a_share_that_lost_chunks_keeps_bit_for_bit_what_its_rule_can_place_and_marks_the_rest(scheme):
+    numel, chunk_bytes = 10_000, 256
+    generator = torch.Generator().manual_seed(3)
+    sender, receiver = (make_sharing(scheme, numel, torch.float32, seed=1, lossy=True) for _ in range(2))
+    tensors = sender.encode(torch.randn(numel, generator=generator), 5, 2)
+    layout = sender.layout()
+    assert layout.nbytes == sum(t.nbytes for t in tensors.values()) == sender.wire_bytes()
+    assert sorted(tensors) == sorted(s.name for s in layout.segments)
+    whole = receiver.decode(tensors, 5, 2)
+    sent = torch.ones(numel, dtype=torch.bool) if whole.mask is None else whole.mask
+    chunks = -(-layout.nbytes // chunk_bytes)
+    everything = receiver.receive(layout.received(tensors, torch.ones(chunks, dtype=torch.bool), chunk_bytes), 5, 2,
+                                  (torch.ones(chunks, dtype=torch.bool), chunk_bytes))
+    assert torch.equal(everything.values, whole.values)
+    kept = []
+    for _ in range(6):
+        present = torch.rand(chunks, generator=generator) < 0.7
+        present[0] = False  # at least one chunk lost
+        share = receiver.receive(layout.received(tensors, present, chunk_bytes), 5, 2, (present, chunk_bytes))
+        assert not bool((share.mask & ~sent).any())  # nothing read where nothing was sent
+        assert torch.equal(share.values[share.mask], whole.values[share.mask])  # what was, bit for bit
+        assert not bool(share.values[~share.mask].any())
+        if share.unsure is not None:  # every value sent is read or marked unsure
+            assert not bool((sent & ~share.mask & ~share.unsure).any()) and not bool((share.mask & share.unsure).any())
+        kept.append(int(share.mask.sum()) / int(sent.sum()))
+    assert 0 < sum(kept) / len(kept) < 1, kept
+
+
+def _pairs(positions, values):
+    """A lossy sparse message: each int32 position, then its float32 value."""
+    return {"pairs": torch.stack([_t(positions, torch.int32), _t(values).view(torch.int32)], 1).view(torch.uint8).view(-1)}
+
+
+def test_sparse_shares_over_udp_send_each_position_beside_its_value_and_check_what_arrived():
+    over_tcp, over_udp = (make_sharing("topk:0.1", 100, torch.float32, seed=1, lossy=lossy) for lossy in (False, True))
+    model = torch.arange(100.0)
+    assert sorted(over_tcp.encode(model, 0, 0)) == ["bitmap", "values"]
+    assert torch.equal(over_udp.encode(model, 0, 0)["pairs"], _pairs(range(90, 100), range(90, 100))["pairs"])
+    assert over_udp.wire_bytes() == 10 * 8
+    arrived = {"pairs": torch.tensor([True] * 16 + [False] * 16 + [True] * 48)}  # the 3rd and 4th pairs lost
+    share = over_udp.decode_partial(_pairs(range(90, 100), range(10)), arrived, 0, 0)
+    assert torch.nonzero(share.mask).flatten().tolist() == [90, 91, 94, 95, 96, 97, 98, 99]
+    assert torch.nonzero(share.unsure).flatten().tolist() == [92, 93]  # between the pairs around the lost ones
+    assert over_tcp.decode_partial(over_tcp.encode(model, 0, 0), {}, 0, 0) is None  # a bitmap: lost whole
+    with pytest.raises(ValueError, match="rise strictly"):
+        over_udp.decode_partial(_pairs([90, 91, 0, 0, 5, 95, 96, 97, 98, 99], range(10)), arrived, 0, 0)
+    with pytest.raises(ValueError, match="inside 0 .. 99"):
+        over_udp.decode(_pairs(range(91, 101), range(10)), 0, 0)
+
+
+def test_a_share_crossing_real_udp_with_lost_datagrams_arrives_as_the_batched_engine_models_it():
+    from helpers.pairs import connected
+
+    from meshlearn.netem import Emulator, NetemSpec
+    from meshlearn.transport.udp import UdpSettings, UdpTransport
+
+    scheme = make_sharing("choco:0.1", 20_000, torch.float32, seed=1, lossy=True)
+    layout, chunk_bytes = scheme.layout(), 512
+    a, b = connected(*(UdpTransport(i, layout=layout, settings=UdpSettings(chunk_bytes=chunk_bytes, late_chunks="drop"))
+                       for i in range(2)))
+    a.sender.emulator = Emulator(NetemSpec(loss=0.3), seed=4)
+    try:
+        tensors = scheme.encode(torch.randn(20_000, generator=torch.Generator().manual_seed(2)), 0, 0)
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, tensors))
+        got = b.gather(0, [0], timeout=0.5)[0]
+        assert 0 < got.chunks.missing < len(got.chunks.present)
+        modelled = layout.received(tensors, got.chunks.present, chunk_bytes)
+        assert all(torch.equal(got.tensors[name], modelled[name]) for name in modelled)
+    finally:
+        a.close()
+        b.close()
 
 
 # --- a quick run -----------------------------------------------------------------------------------

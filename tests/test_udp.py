@@ -19,6 +19,7 @@ from meshlearn.config import make_config
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError, WireError
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.netem import DelayLine, Emulator, NetemSpec
 from meshlearn.node import build_node
@@ -26,7 +27,7 @@ from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 from meshlearn.transport.base import TransportStats
-from meshlearn.transport.udp import DatagramSender, Reassembler, StateLayout, UdpSettings, UdpTransport
+from meshlearn.transport.udp import DatagramSender, Reassembler, UdpSettings, UdpTransport
 from meshlearn.wire import Chunks, Kind, Message
 from meshlearn.wire.datagram import (
     HEADER_SIZE,
@@ -92,7 +93,7 @@ def _pair(layout, **settings):
 def lenet_state():
     torch.manual_seed(0)
     flat = FlatState(build_model("lenet", (3, 32, 32), 10))
-    return flat, StateLayout(flat.ranges, flat.state.dtype)
+    return flat, TensorLayout.uniform(flat.ranges, flat.state.dtype)
 
 
 @pytest.mark.parametrize("chunk_bytes", [1424, 4000, 60000])
@@ -163,7 +164,7 @@ def test_interleaved_senders_reassemble_bit_identical(lenet_state):
         receiver.connect(book)
         for thread in threads:
             thread.join()
-        sending = [threading.Thread(target=s.broadcast, args=([9], Message(Kind.MODEL, i, 0, 1, {"all": m})))
+        sending = [threading.Thread(target=s.broadcast, args=([9], Message(Kind.MODEL, i, 0, 1, flat.segments_of(m))))
                    for i, (s, m) in enumerate(zip(senders, models))]
         for thread in sending:
             thread.start()
@@ -365,10 +366,10 @@ def test_lost_chunks_read_as_zeros_even_in_a_recycled_buffer(lenet_state):
     a.sender.emulator = Emulator(NetemSpec(loss=0.3), seed=5)
     try:
         b.recycle([Message(Kind.MODEL, 0, 0, 1, chunks=Chunks(1424, torch.ones(1, dtype=torch.bool),
-                                                              torch.full((layout.numel,), float("nan"))))])
+                                                              torch.full((flat.state.numel(),), float("nan"))))])
         a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
         got = b.gather(0, [0], timeout=0.5)[0]
-        lost = ~got.chunks.present.repeat_interleave(1424 // 4)[:layout.numel]
+        lost = ~got.chunks.present.repeat_interleave(1424 // 4)[:flat.state.numel()]
         assert got.chunks.missing > 0 and not got.chunks.vector.isnan().any()
         assert torch.equal(got.chunks.vector[lost], torch.zeros(int(lost.sum())))
         assert torch.equal(got.chunks.vector[~lost], flat.state[~lost])
@@ -489,7 +490,7 @@ def _chunks_of(vector: torch.Tensor, sender: int, iteration: int, chunk: int = 1
 
 
 def test_a_reassembler_fed_out_of_order_and_duplicated_chunks_rebuilds_each_model():
-    layout = StateLayout({"all": (0, 12)}, torch.float32)  # 48 bytes: 3 chunks of 16
+    layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)  # 48 bytes: 3 chunks of 16
     reassembler = Reassembler(layout, chunk_bytes=16)
     first, second = torch.arange(12.0), -torch.arange(12.0)
     chunks = list(_chunks_of(first, sender=1, iteration=0)) + list(_chunks_of(second, sender=2, iteration=0))
@@ -502,7 +503,7 @@ def test_a_reassembler_fed_out_of_order_and_duplicated_chunks_rebuilds_each_mode
 
 
 def test_a_reassembler_marks_lost_chunks_fills_them_late_and_drops_stale_ones():
-    layout = StateLayout({"all": (0, 12)}, torch.float32)
+    layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)
     reassembler = Reassembler(layout, chunk_bytes=16, late=True)
     old, new = torch.full((12,), 1.0), torch.full((12,), 2.0)
     for header, payload in _chunks_of(new, 1, 1):
@@ -558,7 +559,7 @@ def test_a_flood_of_new_iterations_from_one_sender_holds_a_few_models_not_one_ea
     """Spoofed datagrams of far iterations used to cost a whole model buffer each."""
     from meshlearn.transport.base import MAX_PENDING_PER_SENDER
 
-    layout = StateLayout({"all": (0, 12)}, torch.float32)
+    layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)
     reassembler = Reassembler(layout, chunk_bytes=16)
     first_chunk = next(_chunks_of(torch.zeros(12), 1, 0))[1]
     for iteration in range(100_000, 104_000):

@@ -204,7 +204,6 @@ class ExperimentConfig(Settings):
             (self.algorithm in DEFINITIONS and not accepts_sharing(definition(self.algorithm).needs, self.sharing),
              f"algorithm {_either(names_that(lambda needs: accepts_sharing(needs, self.sharing)))} "
              f"(not {self.algorithm})"),
-            (self.transport != "tcp", "transport tcp (a lost UDP chunk would garble a share)"),
             (self.aggregation != "mean", "aggregation mean (robust rules need whole models)"),
             (bool(self.byzantine), "no byzantine nodes (attacks forge whole models)")])
         return self

@@ -49,7 +49,7 @@ class DPSGD(RoundRunner):
         self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
         state = ctx.flat.state
         self.sharing: Sharing | None = None if ctx.sharing == "full" else \
-            make_sharing(ctx.sharing, state.numel(), state.dtype, ctx.seed)
+            make_sharing(ctx.sharing, state.numel(), state.dtype, ctx.seed, ctx.transport.lossy)
 
     def start(self) -> None:
         if self.sharing is not None:
@@ -93,7 +93,8 @@ class DPSGD(RoundRunner):
 
     def _exchange_shares(self, iteration: int) -> dict[str, float]:
         """Send what the sharing scheme makes of the model, then average what the neighbours sent
-        (each value over those who sent it), or let the scheme update the model (CHOCO-SGD)."""
+        (each value over those who sent it), or let the scheme update the model (CHOCO-SGD). Over
+        UDP a neighbour's message may come in part: the scheme reads what its rule can place."""
         ctx, sharing, state = self.ctx, self.sharing, self.ctx.flat.state
         t0 = time.perf_counter()
         tensors = sharing.encode(ctx.outgoing(state.detach(), iteration), ctx.rank, iteration)
@@ -103,22 +104,30 @@ class DPSGD(RoundRunner):
         received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
         shared: dict[int, Shared] = {}
+        partial = chunks_missing = 0
         for sender in sorted(received):
+            msg = received[sender]
+            chunks = None if msg.chunks is None else (msg.chunks.present, msg.chunks.chunk_bytes)
             try:
-                shared[sender] = sharing.decode(received[sender].tensors, sender, iteration)
+                share = sharing.receive(msg.tensors, sender, iteration, chunks)
             except ValueError as exc:
                 self.watch.refused(sender, str(exc))
                 log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)
-            else:
-                self.watch.heard(sender)
+                continue
+            self.watch.heard(sender)
+            if msg.chunks is not None and msg.chunks.missing:
+                partial, chunks_missing = partial + 1, chunks_missing + msg.chunks.missing
+            if share is not None:
+                shared[sender] = share
         degrees = {sender: received[sender].degree for sender in shared}
         for sender in merge_shares_(sharing, state, self.weights, shared, degrees, self.missing_chunk_rule):
-            log.warning("node %d: missed an update of %d, whose estimate is now out of step: it is left out "
-                        "from now on", ctx.rank, sender)
+            # expected over lossy links; the run log counts it (missing)
+            log.debug("node %d: missed an update of %d: its estimate is out of step until each value is sent again",
+                      ctx.rank, sender)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),
-                "missing": len(self.neighbours) - len(shared)}
+                "missing": len(self.neighbours) - len(shared), "partial": partial, "chunks_missing": chunks_missing}
 
     def _send(self, iteration: int, received: dict[int, Message] | None) -> None:
         """Send this node's model (or, for a bad node, what it forges) to every neighbour."""

@@ -203,7 +203,8 @@ class BatchedSimulation:
             plan = halo_plan(sender, receiver, shard, device)
             local = links.local(shard.start, shard.stop, plan.extended_index(shard))
         message_bytes = stacked.row_bytes if config.sharing == "full" else \
-            make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed).wire_bytes()
+            make_sharing(config.sharing, stacked.state.shape[1], stacked.state.dtype, config.seed,
+                         lossy=config.transport == "udp").wire_bytes()
         clocks = VirtualClocks(config, self.step_time, message_bytes, sender, receiver)
         traffic = Traffic(config.nodes)
         if shard.count > 1:

@@ -1,6 +1,8 @@
 """Sharing schemes in the batched engine: every node runs the process engine's own scheme object
 on its row (what it sends, what its neighbours read back, how they average it), one node after
-another, so both engines compute the same thing."""
+another, so both engines compute the same thing. Over a lossy network a link's message loses
+chunks as a UDP datagram would: its bytes, laid out by the scheme, read as zeros there, and the
+receiver's scheme reads what its rule can place (``Sharing.receive``)."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ from meshlearn.sharing import Shared, Sharing, make_sharing
 class SharedMixing:
     """D-PSGD's exchange for every node when nodes send shares of their models (``sharing``):
     each row is averaged with what its neighbours' schemes made of theirs, per value over those
-    who sent it (``missing_chunks``), or updated by the scheme itself (CHOCO-SGD)."""
+    who sent it (``missing_chunks``), or updated by the scheme itself (CHOCO-SGD). ``chunk_bytes``:
+    the size of a message's chunks over a lossy network (0: messages arrive whole or not at all)."""
 
     def __init__(self, sharing: str, state: torch.Tensor, links: Links, degrees: list[int], missing_chunks: str,
-                 seed: int):
-        self.schemes: list[Sharing] = [make_sharing(sharing, state.shape[1], state.dtype, seed)
+                 seed: int, chunk_bytes: int = 0):
+        self.schemes: list[Sharing] = [make_sharing(sharing, state.shape[1], state.dtype, seed, lossy=chunk_bytes > 0)
                                        for _ in range(state.shape[0])]
-        self.links, self.degrees = links, degrees
+        self.links, self.degrees, self.chunk_bytes = links, degrees, chunk_bytes
         self.rule = MISSING_CHUNK_RULES[missing_chunks]
         self.incoming: list[list[tuple[int, int, float]]] = [[] for _ in range(state.shape[0])]
         for link, (i, j, w) in enumerate(zip(links.receiver.tolist(), links.sender.tolist(), links.weight.tolist())):
@@ -29,15 +32,29 @@ class SharedMixing:
         for scheme, row in zip(self.schemes, state):
             scheme.start(row)
 
+    @property
+    def chunks(self) -> int:
+        """Chunks per message over a lossy network (0 when messages are not chunked)."""
+        return -(-self.schemes[0].wire_bytes() // self.chunk_bytes) if self.chunk_bytes and self.schemes else 0
+
     @torch.no_grad()
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor, iteration: int) -> None:
         """Every row <- its average with what arrived of its neighbours' shares (``arrived``: per
-        link, whether its message was in time)."""
-        sent: list[Shared] = []
+        link, whether its message was in time, or, [links, chunks], which of its chunks were)."""
+        sent = [scheme.encode(state[rank], rank, iteration) for rank, scheme in enumerate(self.schemes)]
+        whole: list[Shared] = [scheme.decode(tensors, rank, iteration)
+                               for rank, (scheme, tensors) in enumerate(zip(self.schemes, sent))]
+        arrived = arrived.cpu()
         for rank, scheme in enumerate(self.schemes):
-            sent.append(scheme.decode(scheme.encode(state[rank], rank, iteration), rank, iteration))
-        arrived = arrived.tolist()
-        for rank, scheme in enumerate(self.schemes):
-            row = state[rank]
-            heard = {j: sent[j] for link, j, _ in self.incoming[rank] if arrived[link]}
-            merge_shares_(scheme, row, {j: w for _, j, w in self.incoming[rank]}, heard, self.degrees, self.rule)
+            heard = {}
+            for link, j, _ in self.incoming[rank]:
+                chunks = arrived[link]
+                if bool(chunks.all()):
+                    heard[j] = whole[j]
+                elif bool(chunks.any()):
+                    tensors = scheme.layout().received(sent[j], chunks, self.chunk_bytes)
+                    share = scheme.receive(tensors, j, iteration, (chunks, self.chunk_bytes))
+                    if share is not None:
+                        heard[j] = share
+            merge_shares_(scheme, state[rank], {j: w for _, j, w in self.incoming[rank]}, heard, self.degrees,
+                          self.rule)

@@ -11,15 +11,17 @@ from meshlearn.data import partition_dataset
 from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.node.node import Node
 from meshlearn.plugins import load_user_module
 from meshlearn.runlog import JsonlLog
+from meshlearn.sharing import make_sharing
 from meshlearn.topology import Graph
 from meshlearn.transport import Endpoint, TcpTransport, Unconnected
 from meshlearn.transport.hub import HubEndpoint
 from meshlearn.transport.pull import PullEndpoint
-from meshlearn.transport.udp import ETHERNET_CHUNK, StateLayout, UdpTransport
+from meshlearn.transport.udp import ETHERNET_CHUNK, UdpTransport
 from meshlearn.wire.sealed import FrameSeal
 from meshlearn.wire.sealed_datagram import DatagramSeal
 
@@ -53,8 +55,13 @@ def make_transport(
         if not udp.chunk_bytes and config.loss_mode == "kernel":
             # in a lossy namespace lo has an Ethernet MTU (sim.kernelnet): size datagrams for it
             udp = udp.model_copy(update={"chunk_bytes": ETHERNET_CHUNK})
-        return UdpTransport(rank, host, port, layout=StateLayout(flat.ranges, flat.state.dtype), settings=udp,
-                            netem=netem, seed=config.seed, seal=DatagramSeal(seal.key) if seal is not None else None)
+        layout = TensorLayout.uniform(flat.ranges, flat.state.dtype)
+        if config.sharing != "full":  # the scheme's messages; an earlier one's chunks hold other positions
+            layout = make_sharing(config.sharing, flat.state.numel(), flat.state.dtype, config.seed,
+                                  lossy=True).layout()
+            udp = udp.model_copy(update={"late_chunks": "drop"})
+        return UdpTransport(rank, host, port, layout=layout, settings=udp, netem=netem, seed=config.seed,
+                            seal=DatagramSeal(seal.key) if seal is not None else None)
     return TcpTransport(rank, host, port, settings=config.tcp, netem=netem, seed=config.seed, secret=secret,
                         seal=seal)
 

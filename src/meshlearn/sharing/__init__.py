@@ -7,7 +7,8 @@ Names are imported on first use, so reading settings (``spec``) does not load to
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
-    "SHARINGS": "base", "Shared": "base", "Sharing": "base", "make_sharing": "base", "register_sharing": "base",
+    "SHARINGS": "base", "Shared": "base", "Sharing": "base", "SparseSharing": "base", "make_sharing": "base",
+    "register_sharing": "base",
     "SHARING_HELP": "spec", "SharingSpec": "spec", "parse_sharing": "spec",
 }
 __all__ = sorted(_WHERE)

@@ -30,13 +30,22 @@ class Subsample(Sharing):
         return {"values": vector.detach().cpu()[self.positions(sender, iteration)]}
 
     def decode(self, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared:
+        return self.decode_partial(tensors, {"values": torch.ones(self.count, dtype=torch.bool)}, sender, iteration)
+
+    def decode_partial(self, tensors: dict[str, torch.Tensor], present: dict[str, torch.Tensor], sender: int,
+                       iteration: int) -> Shared:
+        """The values that arrived, at their seeded positions."""
         expect(tensors, {"values": (self.dtype, (self.count,))})
-        positions = self.positions(sender, iteration)
+        positions, arrived = self.positions(sender, iteration), present["values"]
         values = torch.zeros(self.numel, dtype=self.dtype)
-        values[positions] = finite(tensors["values"])
+        values[positions[arrived]] = finite(tensors["values"][arrived])
         mask = torch.zeros(self.numel, dtype=torch.bool)
-        mask[positions] = True
-        return Shared(values, mask)
+        mask[positions[arrived]] = True
+        unsure = None
+        if not bool(arrived.all()):
+            unsure = torch.zeros(self.numel, dtype=torch.bool)
+            unsure[positions[~arrived]] = True
+        return Shared(values, mask, unsure)
 
     def __str__(self) -> str:
         return f"subsample:{self.alpha:g}"

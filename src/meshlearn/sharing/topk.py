@@ -6,9 +6,7 @@ from __future__ import annotations
 import torch
 
 from meshlearn.sharing.base import (
-    Shared,
-    Sharing,
-    decode_sparse,
+    SparseSharing,
     encode_sparse,
     largest,
     register_sharing,
@@ -17,9 +15,9 @@ from meshlearn.sharing.base import (
 
 
 @register_sharing
-class TopK(Sharing):
+class TopK(SparseSharing):
     """The ``alpha`` share of the values whose change since the last average (the local steps'
-    work) is largest in magnitude; positions as int32 indices or a bitmap, whichever is smaller."""
+    work) is largest in magnitude, with their positions (``SparseSharing``)."""
 
     name = "topk"
 
@@ -38,10 +36,7 @@ class TopK(Sharing):
 
     def encode(self, vector: torch.Tensor, sender: int, iteration: int) -> dict[str, torch.Tensor]:
         vector = vector.detach().cpu()
-        return encode_sparse(vector, self.positions(vector))
-
-    def decode(self, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared:
-        return decode_sparse(tensors, self.numel, self.dtype, self.count)
+        return encode_sparse(vector, self.positions(vector), self.lossy)
 
     def averaged(self, state: torch.Tensor) -> None:
         if self.reference is None:

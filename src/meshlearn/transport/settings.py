@@ -47,7 +47,8 @@ class UdpSettings(LinkSettings):
                                                   "loopback, 1424 otherwise)")
     late_chunks: Literal["use", "drop"] = Field(
         "use", description="sync mode: chunks that miss their deadline fill the sender's missing chunks at the "
-        "next iteration (use) or are dropped (drop, the UDP study's behaviour)")
+        "next iteration (use) or are dropped (drop, the UDP study's behaviour); always dropped with a sharing "
+        "scheme, whose earlier message holds other positions")
     rate_gbps: float = Field(16.0, gt=0, description="sender pacing, in Gbit/s (as the batched engine's "
                              "bandwidth_gbps)")
     rcvbuf_mb: float = Field(64.0, gt=0, description="receive buffer asked of the kernel, in MiB")

@@ -42,7 +42,8 @@ class BatchedDPSGD(BatchedRounds):
         self.variant: ChunkedMixing | RobustMixing | SharedMixing | None = None  # None: the plain average
         if config.sharing != "full":
             self.variant = SharedMixing(config.sharing, state, links, [ctx.graph.degree(i) for i in range(ctx.graph.n)],
-                                        config.dpsgd.missing_chunks, config.seed)
+                                        config.dpsgd.missing_chunks, config.seed, ctx.network.chunk_bytes)
+            self.chunks = self.variant.chunks  # of the scheme's message
         elif rule.robust:
             self.variant = RobustMixing(links, rule, chunk_elements)
         elif chunk_elements:

@@ -22,17 +22,18 @@ Three parts, each with one job:
 - ``async``: no waiting; take, per neighbour, the newest model received so far (the study's
   "UDP_threading", kept to reproduce it).
 
-Messages with tensors must follow the state layout given to the transport (a FlatState's
-segments); each arrives with ``msg.chunks`` saying which chunks made it.
+Messages with tensors must hold the tensors of the layout given to the transport
+(``wire.layout.TensorLayout``: a FlatState's segments, or a sharing scheme's message); each
+arrives with ``msg.chunks`` saying which chunks made it.
 """
 
 from meshlearn.transport.settings import ETHERNET_CHUNK, LOOPBACK_CHUNK, UdpSettings, default_chunk_bytes
-from meshlearn.transport.udp.reassembly import Partial, Reassembler, StateLayout
+from meshlearn.transport.udp.reassembly import Partial, Reassembler
 from meshlearn.transport.udp.sender import DatagramSender
 from meshlearn.transport.udp.sockets import SO_RCVBUFFORCE, rcvbuf_errors
 from meshlearn.transport.udp.transport import UdpTransport
 
 __all__ = [
-    "DatagramSender", "ETHERNET_CHUNK", "LOOPBACK_CHUNK", "Partial", "Reassembler", "SO_RCVBUFFORCE", "StateLayout",
+    "DatagramSender", "ETHERNET_CHUNK", "LOOPBACK_CHUNK", "Partial", "Reassembler", "SO_RCVBUFFORCE",
     "UdpSettings", "UdpTransport", "default_chunk_bytes", "rcvbuf_errors",
 ]

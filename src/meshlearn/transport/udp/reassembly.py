@@ -10,7 +10,7 @@ Rules (see ``transport.udp`` for why):
 - a chunk for an iteration older than the last one taken is stale, except that with ``late``
   the one just before it is kept: its chunks fill the same sender's gaps at the next take;
 - in ``newest`` mode (UDP's async gather) a take gets each sender's newest model so far;
-- reassembly vectors are pooled (two per neighbour), since fresh ones cost page faults.
+- reassembly buffers are pooled (two per neighbour), since fresh ones cost page faults.
 """
 
 from __future__ import annotations
@@ -21,34 +21,19 @@ from typing import Iterable
 import torch
 
 from meshlearn.errors import WireError
+from meshlearn.layout import TensorLayout, zero_lost_chunks
 from meshlearn.transport.base import MAX_PENDING_PER_SENDER, TransportStats
 from meshlearn.wire import Chunks, Kind, Message
 from meshlearn.wire.datagram import ChunkHeader, chunk_count
 
 
-@dataclass(frozen=True)
-class StateLayout:
-    """The named segments (element ranges) and dtype of the state vectors a run exchanges."""
-
-    ranges: dict[str, tuple[int, int]]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return max((stop for _, stop in self.ranges.values()), default=0)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
-
-
 class Partial:
     """The chunks of one (sender, iteration) message received so far."""
 
-    def __init__(self, header: ChunkHeader, vector: torch.Tensor):
+    def __init__(self, header: ChunkHeader, buffer: torch.Tensor):
         self.header = header
-        self.vector = vector
-        self.bytes = memoryview(self.vector.numpy()).cast("B")
+        self.buffer = buffer  # uint8, the message's bytes
+        self.bytes = memoryview(buffer.numpy())
         self.present = bytearray(header.count)  # plain bytes: torch indexing costs microseconds per chunk
         self.received = 0
 
@@ -67,7 +52,7 @@ class Partial:
         return self.complete
 
     def slot(self, index: int) -> memoryview:
-        """The bytes chunk ``index`` occupies in the vector."""
+        """The bytes chunk ``index`` occupies in the buffer."""
         start = index * self.header.chunk_bytes
         return self.bytes[start:start + min(self.header.chunk_bytes, self.header.total - start)]
 
@@ -91,17 +76,17 @@ class Partial:
         self.received += filled
         return filled
 
-    def message(self, layout: StateLayout) -> Message:
+    def message(self, layout: TensorLayout) -> Message:
         """The message as received so far; lost chunks read as zeros (a recycled buffer's old
-        bytes could be NaN, and averaging multiplies them by a zero weight)."""
+        bytes could be NaN, and averaging multiplies them by a zero weight). Its ``chunks.vector``
+        is the whole payload: of the layout's dtype where it has one (a model), else its bytes."""
         if not self.complete:
-            per_chunk = self.header.chunk_bytes // self.vector.element_size()
-            for index in (i for i, here in enumerate(self.present) if not here):
-                self.vector[index * per_chunk:(index + 1) * per_chunk].zero_()
-        tensors = {name: self.vector[a:b] for name, (a, b) in layout.ranges.items()}
+            zero_lost_chunks(self.buffer, (i for i, here in enumerate(self.present) if not here),
+                             self.header.chunk_bytes)
         present = torch.frombuffer(self.present, dtype=torch.bool) if self.present else torch.ones(0, dtype=torch.bool)
-        return Message(Kind.MODEL, self.header.sender, self.header.iteration, self.header.degree, tensors,
-                       chunks=Chunks(self.header.chunk_bytes, present, self.vector))
+        vector = self.buffer if layout.dtype is None else self.buffer.view(layout.dtype)
+        return Message(Kind.MODEL, self.header.sender, self.header.iteration, self.header.degree,
+                       layout.views(self.buffer), chunks=Chunks(self.header.chunk_bytes, present, vector))
 
 
 Slot = tuple[Partial, int, memoryview]  # where the next datagram most likely goes
@@ -119,7 +104,7 @@ class Taken:
 class Reassembler:
     """Per-(sender, iteration) reassembly of one node's incoming models (see the module docstring)."""
 
-    def __init__(self, layout: StateLayout, chunk_bytes: int, stats: TransportStats | None = None,
+    def __init__(self, layout: TensorLayout, chunk_bytes: int, stats: TransportStats | None = None,
                  late: bool = True, pool_size: int = 2):
         self.layout = layout
         self.expected_chunks = chunk_count(layout.nbytes, chunk_bytes)
@@ -149,8 +134,8 @@ class Reassembler:
         if part is None:
             if not self._make_room(header):
                 return False, None
-            vector = self._free.pop() if self._free else torch.empty(self.layout.numel, dtype=self.layout.dtype)
-            part = self.parts[key] = Partial(header, vector)
+            buffer = self._free.pop() if self._free else torch.empty(self.layout.nbytes, dtype=torch.uint8)
+            part = self.parts[key] = Partial(header, buffer)
         if part.add(header, payload, in_place):
             return True, None
         following = header.index + 1
@@ -178,11 +163,11 @@ class Reassembler:
         self.floor = max(self.floor, iteration + 1)
         for key in [k for k in self.parts if k[1] < self.floor]:
             self.stats.stale_dropped += 1
-            self._free.append(self.parts.pop(key).vector)
+            self._free.append(self.parts.pop(key).buffer)
         return Taken(parts, late)
 
     def assemble(self, taken: Taken, departed: set[int] = frozenset()) -> tuple[dict[int, Message], list[torch.Tensor]]:
-        """The messages of a take, gaps filled from late chunks where possible, and the vectors
+        """The messages of a take, gaps filled from late chunks where possible, and the buffers
         that are free again (hand them to ``recycle``). Counts lost and late-used chunks. Works
         only on what ``take`` removed, so it needs no lock."""
         result, spare = {}, []
@@ -199,15 +184,16 @@ class Reassembler:
                 else:
                     self.late_chunks_used += part.fill_from(behind)
             if behind is not None:
-                spare.append(behind.vector)
+                spare.append(behind.buffer)
             if part is not None:
                 result[sender] = part.message(self.layout)
         return result, spare
 
     def recycle(self, vectors: Iterable[torch.Tensor], peers: int) -> None:
-        """Pool reassembly vectors for reuse, ``pool_size`` per neighbour at most."""
+        """Pool reassembly buffers for reuse (``vectors``: received payloads, of any dtype),
+        ``pool_size`` per neighbour at most."""
         room = self.pool_size * max(1, peers) - len(self._free)
-        self._free.extend(list(vectors)[:max(0, room)])
+        self._free.extend(vector.view(torch.uint8) for vector in list(vectors)[:max(0, room)])
 
     def _make_room(self, header: ChunkHeader) -> bool:
         """Whether a new partial model of the header's sender may be started: each sender has at

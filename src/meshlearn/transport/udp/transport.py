@@ -10,6 +10,7 @@ emulated delay, releases the ``DatagramSender``'s delayed datagrams when they fa
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import select
 import socket
@@ -19,11 +20,12 @@ from collections import deque
 from typing import Iterable, Mapping
 
 from meshlearn.errors import TransportError, WireError
+from meshlearn.layout import TensorLayout
 from meshlearn.netem import Emulator, NetemSpec
 from meshlearn.transport.base import DONE, Receipt, Transport
 from meshlearn.transport.settings import UdpSettings, default_chunk_bytes
 from meshlearn.transport.udp.handshake import Handshake
-from meshlearn.transport.udp.reassembly import Reassembler, StateLayout
+from meshlearn.transport.udp.reassembly import Reassembler
 from meshlearn.transport.udp.sender import DatagramSender
 from meshlearn.transport.udp.sockets import DatagramReader, open_socket
 from meshlearn.wire import Kind, Message
@@ -48,7 +50,7 @@ class UdpTransport(Transport):
 
     lossy = True
 
-    def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, layout: StateLayout,
+    def __init__(self, node_id: int, host: str = "127.0.0.1", port: int = 0, *, layout: TensorLayout,
                  settings: UdpSettings | None = None, netem: NetemSpec | None = None, seed: int = 0,
                  seal: DatagramSeal | None = None):
         super().__init__(node_id)
@@ -138,12 +140,14 @@ class UdpTransport(Transport):
 
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send a message to each peer as datagrams; returns once they are handed to the kernel
-        (or copied into the delay line), so the tensors may be reused at once."""
-        total = sum(t.numel() * t.element_size() for t in msg.tensors.values())
-        if msg.tensors and total != self.layout.nbytes:
-            raise TransportError(f"node {self.node_id}: a {total}-byte message does not match the "
-                                 f"{self.layout.nbytes}-byte state layout")
-        self.sender.send_model(msg, [self._addrs[peer] for peer in peers], total)
+        (or copied into the delay line), so the tensors may be reused at once. Its tensors must be
+        the layout's (in any order: they travel in the layout's)."""
+        if msg.tensors:
+            try:
+                msg = dataclasses.replace(msg, tensors=self.layout.ordered(msg.tensors))
+            except WireError as exc:
+                raise TransportError(f"node {self.node_id}: the message does not fit the UDP layout: {exc}") from None
+        self.sender.send_model(msg, [self._addrs[peer] for peer in peers], self.layout.nbytes if msg.tensors else 0)
         return DONE
 
     def _delay_loop(self) -> None:
