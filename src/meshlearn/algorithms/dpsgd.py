@@ -109,7 +109,7 @@ class DPSGD(RoundRunner):
             msg = received[sender]
             chunks = None if msg.chunks is None else (msg.chunks.present, msg.chunks.chunk_bytes)
             try:
-                share = sharing.receive(msg.tensors, sender, iteration, chunks)
+                share = sharing.receive(msg.tensors, sender, msg.iteration, chunks)
             except ValueError as exc:
                 self.watch.refused(sender, str(exc))
                 log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)

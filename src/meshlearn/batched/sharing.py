@@ -42,19 +42,29 @@ class SharedMixing:
         """Every row <- its average with what arrived of its neighbours' shares (``arrived``: per
         link, whether its message was in time, or, [links, chunks], which of its chunks were)."""
         sent = [scheme.encode(state[rank], rank, iteration) for rank, scheme in enumerate(self.schemes)]
-        whole: list[Shared] = [scheme.decode(tensors, rank, iteration)
-                               for rank, (scheme, tensors) in enumerate(zip(self.schemes, sent))]
+        whole = [_read(scheme, tensors, rank, iteration) for rank, (scheme, tensors) in enumerate(zip(self.schemes, sent))]
         arrived = arrived.cpu()
         for rank, scheme in enumerate(self.schemes):
             heard = {}
             for link, j, _ in self.incoming[rank]:
                 chunks = arrived[link]
+                share = None
                 if bool(chunks.all()):
-                    heard[j] = whole[j]
+                    share = whole[j]
                 elif bool(chunks.any()):
                     tensors = scheme.layout().received(sent[j], chunks, self.chunk_bytes)
-                    share = scheme.receive(tensors, j, iteration, (chunks, self.chunk_bytes))
-                    if share is not None:
-                        heard[j] = share
+                    share = _read(scheme, tensors, j, iteration, (chunks, self.chunk_bytes))
+                if share is not None:
+                    heard[j] = share
             merge_shares_(scheme, state[rank], {j: w for _, j, w in self.incoming[rank]}, heard, self.degrees,
                           self.rule)
+
+
+def _read(scheme: Sharing, tensors: dict[str, torch.Tensor], sender: int, iteration: int,
+          chunks: tuple[torch.Tensor, int] | None = None) -> Shared | None:
+    """What ``scheme`` reads of ``sender``'s message; None where it refuses it (a diverged model's
+    NaN), as the process engine's node refuses that neighbour's model."""
+    try:
+        return scheme.receive(tensors, sender, iteration, chunks)
+    except ValueError:
+        return None

@@ -23,6 +23,7 @@ chunk is lost.
 
 from __future__ import annotations
 
+import copy
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -50,7 +51,8 @@ class Shared:
 class Sharing(ABC):
     """One node's side of a sharing scheme (``numel`` values of ``dtype`` per model; ``seed``: the
     run's, for schemes that draw). ``lossy``: its messages travel over a transport that may lose
-    chunks of them (UDP; set by ``make_sharing``), for schemes whose encoding should then differ."""
+    chunks of them (UDP), for schemes whose encoding should then differ; ``make_sharing`` sets it
+    after the constructor, so read it in ``encode``, ``decode`` and ``layout``, not there."""
 
     name: ClassVar[str]
     mixes: ClassVar[bool] = False  # True: the scheme updates the model itself (``mix_``)
@@ -96,9 +98,10 @@ class Sharing(ABC):
     def layout(self) -> TensorLayout:
         """Where each of a message's tensors lies in its bytes, for transports that cut messages
         into chunks (UDP): one layout for every message, so a scheme whose tensors change shape
-        from message to message cannot travel over UDP. By default an encoded zero model's."""
+        from message to message cannot travel over UDP. By default that of a zero model encoded
+        by a copy of the scheme (so its own state is left alone), worked out once."""
         if getattr(self, "_layout", None) is None:
-            self._layout = TensorLayout.of(self.encode(torch.zeros(self.numel, dtype=self.dtype), 0, 0))
+            self._layout = TensorLayout.of(copy.deepcopy(self).encode(torch.zeros(self.numel, dtype=self.dtype), 0, 0))
         return self._layout
 
     def wire_bytes(self) -> int:
@@ -125,7 +128,9 @@ class SparseSharing(Sharing):
         return decode_pairs(tensors, present, self.numel, self.dtype, self.count)
 
     def layout(self) -> TensorLayout:
-        return sparse_layout(self.count, self.numel, self.dtype, self.lossy)
+        if getattr(self, "_layout", None) is None:
+            self._layout = sparse_layout(self.count, self.numel, self.dtype, self.lossy)
+        return self._layout
 
 
 def register_sharing(cls: type[Sharing]) -> type[Sharing]:

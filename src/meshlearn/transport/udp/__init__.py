@@ -23,7 +23,7 @@ Three parts, each with one job:
   "UDP_threading", kept to reproduce it).
 
 Messages with tensors must hold the tensors of the layout given to the transport
-(``wire.layout.TensorLayout``: a FlatState's segments, or a sharing scheme's message); each
+(``meshlearn.layout.TensorLayout``: a FlatState's segments, or a sharing scheme's message); each
 arrives with ``msg.chunks`` saying which chunks made it.
 """
 

@@ -126,6 +126,8 @@ class Reassembler:
         dropped and counted; one that does not fit the layout raises WireError."""
         if header.total != self.layout.nbytes:
             raise WireError(f"a {header.total}-byte model does not match the {self.layout.nbytes}-byte layout")
+        if header.chunk_bytes % 8:  # so no value of the layout straddles two chunks
+            raise WireError(f"chunk size {header.chunk_bytes} is not a multiple of 8")
         if header.iteration < self.floor - self.late:  # one iteration late is kept
             self.stats.stale_dropped += 1
             return False, None
