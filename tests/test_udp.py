@@ -502,6 +502,13 @@ def test_a_reassembler_fed_out_of_order_and_duplicated_chunks_rebuilds_each_mode
     assert reassembler.chunks_lost == 0 and spare == []
 
 
+def test_a_reassembler_refuses_chunks_that_would_cut_a_value_in_two():
+    layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)
+    header, payload = next(_chunks_of(torch.arange(12.0), sender=1, iteration=0, chunk=12))  # 12: not a multiple of 8
+    with pytest.raises(WireError, match="chunk size 12 is not a multiple of 8"):
+        Reassembler(layout, chunk_bytes=16).add(header, payload)
+
+
 def test_a_reassembler_marks_lost_chunks_fills_them_late_and_drops_stale_ones():
     layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)
     reassembler = Reassembler(layout, chunk_bytes=16, late=True)
