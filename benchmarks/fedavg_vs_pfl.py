@@ -104,7 +104,7 @@ def prepare_job(folder: Path, data: Path, clients: int, fraction: float, args) -
            "steps": args.rounds, "batch_size": BATCH, "lr": LR, "server_lr": SERVER_LR,
            "mean": float(dataset.mean[0]), "std": float(dataset.std[0])}
     (folder / "job.json").write_text(json.dumps(job))
-    return {"cohort": job["cohort"], "step_flops": step_flops(model, dataset.input_shape, BATCH)}
+    return {"cohort": job["cohort"], "step_flops": step_flops(model, dataset.normalize(dataset.train_x[:1])[0], BATCH)}
 
 
 def descendants(root: int) -> list[int]:

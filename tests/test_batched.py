@@ -43,7 +43,9 @@ from meshlearn.wire.codec import Chunks
     ("dpsgd", {"topology": "one-peer-exponential"}), ("pushsum", {"topology": "ring", "momentum": 0.9}),
     ("pushsum", {"peer_sampling": "epidemic:2", "pushsum_step": "model"}),
     ("pushsum", {"topology": "one-peer-exponential"}), ("tracking", {"partition": "shards:2"}),
-    ("tracking", {"peer_sampling": "graph", "momentum": 0.9})])
+    ("tracking", {"peer_sampling": "graph", "momentum": 0.9}),
+    ("dpsgd", {"dataset": "pystdlib", "model": "gpt-tiny", "context": 32, "batch_size": 4, "iterations": 2,
+               "lr": 0.1, "eval_samples": 16})])
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = process_engine_states(values)
@@ -450,11 +452,11 @@ def test_a_steps_flops_are_counted_from_shapes_by_hand():
     before = [p.clone() for p in model.parameters()]
     rng = torch.get_rng_state()
     # forward x @ W^T: 2 x 5 x 4 x 3; backward only the weights' gradient (the input needs none): as much again
-    assert step_flops(model, (4,), 5) == 2 * (2 * 5 * 4 * 3)
+    assert step_flops(model, torch.zeros(4), 5) == 2 * (2 * 5 * 4 * 3)
     assert all(torch.equal(a, b) and b.grad is None for a, b in zip(before, model.parameters()))
     assert torch.equal(rng, torch.get_rng_state())
     conv = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3), torch.nn.Flatten(), torch.nn.Linear(2 * 4 * 4, 3))
-    assert step_flops(conv, (1, 6, 6), 2) > step_flops(conv, (1, 6, 6), 1) > 0
+    assert step_flops(conv, torch.zeros(1, 6, 6), 2) > step_flops(conv, torch.zeros(1, 6, 6), 1) > 0
 
     class ReadsValues(torch.nn.Module):  # a user's model the meta device cannot run: counted on the CPU
         def __init__(self):
@@ -464,7 +466,7 @@ def test_a_steps_flops_are_counted_from_shapes_by_hand():
         def forward(self, x):
             return self.linear(x) * (1.0 if float(x.sum()) >= 0 else 2.0)
 
-    assert step_flops(ReadsValues(), (4,), 5) == 2 * (2 * 5 * 4 * 3)
+    assert step_flops(ReadsValues(), torch.zeros(4), 5) == 2 * (2 * 5 * 4 * 3)
 
 
 def _modelled(output) -> tuple[dict, list]:

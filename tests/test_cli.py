@@ -183,9 +183,12 @@ def test_simulate_checks_names_before_torch_loads():
 
 def test_the_zoo_registers_exactly_the_built_in_model_names():
     from meshlearn.models import BUILT_IN, MODELS, build_model
+    from meshlearn.models.registry import LANGUAGE_MODELS
 
     build_model("mlp", (1, 8, 8), 10)  # imports the zoo
-    assert set(MODELS._items) >= set(BUILT_IN) and set(MODELS.names()) == set(BUILT_IN) | set(MODELS._items)
+    build_model("gpt-tiny", (8,), 256)  # and the language models
+    built_in = set(BUILT_IN) | set(LANGUAGE_MODELS)
+    assert set(MODELS._items) >= built_in and set(MODELS.names()) == built_in | set(MODELS._items)
 
 
 @pytest.mark.parametrize("flag, value, fragment", [("--ram", "-5", "'ram_gb'"), ("--cores", "0", "'cores'")])

@@ -11,6 +11,7 @@ section given in the same file, so a flag overrides a file.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -30,6 +31,7 @@ from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
+from meshlearn.tasks.spec import TASK_HELP, TASKS
 from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
 from meshlearn.transport.settings import TcpSettings, UdpSettings
@@ -79,12 +81,17 @@ class ExperimentConfig(Settings):
                           "exists, else full (under 4 nodes) or regular:4 (an odd node count)")
     peer_sampling: str = Field("off", description="dynamic topologies (dpsgd, pushsum, tracking): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
-                                               "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | one "
-                                               "registered by --models-module")
+                                               "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | "
+                                               "pystdlib (text: the running Python's standard library) | text:PATH "
+                                               "(a text file or a folder of .txt) | one registered by --models-module")
+    task: str = Field("auto", description=TASK_HELP)
+    context: int = Field(128, ge=2, le=65_536, description="tokens a language model reads at once (text datasets: "
+                         "the windows its samples are)")
     partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
                            "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
                            "writers, in blocks per node)")
-    model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | any registered model")
+    model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | gpt-tiny | gpt-small (language "
+                       "models) | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
     algorithm: str = Field("dpsgd", description=algorithms_help())
@@ -189,6 +196,15 @@ class ExperimentConfig(Settings):
         if value not in DEFINITIONS and not info.data.get("models_module"):  # else checked once it has loaded
             raise ValueError(f"unknown algorithm {value!r}: choose one of {', '.join(DEFINITIONS.names())}, or "
                              "register your own in a --models-module file")
+        return value
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, value: str, info: ValidationInfo) -> str:
+        value = value.strip()
+        if value != "auto" and value not in TASKS and not info.data.get("models_module"):  # else checked once loaded
+            raise ValueError(f"unknown task {value!r}: choose auto, {', '.join(TASKS.names())}, or register your own "
+                             "in a --models-module file")
         return value
 
     @field_validator("sharing")
@@ -352,8 +368,11 @@ def load_run_dataset(config: ExperimentConfig) -> "Dataset":
     """The dataset a run trains and tests on, as every engine and the report load it: ``config.dataset``,
     with ``reshuffle`` its train and test sets pooled and split again with the run's seed."""
     from meshlearn.data import load_dataset  # loads torch: only once a run starts
+    from meshlearn.tasks import resolve_task
 
-    return load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None)
+    dataset = load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None, context=config.context)
+    task = resolve_task(config.task, dataset.task, config.dataset)
+    return dataset if task == dataset.task else dataclasses.replace(dataset, task=task)
 
 
 def make_config(values: dict[str, Any]) -> ExperimentConfig:

@@ -18,7 +18,9 @@ EVAL_BATCH = 128  # test samples per forward pass: bounds a node's activations (
 
 @dataclass
 class Evaluation:
-    """Test-set loss, accuracy and (for final reports) the full classification metrics."""
+    """Test-set loss (per target: per sample, or per token), accuracy (of the predicted class, or
+    next token), macro precision / recall / F1 and, for final reports of classification, the
+    confusion matrix. A language model's adds its perplexity and bits per token."""
 
     loss: float
     accuracy: float
@@ -27,13 +29,22 @@ class Evaluation:
     f1: float
     confusion: list[list[int]] = field(default_factory=list)
     shown: list[int] = field(default_factory=list)  # final reports: the predictions predictions.png shows
+    perplexity: float | None = None
+    bits_per_token: float | None = None
+
+    def as_dict(self) -> dict:
+        """The metrics as plain values, for logs and summaries (a task's metrics it lacks left out)."""
+        return {name: value for name, value in self.__dict__.items() if value is not None}
 
 
 @torch.no_grad()
 def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | str = "cpu",
                    limit: int = 0, full: bool = False) -> Evaluation:
     """A model's loss and accuracy on the test set (``limit`` samples of it, ``test_samples``; 0 =
-    all); all metrics if ``full``."""
+    all); all metrics if ``full``. The dataset's task measures them (``meshlearn.tasks``)."""
+    from meshlearn.tasks import task_of
+
+    task = task_of(dataset)
     xs, ys = test_samples(dataset, limit)
     model.eval()
     total_loss = 0.0
@@ -41,10 +52,10 @@ def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | st
     for start in range(0, len(ys), EVAL_BATCH):
         x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
         y = ys[start:start + EVAL_BATCH].to(device)
-        logits = model(x)
-        total_loss += float(nn.functional.cross_entropy(logits, y, reduction="sum"))
-        preds.append(logits.argmax(1).cpu())
-    return evaluation_of(total_loss, ys, torch.cat(preds), dataset.num_classes, full)
+        outputs = model(x)
+        total_loss += float(task.loss_sums(outputs.unsqueeze(0), y)[0])
+        preds.append(task.predictions(outputs).flatten().cpu())
+    return task.evaluation(total_loss, ys, torch.cat(preds), dataset.num_classes, full)
 
 
 def evaluation_of(total_loss: float, targets: torch.Tensor, preds: torch.Tensor, num_classes: int,
@@ -80,7 +91,10 @@ def shown_positions(count: int) -> torch.Tensor:
 
 def is_image(dataset: Dataset) -> bool:
     """Whether a dataset's samples are pictures worth showing: one (grey) or three (RGB) channels of
-    at least 4 x 4 pixels; ``digits`` (8 x 8) is one, a flat feature vector (N, F, 1, 1) is not."""
+    at least 4 x 4 pixels; ``digits`` (8 x 8) is one, a flat feature vector (N, F, 1, 1) is not,
+    nor is text."""
+    if len(dataset.input_shape) != 3 or dataset.tokens:
+        return False
     channels, height, width = dataset.input_shape
     return channels in (1, 3) and height >= 4 and width >= 4
 

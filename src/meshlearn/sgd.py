@@ -7,6 +7,8 @@ which loads ``torch._dynamo`` on first use (about 70 MB in every node process)."
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 
@@ -70,12 +72,15 @@ class StackedSGD:
 
 
 def local_step(model: torch.nn.Module, parameters: list[torch.Tensor], optimizer: StackedSGD, x: torch.Tensor,
-               y: torch.Tensor) -> torch.Tensor:
-    """One SGD step of ``model`` on the batch (``x``, ``y``): cross-entropy, its gradient with
-    respect to ``parameters`` (the model's, in the order of the flat vector ``optimizer`` updates
-    as one row), the update. Returns the loss (a process-engine node's step)."""
+               y: torch.Tensor, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """One SGD step of ``model`` on the batch (``x``, ``y``): the loss (``loss_of(outputs,
+    targets)``, the task's; cross-entropy by default), its gradient with respect to ``parameters``
+    (the model's, in the order of the flat vector ``optimizer`` updates as one row), the update.
+    Returns the loss (a process-engine node's step)."""
     model.train()
-    loss = torch.nn.functional.cross_entropy(model(x), y)
+    outputs = model(x)
+    loss = loss_of(outputs, y) if loss_of is not None else torch.nn.functional.cross_entropy(outputs, y)
     grads = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
     optimizer.step(torch.cat([g.reshape(1, -1) for g in grads], 1))
     return loss

@@ -36,7 +36,8 @@ class NodeBatches:
             count, size = picks.shape
             index = torch.from_numpy(picks.reshape(-1))
             x = self.dataset.normalize(self.dataset.train_x.index_select(0, index))  # (faster than [index])
-            y = self.dataset.train_y.index_select(0, index).view(count, size)
+            y = self.dataset.train_y.index_select(0, index)
+            y = y.view(count, size, *y.shape[1:])
             flip = [k for k, rank in enumerate(members.tolist()) if rank in self.flipped] if self.flipped else []
             if flip:
                 y = y.clone()

@@ -53,6 +53,7 @@ from meshlearn.plugins import load_user_module
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
+from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
 
 MEASURED_STEPS = 5
@@ -87,7 +88,7 @@ def modelled_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, 
         return settings.step_time
     if settings.step_cost == "measured":
         return measure_step_time(model, dataset, indices, config)
-    flops = step_flops(model, dataset.input_shape, config.batch_size)
+    flops = step_flops(model, dataset.normalize(dataset.train_x[:1])[0], config.batch_size)
     return flops / (settings.device_gflops * 1e9) + settings.step_overhead
 
 
@@ -107,7 +108,7 @@ def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, c
         times = []
         for _ in range(MEASURED_STEPS + 1):
             start = time.perf_counter()
-            local_step(alone, parameters, optimizer, x, y)
+            local_step(alone, parameters, optimizer, x, y, task_of(dataset).loss)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
@@ -172,7 +173,7 @@ class BatchedSimulation:
         by_rank = dict(final)
         summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
                             "stats": run.traffic.of(rank),
-                            "metrics": None if rank not in by_rank else by_rank[rank].__dict__}
+                            "metrics": None if rank not in by_rank else by_rank[rank].as_dict()}
                      for rank in run.ranks}
         run.log.write(columnar_event("final", run.ranks, {
             "metrics": [summaries[r]["metrics"] for r in run.ranks],
@@ -195,7 +196,8 @@ class BatchedSimulation:
         self.step_time = collective.broadcast(
             modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
         stacked = self.stacked = StackedState(model, shard.size, device)
-        models = NodeModels(stacked, vectorize(config, model), config.batched.chunk, *worker_counts(config))
+        models = NodeModels(stacked, vectorize(config, model), config.batched.chunk, *worker_counts(config),
+                            loss_of=task_of(dataset).loss)
         links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from meshlearn.batched.models import NodeModels
 from meshlearn.data import Dataset, test_samples
-from meshlearn.evaluation import EVAL_BATCH, Evaluation, evaluation_of
+from meshlearn.evaluation import EVAL_BATCH, Evaluation
+from meshlearn.tasks import task_of
 
 FINGERPRINT = 64  # values of a row whose bytes key it, before torch.equal compares whole rows
 
@@ -25,6 +25,7 @@ def evaluate_nodes(models: NodeModels, ranks: list[int], dataset: Dataset, limit
     positions = ranks if rows is None else list(range(len(ranks)))
     distinct, twin = distinct_rows(states, positions)
     chosen = [ranks[k] for k in distinct]
+    task = task_of(dataset)
     xs, ys = test_samples(dataset, limit)
     device = models.stacked.state.device
     losses = torch.zeros(len(chosen), dtype=torch.float64)
@@ -32,12 +33,11 @@ def evaluate_nodes(models: NodeModels, ranks: list[int], dataset: Dataset, limit
     for start in range(0, len(ys), EVAL_BATCH):
         x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
         y = ys[start:start + EVAL_BATCH].to(device)
-        logits = models.logits(chosen, x, None if rows is None else rows[distinct])  # [nodes, b, classes]
-        per_sample = nn.functional.cross_entropy(logits.flatten(0, 1), y.repeat(len(chosen)), reduction="none")
-        losses += per_sample.view(len(chosen), -1).sum(1).double().cpu()
-        preds.append(logits.argmax(2).cpu())
+        outputs = models.logits(chosen, x, None if rows is None else rows[distinct])  # [nodes, b, ..., classes]
+        losses += task.loss_sums(outputs, y).double().cpu()
+        preds.append(task.predictions(outputs).flatten(1).cpu())
     preds = torch.cat(preds, 1)
-    results = [evaluation_of(float(losses[k]), ys, preds[k], dataset.num_classes, full) for k in range(len(chosen))]
+    results = [task.evaluation(float(losses[k]), ys, preds[k], dataset.num_classes, full) for k in range(len(chosen))]
     return {rank: results[twin[k]] for k, rank in enumerate(ranks)}
 
 

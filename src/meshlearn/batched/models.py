@@ -16,11 +16,13 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.functional import cross_entropy
 
 from meshlearn.batched.stacked import StackedState
 from meshlearn.batched.workers import WorkerChoice, Workers
 from meshlearn.sgd import StackedSGD
 
+LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> the batch's mean loss
 EVAL_SAMPLES_PER_CALL = 65_536  # node x sample pairs per vectorized evaluation call (bounds memory)
 
 
@@ -42,12 +44,13 @@ class _Replica:
     """One worker thread's copy of the template model, with the vectorized gradient bound to it
     (``functional_call`` rebinds a module's tensors while it runs, so threads may not share one)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, loss_of: LossOf):
         self.model = copy.deepcopy(model).train()
+        self.loss_of = loss_of
         self.vgrad = vmap(grad_and_value(self.loss), randomness="different")
 
     def loss(self, params: dict, rest: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(functional_call(self.model, (params, rest), (x,)), y)
+        return self.loss_of(functional_call(self.model, (params, rest), (x,)), y)
 
 
 @dataclass
@@ -70,12 +73,14 @@ class NodeModels:
     """
 
     def __init__(self, stacked: StackedState, vectorized: bool, chunk: int = 0, workers: int = 1,
-                 choice: WorkerChoice | None = None, clock: Callable[[], float] = time.perf_counter):
+                 choice: WorkerChoice | None = None, clock: Callable[[], float] = time.perf_counter,
+                 loss_of: LossOf | None = None):
         self.stacked = stacked
         self.model = stacked.template
         self.vectorized = vectorized
         self.chunk = chunk or stacked.nodes
-        self.workers = Workers(workers, lambda: _Replica(self.model))
+        self.loss_of = loss_of or cross_entropy  # the task's loss of (outputs, targets)
+        self.workers = Workers(workers, lambda: _Replica(self.model, self.loss_of))
         self.choice = choice or WorkerChoice([1])
         self.clock = clock
         self.draws_random: bool | None = None  # whether a training step draws random numbers (known after the first)
@@ -167,7 +172,7 @@ class NodeModels:
             named[slot.name] = leaf
         if x.dim() == 4 and x.device.type == "cpu":  # images channels-last: oneDNN's faster convolutions here
             x = x.contiguous(memory_format=torch.channels_last)
-        loss = nn.functional.cross_entropy(functional_call(model, named, (x,)), y)
+        loss = self.loss_of(functional_call(model, named, (x,)), y)
         loss.backward()
         return loss.detach()
 

@@ -6,11 +6,11 @@ from meshlearn.data.partition import partition, partition_dataset  # eager: part
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
-    **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_dataset", "load_digits", "load_idx",
+    **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_digits", "load_idx",
                                       "load_imagefolder", "load_leaf", "make_dataset",
                                       "reshuffled", "shard_as_test_set", "split_validation", "test_samples")},
     "ShardLoader": "loader", "ShardLoaders": "loader", "loader_seed": "loader", "parse_spec": "specs",
-    "register_dataset": "specs",
+    "register_dataset": "specs", "load_dataset": "loading",
 }
 __all__ = sorted(_WHERE) + ["partition", "partition_dataset"]
 

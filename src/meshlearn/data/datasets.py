@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from meshlearn.data.specs import DATASETS, parse_spec, require_path
+from meshlearn.data.specs import require_path
 from meshlearn.errors import DatasetError
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
@@ -25,7 +25,12 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
 
 @dataclass(frozen=True)
 class Dataset:
-    """Train and test samples as tensors (N, C, H, W), labels, and per-channel normalization."""
+    """Train and test samples as tensors, their targets, and what the model reads of them.
+
+    Images (``task`` classification): samples (N, C, H, W), a class label each, per-channel
+    normalization. Text (``task`` language-model, ``data.text``): windows of token ids (N, T), the
+    next token at each position as targets, no channel statistics; ``num_classes`` is then the
+    vocabulary's size and ``class_names`` the tokens."""
 
     name: str
     train_x: torch.Tensor
@@ -37,16 +42,25 @@ class Dataset:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     train_groups: torch.Tensor | None = None  # per training sample, its writer (LEAF): partition "writers"
+    task: str = "classification"  # what a model learns from it (meshlearn.tasks)
 
     @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """(C, H, W) of one sample."""
+    def input_shape(self) -> tuple[int, ...]:
+        """The shape of one sample: (C, H, W) of an image, (T,) of a text window."""
         return tuple(self.train_x.shape[1:])
 
+    @property
+    def tokens(self) -> bool:
+        """Whether samples are token ids (text), which models read as they are, not normalized."""
+        return not self.mean
+
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw samples (uint8 0..255 or float 0..1) to normalized float32 (a new tensor; ``x`` is
-        left as it is). In place on that one copy: the same arithmetic as out of place, bit for bit,
-        without a fresh tensor per operation (17 to 0.8 ms for a batch of 3,200 Fashion-MNIST images)."""
+        """Raw samples to what the model reads (a new tensor; ``x`` is left as it is): token ids as
+        int64; images (uint8 0..255 or float 0..1) as normalized float32, in place on that one copy
+        (the same arithmetic as out of place, bit for bit, without a fresh tensor per operation: 17
+        to 0.8 ms for a batch of 3,200 Fashion-MNIST images)."""
+        if self.tokens:
+            return x.to(torch.int64)
         x = x.to(torch.float32, copy=True)
         if self.train_x.dtype == torch.uint8:
             x.div_(255.0)
@@ -146,6 +160,9 @@ def reshuffled(dataset: Dataset, seed: int) -> Dataset:
     first), samples kept in pool order on each side. The same seed gives the same split; the
     channel statistics stay those of the stored training set. A dataset whose training samples have
     writers (LEAF) is refused: its test samples have none."""
+    if dataset.tokens:
+        raise DatasetError(f"dataset {dataset.name}: reshuffle pools labelled samples; a text corpus is split by "
+                           "file already: leave reshuffle off")
     if dataset.train_groups is not None:
         raise DatasetError(f"dataset {dataset.name}: reshuffle would mix test samples, which have no writer, into "
                            "the training set of a dataset split by writer (LEAF): leave reshuffle off")
@@ -571,36 +588,3 @@ def load_imagefolder(path: str | Path) -> Dataset:
 
 
 # --- specs ------------------------------------------------------------------------------------
-
-_CACHE: dict[str, Dataset] = {}
-
-
-def load_dataset(spec: str, reshuffle: int | None = None) -> Dataset:
-    """The dataset a spec names (see ``data.specs``), loaded once per process; with ``reshuffle``,
-    its train and test sets pooled and split again with that seed (``reshuffled``)."""
-    kind, path = parse_spec(spec)
-    key = f"{kind}:{path.resolve()}" if path else kind
-    if reshuffle is not None:
-        shuffled = f"{key}|reshuffle:{reshuffle}"
-        if shuffled not in _CACHE:
-            _CACHE[shuffled] = reshuffled(load_dataset(spec), reshuffle)
-        return _CACHE[shuffled]
-    if key in _CACHE:
-        return _CACHE[key]
-    if kind in DATASETS:
-        dataset = DATASETS.get(kind)(path)
-        if not isinstance(dataset, Dataset):
-            raise DatasetError(f"dataset {kind}: its factory returned {type(dataset).__name__}, not a Dataset "
-                               "(build one with meshlearn.data.make_dataset)")
-    elif kind == "digits":
-        dataset = load_digits()
-    elif kind in ("fashion-mnist", "mnist"):
-        dataset = load_idx(path, kind)
-    elif kind == "leaf":
-        dataset = load_leaf(path)
-    elif kind == "cifar10":
-        dataset = load_cifar10(path)
-    else:
-        dataset = load_imagefolder(path)
-    _CACHE[key] = dataset
-    return dataset

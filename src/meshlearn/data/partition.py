@@ -115,6 +115,11 @@ def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int, groups=Non
 
 
 def partition_dataset(dataset, n_parts: int, spec: str, seed: int) -> list[np.ndarray]:
-    """``partition`` of a Dataset's training samples (with its writers, where it has them)."""
+    """``partition`` of a Dataset's training samples (with its writers, where it has them). A text
+    corpus's windows have no class label: they are dealt out at random (``iid``) or by file
+    (``writers``)."""
     groups = getattr(dataset, "train_groups", None)
+    if getattr(dataset, "tokens", False) and spec not in ("iid", "writers"):
+        raise DatasetError(f"partition {spec} splits by class label, which text has none of: use iid (windows dealt "
+                           "out at random) or writers (whole files per node)")
     return partition(dataset.train_y.numpy(), n_parts, spec, seed, None if groups is None else groups.numpy())

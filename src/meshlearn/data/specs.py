@@ -17,19 +17,20 @@ DatasetFactory = Callable[["Path | None"], "Dataset"]
 # Datasets a user's module registers (``register_dataset``); the built-in ones are KINDS below.
 DATASETS: Registry[DatasetFactory] = Registry("dataset", DatasetError)
 
-SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR"
+SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR, pystdlib, text:PATH"
 # The name a spec starts with -> the dataset it means (and whether it needs a path)
 KINDS = {"digits": ("digits", False), "fashion-mnist": ("fashion-mnist", True), "fmnist": ("fashion-mnist", True),
          "fashion_mnist": ("fashion-mnist", True), "mnist": ("mnist", True), "cifar10": ("cifar10", True),
          "cifar-10": ("cifar10", True), "imagefolder": ("imagefolder", True), "leaf": ("leaf", True),
-         "femnist": ("leaf", True)}
+         "femnist": ("leaf", True), "pystdlib": ("pystdlib", False), "text": ("text", True)}
 
 _IDX = "the folder holding train-images-idx3-ubyte.gz and the other IDX files"
 WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
         "cifar10": "the folder of the CIFAR-10 python batches, an ImageFolder tree (train/<class>/, test/<class>/) "
                    "or its .tar.gz",
         "imagefolder": "a folder with train/<class>/ and test/<class>/",
-        "leaf": "a LEAF folder (FEMNIST) with train/*.json and test/*.json"}
+        "leaf": "a LEAF folder (FEMNIST) with train/*.json and test/*.json",
+        "text": "a text file, or a folder of .txt files"}
 # Where each dataset on disk comes from, said with a missing path (nothing is ever downloaded at run time)
 GET = {"fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (its four .gz files in one folder; Debian: "
                         "apt install dataset-fashion-mnist)",

@@ -10,26 +10,27 @@ from torch import nn
 from torch.nn import functional as F
 
 
-def step_flops(model: nn.Module, input_shape: tuple[int, ...], batch_size: int) -> int:
+def step_flops(model: nn.Module, sample: torch.Tensor, batch_size: int) -> int:
     """Floating-point operations of one training step of ``model`` on a batch of ``batch_size``
-    inputs of ``input_shape``: the matrix products and convolutions of the forward pass and of the
+    inputs like ``sample`` (one input as the model reads it: its shape and dtype): the matrix products and convolutions of the forward pass and of the
     backward pass of the cross-entropy loss, as ``torch.utils.flop_counter`` counts them
     (elementwise work and the optimizer's update are left out). It depends on shapes only: counted
     on tensors without data (the meta device; on the CPU, with zeros, for a model the meta device
     cannot run), the model and torch's random state untouched."""
     try:
-        return _counted(model, input_shape, batch_size, "meta")
+        return _counted(model, sample, batch_size, "meta")
     except (NotImplementedError, RuntimeError):  # a user's model that reads values (.item(), data-dependent shapes)
-        return _counted(model, input_shape, batch_size, "cpu")
+        return _counted(model, sample, batch_size, "cpu")
 
 
-def _counted(model: nn.Module, input_shape: tuple[int, ...], batch_size: int, device: str) -> int:
+def _counted(model: nn.Module, sample: torch.Tensor, batch_size: int, device: str) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
     with torch.random.fork_rng(devices=[]):
         alone = copy.deepcopy(model).to(device)
-        x = torch.zeros((batch_size, *input_shape), device=device)
-        y = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        x = torch.zeros((batch_size, *sample.shape), dtype=sample.dtype, device=device)
         with FlopCounterMode(display=False) as counter:
-            F.cross_entropy(alone(x), y).backward()
+            outputs = alone(x)
+            targets = torch.zeros(outputs.shape[:-1], dtype=torch.int64, device=device)
+            F.cross_entropy(outputs.flatten(0, -2), targets.flatten()).backward()
     return int(counter.get_total_flops())

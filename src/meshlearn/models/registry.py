@@ -10,9 +10,11 @@ from meshlearn.plugins import Registry
 if TYPE_CHECKING:
     from torch import nn
 
-ModelFactory = Callable[[tuple[int, int, int], int], "nn.Module"]
+ModelFactory = Callable[[tuple[int, ...], int], "nn.Module"]
 BUILT_IN = ("lenet", "mlp", "resnet18", "simplecnn")  # registered by meshlearn.models.zoo
-MODELS: Registry[ModelFactory] = Registry("model", ModelError, built_in={name: "meshlearn.models.zoo" for name in BUILT_IN})
+LANGUAGE_MODELS = ("gpt-tiny", "gpt-small")  # registered by meshlearn.models.gpt
+MODELS: Registry[ModelFactory] = Registry("model", ModelError, built_in={
+    **{name: "meshlearn.models.zoo" for name in BUILT_IN}, **{name: "meshlearn.models.gpt" for name in LANGUAGE_MODELS}})
 
 
 def register_model(name: str) -> Callable[[ModelFactory], ModelFactory]:
@@ -25,8 +27,12 @@ def model_names() -> list[str]:
     return MODELS.names()
 
 
-def build_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> nn.Module:
-    """A fresh model for inputs of ``input_shape`` (C, H, W) and ``num_classes`` classes."""
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """A fresh model for inputs of ``input_shape`` ((C, H, W) images; (T,) token windows) and
+    ``num_classes`` classes (a language model's: its vocabulary)."""
+    if name in BUILT_IN and len(input_shape) != 3:
+        raise ModelError(f"model {name} reads images (C, H, W), not samples of shape {tuple(input_shape)}: for "
+                         f"text use {' or '.join(LANGUAGE_MODELS)}")
     return MODELS.get(name)(tuple(input_shape), num_classes)
 
 

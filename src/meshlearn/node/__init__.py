@@ -1,7 +1,7 @@
 """The node runtime: one participant of a run, hostable many to a process."""
 
-from meshlearn.node.factory import build_node, load_run_dataset, make_transport
 from meshlearn.evaluation import Evaluation, evaluate_model
+from meshlearn.node.factory import build_node, load_run_dataset, make_transport
 from meshlearn.node.node import Node
 
 __all__ = ["Evaluation", "Node", "build_node", "evaluate_model", "load_run_dataset", "make_transport"]

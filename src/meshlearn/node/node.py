@@ -17,6 +17,7 @@ from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.runlog import JsonlLog
 from meshlearn.sgd import local_step
+from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
 from meshlearn.topology.sampling import dynamic_rounds
 from meshlearn.transport import Endpoint
@@ -48,6 +49,7 @@ class Node:
         self.config = config
         self.graph = graph
         self.dataset, self.validation = split_validation(dataset, config.validation, config.seed)
+        self.task = task_of(self.dataset)  # what the model learns: its loss and metrics
         self._shard_set: Dataset | None = None  # its shard as a test set, built at its first use
         self.device = torch.device(config.device)
         self.model = model.to(self.device)
@@ -103,7 +105,7 @@ class Node:
         if self.attack is not None and self.attack.flips_labels:
             y = LabelFlip.flip(y, self.dataset.num_classes)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        return float(local_step(self.model, self.parameters, self.optimizer, x, y).detach())
+        return float(local_step(self.model, self.parameters, self.optimizer, x, y, self.task.loss).detach())
 
     def evaluate(self, full: bool = False) -> Evaluation:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
@@ -181,7 +183,7 @@ class Node:
             summary = {
                 "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
-                "metrics": None if final is None else final.__dict__,
+                "metrics": None if final is None else final.as_dict(),
                 "peers": self.peers_report(),
             }
             self._write(summary)

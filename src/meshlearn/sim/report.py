@@ -235,7 +235,9 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
     iterations = int(np.isin(ranks, list(nodes)).sum())
     bytes_sent = sum(n["stats"]["bytes_sent"] for n in nodes.values())
     means = {}
-    for key in ("accuracy", "loss", "precision", "recall", "f1"):
+    for key in ("accuracy", "loss", "precision", "recall", "f1", *TASK_METRICS):
+        if key in TASK_METRICS and not all(key in m for m in evaluated):
+            continue  # not this task's metric
         means[key], means[f"{key}_std"] = _mean_std([m[key] for m in evaluated])
     extra: dict[str, Any] = {}
     if attackers:
@@ -735,6 +737,21 @@ def _by_nodes(counts: dict[str, int]) -> str:
     return ", ".join(f"{peer} (by {count} node{'s' if count > 1 else ''})" for peer, count in counts.items())
 
 
+TASK_METRICS = ("perplexity", "bits_per_token")  # a language model's, beside the loss
+
+
+def _task_lines(final: dict[str, Any]) -> list[str]:
+    """The headline metrics of a run's task: perplexity for a language model, else accuracy and
+    macro precision, recall and F1."""
+    if "perplexity" in final:
+        return [f"test perplexity     {final['perplexity']:.3f} ± {final['perplexity_std']:.3f}",
+                f"test loss           {final['loss']:.4f} ({final['bits_per_token']:.3f} bits per token)",
+                f"next-token accuracy {final['accuracy']:.4f}"]
+    return [f"test accuracy       {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}",
+            f"test loss           {final['loss']:.4f}",
+            f"macro P / R / F1    {final['precision']:.4f} / {final['recall']:.4f} / {final['f1']:.4f}"]
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """A short human-readable table of a run's outcome."""
     final = summary["final"]
@@ -742,9 +759,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines = [
         f"nodes finished      {summary['nodes_finished']} ({summary['nodes_evaluated']} evaluated"
         + (", honest only" if "attackers" in summary else "") + ")",
-        f"test accuracy       {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}",
-        f"test loss           {final['loss']:.4f}",
-        f"macro P / R / F1    {final['precision']:.4f} / {final['recall']:.4f} / {final['f1']:.4f}",
+        *_task_lines(final),
     ]
     if "attackers" in summary:
         behaviours = ", ".join(f"{rank} {what}" for rank, what in summary["attackers"].items())

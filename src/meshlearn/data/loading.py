@@ -1,0 +1,54 @@
+"""Loading a dataset by its spec, once per process: images (``data.datasets``) or text (``data.text``)."""
+
+from __future__ import annotations
+
+from meshlearn.data.datasets import (
+    Dataset,
+    load_cifar10,
+    load_digits,
+    load_idx,
+    load_imagefolder,
+    load_leaf,
+    reshuffled,
+)
+from meshlearn.data.specs import DATASETS, parse_spec
+from meshlearn.data.text import load_pystdlib, load_text
+from meshlearn.errors import DatasetError
+
+_CACHE: dict[str, Dataset] = {}
+
+
+def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128) -> Dataset:
+    """The dataset a spec names (see ``data.specs``), loaded once per process; with ``reshuffle``,
+    its train and test sets pooled and split again with that seed (``reshuffled``). A text
+    dataset's samples are windows of ``context`` tokens."""
+    kind, path = parse_spec(spec)
+    key = f"{kind}:{path.resolve()}" if path else kind
+    if kind in ("pystdlib", "text"):
+        key = f"{key}|context:{context}"
+    if reshuffle is not None:
+        shuffled = f"{key}|reshuffle:{reshuffle}"
+        if shuffled not in _CACHE:
+            _CACHE[shuffled] = reshuffled(load_dataset(spec, context=context), reshuffle)
+        return _CACHE[shuffled]
+    if key in _CACHE:
+        return _CACHE[key]
+    if kind in DATASETS:
+        dataset = DATASETS.get(kind)(path)
+        if not isinstance(dataset, Dataset):
+            raise DatasetError(f"dataset {kind}: its factory returned {type(dataset).__name__}, not a Dataset "
+                               "(build one with meshlearn.data.make_dataset)")
+    elif kind == "digits":
+        dataset = load_digits()
+    elif kind in ("fashion-mnist", "mnist"):
+        dataset = load_idx(path, kind)
+    elif kind == "leaf":
+        dataset = load_leaf(path)
+    elif kind == "cifar10":
+        dataset = load_cifar10(path)
+    elif kind in ("pystdlib", "text"):
+        dataset = load_pystdlib(context) if kind == "pystdlib" else load_text(path, context)
+    else:
+        dataset = load_imagefolder(path)
+    _CACHE[key] = dataset
+    return dataset

@@ -1,0 +1,149 @@
+"""Language models: text corpora as token windows, the language-model task's metrics, a small GPT
+trained by both engines."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from meshlearn.config import make_config
+from meshlearn.data import load_dataset, partition_dataset
+from meshlearn.data.text import HELD_OUT_EVERY, load_text, split_files, stdlib_files, stdlib_root
+from meshlearn.errors import ConfigError, DatasetError, ModelError
+from meshlearn.models import build_model
+from meshlearn.sim import simulate
+from meshlearn.tasks import TASKS, resolve_task
+
+# --- the corpora ------------------------------------------------------------------------------------
+
+
+def test_the_standard_library_corpus_is_its_own_code_in_a_fixed_order_with_every_tenth_file_held_out():
+    files = stdlib_files()
+    root = stdlib_root()
+    names = [f.relative_to(root).as_posix() for f in files]
+    assert names == sorted(names) and len(names) > 300 and "os.py" in names and "json/decoder.py" in names
+    assert not any(part in ("test", "tests", "site-packages", "__pycache__") for n in names for part in n.split("/"))
+    train, test = split_files(files)
+    assert test == list(range(HELD_OUT_EVERY - 1, len(files), HELD_OUT_EVERY)) and sorted(train + test) == list(
+        range(len(files)))
+    dataset = load_dataset("pystdlib", context=64)
+    assert dataset.task == "language-model" and dataset.input_shape == (64,) and dataset.num_classes == 256
+    assert dataset.train_x.dtype == torch.uint8 and dataset.normalize(dataset.train_x[:2]).dtype == torch.int64
+    stream = b"".join(files[i].read_bytes() for i in train)
+    assert bytes(dataset.train_x[:3].flatten().tolist()) == stream[:192]  # windows: the stream, cut in 64s
+    assert torch.equal(dataset.train_y[0][:-1], dataset.train_x[0][1:])  # the next token at every position
+    assert int(dataset.train_y[0][-1]) == int(dataset.train_x[1][0])
+    held_out = files[test[0]].read_bytes()
+    assert bytes(dataset.test_x[:1].flatten().tolist()) == held_out[:64]
+    assert held_out[:200] not in stream  # the test set is text no node trains on
+    groups = dataset.train_groups.numpy()
+    assert groups[0] == 0 and groups[-1] == len(train) - 1 and bool(np.all(np.diff(groups) >= 0))
+
+
+def test_a_text_folder_is_read_once_into_the_cache_and_a_single_file_split_at_nine_tenths(tmp_path, monkeypatch):
+    folder = tmp_path / "corpus"
+    (folder / "b").mkdir(parents=True)
+    for i in range(10):
+        (folder / ("b" if i % 2 else ".") / f"{i:02d}.txt").write_text(f"file {i} " * 50)
+    dataset = load_text(folder, context=16)
+    assert bytes(dataset.test_x[0].tolist()) == b"file 9 file 9 fi"  # 10 files: the 10th (in path order) held out
+    import meshlearn.data.text as text
+
+    monkeypatch.setattr(text, "_read", lambda path: pytest.fail("read again"))
+    again = load_text(folder, context=8)  # another context: the same cached streams
+    assert bytes(again.train_x[0].tolist()) == b"file 0 f"
+    monkeypatch.undo()
+    one = tmp_path / "one.txt"
+    one.write_bytes(bytes(range(100)) * 10)
+    single = load_text(one, context=10)
+    assert single.train_x.shape == (89, 10) and int(single.test_x[0][0]) == 900 % 100
+    with pytest.raises(DatasetError, match="its test text has 100 bytes, too few for one window of 100 tokens"):
+        load_text(one, context=100)
+    with pytest.raises(DatasetError, match="no .txt files"):
+        load_text(_empty(tmp_path), context=8)
+
+
+def _empty(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    return empty
+
+
+def test_text_is_dealt_out_by_window_or_by_whole_files_never_by_label():
+    dataset = load_dataset("pystdlib", context=256)
+    by_file = partition_dataset(dataset, 8, "writers", seed=1)
+    groups = dataset.train_groups.numpy()
+    files = [set(groups[part].tolist()) for part in by_file]
+    assert all(not (a & b) for k, a in enumerate(files) for b in files[k + 1:])  # no file on two nodes
+    iid = partition_dataset(dataset, 8, "iid", seed=1)
+    assert sum(len(p) for p in iid) == len(dataset.train_x)
+    with pytest.raises(DatasetError, match="which text has none of"):
+        partition_dataset(dataset, 8, "dirichlet:0.1", seed=1)
+
+
+# --- the task --------------------------------------------------------------------------------------
+
+
+def test_the_language_models_metrics_by_hand():
+    task = TASKS.get("language-model")()
+    logits = torch.log(torch.tensor([[[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]]))  # one window of two positions
+    targets = torch.tensor([[0, 2]], dtype=torch.uint8)
+    total = float(task.loss_sums(logits.unsqueeze(0), targets)[0])
+    assert total == pytest.approx(-math.log(0.5) - math.log(0.1))
+    evaluation = task.evaluation(total, targets, task.predictions(logits).flatten(), 3)
+    assert evaluation.loss == pytest.approx(total / 2)  # per token
+    assert evaluation.perplexity == pytest.approx(math.sqrt(1 / (0.5 * 0.1)))
+    assert evaluation.bits_per_token == pytest.approx(evaluation.loss / math.log(2))
+    assert evaluation.accuracy == 0.5 and evaluation.confusion == []
+    classification = TASKS.get("classification")().evaluation(total, targets.flatten(), torch.tensor([0, 1]), 3)
+    assert classification.perplexity is None and "perplexity" not in classification.as_dict()
+
+
+@pytest.mark.parametrize("asked,dataset,problem", [
+    ("language-model", "digits", "task language-model cannot learn from dataset digits"),
+    ("classification", "pystdlib", "task classification cannot learn from dataset pystdlib"),
+])
+def test_a_task_its_dataset_cannot_serve_is_one_clear_error(asked, dataset, problem):
+    with pytest.raises(ConfigError, match=problem):
+        resolve_task(asked, "language-model" if dataset == "pystdlib" else "classification", dataset)
+    with pytest.raises(ConfigError, match="unknown task 'poetry'"):
+        make_config({"task": "poetry"})
+
+
+def test_a_gpt_reads_token_windows_and_an_image_model_refuses_them():
+    model = build_model("gpt-tiny", (32,), 256)
+    assert 0.8e6 < sum(p.numel() for p in model.parameters()) < 1.2e6
+    assert model(torch.zeros(2, 32, dtype=torch.int64)).shape == (2, 32, 256)
+    assert 10e6 < sum(p.numel() for p in build_model("gpt-small", (256,), 256).parameters()) < 25e6
+    with pytest.raises(ModelError, match="gpt-tiny reads token sequences"):
+        build_model("gpt-tiny", (1, 8, 8), 10)
+    with pytest.raises(ModelError, match="model mlp reads images"):
+        build_model("mlp", (32,), 256)
+
+
+# --- training ---------------------------------------------------------------------------------------
+
+
+def test_a_quick_gpt_run_on_the_standard_library_learns_and_reports_perplexity(tmp_path):
+    config = make_config({"engine": "batched", "nodes": 4, "topology": "ring", "dataset": "pystdlib",
+                          "model": "gpt-tiny", "context": 32, "batch_size": 16, "iterations": 30, "optimizer": "adam",
+                          "lr": 0.003, "test_after": 15, "eval_samples": 256, "step_time": 0.01, "seed": 1,
+                          "output": str(tmp_path / "lm")})
+    simulate(config, progress=False)
+    final = json.loads((tmp_path / "lm" / "summary.json").read_text())["final"]
+    assert final["perplexity"] < 40 < 256  # from a uniform guess over 256 bytes
+    assert final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=0.05)
+    assert final["bits_per_token"] == pytest.approx(final["loss"] / math.log(2))
+
+
+def test_simulate_prints_a_language_models_perplexity(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--engine", "batched", "--nodes", "2",
+                          "--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "16", "--iterations", "2",
+                          "--batch-size", "4", "--eval-samples", "16", "--output", str(tmp_path / "cli")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "test perplexity" in out.stdout and "bits per token" in out.stdout and "test accuracy" not in out.stdout
