@@ -147,3 +147,32 @@ def test_simulate_prints_a_language_models_perplexity(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "test perplexity" in out.stdout and "bits per token" in out.stdout and "test accuracy" not in out.stdout
+
+
+def test_a_users_task_from_the_models_module_is_what_the_nodes_minimize(tmp_path):
+    import csv
+
+    from meshlearn.sim.checks import check_before_start
+
+    with pytest.raises(ConfigError, match="unknown task 'doubled'"):
+        make_config({"task": "doubled"})  # without its module
+    module = tmp_path / "doubled.py"
+    module.write_text(
+        "from torch.nn import functional as F\n"
+        "from meshlearn.tasks import Task, register_task\n\n"
+        "@register_task\n"
+        "class Doubled(Task):\n"
+        "    name = 'doubled'\n"
+        "    def loss(self, outputs, targets):\n"
+        "        return 2 * F.cross_entropy(outputs, targets.long())\n")
+    first_loss = {}
+    for task in ("auto", "doubled"):
+        config = make_config({"engine": "batched", "nodes": 4, "dataset": "digits", "iterations": 1, "test_after": 1,
+                              "step_time": 0.001, "task": task, "models_module": str(module),
+                              "output": str(tmp_path / task)})
+        check_before_start(config)
+        simulate(config, progress=False)
+        rows = list(csv.DictReader((tmp_path / task / "summary.csv").open()))
+        first_loss[task] = float(rows[0]["train_loss_mean"])
+    # the same first batch of the same initial model: the task's loss, twice the cross-entropy
+    assert first_loss["doubled"] == pytest.approx(2 * first_loss["auto"], rel=1e-5)

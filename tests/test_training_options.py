@@ -118,3 +118,38 @@ def test_both_engines_report_the_same_validation_and_training_shard_accuracy(tmp
         summaries[engine] = [(r["iteration"], round(float(r["val_acc_mean"]), 6), round(float(r["shard_acc_mean"]), 6),
                               round(float(r["shard_loss_mean"]), 5)) for r in rows]
     assert summaries["process"] == summaries["batched"] and len(summaries["process"]) == 2
+
+
+def test_a_learning_rate_schedule_warms_up_then_decays_along_a_cosine():
+    from meshlearn.schedule import LrSchedule
+
+    cosine = LrSchedule.model_validate("cosine:warmup=4,min=0.1")
+    factors = [cosine.factor(i, 15) for i in range(15)]
+    assert factors[:4] == [0.25, 0.5, 0.75, 1.0] and factors[-1] == pytest.approx(0.1)
+    assert factors[4] == 1.0 and factors[9] == pytest.approx(0.55)  # halfway down: (1 + 0.1) / 2
+    assert all(a >= b for a, b in zip(factors[3:], factors[4:]))
+    assert LrSchedule.model_validate("constant").constant and not LrSchedule.model_validate("constant:warmup=2").constant
+    assert make_config({"lr_schedule": "cosine:warmup=4"}).lr_schedule.model_dump() == "cosine:warmup=4,min=0.1"
+
+
+@pytest.mark.parametrize("text,message", [
+    ("linear", "write constant or cosine"), ("cosine:warmup=x", "warmup must be a number"),
+    ("constant:min=0.5", "is not warmup=N"), ("cosine:min=2", "less than or equal to 1"),
+])
+def test_a_bad_schedule_is_one_clear_error(text, message):
+    with pytest.raises(ConfigError, match=message):
+        make_config({"lr_schedule": text})
+    with pytest.raises(ConfigError, match="needs a synchronous algorithm"):
+        make_config({"engine": "batched", "algorithm": "gossip", "lr_schedule": "cosine"})
+
+
+def test_both_engines_take_the_first_iterations_steps_at_the_warm_up_rate(tmp_path):
+    from helpers.engines import BASE, batched_states, process_engine_states
+
+    one = {**BASE, "iterations": 1, "test_after": 1}
+    warm = {**one, "lr": 0.2, "lr_schedule": "cosine:warmup=4"}  # iteration 0: a quarter of lr
+    slow = {**one, "lr": 0.05}
+    for states in (process_engine_states, lambda values: batched_states(values, tmp_path / str(len(values)), "on")):
+        warmed, plain, fast = states(warm), states(slow), states({**one, "lr": 0.2})
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(warmed, plain))
+        assert not torch.allclose(warmed[0], fast[0])

@@ -29,6 +29,7 @@ from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, Gossip
 from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
+from meshlearn.schedule import SCHEDULE_HELP, LrSchedule
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.tasks.spec import TASK_HELP, TASKS
@@ -113,6 +114,7 @@ class ExperimentConfig(Settings):
     batch_size: int = Field(32, ge=1, description="mini-batch size")
     lr: float = Field(0.05, gt=0, description="learning rate")
     optimizer: str = Field("sgd", description=OPTIMIZER_HELP)
+    lr_schedule: LrSchedule = Field(LrSchedule(), description="learning rate by iteration: " + SCHEDULE_HELP)
     full_epochs: bool = Field(False, description="rounds count passes over the node's shard, not mini-batches "
                               "(DecentralizePy's full_epochs)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
@@ -197,6 +199,15 @@ class ExperimentConfig(Settings):
             raise ValueError(f"unknown algorithm {value!r}: choose one of {', '.join(DEFINITIONS.names())}, or "
                              "register your own in a --models-module file")
         return value
+
+    @model_validator(mode="after")
+    def _schedule_fits(self) -> "ExperimentConfig":
+        if not self.lr_schedule.constant and self.engine == "batched" and self.algorithm in DEFINITIONS and \
+                not definition(self.algorithm).needs.synchronous:
+            raise ConfigError(f"lr_schedule {self.lr_schedule._as_string()} on the batched engine needs a synchronous "
+                              f"algorithm (its asynchronous nodes are at different iterations): use the process "
+                              f"engine, or lr_schedule constant")
+        return self
 
     @field_validator("task")
     @classmethod

@@ -65,6 +65,11 @@ class TorchRows:
     def __init__(self, params: "torch.Tensor", optimizer: "torch.optim.Optimizer"):
         self.params, self.optimizer = params, optimizer
 
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next steps (a schedule's)."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
     def step(self, grads: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
         """One update of every row from ``grads``."""
         if rows is not None:

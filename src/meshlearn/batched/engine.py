@@ -234,6 +234,8 @@ class BatchedSimulation:
         the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
         for iteration in range(config.iterations):
+            if not config.lr_schedule.constant:  # every node at this iteration: the process engine's rate
+                run.sgd.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
             trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
             losses = run.train(trainers)
             compute = clocks.train(run.steps, None if trainers is None else [shard.start + r for r in trainers])

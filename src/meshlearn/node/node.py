@@ -148,6 +148,8 @@ class Node:
             start = time.perf_counter()
             last: Evaluation | None = None
             for iteration in range(config.iterations):
+                if not config.lr_schedule.constant:
+                    self.optimizer.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
                 self.algorithm.before_local_steps(iteration)
                 losses, train_time = [], 0.0
                 idle = self.skips_idle and not self.algorithm.trains(iteration)
