@@ -176,3 +176,29 @@ def test_a_users_task_from_the_models_module_is_what_the_nodes_minimize(tmp_path
         first_loss[task] = float(rows[0]["train_loss_mean"])
     # the same first batch of the same initial model: the task's loss, twice the cross-entropy
     assert first_loss["doubled"] == pytest.approx(2 * first_loss["auto"], rel=1e-5)
+
+
+def test_sample_continues_a_prompt_with_the_runs_final_model(tmp_path):
+    from meshlearn.evaluation import evaluate_model
+    from meshlearn.models import load_weights
+    from meshlearn.sim.sample import continue_text
+
+    run = tmp_path / "lm"
+    config = make_config({"engine": "batched", "nodes": 3, "topology": "ring", "dataset": "pystdlib",
+                          "model": "gpt-tiny", "context": 16, "batch_size": 8, "iterations": 4, "optimizer": "adam",
+                          "lr": 0.003, "test_after": 4, "eval_samples": 64, "step_time": 0.01, "output": str(run)})
+    simulate(config, progress=False)
+    node0 = json.loads((run / "summary.json").read_text())["per_node"]["0"]["metrics"]
+    model = build_model("gpt-tiny", (16,), 256)
+    load_weights(model, str(run / "model.safetensors"))  # node 0's final model
+    again = evaluate_model(model, load_dataset("pystdlib", context=16), limit=64)
+    assert again.perplexity == pytest.approx(node0["perplexity"], rel=1e-4)
+    greedy = continue_text(run, "import ", tokens=30, temperature=0)
+    assert 0 < len(greedy) <= 30 and greedy == continue_text(run, "import ", tokens=30, temperature=0)
+    out = subprocess.run([sys.executable, "-m", "meshlearn", "sample", str(run), "--prompt", "def ", "--tokens", "20"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("def ") and len(out.stdout) > 5, out.stderr
+    refused = subprocess.run([sys.executable, "-m", "meshlearn", "sample", str(tmp_path)], capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2 and "holds no finished run's config.yaml" in refused.stderr
+    assert "Traceback" not in refused.stderr

@@ -46,7 +46,7 @@ from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
-from meshlearn.models import build_model
+from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
@@ -170,6 +170,9 @@ class BatchedSimulation:
         peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
         if run.log is None:
             return {}
+        # the run's final model (node 0's, in the first process), as the process engine's node 0 keeps it
+        save_weights(run.stacked.named(run.stacked.row(0), run.stacked.counters_of(0)),
+                     self.log_path.parent.parent / MODEL_FILE)
         by_rank = dict(final)
         summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
                             "stats": run.traffic.of(rank),

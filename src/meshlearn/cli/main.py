@@ -196,6 +196,14 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sample(args: argparse.Namespace) -> int:
+    from meshlearn.sim.sample import continue_text
+
+    text = continue_text(args.results, args.prompt, args.tokens, args.temperature, args.seed)
+    print(args.prompt + text)
+    return 0
+
+
 def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
     """An experiment with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
     from meshlearn.sim.experiment import run_experiment
@@ -249,6 +257,15 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     add_live_flags(experiment)
     experiment.set_defaults(func=cmd_experiment)
+
+    sample = sub.add_parser("sample", help="print what a trained language model writes after a prompt")
+    sample.add_argument("results", help="the results folder of a language-model run (pystdlib, text:PATH)")
+    sample.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
+    sample.add_argument("--tokens", type=int, default=200, help="bytes to write (default: 200)")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest byte each time; higher: "
+                        "more varied (default: 0.8)")
+    sample.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    sample.set_defaults(func=cmd_sample)
 
     node = sub.add_parser("node", help="run one node of a multi-machine experiment")
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from meshlearn.errors import ModelError
 from meshlearn.plugins import Registry
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
 ModelFactory = Callable[[tuple[int, ...], int], "nn.Module"]
@@ -58,3 +60,14 @@ def load_weights(model: nn.Module, path: str) -> None:
             raise ModelError(f"weights file does not fit the model: {name} is {theirs.dtype} {list(theirs.shape)}, "
                              f"the model has {mine.dtype} {list(mine.shape)}")
     model.load_state_dict(tensors)
+
+
+MODEL_FILE = "model.safetensors"  # a run's final model (node 0's), in its results folder
+
+
+def save_weights(tensors: "Mapping[str, torch.Tensor]", path: str | Path) -> None:
+    """Write a model's state (its ``state_dict``, or tensors by the same names) as a safetensors file:
+    raw tensors, no pickle, read back by ``load_weights``."""
+    from safetensors.torch import save_file
+
+    save_file({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}, str(path))

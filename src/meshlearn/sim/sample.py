@@ -1,0 +1,52 @@
+"""Text a trained language model writes: the continuation of a prompt, read from a run's results
+folder (its resolved ``config.yaml`` and its final model, ``model.safetensors``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from meshlearn.config import make_config, read_config_file
+from meshlearn.errors import UserInputError
+from meshlearn.models import MODEL_FILE, build_model, load_weights
+from meshlearn.plugins import load_user_module
+
+TEXT_DATASETS = ("pystdlib", "text")
+VOCABULARY = 256  # byte tokens
+
+
+def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8,
+                  seed: int = 0) -> str:
+    """``tokens`` bytes the run's model writes after ``prompt``, one at a time, each drawn from its
+    next-byte distribution at ``temperature`` (0: always the likeliest), seeded by ``seed``;
+    decoded as UTF-8 (a broken character shown as U+FFFD)."""
+    import torch
+
+    folder = Path(results)
+    config_file, weights = folder / "config.yaml", folder / MODEL_FILE
+    if not config_file.is_file() or not weights.is_file():
+        raise UserInputError(f"{folder} holds no finished run's config.yaml and {MODEL_FILE}: give the results folder "
+                             "of a language-model run (meshlearn simulate --dataset pystdlib --model gpt-tiny ...)")
+    config = make_config(read_config_file(config_file))
+    if config.dataset.partition(":")[0] not in TEXT_DATASETS and config.task != "language-model":
+        raise UserInputError(f"the run in {folder} trained {config.model} on {config.dataset}, not a language model on "
+                             "text: sample needs a run on pystdlib or text:PATH")
+    if tokens < 1 or temperature < 0:
+        raise UserInputError("give --tokens of at least 1 and a --temperature of 0 or more")
+    if config.models_module:
+        load_user_module(config.models_module)
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, (config.context,), VOCABULARY)
+    load_weights(model, str(weights))
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    written = list(prompt.encode()) or [ord("\n")]
+    start = len(written)
+    with torch.no_grad():
+        for _ in range(tokens):
+            window = torch.tensor([written[-config.context:]], dtype=torch.int64)
+            scores = model(window)[0, -1]
+            if temperature == 0:
+                written.append(int(scores.argmax()))
+            else:
+                written.append(int(torch.multinomial((scores / temperature).softmax(-1), 1, generator=generator)))
+    return bytes(written[start:]).decode("utf-8", errors="replace")
