@@ -11,12 +11,11 @@ import socket
 import pytest
 import torch
 import yaml
-from PIL import Image
-from safetensors.torch import load_file, save_file
-
 from helpers.delayproxy import DelayProxy
 from helpers.netproc import SECRET, Processes, free_port, requester_keys, start_network
 from helpers.scoring import score_result
+from PIL import Image
+from safetensors.torch import load_file, save_file
 
 from meshlearn.data import load_dataset
 from meshlearn.models import build_model
@@ -152,6 +151,30 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     fetched = yaml.safe_load((procs.folder / f"res-{algorithm}" / "task.yaml").read_text())
     asked = yaml.safe_load((folder / "task.yaml").read_text())
     assert fetched["task"] == asked["task"] and fetched["task"]["algorithm"] == algorithm
+
+
+def test_a_language_model_task_trains_a_gpt_on_text_and_returns_a_model_of_the_perplexity_it_reports(
+        network, tmp_path):
+    from meshlearn.data.text import stdlib_files
+    from meshlearn.evaluation import evaluate_model
+
+    procs, bootstrap, ids = network
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, path in enumerate(stdlib_files()[:20]):  # 20 files: the 10th and 20th held out for testing
+        (corpus / f"{i:02d}.txt").write_bytes(path.read_bytes()[:3000])
+    code, out = _request(procs, "req-lm", bootstrap, "--data", f"text:{corpus}", "--model", "gpt-tiny",
+                         "--context", "32", "--epochs", "1", "--providers", "2", "--batch-size", "16", "--lr", "0.3",
+                         "--eval-samples", "64", "--wait", "0")
+    assert code == 0, out
+    assert re.search(r"task \w+ done: perplexity [\d.]+  bits per token", out), out
+    folder = procs.folder / "req-lm"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["model"] == "gpt-tiny" and metrics["perplexity"] < 100 and not metrics.get("confusion")
+    model = build_model("gpt-tiny", (32,), 256)
+    model.load_state_dict(load_file(str(folder / "model.safetensors")))
+    ours = evaluate_model(model, load_dataset(f"text:{corpus}", context=32), limit=64)
+    assert ours.perplexity == pytest.approx(metrics["perplexity"], rel=1e-5)
 
 
 def test_services_listening_on_every_interface_announce_addresses_peers_can_reach(network):

@@ -149,35 +149,48 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
 
 
 def write_shard(path: Path, x: torch.Tensor, y: torch.Tensor) -> None:
-    """Samples and labels as a safetensors file (no pickle)."""
-    save_file({"x": x.contiguous(), "y": y.to(torch.int64).contiguous()}, str(path))
+    """Samples and targets as a safetensors file (no pickle): images and int64 labels, or windows
+    of byte tokens and the next byte of each (uint8, as stored)."""
+    save_file({"x": x.contiguous(), "y": (y if y.ndim > 1 else y.to(torch.int64)).contiguous()}, str(path))
 
 
 def read_shard(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Samples and labels from a shard file, validated for shape agreement."""
+    """Samples and targets from a shard file, validated for shape agreement: images (N, C, H, W)
+    with labels (N,), or token windows (N, T) with their next tokens (N, T), both uint8."""
     try:
         tensors = load_file(str(path))
     except Exception as exc:
         raise NetworkError(f"shard {path.name} is not a valid safetensors file: {exc}") from None
-    if set(tensors) != {"x", "y"} or tensors["x"].ndim != 4 or tensors["y"].ndim != 1 \
-            or len(tensors["x"]) != len(tensors["y"]):
-        raise NetworkError(f"shard {path.name} must hold x (N, C, H, W) and y (N,)")
-    return tensors["x"], tensors["y"]
+    x, y = tensors.get("x"), tensors.get("y")
+    images = x is not None and y is not None and x.ndim == 4 and y.ndim == 1 and len(x) == len(y)
+    text = x is not None and y is not None and x.ndim == 2 and x.shape == y.shape and \
+        x.dtype == y.dtype == torch.uint8
+    if set(tensors) != {"x", "y"} or not (images or text):
+        raise NetworkError(f"shard {path.name} must hold x (N, C, H, W) and y (N,), or uint8 token windows x and y "
+                           "(N, T)")
+    return x, y
 
 
 def dataset_meta(dataset: Dataset) -> dict:
-    """What a provider needs to rebuild the dataset around its shard: classes and normalization."""
+    """What a provider needs to rebuild the dataset around its shard: classes, normalization, task."""
     return {"name": dataset.name, "num_classes": dataset.num_classes, "class_names": list(dataset.class_names),
-            "mean": list(dataset.mean), "std": list(dataset.std)}
+            "mean": list(dataset.mean), "std": list(dataset.std), "task": dataset.task}
 
 
 def dataset_from_shards(meta: dict, train: tuple[torch.Tensor, torch.Tensor],
                         test: tuple[torch.Tensor, torch.Tensor]) -> Dataset:
-    """A Dataset of a provider's shard and the test set, with the requester's normalization."""
+    """A Dataset of a provider's shard and the test set, with the requester's normalization and task
+    (a built-in one: a task's code is never named over the network, only selected)."""
     num_classes = int(meta["num_classes"])
+    task = str(meta.get("task", "classification"))
+    if task not in ("classification", "language-model"):
+        raise NetworkError(f"the task's data is for task {task[:40]!r}: providers train classification or "
+                           "language-model")
+    if (task == "language-model") != (train[0].ndim == 2) or (task == "language-model" and meta["mean"]):
+        raise NetworkError(f"the task's data does not fit its task {task}: language models read token windows")
     for y in (train[1], test[1]):
         if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
             raise NetworkError(f"labels outside 0..{num_classes - 1} in the task's data")
     return Dataset(str(meta["name"]), train[0], train[1], test[0], test[1], num_classes,
                    tuple(str(c) for c in meta["class_names"]), tuple(float(m) for m in meta["mean"]),
-                   tuple(float(s) for s in meta["std"]))
+                   tuple(float(s) for s in meta["std"]), task=task)

@@ -186,8 +186,7 @@ class Finisher:
         metrics = {
             "task": spec.task_id, "algorithm": spec.algorithm, "model": spec.model, "epochs": spec.epochs,
             "batch_size": spec.batch_size, "lr": spec.lr, "test_samples": spec.eval_samples or len(node.dataset.test_y),
-            "loss": evaluation.loss, "accuracy": evaluation.accuracy, "precision": evaluation.precision,
-            "recall": evaluation.recall, "f1": evaluation.f1, "confusion": evaluation.confusion,
+            **{name: value for name, value in evaluation.as_dict().items() if name != "shown"},
             "class_names": list(node.dataset.class_names),
             "training_time": self.ctx.clock.monotonic() - self.started_at,
             "leader": self.ctx.id, "leaders_lost": [self.ids[i] for i in sorted(dead) if i < self.index],

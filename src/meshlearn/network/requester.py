@@ -97,7 +97,7 @@ class Requester:
             self.say(f"warning: {warning}")
         dataset = self.dataset
         if dataset is None and not req.data_on_providers:
-            dataset = load_dataset(dataset_spec(req.data))
+            dataset = load_dataset(dataset_spec(req.data), context=req.context)
         if dataset is not None:
             self._plan(dataset)
         claimed = self._claim()
@@ -208,7 +208,7 @@ class Requester:
             peer_timeout=req.peer_timeout,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
-            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout)
+            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context)
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -234,7 +234,7 @@ class Requester:
         model = build_model(req.model, dataset.input_shape, dataset.num_classes)
         tests = len(test_samples(dataset, req.eval_samples)[1])
         self.estimate = estimate_memory(model, tuple(dataset.input_shape), min(req.batch_size, largest), largest,
-                                        tests, req.momentum)
+                                        tests, req.momentum, tokens=dataset.tokens)
 
     def _needs(self) -> tuple[float, str]:
         """The least RAM (GB) a provider must declare for this task, and why."""
@@ -640,7 +640,9 @@ def _count(progress: dict) -> str:
 
 def summary_line(metrics: dict) -> str:
     """One line of a task's result: scores, time, leader, and the providers lost or suspected."""
-    return (f"accuracy {metrics['accuracy']:.4f}  F1 {metrics['f1']:.4f}  loss {metrics['loss']:.4f}  "
+    scores = f"perplexity {metrics['perplexity']:.3f}  bits per token {metrics['bits_per_token']:.3f}" \
+        if "perplexity" in metrics else f"accuracy {metrics['accuracy']:.4f}  F1 {metrics['f1']:.4f}"
+    return (f"{scores}  loss {metrics['loss']:.4f}  "
             f"time {metrics['training_time']:.1f} s  leader {metrics['leader']}"
             + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else "")
             + (f"  suspected: {', '.join(metrics['suspected'])}" if metrics.get("suspected") else "")

@@ -56,8 +56,9 @@ class MemoryEstimate:
 
 
 def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: int, test_samples: int,
-                    momentum: float) -> MemoryEstimate:
-    """A task's peak memory on one provider (see the module's docstring for what is counted)."""
+                    momentum: float, tokens: bool = False) -> MemoryEstimate:
+    """A task's peak memory on one provider (see the module's docstring for what is counted);
+    ``tokens``: samples are windows of byte tokens (text), not float pixels."""
     import torch
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -72,12 +73,13 @@ def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: i
     try:
         model.eval()  # one sample: batch norm's training mode needs two
         with torch.no_grad():
-            model(torch.zeros(1, *input_shape))
+            model(torch.zeros(1, *input_shape, dtype=torch.int64 if tokens else torch.float32))
     finally:
         for handle in handles:
             handle.remove()
         model.train(was_training)
-    sample = 4 * math.prod(input_shape) + 8  # float32 pixels and an int64 label
+    # float32 pixels and an int64 label, or a window of byte tokens and the next byte of each
+    sample = 2 * math.prod(input_shape) if tokens else 4 * math.prod(input_shape) + 8
     return MemoryEstimate(runtime=RUNTIME_BYTES, model=copies * params, activations=2 * batch_size * sum(outputs),
                           data=sample * (shard_samples + test_samples))
 

@@ -25,7 +25,8 @@ MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
 UDP_TIMEOUT = 2.0  # seconds a UDP task's provider waits for an iteration's datagrams (internet round trips)
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
-DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:")
+DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:", "text:")
+BUILT_IN_DATA = ("digits", "pystdlib")  # dataset specs without a path
 
 
 class TaskRequest(Settings):
@@ -33,10 +34,12 @@ class TaskRequest(Settings):
     ``--config`` task file), after the corrections ``validate_request`` allows."""
 
     data: str = Field("", description="folder with train/ and test/, CIFAR-10's archive, or a dataset spec "
-                                      "(digits, cifar10:PATH, ...)")
+                                      "(digits, cifar10:PATH, ...; text: pystdlib, text:PATH)")
+    context: int = Field(128, ge=2, le=65_536, description="text data: tokens a language model reads at once")
     data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
                                                             "--data-root")
-    model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18, or one registered by --models-module")
+    model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18 | gpt-tiny | gpt-small "
+                       "(text), or one registered by --models-module")
     epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition (as the "
                         f"CloudMesh report asks, a value outside 1..{MAX_EPOCHS} or not whole is corrected with a "
                         "warning, not refused)")
@@ -94,7 +97,7 @@ class TaskRequest(Settings):
 
 def dataset_spec(data: str) -> str:
     """A dataset spec from ``--data``: a spec meshlearn knows, a folder with train/ and test/, or CIFAR's archive."""
-    if data == "digits" or data.startswith(DATASET_PREFIXES[1:]):
+    if data in BUILT_IN_DATA or data.startswith(DATASET_PREFIXES[1:]):
         return data
     path = Path(data)
     if path.is_dir() and (path / "train").is_dir() and (path / "test").is_dir():
@@ -257,6 +260,7 @@ class TaskSpec(Settings):
     fedavg: FedAvgSettings = FedAvgSettings()
     transport: Literal["tcp", "udp"] = "tcp"
     udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT)
+    context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
@@ -300,7 +304,7 @@ class TaskSpec(Settings):
             transport="tcp" if alone else self.transport,
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            gossip=self.gossip, leader=leader, aggregation=self.aggregation)
+            gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network

@@ -30,7 +30,7 @@ def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender
         dataset = dataset_from_shards(spec.meta, read_shard(shard), read_shard(test))
         return dataset, list(range(len(dataset.train_y)))
     if mode == "local":
-        dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root))
+        dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root), context=spec.context)
         parts = partition_dataset(dataset, len(spec.peers), spec.partition, spec.seed)
         return dataset, parts[index]
     raise BadMessage(f"data mode {mode!r} is not served or local")
