@@ -138,6 +138,13 @@ def test_a_quick_gpt_run_on_the_standard_library_learns_and_reports_perplexity(t
     assert final["perplexity"] < 40 < 256  # from a uniform guess over 256 bytes
     assert final["perplexity"] == pytest.approx(math.exp(final["loss"]), rel=0.05)
     assert final["bits_per_token"] == pytest.approx(final["loss"] / math.log(2))
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "lm" / "summary.csv").open()))
+    assert [int(r["iteration"]) for r in rows] == [15, 30]  # the perplexity curve, beside the loss
+    assert float(rows[-1]["test_perplexity_mean"]) == pytest.approx(final["perplexity"])
+    assert float(rows[0]["test_perplexity_mean"]) > float(rows[-1]["test_perplexity_mean"])
+    assert (tmp_path / "lm" / "perplexity.png").stat().st_size > 1000
 
 
 def test_simulate_prints_a_language_models_perplexity(tmp_path):
@@ -147,6 +154,7 @@ def test_simulate_prints_a_language_models_perplexity(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "test perplexity" in out.stdout and "bits per token" in out.stdout and "test accuracy" not in out.stdout
+    assert "perplexity.png, model.safetensors" in out.stdout
 
 
 def test_a_users_task_from_the_models_module_is_what_the_nodes_minimize(tmp_path):

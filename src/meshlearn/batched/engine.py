@@ -328,6 +328,8 @@ class _Run:
         tested = [rank for rank, _ in evaluation]
         columns = {"t": [float(times[r]) for r in tested], "test_loss": [e.loss for _, e in evaluation],
                    "test_acc": [e.accuracy for _, e in evaluation]}
+        if evaluation and evaluation[0][1].perplexity is not None:  # a language model's
+            columns["test_perplexity"] = [e.perplexity for _, e in evaluation]
         if validation:
             columns.update(val_loss=[e.loss for _, e in validation], val_acc=[e.accuracy for _, e in validation])
         if on_shards:

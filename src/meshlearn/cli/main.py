@@ -119,7 +119,9 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     if args is not None:
         check_live_flags(args)
     from meshlearn.evaluation import PREDICTIONS_FIGURE
+    from meshlearn.models import MODEL_FILE
     from meshlearn.sim import format_summary, simulate
+    from meshlearn.sim.report import PERPLEXITY_FIGURE
 
     if args is not None and (args.dashboard or args.tensorboard):
         result = _watched_simulation(config, quiet, args)
@@ -130,8 +132,9 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
     print(format_summary(summary))
     figures = "accuracy.png, loss.png, topology.png, iteration_time.png" + \
-        (f", {PREDICTIONS_FIGURE}" if (result.output / PREDICTIONS_FIGURE).is_file() else "")
-    print(f"results: {result.output}  (summary.csv, {figures}, logs/)")
+        "".join(f", {name}" for name in (PREDICTIONS_FIGURE, PERPLEXITY_FIGURE) if (result.output / name).is_file())
+    kept = f", {MODEL_FILE}" if (result.output / MODEL_FILE).is_file() else ""
+    print(f"results: {result.output}  (summary.csv, {figures}{kept}, logs/)")
     return summary
 
 

@@ -172,6 +172,7 @@ class Node:
                     self._write({
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
                         "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(), **self.evaluate_shard(),
+                        **({} if last.perplexity is None else {"test_perplexity": last.perplexity}),
                         "bytes_sent": self.transport.stats.bytes_sent,  # accuracy against bytes
                     })
                     record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks

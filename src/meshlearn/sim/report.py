@@ -132,6 +132,8 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
         "iteration": iteration, "nodes": len(group), "time_mean": t_mean, "time_std": t_std,
         "test_acc_mean": a_mean, "test_acc_std": a_std, "test_loss_mean": l_mean, "test_loss_std": l_std,
     }
+    if group and all("test_perplexity" in e for e in group):  # a language model's
+        row["test_perplexity_mean"], row["test_perplexity_std"] = _mean_std([e["test_perplexity"] for e in group])
     if group and all(e.get("bytes_sent") is not None for e in group):  # accuracy against bytes on the wire
         row["mb_sent_mean"] = statistics.fmean(e["bytes_sent"] for e in group) / 1e6
     if group and all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
@@ -366,7 +368,8 @@ def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_a
 
 def write_report(output: Path) -> dict[str, Any]:
     """Write summary.csv, summary.json and the figures (accuracy.png, loss.png, topology.png,
-    iteration_time.png, and predictions.png for image data) into a run folder."""
+    iteration_time.png, predictions.png for image data, perplexity.png for a language model) into a
+    run folder."""
     output = Path(output)
     logs, records = read_run_logs(output)
     rows = evaluation_table(logs, records)
@@ -381,7 +384,10 @@ def write_report(output: Path) -> dict[str, Any]:
     title = run_title(output)
     if rows:
         axis = time_label(output)
-        _plot(rows, "test_acc", "test accuracy", title, output / "accuracy.png", axis)
+        _plot(rows, "test_acc", "test accuracy" if "test_perplexity_mean" not in rows[0] else "next-token accuracy",
+              title, output / "accuracy.png", axis)
+        if "test_perplexity_mean" in rows[0]:  # a language model's headline metric
+            _plot(rows, "test_perplexity", "test perplexity", title, output / PERPLEXITY_FIGURE, axis)
         _plot(rows, "test_loss", "test loss", title, output / "loss.png", axis,
               also=(("train_loss", "training loss since the evaluation before, mean over nodes"),))
     colour = run_config(output).get("topology_colour") or "accuracy"
@@ -738,6 +744,7 @@ def _by_nodes(counts: dict[str, int]) -> str:
 
 
 TASK_METRICS = ("perplexity", "bits_per_token")  # a language model's, beside the loss
+PERPLEXITY_FIGURE = "perplexity.png"
 
 
 def _task_lines(final: dict[str, Any]) -> list[str]:

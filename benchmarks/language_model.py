@@ -1,0 +1,143 @@
+"""gpt-tiny on the standard library: decentralized runs against one model trained alone, and
+tokens per second per node against a plain PyTorch loop.
+
+``quality``: 8 nodes (3-regular) train gpt-tiny with D-PSGD (batched engine), gossip and the
+leader (process engine: the batched engine steps asynchronous nodes apart, which torch.optim's
+AdamW cannot), each node ``--batch`` windows a step; beside them a plain PyTorch loop trains one
+gpt-tiny on batches of 8 x ``--batch`` windows for as many steps: the same tokens. All start from
+the same model (the run's seed) and are measured on the same held-out windows; the table gives
+each run's validation perplexity and its ratio to the single model's.
+
+``speed``: training tokens a second, on both engines at 8 and 64 nodes (the batched engine: one
+process; the process engine: one process per node): the machine's (all nodes together) and per
+node, against a plain PyTorch loop using the whole machine.
+
+    python3 benchmarks/language_model.py quality [--iterations 200] [--batch 16] [--context 64]
+    python3 benchmarks/language_model.py speed [--iterations 6] [--nodes 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from meshlearn.config import make_config
+from meshlearn.data import load_dataset
+from meshlearn.evaluation import evaluate_model
+from meshlearn.models import build_model
+from meshlearn.optim import make_optimizer
+from meshlearn.sgd import local_step
+from meshlearn.sim import simulate
+from meshlearn.tasks import task_of
+
+SEED, LR, OPTIMIZER = 90, 0.003, "adamw"
+
+
+def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, optimizer: str = OPTIMIZER,
+               lr: float = LR) -> tuple[float, float]:
+    """One gpt-tiny trained alone on ``batch``-window batches: (validation perplexity, training tokens a
+    second, the first step left out of the timing)."""
+    dataset = load_dataset("pystdlib", context=context)
+    torch.manual_seed(SEED)
+    model = build_model("gpt-tiny", dataset.input_shape, dataset.num_classes)
+    params = list(model.parameters())
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    offset = 0
+    for p in params:  # the parameters as views of one row, as a node's FlatState keeps them
+        p.data = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    rows = make_optimizer(optimizer, flat.unsqueeze(0), lr)
+    generator = torch.Generator().manual_seed(SEED)
+    loss_of = task_of(dataset).loss
+    started = 0.0
+    for step in range(iterations):
+        if step == 1:
+            started = time.perf_counter()
+        chosen = torch.randint(0, len(dataset.train_x), (batch,), generator=generator)
+        local_step(model, params, rows, dataset.normalize(dataset.train_x[chosen]), dataset.train_y[chosen], loss_of)
+    seconds = time.perf_counter() - started
+    return evaluate_model(model, dataset, limit=eval_samples).perplexity, (iterations - 1) * batch * context / seconds
+
+
+def meshlearn_run(output: Path, **values) -> dict:
+    """A meshlearn simulation's summary."""
+    config = make_config({"dataset": "pystdlib", "model": "gpt-tiny", "optimizer": OPTIMIZER, "lr": LR, "seed": SEED,
+                          "output": str(output), **values})
+    simulate(config, progress=False)
+    return json.loads((output / "summary.json").read_text())
+
+
+def quality(args: argparse.Namespace) -> None:
+    common = {"nodes": 8, "topology": "regular:3", "context": args.context, "batch_size": args.batch,
+              "iterations": args.iterations, "test_after": args.iterations, "eval_samples": args.eval_samples}
+    rows = []
+    started = time.perf_counter()
+    alone, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples)
+    rows.append(("one model, 8x the batch (plain PyTorch)", alone, time.perf_counter() - started))
+    with tempfile.TemporaryDirectory() as folder:
+        for name, engine, algorithm in (("D-PSGD", "batched", "dpsgd"), ("gossip", "process", "gossip"),
+                                        ("leader", "process", "leader")):
+            started = time.perf_counter()
+            summary = meshlearn_run(Path(folder) / name, engine=engine, algorithm=algorithm, **common)
+            rows.append((f"{name}, 8 nodes ({engine} engine)", summary["final"]["perplexity"],
+                         time.perf_counter() - started))
+    print(f"gpt-tiny on pystdlib, context {args.context}, {args.iterations} steps of {args.batch} windows a node "
+          f"({OPTIMIZER}, lr {LR}); validation: {args.eval_samples} held-out windows")
+    print("| run | validation perplexity | of the single model's | wall s |\n|---|---|---|---|")
+    for name, perplexity, seconds in rows:
+        print(f"| {name} | {perplexity:.3f} | {perplexity / alone:.3f} | {seconds:.0f} |")
+
+
+def speed(args: argparse.Namespace) -> None:
+    tokens = args.batch * args.context  # a node's training tokens a step
+    print(f"gpt-tiny, context {args.context}, batch {args.batch} a node, one SGD step an iteration: training tokens a "
+          f"second (the machine's: all nodes together, over an iteration's time; per node: that / nodes), against a "
+          f"plain PyTorch loop using the whole machine ({torch.get_num_threads()} threads) on the same tokens a step "
+          f"(nodes x batch)")
+    print("| run | nodes | tokens/s, machine | tokens/s per node | of the plain loop's | wall s |")
+    print("|---|---|---|---|---|---|")
+    with tempfile.TemporaryDirectory() as folder:
+        for nodes in args.nodes:
+            _, alone = plain_loop(max(3, args.iterations), nodes * args.batch, args.context, 16, "sgd", 0.1)
+            print(f"| plain PyTorch loop, batch {nodes * args.batch} | 1 | {alone:,.0f} | | 1.000 | |")
+            for engine in ("batched", "process"):
+                started = time.perf_counter()
+                summary = meshlearn_run(Path(folder) / f"{engine}-{nodes}", engine=engine, nodes=nodes,
+                                        topology="regular:3", context=args.context, batch_size=args.batch,
+                                        iterations=args.iterations, eval_nodes=1, test_after=args.iterations,
+                                        eval_samples=16, optimizer="sgd", lr=0.1,
+                                        **({"step_time": 0.01} if engine == "batched" else {}))
+                wall = time.perf_counter() - started
+                if engine == "batched":  # every node in one process: its wall-clock after start-up, per iteration
+                    seconds = (summary["wall_clock"] - summary["startup"]) / args.iterations
+                else:  # a process per node: a node's median iteration, its steps and its exchange
+                    seconds = summary["iteration_time"]["total"]["median"]
+                machine = nodes * tokens / seconds
+                print(f"| meshlearn, {engine} engine | {nodes} | {machine:,.0f} | {machine / nodes:,.0f} | "
+                      f"{machine / alone:.3f} | {wall:.0f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    q = sub.add_parser("quality")
+    q.add_argument("--iterations", type=int, default=200)
+    q.add_argument("--batch", type=int, default=16)
+    q.add_argument("--context", type=int, default=64)
+    q.add_argument("--eval-samples", type=int, default=512)
+    s = sub.add_parser("speed")
+    s.add_argument("--iterations", type=int, default=6)
+    s.add_argument("--batch", type=int, default=16)
+    s.add_argument("--context", type=int, default=64)
+    s.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
+    args = parser.parse_args()
+    quality(args) if args.what == "quality" else speed(args)
+
+
+if __name__ == "__main__":
+    main()
