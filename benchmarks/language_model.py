@@ -13,6 +13,7 @@ process; the process engine: one process per node): the machine's (all nodes tog
 node, against a plain PyTorch loop using the whole machine.
 
     python3 benchmarks/language_model.py quality [--iterations 200] [--batch 16] [--context 64]
+        [--optimizer adamw] [--lr 0.003] [--momentum 0] [--lr-schedule constant]
     python3 benchmarks/language_model.py speed [--iterations 6] [--nodes 8 64]
 """
 
@@ -31,6 +32,7 @@ from meshlearn.data import load_dataset
 from meshlearn.evaluation import evaluate_model
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
+from meshlearn.schedule import LrSchedule
 from meshlearn.sgd import local_step
 from meshlearn.sim import simulate
 from meshlearn.tasks import task_of
@@ -39,7 +41,7 @@ SEED, LR, OPTIMIZER = 90, 0.003, "adamw"
 
 
 def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, optimizer: str = OPTIMIZER,
-               lr: float = LR) -> tuple[float, float]:
+               lr: float = LR, momentum: float = 0.0, schedule: str = "constant") -> tuple[float, float]:
     """One gpt-tiny trained alone on ``batch``-window batches: (validation perplexity, training tokens a
     second, the first step left out of the timing)."""
     dataset = load_dataset("pystdlib", context=context)
@@ -51,13 +53,15 @@ def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, opt
     for p in params:  # the parameters as views of one row, as a node's FlatState keeps them
         p.data = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    rows = make_optimizer(optimizer, flat.unsqueeze(0), lr)
+    rows = make_optimizer(optimizer, flat.unsqueeze(0), lr, momentum)
     generator = torch.Generator().manual_seed(SEED)
     loss_of = task_of(dataset).loss
     started = 0.0
+    factors = LrSchedule.model_validate(schedule)
     for step in range(iterations):
         if step == 1:
             started = time.perf_counter()
+        rows.set_lr(lr * factors.factor(step, iterations))
         chosen = torch.randint(0, len(dataset.train_x), (batch,), generator=generator)
         local_step(model, params, rows, dataset.normalize(dataset.train_x[chosen]), dataset.train_y[chosen], loss_of)
     seconds = time.perf_counter() - started
@@ -67,17 +71,19 @@ def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, opt
 def meshlearn_run(output: Path, **values) -> dict:
     """A meshlearn simulation's summary."""
     config = make_config({"dataset": "pystdlib", "model": "gpt-tiny", "optimizer": OPTIMIZER, "lr": LR, "seed": SEED,
-                          "output": str(output), **values})
+                          "output": str(output), "wait_timeout": 120, **values})
     simulate(config, progress=False)
     return json.loads((output / "summary.json").read_text())
 
 
 def quality(args: argparse.Namespace) -> None:
     common = {"nodes": 8, "topology": "regular:3", "context": args.context, "batch_size": args.batch,
-              "iterations": args.iterations, "test_after": args.iterations, "eval_samples": args.eval_samples}
+              "iterations": args.iterations, "test_after": args.iterations, "eval_samples": args.eval_samples,
+              "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum, "lr_schedule": args.lr_schedule}
     rows = []
     started = time.perf_counter()
-    alone, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples)
+    alone, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples, args.optimizer, args.lr,
+                          args.momentum, args.lr_schedule)
     rows.append(("one model, 8x the batch (plain PyTorch)", alone, time.perf_counter() - started))
     with tempfile.TemporaryDirectory() as folder:
         for name, engine, algorithm in (("D-PSGD", "batched", "dpsgd"), ("gossip", "process", "gossip"),
@@ -87,7 +93,9 @@ def quality(args: argparse.Namespace) -> None:
             rows.append((f"{name}, 8 nodes ({engine} engine)", summary["final"]["perplexity"],
                          time.perf_counter() - started))
     print(f"gpt-tiny on pystdlib, context {args.context}, {args.iterations} steps of {args.batch} windows a node "
-          f"({OPTIMIZER}, lr {LR}); validation: {args.eval_samples} held-out windows")
+          f"({args.optimizer}, lr {args.lr}, momentum {args.momentum}, lr schedule {args.lr_schedule}); validation: "
+          f"{args.eval_samples} held-out "
+          "windows")
     print("| run | validation perplexity | of the single model's | wall s |\n|---|---|---|---|")
     for name, perplexity, seconds in rows:
         print(f"| {name} | {perplexity:.3f} | {perplexity / alone:.3f} | {seconds:.0f} |")
@@ -130,6 +138,10 @@ def main() -> None:
     q.add_argument("--batch", type=int, default=16)
     q.add_argument("--context", type=int, default=64)
     q.add_argument("--eval-samples", type=int, default=512)
+    q.add_argument("--optimizer", default=OPTIMIZER)
+    q.add_argument("--lr", type=float, default=LR)
+    q.add_argument("--momentum", type=float, default=0.0)
+    q.add_argument("--lr-schedule", default="constant")
     s = sub.add_parser("speed")
     s.add_argument("--iterations", type=int, default=6)
     s.add_argument("--batch", type=int, default=16)
