@@ -63,6 +63,11 @@ def test_a_text_folder_is_read_once_into_the_cache_and_a_single_file_split_at_ni
     assert single.train_x.shape == (89, 10) and int(single.test_x[0][0]) == 900 % 100
     with pytest.raises(DatasetError, match="its test text has 100 bytes, too few for one window of 100 tokens"):
         load_text(one, context=100)
+    pair = tmp_path / "pair"
+    pair.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (pair / name).write_text(f"{name} " * 40)
+    assert bytes(load_text(pair, context=8).test_x[0].tolist()) == b"b.txt b."  # of fewer than ten: the last
     with pytest.raises(DatasetError, match="no .txt files"):
         load_text(_empty(tmp_path), context=8)
 
@@ -174,7 +179,7 @@ def test_a_users_task_from_the_models_module_is_what_the_nodes_minimize(tmp_path
         "    def loss(self, outputs, targets):\n"
         "        return 2 * F.cross_entropy(outputs, targets.long())\n")
     first_loss = {}
-    for task in ("auto", "doubled"):
+    for task in ("doubled", "auto"):  # doubled first: its config names the module that registers it
         config = make_config({"engine": "batched", "nodes": 4, "dataset": "digits", "iterations": 1, "test_after": 1,
                               "step_time": 0.001, "task": task, "models_module": str(module),
                               "output": str(tmp_path / task)})
@@ -210,3 +215,34 @@ def test_sample_continues_a_prompt_with_the_runs_final_model(tmp_path):
                              text=True, timeout=120)
     assert refused.returncode == 2 and "holds no finished run's config.yaml" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+# --- what a provider accepts of a task's text -------------------------------------------------------
+
+
+def _meta(**changes):
+    return {"name": "text", "num_classes": 256, "class_names": ["x"] * 256, "mean": [], "std": [],
+            "task": "language-model", **changes}
+
+
+def _windows(n, t, dtype=torch.uint8):
+    x = torch.randint(0, 256, (n, t), dtype=torch.int64).to(dtype)
+    return x, x.clone()
+
+
+@pytest.mark.parametrize("meta,train,test,problem", [
+    (_meta(task="poetry"), _windows(4, 8), _windows(2, 8), "providers train classification or language-model"),
+    (_meta(num_classes=512), _windows(4, 8), _windows(2, 8), "byte tokens, 256 of them"),
+    (_meta(), _windows(4, 8), _windows(2, 16), "not shaped like its training samples"),
+    (_meta(mean=[0.5], std=[0.2]), _windows(4, 8), _windows(2, 8), "does not fit a language model"),
+    ({"name": "x"}, _windows(4, 8), _windows(2, 8), "lacks or garbles"),
+    (_meta(task="classification", num_classes=10, mean=[], std=[]), (torch.zeros(4, 1, 8, 8), torch.zeros(4)),
+     (torch.zeros(2, 1, 8, 8), torch.zeros(2)), "a mean and a positive std per channel"),
+])
+def test_a_provider_refuses_text_shards_that_do_not_fit_their_description(meta, train, test, problem):
+    from meshlearn.network.datashare import dataset_from_shards
+    from meshlearn.network.envelope import NetworkError
+
+    with pytest.raises(NetworkError, match=problem):
+        dataset_from_shards(meta, train, test)
+    assert dataset_from_shards(_meta(), _windows(4, 8), _windows(2, 8)).tokens  # the same, well formed

@@ -133,7 +133,7 @@ def test_a_learning_rate_schedule_warms_up_then_decays_along_a_cosine():
 
 
 @pytest.mark.parametrize("text,message", [
-    ("linear", "write constant or cosine"), ("cosine:warmup=x", "warmup must be a number"),
+    ("linear", "write constant or cosine"), ("cosine:warmup=1.5", "warmup must be a whole number"),
     ("constant:min=0.5", "is not warmup=N"), ("cosine:min=2", "less than or equal to 1"),
 ])
 def test_a_bad_schedule_is_one_clear_error(text, message):

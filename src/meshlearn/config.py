@@ -85,9 +85,6 @@ class ExperimentConfig(Settings):
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | "
                                                "pystdlib (text: the running Python's standard library) | text:PATH "
                                                "(a text file or a folder of .txt) | one registered by --models-module")
-    task: str = Field("auto", description=TASK_HELP)
-    context: int = Field(128, ge=2, le=65_536, description="tokens a language model reads at once (text datasets: "
-                         "the windows its samples are)")
     partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
                            "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
                            "writers, in blocks per node)")
@@ -95,6 +92,9 @@ class ExperimentConfig(Settings):
                        "models) | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
+    task: str = Field("auto", description=TASK_HELP)  # after models_module: it may name a task registered there
+    context: int = Field(128, ge=2, le=65_536, description="tokens a language model reads at once (text datasets: "
+                         "the windows its samples are)")
     algorithm: str = Field("dpsgd", description=algorithms_help())
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)

@@ -53,7 +53,7 @@ def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | st
         x = dataset.normalize(xs[start:start + EVAL_BATCH]).to(device)
         y = ys[start:start + EVAL_BATCH].to(device)
         outputs = model(x)
-        total_loss += float(task.loss_sums(outputs.unsqueeze(0), y)[0])
+        total_loss += float(task.loss_sum(outputs, y))
         preds.append(task.predictions(outputs).flatten().cpu())
     return task.evaluation(total_loss, ys, torch.cat(preds), dataset.num_classes, full)
 

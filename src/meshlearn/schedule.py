@@ -72,5 +72,6 @@ def parse_schedule(text: str) -> dict[str, Any]:
         try:
             fields[key] = int(value) if key == "warmup" else float(value)
         except ValueError:
-            raise ConfigError(f"lr_schedule {text!r}: {key} must be a number") from None
+            raise ConfigError(f"lr_schedule {text!r}: {key} must be a " + ("whole number" if key == "warmup" else
+                                                                           "number")) from None
     return fields

@@ -23,11 +23,11 @@ class StackedSGD:
         self.buffer: torch.Tensor | None = None  # momentum, from each row's first step on
         self.started: torch.Tensor | None = None  # the rows that have taken a step
 
-    @torch.no_grad()
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next steps (a schedule's)."""
         self.lr = lr
 
+    @torch.no_grad()
     def step(self, grads: torch.Tensor, rows: torch.Tensor | None = None) -> None:
         """One update from the gradients ``grads`` (which it may overwrite): of every row, or of
         the rows ``rows`` only (``grads`` then holds theirs, in that order)."""

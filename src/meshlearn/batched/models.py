@@ -23,7 +23,7 @@ from meshlearn.batched.workers import WorkerChoice, Workers
 from meshlearn.sgd import StackedSGD
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> the batch's mean loss
-EVAL_SAMPLES_PER_CALL = 65_536  # node x sample pairs per vectorized evaluation call (bounds memory)
+EVAL_SAMPLES_PER_CALL = 65_536  # node x sample (x position, for text) outputs per vectorized evaluation call
 
 
 @dataclass
@@ -218,7 +218,8 @@ class NodeModels:
         if not self.vectorized:
             return torch.stack([self._forward(stacked.named(rows[k], stacked.counters_of(r)), x)
                                 for k, r in enumerate(ranks)])
-        per_call = max(1, min(self.chunk, EVAL_SAMPLES_PER_CALL // max(1, len(x))))
+        positions = x.shape[1] if x.dim() == 2 and not x.is_floating_point() else 1  # token windows: T outputs each
+        per_call = max(1, min(self.chunk, EVAL_SAMPLES_PER_CALL // max(1, len(x) * positions)))
         out = []
         for start in range(0, len(ranks), per_call):
             index = torch.tensor(ranks[start:start + per_call], device=stacked.state.device)

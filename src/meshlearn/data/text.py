@@ -1,9 +1,9 @@
 """Text datasets for language models: the running Python's standard library (``pystdlib``, needs no
 download) and a user's text (``text:PATH``), as windows of byte tokens.
 
-A corpus is a list of files in a fixed order. Every tenth file (the 10th, 20th, ...) is held out
-for testing, so the test set is text no node trained on; a single file is split at nine tenths of
-its bytes instead. Each side's bytes, one file after another, are one token stream, decoded once
+A corpus is a list of files in a fixed order. Every tenth file (the 10th, 20th, ...; of fewer than
+ten, the last) is held out for testing, so the test set is text no node trained on; a single file
+is split at nine tenths of its bytes instead. Each side's bytes, one file after another, are one token stream, decoded once
 per machine into the cache and memory-mapped. A sample is a window of ``context`` tokens (``x``)
 and the same window one token on (``y``: the next token at every position); windows do not
 overlap. ``train_groups`` says the file each training window starts in, so partition ``writers``
@@ -29,6 +29,7 @@ HELD_OUT_EVERY = 10  # every 10th file of a corpus is a test file
 SKIPPED = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}  # not the library's own code
 BYTES = 256  # the vocabulary: one token per byte value
 DEFAULT_CONTEXT = 128
+CACHE_FORMAT = 1  # raise when what the cache holds, or how it is split, changes
 
 
 def byte_names() -> tuple[str, ...]:
@@ -73,9 +74,10 @@ def load_text(path: str | Path, context: int = DEFAULT_CONTEXT) -> Dataset:
 
 
 def split_files(files: list[Path]) -> tuple[list[int], list[int]]:
-    """The positions of the training files and of the held-out ones (every ``HELD_OUT_EVERY``-th)."""
-    test = [i for i in range(len(files)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1]
-    return [i for i in range(len(files)) if i % HELD_OUT_EVERY != HELD_OUT_EVERY - 1], test
+    """The positions of the training files and of the held-out ones: every ``HELD_OUT_EVERY``-th,
+    or of fewer files, the last one."""
+    test = [i for i in range(len(files)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1] or [len(files) - 1]
+    return [i for i in range(len(files)) if i not in test], test
 
 
 def _corpus(name: str, files: list[Path], context: int, key: str) -> Dataset:
@@ -105,6 +107,7 @@ def windows(tokens: np.ndarray, context: int) -> tuple[torch.Tensor, torch.Tenso
 def _token_streams(name: str, files: list[Path], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The training and test token streams (memory-mapped from the cache, built there once) and
     where each training file starts in its stream."""
+    key = f"format {CACHE_FORMAT}|held out every {HELD_OUT_EVERY}|{sorted(SKIPPED)}\n{key}"
     cache = _cache_root() / f"text-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     names = ("train", "test", "starts")
     if not all((cache / f"{n}.npy").is_file() for n in names):

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1024 * 1024
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+BYTE_TOKENS = 256  # a language model's vocabulary: the text datasets' byte tokens
 
 
 def check_name(name: str) -> str:
@@ -180,17 +181,28 @@ def dataset_meta(dataset: Dataset) -> dict:
 def dataset_from_shards(meta: dict, train: tuple[torch.Tensor, torch.Tensor],
                         test: tuple[torch.Tensor, torch.Tensor]) -> Dataset:
     """A Dataset of a provider's shard and the test set, with the requester's normalization and task
-    (a built-in one: a task's code is never named over the network, only selected)."""
-    num_classes = int(meta["num_classes"])
-    task = str(meta.get("task", "classification"))
+    (a built-in one: a task's code is never named over the network, only selected). NetworkError
+    where the description and the samples do not fit together."""
+    try:
+        name, num_classes = str(meta["name"]), int(meta["num_classes"])
+        class_names = tuple(str(c) for c in meta["class_names"])
+        mean, std = tuple(float(m) for m in meta["mean"]), tuple(float(s) for s in meta["std"])
+        task = str(meta.get("task", "classification"))
+    except (KeyError, TypeError, ValueError):
+        raise NetworkError("the task's data description lacks or garbles its name, num_classes, class_names, mean "
+                           "or std") from None
     if task not in ("classification", "language-model"):
         raise NetworkError(f"the task's data is for task {task[:40]!r}: providers train classification or "
                            "language-model")
-    if (task == "language-model") != (train[0].ndim == 2) or (task == "language-model" and meta["mean"]):
-        raise NetworkError(f"the task's data does not fit its task {task}: language models read token windows")
+    if train[0].shape[1:] != test[0].shape[1:] or train[0].dtype != test[0].dtype or train[1].dtype != test[1].dtype:
+        raise NetworkError("the task's test samples are not shaped like its training samples")
+    if task == "language-model":
+        if train[0].ndim != 2 or mean or std or num_classes != BYTE_TOKENS:
+            raise NetworkError("the task's data does not fit a language model: windows of byte tokens, 256 of them")
+    elif train[0].ndim != 4 or not len(mean) == len(std) == train[0].shape[1] or min(std, default=0) <= 0:
+        raise NetworkError("the task's data does not fit classification: images (N, C, H, W) with a mean and a "
+                           "positive std per channel")
     for y in (train[1], test[1]):
         if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
             raise NetworkError(f"labels outside 0..{num_classes - 1} in the task's data")
-    return Dataset(str(meta["name"]), train[0], train[1], test[0], test[1], num_classes,
-                   tuple(str(c) for c in meta["class_names"]), tuple(float(m) for m in meta["mean"]),
-                   tuple(float(s) for s in meta["std"]), task=task)
+    return Dataset(name, train[0], train[1], test[0], test[1], num_classes, class_names, mean, std, task=task)

@@ -69,6 +69,8 @@ def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: i
         if isinstance(output, torch.Tensor):
             outputs.append(output.numel() * output.element_size())
     handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
+    if list(model.children()):  # its own output too (a GPT's logits, computed in its forward)
+        handles.append(model.register_forward_hook(hook))
     was_training = model.training
     try:
         model.eval()  # one sample: batch norm's training mode needs two

@@ -28,6 +28,9 @@ def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender
         shard, test = (download(address, file, files[file], folder, secret, sender=sender, before_chunk=before_chunk)
                        for file in (name, "test.safetensors"))
         dataset = dataset_from_shards(spec.meta, read_shard(shard), read_shard(test))
+        if dataset.tokens and dataset.input_shape != (spec.context,):
+            raise BadMessage(f"the task's token windows are {dataset.input_shape[0]} long, not its context "
+                             f"{spec.context}")
         return dataset, list(range(len(dataset.train_y)))
     if mode == "local":
         dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root), context=spec.context)

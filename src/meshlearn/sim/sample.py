@@ -17,7 +17,7 @@ VOCABULARY = 256  # byte tokens
 def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8,
                   seed: int = 0) -> str:
     """``tokens`` bytes the run's model writes after ``prompt``, one at a time, each drawn from its
-    next-byte distribution at ``temperature`` (0: always the likeliest), seeded by ``seed``;
+    next-byte distribution at ``temperature`` (below 0.001: always the likeliest), seeded by ``seed``;
     decoded as UTF-8 (a broken character shown as U+FFFD)."""
     import torch
 
@@ -45,7 +45,7 @@ def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperatu
         for _ in range(tokens):
             window = torch.tensor([written[-config.context:]], dtype=torch.int64)
             scores = model(window)[0, -1]
-            if temperature == 0:
+            if temperature < 1e-3:  # colder than that is the likeliest byte (and softmax would overflow)
                 written.append(int(scores.argmax()))
             else:
                 written.append(int(torch.multinomial((scores / temperature).softmax(-1), 1, generator=generator)))

@@ -20,17 +20,18 @@ class Task(ABC):
     """What a model learns. Outputs are scores over ``num_classes`` in the last dimension
     (classification: [B, C]; a language model: [B, T, V]) and targets their classes ([B], [B, T]);
     by default the loss is the cross-entropy averaged over every target, as both built-in tasks
-    train. ``metrics`` names what ``evaluation`` adds to the loss, the first the headline one, and
-    ``higher_is_better`` which way it improves."""
+    train."""
 
     name: ClassVar[str]
-    metrics: ClassVar[tuple[str, ...]] = ("accuracy",)
-    higher_is_better: ClassVar[bool] = True
 
     def loss(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean loss of a batch (what training minimizes). Targets may be stored narrow (a text
         corpus's byte tokens): they are read as class indices."""
         return F.cross_entropy(outputs.flatten(0, -2), targets.flatten().long())
+
+    def loss_sum(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The summed loss of one model's batch (evaluation adds batches up, and divides by the targets)."""
+        return F.cross_entropy(outputs.flatten(0, -2), targets.flatten().long(), reduction="sum")
 
     def loss_sums(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The summed loss of a batch for each of M models: ``outputs`` [M, *one model's outputs],

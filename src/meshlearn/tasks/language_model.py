@@ -15,8 +15,6 @@ class LanguageModel(Task):
     """Next-token cross-entropy, averaged over every position of every window."""
 
     name = "language-model"
-    metrics = ("perplexity", "bits_per_token", "accuracy")
-    higher_is_better = False
 
     def evaluation(self, total_loss: float, targets: torch.Tensor, preds: torch.Tensor, num_classes: int,
                    full: bool = False):
