@@ -317,10 +317,14 @@ def _run(command: list[str], folder, timeout: float = 240) -> subprocess.Complet
     return subprocess.CompletedProcess(command, proc.returncode, out, "")
 
 
-@pytest.mark.parametrize("net", [pytest.param("tcp", marks=pytest.mark.slow), "udp-lossy"])  # lossy UDP: the harder
+@pytest.mark.parametrize("net", [pytest.param("tcp", marks=pytest.mark.slow), "udp-lossy",  # lossy UDP: the harder
+                                 pytest.param("gpt", marks=pytest.mark.slow)])  # a language model, over TCP
 def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_path, net):
     flags = ["--engine", "batched", "--nodes", "7", "--topology", "regular:4", "--iterations", "4", "--rounds", "2",
              "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]
+    if net == "gpt":
+        flags += ["--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "16", "--optimizer", "adam",
+                  "--lr", "0.003", "--eval-samples", "64"]
     if net == "udp-lossy":  # with bad nodes in both blocks, one of them rushing, and a robust rule per chunk
         flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%",
                   "--byzantine", "1:alie,5:sign-flip:4", "--aggregation", "trimmed-mean:1"]

@@ -9,6 +9,7 @@ import json
 import math
 import re
 import socket
+import statistics
 import time
 import urllib.error
 import urllib.request
@@ -219,12 +220,15 @@ def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports()
     assert series["p1"]["train_loss"] == [None, 1.7, None]
     assert [f["text"] for f in view["faults"]] == ["provider p2 stopped answering"]
     assert view["result"] == {"accuracy": 0.9} and view["leader"] == "p0"
+    board.report("t2", {"providers": {}, "result": {"accuracy": 0.4, "perplexity": 7.5}})  # a language model's
+    assert board.view("t2")["result"] == {"accuracy": 0.4, "perplexity": 7.5}
     for bad, message in [({"providers": {"p0": {"iteration": -1}}}, "at least"),
                          ({"providers": {"p0": {"train_loss": math.nan}}}, "finite"),
                          ({"providers": {"p0": {"state": "<script>"}}}, "not one of"),
                          ({"providers": ["p0"]}, "wrong type"),
                          ({"faults": ["x" * 1000]}, "short texts"),
-                         ({"providers": {"p0": {"iteration": "3"}}}, "wrong type")]:
+                         ({"providers": {"p0": {"iteration": "3"}}}, "wrong type"),
+                         ({"result": {"perplexity": math.inf}}, "finite")]:
         with pytest.raises(BadMessage, match=message):
             board.report("t1", bad)
     assert board.view("t1")["curve"]["iteration"] == [2, 3, 4]  # a refused report changes nothing
@@ -725,6 +729,70 @@ def test_a_run_board_shows_nodes_or_for_many_nodes_their_distribution():
     assert [(r["name"], r["status"]) for r in state["runs"]] == [("a", "done"), ("b", "waiting")]
     assert state["runs"][0]["accuracy"] == pytest.approx(statistics_mean([0.1 + r / 40 for r in range(3)]))
     assert state["current"]["status"] == "done"
+
+
+def _lm_events(nodes: int, iterations: int) -> list[dict]:
+    """A language model's log events: each evaluation with a perplexity (node r's: 40 - iteration + r)."""
+    events = [{"event": "start", "rank": r} for r in range(nodes)]
+    for it in range(iterations):
+        events += [{"event": "iteration", "rank": r, "iteration": it, "train": 0.01, "train_loss": 3.0}
+                   for r in range(nodes)]
+        if (it + 1) % 5 == 0:
+            events += [{"event": "eval", "rank": r, "iteration": it + 1, "t": it * 0.1, "test_acc": 0.3,
+                        "test_loss": 3.0, "test_perplexity": 40.0 - it + r} for r in range(nodes)]
+    return events
+
+
+def test_a_language_models_board_leads_with_perplexity_and_tensorboard_has_it(tmp_path):
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import ExperimentBoard, RunBoard
+    from meshlearn.sim.tbsink import TensorBoardSink
+
+    config = make_config({"nodes": 4, "iterations": 10, "dataset": "pystdlib", "model": "gpt-tiny"})
+    board = RunBoard(config, "lm")
+    board.add(_lm_events(4, 10))
+    state = json.loads(json.dumps(board.snapshot(), allow_nan=False))
+    assert state["metric"] == "perplexity" and state["eval"]["ppl_mean"] == [37.5, 32.5]
+    assert state["eval"]["ppl_std"][0] == pytest.approx(statistics.pstdev([36, 37, 38, 39]), rel=1e-6)
+    assert [n["test_perplexity"] for n in state["nodes"]] == [31.0, 32.0, 33.0, 34.0]
+    many = RunBoard(make_config({"nodes": 100, "iterations": 5, "engine": "batched"}), "many")
+    many.add(_lm_events(100, 5))
+    spread = many.snapshot()["distribution"]  # perplexities 36 .. 135: their own range, not 0-100%
+    assert spread["quantiles"][0] == 36 and spread["quantiles"][-1] == 135 and sum(spread["histogram"]["counts"]) == 100
+    assert spread["histogram"]["edges"][0] == 36 and spread["histogram"]["edges"][-1] == pytest.approx(135)
+    images = RunBoard(make_config({"nodes": 4, "iterations": 10}), "images")
+    images.add(_events(4, 10))
+    assert images.snapshot()["metric"] == "accuracy" and "ppl_mean" not in images.snapshot()["eval"]
+    experiment = ExperimentBoard("study", ["lm"])
+    experiment.begin("lm", config).add(_lm_events(4, 10))
+    experiment.end("lm")
+    assert experiment.snapshot()["runs"][0]["perplexity"] == pytest.approx(32.5)
+
+    pytest.importorskip("tensorboard")
+    sink = TensorBoardSink(config, tmp_path / "tb")
+    sink.add(_lm_events(4, 10))
+    sink.close()
+    assert _tensorboard_scalars(tmp_path / "tb" / "mean")["test/perplexity"] == {5: 37.5, 10: 32.5}
+    assert _tensorboard_scalars(tmp_path / "tb" / "node_2")["test/perplexity"] == {5: 38.0, 10: 33.0}
+
+
+def test_a_language_models_page_shows_perplexity_in_chromium(browser):
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import ExperimentBoard
+
+    experiment = ExperimentBoard("study", ["lm"])
+    experiment.begin("lm", make_config({"nodes": 4, "iterations": 10})).add(_lm_events(4, 10))
+    experiment.end("lm")
+    server = _served_board(experiment)
+    try:
+        _open(browser, server.url, 2)
+        assert "final perplexity" in _text(browser, "#runs") and "32.50" in _text(browser, "#runs")
+        assert browser.execute_script(_LEGEND, "current-acc")["mean"] == "32.50"
+        assert "mean test perplexity 32.50" in _text(browser, "section.run")
+        assert "test ppl" in _text(browser, "table.nodes") and "34.00" in _text(browser, 'table.nodes tr[data-rank="3"]')
+        assert console_errors(browser) == []
+    finally:
+        server.stop()
 
 
 def statistics_mean(values: list[float]) -> float:

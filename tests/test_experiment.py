@@ -122,6 +122,30 @@ def test_comparison_plot_keeps_identical_curves_apart():
         plt.close(fig)
 
 
+def test_an_experiment_of_language_models_compares_their_perplexity(tmp_path):
+    import matplotlib.pyplot as plt
+
+    from meshlearn.sim.experiment import _result_line, _seed_means, comparison_figure, headline_metric
+
+    table = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.3, "test_perplexity_mean": 50.0 / i}
+             for i in range(1, 11)]
+    fig = comparison_figure("lm", [("a", table), ("b", table)])
+    try:
+        assert {ax.get_ylabel() for ax in fig.axes} == {"mean test perplexity"}
+        assert list(fig.axes[0].get_lines()[0].get_ydata()) == [50.0 / i for i in range(1, 11)]
+    finally:
+        plt.close(fig)
+    rows = [{"run": "a-s1", "accuracy": 0.3, "perplexity": 12.0, "iter_mean_ms": 1.0},
+            {"run": "a-s2", "accuracy": 0.4, "perplexity": 10.0, "iter_mean_ms": 3.0}]
+    assert headline_metric(rows) == "perplexity" and headline_metric([{"accuracy": 0.9}]) == "accuracy"
+    assert _seed_means({"a": ["a-s1", "a-s2"]}, rows, "perplexity") == [
+        {"run": "a", "seeds": 2, "perplexity": 11.0, "perplexity_min": 10.0, "perplexity_max": 12.0,
+         "iter_mean_ms": 2.0}]
+    (tmp_path / "summary.json").write_text(json.dumps({"final": {"perplexity": 11.5, "perplexity_std": 0.25,
+                                                                  "accuracy": 0.3, "accuracy_std": 0.0}}))
+    assert _result_line(tmp_path) == "perplexity 11.500 ± 0.250"
+
+
 def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_them():
     import matplotlib.pyplot as plt
 

@@ -427,6 +427,36 @@ def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
     assert spread(params[:, 1]) < 0.25 * spread(params[:, 0])  # different starts, close at the end
 
 
+def test_two_workers_with_the_adapter_train_a_small_gpt_on_the_standard_library(tmp_path):
+    ports = _free_ports(2)
+    config = tmp_path / "group.yaml"
+    config.write_text(json.dumps(_group(ports, timeout_ms=1000)))
+    procs = []
+    try:
+        for i in range(2):
+            procs.append(subprocess.Popen(
+                [sys.executable, str(ROOT / "examples" / "gossip_train.py"), "--config", str(config), "--name", f"w{i}",
+                 "--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "32", "--optimizer", "adamw", "--lr",
+                 "0.003", "--steps", "40", "--batch-size", "16", "--result", str(tmp_path / f"w{i}.json")],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outs = []
+        for proc in procs:
+            outs.append(proc.communicate(timeout=240)[0])
+            assert proc.returncode == 0, outs[-1]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
+    for result, out in zip(results, outs):
+        assert result["perplexity"] < 40 < 256, out  # from a uniform guess over 256 bytes
+        assert result["scores"] and "perplexity" in out
+    params = np.stack([np.load(tmp_path / f"w{i}.json.npy") for i in range(2)])  # (worker, [initial, final], P)
+    # different starts, pulled together by gossip: the two models are closer than they began
+    assert np.linalg.norm(params[0, 1] - params[1, 1]) < 0.5 * np.linalg.norm(params[0, 0] - params[1, 0])
+
+
 def test_simulate_with_gossip_writes_the_usual_results(tmp_path):
     config = make_config({"algorithm": "gossip", "nodes": 4, "topology": "full", "iterations": 60, "test_after": 20,
                           "rounds": 2, "batch_size": 16, "fetch_timeout": 1.0, "output": str(tmp_path / "run")})

@@ -61,7 +61,7 @@ def test_a_text_folder_is_read_once_into_the_cache_and_a_single_file_split_at_ni
     one.write_bytes(bytes(range(100)) * 10)
     single = load_text(one, context=10)
     assert single.train_x.shape == (89, 10) and int(single.test_x[0][0]) == 900 % 100
-    with pytest.raises(DatasetError, match="its test text has 100 bytes, too few for one window of 100 tokens"):
+    with pytest.raises(DatasetError, match="its test text has 100 tokens, too few for one window of 100"):
         load_text(one, context=100)
     pair = tmp_path / "pair"
     pair.mkdir()
@@ -217,6 +217,100 @@ def test_sample_continues_a_prompt_with_the_runs_final_model(tmp_path):
     assert "Traceback" not in refused.stderr
 
 
+# --- vocabularies and LEAF's Shakespeare --------------------------------------------------------------
+
+
+def test_a_character_vocabulary_by_hand():
+    from meshlearn.data.vocabulary import Vocabulary
+
+    chars = Vocabulary.of_text("chars", ["abca", "b\u00e9"])
+    assert chars.chars == "abc\u00e9" and chars.size == 5 and chars.names()[-1] == "\ufffd"
+    assert chars.encode("abz\u00e9").tolist() == [0, 1, 4, 3]  # z is no character of the training text
+    assert chars.decode([0, 3, 4]) == "a\u00e9\ufffd" and chars.encode(b"c\xc3\xa9").tolist() == [2, 3]
+    assert Vocabulary.from_metadata(chars.metadata()) == chars == Vocabulary.of_names(chars.names())
+    raw = Vocabulary.of_text("bytes", [])
+    assert raw.size == 256 and raw.encode("\u00e9").tolist() == [0xC3, 0xA9] and raw.decode([0xC3, 0xA9]) == "\u00e9"
+    assert Vocabulary.from_metadata({}) == raw == Vocabulary.of_names(raw.names())  # a model file without one
+    many = "".join(chr(0x100 + i) * (i + 1) for i in range(300))  # 300 characters, the later the more frequent
+    kept = Vocabulary.of_text("chars", [many])
+    assert kept.size == 256 and kept.chars == "".join(chr(0x100 + i) for i in range(45, 300))
+    assert kept.encode(chr(0x100)).tolist() == [255]  # one of the rarest: the unknown token
+    for garbled in ({"meshlearn.vocabulary": "{"}, {"meshlearn.vocabulary": '{"kind": "chars", "chars": "ba"}'}):
+        with pytest.raises(DatasetError, match="vocabulary"):
+            Vocabulary.from_metadata(garbled)
+    stdlib = load_dataset("pystdlib", context=64, vocabulary="chars")
+    first = stdlib_files()[0].read_text()
+    assert stdlib.num_classes == len(set("".join(f.read_text() for f in stdlib_files()[:20])) | set(stdlib.class_names))
+    assert Vocabulary.of_names(stdlib.class_names).decode(stdlib.train_x[0].tolist()) == first[:64]
+    assert stdlib.train_x.dtype == torch.uint8 and int(stdlib.train_x.max()) < stdlib.num_classes
+
+
+SPEECHES = {"HAMLET": "To be, or not to be, that is the question: ",
+            "OPHELIA": "O, what a noble mind is here o'erthrown! ",
+            "POLONIUS": "Brevity is the soul of wit. "}
+
+
+def _shakespeare(root, window=8):
+    """A LEAF Shakespeare folder: each writer's text as sliding samples of ``window`` characters and
+    the next one, as LEAF's preprocessing writes them (OPHELIA's with one sample out of place)."""
+    def samples(text):
+        return {"x": [text[i:i + window] for i in range(len(text) - window)],
+                "y": [text[i + window] for i in range(len(text) - window)]}
+
+    train = {name: samples(text * 3) for name, text in SPEECHES.items()}
+    train["OPHELIA"]["x"].insert(5, "jumbled!")
+    train["OPHELIA"]["y"].insert(5, "?")
+    test = {"HORATIO": samples("Now cracks a noble heart. Good night, sweet prince. ")}
+    for split, users in (("train", train), ("test", test)):
+        (root / split).mkdir(parents=True)
+        (root / split / "all_data.json").write_text(json.dumps({"users": list(users), "num_samples": [
+            len(u["y"]) for u in users.values()], "user_data": users}))
+    return root
+
+
+def test_leafs_shakespeare_is_each_writers_text_rebuilt_from_its_samples(tmp_path):
+    from meshlearn.data.text import leaf_holds_text, leaf_writer_text
+    from meshlearn.data.vocabulary import Vocabulary
+
+    assert leaf_writer_text(["abc", "bcd", "xyz", "yzw"], ["d", "e", "w", "!"]) == "abcdexyzw!"
+    root = _shakespeare(tmp_path / "shakespeare")
+    assert leaf_holds_text(root)
+    dataset = load_dataset(f"leaf:{root}", context=8, vocabulary="chars")
+    vocab = Vocabulary.of_names(dataset.class_names)
+    texts = [t * 3 for t in SPEECHES.values()]
+    # a sample out of place adds itself and its next character; the one after it, all its window again
+    texts[1] = texts[1][:5 + 8] + "jumbled!?" + texts[1][5:]
+    stream = vocab.decode(dataset.train_x.flatten().tolist())
+    assert "".join(texts).startswith(stream) and len(stream) > len("".join(texts)) - 8
+    assert vocab.chars == "".join(sorted(set("".join(texts))))  # the training text's characters only
+    # a test character the training text lacks (N, c) reads as the unknown token
+    assert vocab.decode(dataset.test_x[0].tolist()) == "\ufffdow \ufffdra\ufffd"
+    groups = dataset.train_groups.tolist()  # the writer of each window: partition writers gives whole speeches
+    assert groups[0] == 0 and groups[-1] == 2 and groups == sorted(groups)
+    assert load_dataset(f"leaf:{root}", context=8).num_classes == 256  # bytes, by default
+    femnist = tmp_path / "femnist"
+    for split in ("train", "test"):
+        (femnist / split).mkdir(parents=True)
+        (femnist / split / "d.json").write_text(json.dumps({"users": ["w"], "user_data": {
+            "w": {"x": [[0.5] * 16, [0.0] * 16], "y": [1, 0]}}}))
+    assert not leaf_holds_text(femnist) and load_dataset(f"leaf:{femnist}").task == "classification"
+
+
+def test_a_run_on_shakespeares_characters_samples_in_them(tmp_path):
+    from meshlearn.data.vocabulary import Vocabulary
+    from meshlearn.sim.sample import continue_text
+
+    root = _shakespeare(tmp_path / "shakespeare")
+    run = tmp_path / "run"
+    simulate(make_config({"engine": "batched", "nodes": 3, "topology": "ring", "dataset": f"leaf:{root}",
+                          "vocabulary": "chars", "partition": "writers", "model": "gpt-tiny", "context": 8,
+                          "batch_size": 4, "iterations": 3, "optimizer": "adam", "lr": 0.003, "test_after": 3,
+                          "step_time": 0.01, "output": str(run)}), progress=False)
+    vocab = Vocabulary.of_names(load_dataset(f"leaf:{root}", context=8, vocabulary="chars").class_names)
+    written = continue_text(run, "To be", tokens=40, temperature=1.0)
+    assert len(written) == 40 and set(written) <= set(vocab.names())  # one character a token, of the vocabulary
+
+
 # --- what a provider accepts of a task's text -------------------------------------------------------
 
 
@@ -232,7 +326,9 @@ def _windows(n, t, dtype=torch.uint8):
 
 @pytest.mark.parametrize("meta,train,test,problem", [
     (_meta(task="poetry"), _windows(4, 8), _windows(2, 8), "providers train classification or language-model"),
-    (_meta(num_classes=512), _windows(4, 8), _windows(2, 8), "byte tokens, 256 of them"),
+    (_meta(num_classes=512), _windows(4, 8), _windows(2, 8), "a vocabulary of 2 to 256 named tokens"),
+    (_meta(num_classes=10, class_names=list("0123456789")), _windows(4, 8), _windows(2, 8), "tokens outside 0..9"),
+    (_meta(class_names=["x"] * 10), _windows(4, 8), _windows(2, 8), "a vocabulary of 2 to 256 named tokens"),
     (_meta(), _windows(4, 8), _windows(2, 16), "not shaped like its training samples"),
     (_meta(mean=[0.5], std=[0.2]), _windows(4, 8), _windows(2, 8), "does not fit a language model"),
     ({"name": "x"}, _windows(4, 8), _windows(2, 8), "lacks or garbles"),

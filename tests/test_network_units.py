@@ -246,6 +246,9 @@ def test_the_memory_estimate_counts_model_optimizer_activations_and_data():
     assert plain.data == (4 * 64 + 8) * 150 and moving.data == (4 * 64 + 8) * 250
     assert plain.total == plain.runtime + plain.model + plain.activations + plain.data
     assert plain.describe().startswith(f"about {plain.total / GB:.2f} GB (runtime 0.30")
+    gpt = build_model("gpt-tiny", (64,), 256)  # 4 layers of 4 heads: each keeps its attention weights, T x T
+    text = estimate_memory(gpt, (64,), 8, 100, 10, momentum=0.0, tokens=True)
+    assert text.activations >= 2 * 8 * 4 * 4 * 64 * 64 * 4 and text.data == 2 * 64 * 110
 
 
 def test_a_provider_declaring_more_than_the_machine_has_is_refused_and_too_little_warned(tmp_path):

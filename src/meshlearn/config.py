@@ -22,6 +22,7 @@ from pydantic.fields import FieldInfo
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
+from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition, names_that
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.definitions.pushsum import PushSumSettings
@@ -82,8 +83,8 @@ class ExperimentConfig(Settings):
                           "exists, else full (under 4 nodes) or regular:4 (an odd node count)")
     peer_sampling: str = Field("off", description="dynamic topologies (dpsgd, pushsum, tracking): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
-                                               "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON, FEMNIST) | "
-                                               "pystdlib (text: the running Python's standard library) | text:PATH "
+                                               "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON: FEMNIST, or "
+                                               "Shakespeare's text) | pystdlib (text: the running Python's standard library) | text:PATH "
                                                "(a text file or a folder of .txt) | one registered by --models-module")
     partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
                            "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
@@ -95,6 +96,7 @@ class ExperimentConfig(Settings):
     task: str = Field("auto", description=TASK_HELP)  # after models_module: it may name a task registered there
     context: int = Field(128, ge=2, le=65_536, description="tokens a language model reads at once (text datasets: "
                          "the windows its samples are)")
+    vocabulary: VocabularyKind = Field("bytes", description=VOCABULARY_HELP)
     algorithm: str = Field("dpsgd", description=algorithms_help())
     aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
                              "leader): " + RULE_HELP)
@@ -381,7 +383,8 @@ def load_run_dataset(config: ExperimentConfig) -> "Dataset":
     from meshlearn.data import load_dataset  # loads torch: only once a run starts
     from meshlearn.tasks import resolve_task
 
-    dataset = load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None, context=config.context)
+    dataset = load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None, context=config.context,
+                           vocabulary=config.vocabulary)
     task = resolve_task(config.task, dataset.task, config.dataset)
     return dataset if task == dataset.task else dataclasses.replace(dataset, task=task)
 

@@ -42,6 +42,7 @@ from meshlearn.data import (
     shard_as_test_set,
     split_validation,
 )
+from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.evaluation import Evaluation
@@ -172,7 +173,7 @@ class BatchedSimulation:
             return {}
         # the run's final model (node 0's, in the first process), as the process engine's node 0 keeps it
         save_weights(run.stacked.named(run.stacked.row(0), run.stacked.counters_of(0)),
-                     self.log_path.parent.parent / MODEL_FILE)
+                     self.log_path.parent.parent / MODEL_FILE, model_metadata(run.dataset))
         by_rank = dict(final)
         summaries = {rank: {"event": "final", "rank": rank, "elapsed": float(finish[rank]),
                             "stats": run.traffic.of(rank),

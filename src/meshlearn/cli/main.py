@@ -73,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 # How the experiment settings' flags are grouped in --help (a setting not listed lands in the last group)
 FLAG_GROUPS = {
     "core": ["nodes", "engine", "algorithm", "topology", "peer_sampling", "iterations", "seed"],
-    "data and model": ["dataset", "task", "context", "partition", "validation", "reshuffle", "model", "models_module"],
+    "data and model": ["dataset", "task", "context", "vocabulary", "partition", "validation", "reshuffle", "model", "models_module"],
     "training": ["rounds", "batch_size", "lr", "lr_schedule", "optimizer", "momentum", "weight_decay", "full_epochs",
                  "device", "threads"],
     "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate", "topology_colour"],

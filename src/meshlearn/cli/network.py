@@ -302,7 +302,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     if values.get("data") and not values.get("data_on_providers"):
         from meshlearn.data import load_dataset
 
-        dataset = load_dataset(dataset_spec(str(values["data"])), context=int(values.get("context") or 128))
+        dataset = load_dataset(dataset_spec(str(values["data"])), context=int(values.get("context") or 128),
+                               vocabulary=values.get("vocabulary") or "bytes")
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
     _check_model(request, dataset)
     output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")

@@ -12,7 +12,7 @@ import tarfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -352,12 +352,12 @@ MAX_LEAF_FILE = 2 * 1024 ** 3  # bytes of one LEAF JSON file (FEMNIST's are abou
 MAX_LEAF_CLASSES = 10_000  # FEMNIST has 62; a label beyond this is a broken file, not a class list to build
 
 
-def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
-    """Every writer's samples (x, y) in ``folder``'s LEAF JSON files, in file and writer order."""
+def leaf_records(folder: Path) -> Iterator[tuple[Path, str, Any]]:
+    """Every writer's record in ``folder``'s LEAF JSON files, in file and writer order, as
+    (file, writer, record); DatasetError for a file that is not LEAF JSON."""
     files = sorted(folder.glob("*.json"))
     if not files:
         raise DatasetError(f"{folder} holds no .json files: give a LEAF folder with train/ and test/ of LEAF JSON")
-    xs, ys, writers = [], [], []
     for path in files:
         if path.stat().st_size > MAX_LEAF_FILE:
             raise DatasetError(f"{path} is larger than {MAX_LEAF_FILE} bytes: not a LEAF file")
@@ -370,19 +370,35 @@ def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], 
             raise DatasetError(f"{path} is not a LEAF file: users must be a list of names and user_data a map "
                                "from each name to its samples")
         for user in users:
-            record = user_data.get(user)
-            try:
-                x = np.asarray(record["x"], dtype=np.float32)
-                y = np.asarray(record["y"], dtype=np.int64)
-            except (KeyError, TypeError, ValueError):
-                raise DatasetError(f"{path}: writer {user!r} has no numeric x and y lists") from None
-            if x.ndim != 2 or y.ndim != 1 or len(x) != len(y) or not len(y):
-                raise DatasetError(f"{path}: writer {user!r} needs as many samples (x, flat pixel lists of one "
-                                   f"length) as labels (y); got x {list(x.shape)}, y {list(y.shape)}")
-            xs.append(x)
-            ys.append(y)
-            writers.append(str(user))
+            yield path, user, user_data.get(user)
+
+
+def _read_leaf_split(folder: Path) -> tuple[list[np.ndarray], list[np.ndarray], list[str]]:
+    """Every writer's samples (x, y) in ``folder``'s LEAF JSON files, in file and writer order."""
+    xs, ys, writers = [], [], []
+    for path, user, record in leaf_records(folder):
+        try:
+            x = np.asarray(record["x"], dtype=np.float32)
+            y = np.asarray(record["y"], dtype=np.int64)
+        except (KeyError, TypeError, ValueError):
+            raise DatasetError(f"{path}: writer {user!r} has no numeric x and y lists") from None
+        if x.ndim != 2 or y.ndim != 1 or len(x) != len(y) or not len(y):
+            raise DatasetError(f"{path}: writer {user!r} needs as many samples (x, flat pixel lists of one "
+                               f"length) as labels (y); got x {list(x.shape)}, y {list(y.shape)}")
+        xs.append(x)
+        ys.append(y)
+        writers.append(str(user))
     return xs, ys, writers
+
+
+def leaf_folders(root: Path) -> list[Path]:
+    """A LEAF folder's ``train/`` and ``test/``; DatasetError where either is missing."""
+    require_path(root, "leaf")
+    folders = [root / "train", root / "test"]
+    for folder in folders:
+        if not folder.is_dir():
+            raise DatasetError(f"{root} has no {folder.name}/ folder: give a LEAF folder with train/ and test/")
+    return folders
 
 
 def load_leaf(path: str | Path) -> Dataset:
@@ -391,11 +407,7 @@ def load_leaf(path: str | Path) -> Dataset:
     pixels in 0..1, decoded once into the cache; ``train_groups`` says each training sample's
     writer, for the ``writers`` partition."""
     root = Path(path)
-    require_path(root, "leaf")
-    folders = [root / "train", root / "test"]
-    for folder in folders:
-        if not folder.is_dir():
-            raise DatasetError(f"{root} has no {folder.name}/ folder: give a LEAF folder with train/ and test/")
+    folders = leaf_folders(root)
 
     def build():
         (train_x, train_y, writers), (test_x, test_y, _) = (_read_leaf_split(f) for f in folders)

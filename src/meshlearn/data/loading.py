@@ -12,24 +12,26 @@ from meshlearn.data.datasets import (
     reshuffled,
 )
 from meshlearn.data.specs import DATASETS, parse_spec
-from meshlearn.data.text import load_pystdlib, load_text
+from meshlearn.data.text import leaf_holds_text, load_leaf_text, load_pystdlib, load_text
+from meshlearn.data.vocabulary import VocabularyKind
 from meshlearn.errors import DatasetError
 
 _CACHE: dict[str, Dataset] = {}
 
 
-def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128) -> Dataset:
+def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128,
+                 vocabulary: VocabularyKind = "bytes") -> Dataset:
     """The dataset a spec names (see ``data.specs``), loaded once per process; with ``reshuffle``,
     its train and test sets pooled and split again with that seed (``reshuffled``). A text
-    dataset's samples are windows of ``context`` tokens."""
+    dataset's samples are windows of ``context`` tokens of ``vocabulary`` (``data.vocabulary``)."""
     kind, path = parse_spec(spec)
     key = f"{kind}:{path.resolve()}" if path else kind
-    if kind in ("pystdlib", "text"):
-        key = f"{key}|context:{context}"
+    if kind in ("pystdlib", "text", "leaf"):  # a LEAF folder may hold text (Shakespeare)
+        key = f"{key}|context:{context}|vocabulary:{vocabulary}"
     if reshuffle is not None:
         shuffled = f"{key}|reshuffle:{reshuffle}"
         if shuffled not in _CACHE:
-            _CACHE[shuffled] = reshuffled(load_dataset(spec, context=context), reshuffle)
+            _CACHE[shuffled] = reshuffled(load_dataset(spec, context=context, vocabulary=vocabulary), reshuffle)
         return _CACHE[shuffled]
     if key in _CACHE:
         return _CACHE[key]
@@ -43,11 +45,11 @@ def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128) ->
     elif kind in ("fashion-mnist", "mnist"):
         dataset = load_idx(path, kind)
     elif kind == "leaf":
-        dataset = load_leaf(path)
+        dataset = load_leaf_text(path, context, vocabulary) if leaf_holds_text(path) else load_leaf(path)
     elif kind == "cifar10":
         dataset = load_cifar10(path)
     elif kind in ("pystdlib", "text"):
-        dataset = load_pystdlib(context) if kind == "pystdlib" else load_text(path, context)
+        dataset = load_pystdlib(context, vocabulary) if kind == "pystdlib" else load_text(path, context, vocabulary)
     else:
         dataset = load_imagefolder(path)
     _CACHE[key] = dataset

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from meshlearn.errors import DatasetError
 from meshlearn.plugins import Registry
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 DatasetFactory = Callable[["Path | None"], "Dataset"]
 # Datasets a user's module registers (``register_dataset``); the built-in ones are KINDS below.
 DATASETS: Registry[DatasetFactory] = Registry("dataset", DatasetError)
+
+VocabularyKind = Literal["bytes", "chars"]  # a language model's tokens (data.vocabulary)
+VOCABULARY_HELP = ("text datasets: bytes (256 tokens, every byte of the UTF-8 text) | chars (the characters of the "
+                   "training text, at most 255, the most frequent, and one token for any other)")
 
 SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR, pystdlib, text:PATH"
 # The name a spec starts with -> the dataset it means (and whether it needs a path)
@@ -29,7 +33,7 @@ WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
         "cifar10": "the folder of the CIFAR-10 python batches, an ImageFolder tree (train/<class>/, test/<class>/) "
                    "or its .tar.gz",
         "imagefolder": "a folder with train/<class>/ and test/<class>/",
-        "leaf": "a LEAF folder (FEMNIST) with train/*.json and test/*.json",
+        "leaf": "a LEAF folder (FEMNIST or Shakespeare) with train/*.json and test/*.json",
         "text": "a text file, or a folder of .txt files"}
 # Where each dataset on disk comes from, said with a missing path (nothing is ever downloaded at run time)
 GET = {"fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (its four .gz files in one folder; Debian: "
@@ -37,7 +41,8 @@ GET = {"fashion-mnist": "https://github.com/zalandoresearch/fashion-mnist (its f
        "mnist": "https://yann.lecun.com/exdb/mnist/ (its four .gz files in one folder)",
        "cifar10": "https://www.cs.toronto.edu/~kriz/cifar.html (the python version, cifar-10-python.tar.gz, "
                   "read as it comes)",
-       "leaf": "https://github.com/TalwalkarLab/leaf (its FEMNIST preprocessing writes train/ and test/)"}
+       "leaf": "https://github.com/TalwalkarLab/leaf (its FEMNIST and Shakespeare preprocessing write train/ and "
+                "test/)"}
 
 
 def register_dataset(name: str) -> Callable[[DatasetFactory], DatasetFactory]:

@@ -1,40 +1,46 @@
 """Text datasets for language models: the running Python's standard library (``pystdlib``, needs no
-download) and a user's text (``text:PATH``), as windows of byte tokens.
+download), a user's text (``text:PATH``) and LEAF's Shakespeare (``leaf:DIR``), as windows of tokens.
 
 A corpus is a list of files in a fixed order. Every tenth file (the 10th, 20th, ...; of fewer than
 ten, the last) is held out for testing, so the test set is text no node trained on; a single file
-is split at nine tenths of its bytes instead. Each side's bytes, one file after another, are one token stream, decoded once
-per machine into the cache and memory-mapped. A sample is a window of ``context`` tokens (``x``)
-and the same window one token on (``y``: the next token at every position); windows do not
-overlap. ``train_groups`` says the file each training window starts in, so partition ``writers``
-gives each node whole files (non-IID by module), and ``iid`` deals windows out at random.
+is split at nine tenths of its bytes instead. LEAF's Shakespeare comes split: each writer's (a
+character's) lines are one text, rebuilt from its sliding 80-character samples. Each side's text,
+one file (writer) after another, is one token stream of the vocabulary (``data.vocabulary``:
+bytes, or the training text's characters), tokenized once per machine into the cache and
+memory-mapped. A sample is a window of ``context`` tokens (``x``) and the same window one token on
+(``y``: the next token at every position); windows do not overlap. ``train_groups`` says the file
+(writer) each training window starts in, so partition ``writers`` gives each node whole files
+(non-IID by module, or by speaker), and ``iid`` deals windows out at random.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import re
 import sys
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from meshlearn.data.datasets import Dataset, _cache_root, _file_key, _tensor
+from meshlearn.data.datasets import Dataset, _cache_root, _file_key, _tensor, leaf_folders, leaf_records
+from meshlearn.data.vocabulary import METADATA_KEY, Vocabulary, VocabularyKind
 from meshlearn.errors import DatasetError
 
 HELD_OUT_EVERY = 10  # every 10th file of a corpus is a test file
 SKIPPED = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}  # not the library's own code
-BYTES = 256  # the vocabulary: one token per byte value
 DEFAULT_CONTEXT = 128
-CACHE_FORMAT = 1  # raise when what the cache holds, or how it is split, changes
+CACHE_FORMAT = 2  # raise when what the cache holds, or how it is split, changes
+LEAF_SNIFF_BYTES = 1 << 20  # how much of a LEAF file is read to tell text samples from pixel lists
+Texts = tuple[list[bytes | str], list[bytes | str]]  # the training texts (one a file or writer) and the test ones
 
 
 def byte_names() -> tuple[str, ...]:
-    """The tokens' names: the character of a printable ASCII byte, else its escape (``\\n``, ``\\x00``)."""
-    return tuple(chr(b) if 32 <= b < 127 else repr(bytes([b]))[2:-1] for b in range(BYTES))
+    """The byte tokens' names: the character of a printable ASCII byte, else its escape (``\\n``, ``\\x00``)."""
+    return Vocabulary().names()
 
 
 def stdlib_root() -> Path:
@@ -60,17 +66,79 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
-def load_pystdlib(context: int = DEFAULT_CONTEXT) -> Dataset:
-    """The running Python's standard library as a byte-level language-modelling corpus."""
+def load_pystdlib(context: int = DEFAULT_CONTEXT, vocabulary: VocabularyKind = "bytes") -> Dataset:
+    """The running Python's standard library as a language-modelling corpus."""
     files = stdlib_files()
     version = f"python {sys.version_info.major}.{sys.version_info.minor}"
-    return _corpus("pystdlib", files, context, f"{version}\n{_file_key(*files)}")
+    return _corpus("pystdlib", f"{version}\n{_file_key(*files)}", lambda: _file_texts(files), context, vocabulary)
 
 
-def load_text(path: str | Path, context: int = DEFAULT_CONTEXT) -> Dataset:
-    """A text file, or a folder of ``.txt`` files, as a byte-level language-modelling corpus."""
+def load_text(path: str | Path, context: int = DEFAULT_CONTEXT, vocabulary: VocabularyKind = "bytes") -> Dataset:
+    """A text file, or a folder of ``.txt`` files, as a language-modelling corpus."""
     files = text_files(Path(path))
-    return _corpus("text", files, context, _file_key(*files))
+    return _corpus("text", _file_key(*files), lambda: _file_texts(files), context, vocabulary)
+
+
+def leaf_holds_text(path: str | Path) -> bool:
+    """Whether a LEAF folder holds text samples (Shakespeare: ``x`` a list of strings) rather than
+    pixel lists (FEMNIST), told from the start of its first training file (read whole only where
+    that start does not say)."""
+    first = min(Path(path, "train").glob("*.json"), default=None)
+    if first is None:
+        return False
+    with open(first, "rb") as handle:
+        head = handle.read(LEAF_SNIFF_BYTES)
+    found = re.search(rb'"x"\s*:\s*\[\s*(["\[\d.-])', head)
+    if found:
+        return found.group(1) == b'"'
+    for _, _, record in leaf_records(first.parent):
+        samples = record.get("x") if isinstance(record, dict) else None
+        return bool(samples) and isinstance(samples[0], str)
+    return False
+
+
+def load_leaf_text(path: str | Path, context: int = DEFAULT_CONTEXT, vocabulary: VocabularyKind = "bytes") -> Dataset:
+    """LEAF's Shakespeare (``train/*.json``, ``test/*.json``, each ``user_data: {writer: {x: [80
+    characters], y: [the next one]}}``) as a language-modelling corpus: each writer's samples
+    rebuilt into its text, writers as the groups (partition ``writers``)."""
+    root = Path(path)
+    folders = leaf_folders(root)
+    files = [*sorted(folders[0].glob("*.json")), *sorted(folders[1].glob("*.json"))]
+    return _corpus("leaf-text", _file_key(*files), lambda: tuple(_leaf_texts(f) for f in folders), context,
+                   vocabulary)
+
+
+def leaf_writer_text(samples: list[str], following: list[str]) -> str:
+    """A writer's text from LEAF's sliding samples: a sample that continues the one before (its
+    window moved one character on) adds its next character; any other adds itself and its next
+    character."""
+    parts, before = [], None
+    for x, y in zip(samples, following):
+        parts.append(y if before is not None and x == before[1:] else x + y)
+        before = x + y
+    return "".join(parts)
+
+
+def _leaf_texts(folder: Path) -> list[str]:
+    texts = []
+    for path, user, record in leaf_records(folder):
+        samples = record.get("x") if isinstance(record, dict) else None
+        following = record.get("y") if isinstance(record, dict) else None
+        if not isinstance(samples, list) or not isinstance(following, list) or len(samples) != len(following) or \
+                not all(isinstance(t, str) for t in samples + following):
+            raise DatasetError(f"{path}: writer {user!r} needs as many text samples (x, strings) as next characters "
+                               "(y, strings)")
+        texts.append(leaf_writer_text(samples, following))
+    return texts
+
+
+def _file_texts(files: list[Path]) -> Texts:
+    if len(files) == 1:  # one file: its last tenth is the test text
+        data = _read(files[0])
+        cut = len(data) * (HELD_OUT_EVERY - 1) // HELD_OUT_EVERY
+        return [data[:cut]], [data[cut:]]
+    train, test = split_files(files)
+    return [_read(files[i]) for i in train], [_read(files[i]) for i in test]
 
 
 def split_files(files: list[Path]) -> tuple[list[int], list[int]]:
@@ -80,19 +148,19 @@ def split_files(files: list[Path]) -> tuple[list[int], list[int]]:
     return [i for i in range(len(files)) if i not in test], test
 
 
-def _corpus(name: str, files: list[Path], context: int, key: str) -> Dataset:
+def _corpus(name: str, key: str, read: Callable[[], Texts], context: int, vocabulary: VocabularyKind) -> Dataset:
     if context < 2:
         raise DatasetError(f"context {context}: a language model needs windows of at least 2 tokens")
-    train, test, starts = _token_streams(name, files, key)
+    train, test, starts, vocab = _token_streams(name, key, read, vocabulary)
     for side, tokens in (("training", train), ("test", test)):
         if len(tokens) <= context:
-            raise DatasetError(f"dataset {name}: its {side} text has {len(tokens)} bytes, too few for one window of "
-                               f"{context} tokens: give more text, or a shorter --context")
+            raise DatasetError(f"dataset {name}: its {side} text has {len(tokens)} tokens, too few for one window of "
+                               f"{context}: give more text, or a shorter --context")
     train_x, train_y = windows(train, context)
     test_x, test_y = windows(test, context)
     groups = np.searchsorted(starts, np.arange(len(train_x), dtype=np.int64) * context, side="right") - 1
-    return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y, num_classes=BYTES,
-                   class_names=byte_names(), mean=(), std=(), train_groups=torch.from_numpy(groups),
+    return Dataset(name=name, train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y, num_classes=vocab.size,
+                   class_names=vocab.names(), mean=(), std=(), train_groups=torch.from_numpy(groups),
                    task="language-model")
 
 
@@ -104,27 +172,30 @@ def windows(tokens: np.ndarray, context: int) -> tuple[torch.Tensor, torch.Tenso
     return stream[:count * context].view(count, context), stream[1:count * context + 1].view(count, context)
 
 
-def _token_streams(name: str, files: list[Path], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The training and test token streams (memory-mapped from the cache, built there once) and
-    where each training file starts in its stream."""
-    key = f"format {CACHE_FORMAT}|held out every {HELD_OUT_EVERY}|{sorted(SKIPPED)}\n{key}"
+def _token_streams(name: str, key: str, read: Callable[[], Texts],
+                   kind: VocabularyKind) -> tuple[np.ndarray, np.ndarray, np.ndarray, Vocabulary]:
+    """The training and test token streams (memory-mapped from the cache, built there once), where
+    each training text starts in its stream, and the vocabulary."""
+    key = f"format {CACHE_FORMAT}|held out every {HELD_OUT_EVERY}|{sorted(SKIPPED)}|vocabulary {kind}\n{key}"
     cache = _cache_root() / f"text-{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     names = ("train", "test", "starts")
-    if not all((cache / f"{n}.npy").is_file() for n in names):
-        train_files, test_files = split_files(files) if len(files) > 1 else ([0], [])
-        train_parts = [_read(files[i]) for i in train_files]
-        test_parts = [_read(files[i]) for i in test_files]
-        if len(files) == 1:  # one file: its last tenth is the test text
-            cut = len(train_parts[0]) * (HELD_OUT_EVERY - 1) // HELD_OUT_EVERY
-            train_parts, test_parts = [train_parts[0][:cut]], [train_parts[0][cut:]]
+    if not all((cache / f"{n}.npy").is_file() for n in names) or not (cache / "vocabulary").is_file():
+        train_texts, test_texts = read()
+        if kind == "chars":  # characters: each text decoded once, here
+            train_texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t for t in train_texts]
+        vocab = Vocabulary.of_text(kind, train_texts)
+        train_parts = [vocab.encode(t) for t in train_texts]
         starts = np.cumsum([0] + [len(p) for p in train_parts[:-1]], dtype=np.int64)
         cache.mkdir(parents=True, exist_ok=True)
-        for n, array in zip(names, (_joined(train_parts), _joined(test_parts), starts)):
+        for n, array in zip(names, (_joined(train_parts), _joined([vocab.encode(t) for t in test_texts]), starts)):
             tmp = cache / f"{n}.{os.getpid()}.tmp.npy"
             np.save(tmp, array)
             tmp.replace(cache / f"{n}.npy")
-        (cache / "files.json").write_text(json.dumps([str(f) for f in files]))
-    return tuple(np.load(cache / f"{n}.npy", mmap_mode="r") for n in names)
+        tmp = cache / f"vocabulary.{os.getpid()}.tmp"
+        tmp.write_text(vocab.metadata()[METADATA_KEY])
+        tmp.replace(cache / "vocabulary")
+    vocab = Vocabulary.from_metadata({METADATA_KEY: (cache / "vocabulary").read_text()})
+    return (*(np.load(cache / f"{n}.npy", mmap_mode="r") for n in names), vocab)
 
 
 def _read(path: Path) -> bytes:
@@ -134,5 +205,5 @@ def _read(path: Path) -> bytes:
         raise DatasetError(f"text file {path} cannot be read: {exc.strerror}") from None
 
 
-def _joined(parts: list[bytes]) -> np.ndarray:
-    return np.frombuffer(b"".join(parts), dtype=np.uint8).copy()
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint8)

@@ -65,9 +65,12 @@ def load_weights(model: nn.Module, path: str) -> None:
 MODEL_FILE = "model.safetensors"  # a run's final model (node 0's), in its results folder
 
 
-def save_weights(tensors: "Mapping[str, torch.Tensor]", path: str | Path) -> None:
+def save_weights(tensors: "Mapping[str, torch.Tensor]", path: str | Path,
+                 metadata: dict[str, str] | None = None) -> None:
     """Write a model's state (its ``state_dict``, or tensors by the same names) as a safetensors file:
-    raw tensors, no pickle, read back by ``load_weights``."""
+    raw tensors, no pickle, read back by ``load_weights``; ``metadata`` (strings) goes in its header
+    (a language model's vocabulary)."""
     from safetensors.torch import save_file
 
-    save_file({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}, str(path))
+    save_file({name: tensor.detach().to("cpu").contiguous().clone() for name, tensor in tensors.items()}, str(path),
+              metadata=metadata or None)

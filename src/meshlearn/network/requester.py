@@ -97,7 +97,7 @@ class Requester:
             self.say(f"warning: {warning}")
         dataset = self.dataset
         if dataset is None and not req.data_on_providers:
-            dataset = load_dataset(dataset_spec(req.data), context=req.context)
+            dataset = load_dataset(dataset_spec(req.data), context=req.context, vocabulary=req.vocabulary)
         if dataset is not None:
             self._plan(dataset)
         claimed = self._claim()
@@ -208,7 +208,8 @@ class Requester:
             peer_timeout=req.peer_timeout,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
-            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context)
+            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
+            vocabulary=req.vocabulary)
 
     # ---- steps -----------------------------------------------------------------------------
 

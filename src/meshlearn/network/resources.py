@@ -7,8 +7,9 @@ The estimate is of a task's peak memory on one provider, in bytes:
   resident memory once torch and the task machinery are loaded, rounded up);
 - the model's parameters, their gradients, SGD's momentum buffer (with momentum) and two more
   flat copies the aggregation holds (one sent, one received);
-- one batch's activations: every layer's output for one sample, times the batch size, times two
-  (kept for the backward pass, and their gradients);
+- one batch's activations: every tensor the backward pass keeps of one sample's forward pass (a
+  layer's inputs and outputs, a transformer's attention weights, B x heads x T x T), times the batch
+  size, times two (kept, and their gradients);
 - the provider's shard (the largest one) and the test set, as float32 tensors.
 """
 
@@ -63,26 +64,24 @@ def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: i
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     copies = 2 + (1 if momentum > 0 else 0) + AGGREGATION_COPIES  # weights, gradients, momentum, aggregation
-    outputs: list[int] = []
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved: dict[tuple[int, int], int] = {}  # each tensor the backward pass keeps, once: (address, bytes) -> bytes
 
-    def hook(module, args, output):
-        if isinstance(output, torch.Tensor):
-            outputs.append(output.numel() * output.element_size())
-    handles = [m.register_forward_hook(hook) for m in model.modules() if not list(m.children())]
-    if list(model.children()):  # its own output too (a GPT's logits, computed in its forward)
-        handles.append(model.register_forward_hook(hook))
+    def keep(tensor):
+        if tensor.data_ptr() not in weights:
+            size = tensor.numel() * tensor.element_size()
+            saved[(tensor.data_ptr(), size)] = size
+        return tensor
     was_training = model.training
     try:
         model.eval()  # one sample: batch norm's training mode needs two
-        with torch.no_grad():
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             model(torch.zeros(1, *input_shape, dtype=torch.int64 if tokens else torch.float32))
     finally:
-        for handle in handles:
-            handle.remove()
         model.train(was_training)
     # float32 pixels and an int64 label, or a window of byte tokens and the next byte of each
     sample = 2 * math.prod(input_shape) if tokens else 4 * math.prod(input_shape) + 8
-    return MemoryEstimate(runtime=RUNTIME_BYTES, model=copies * params, activations=2 * batch_size * sum(outputs),
+    return MemoryEstimate(runtime=RUNTIME_BYTES, model=copies * params, activations=2 * batch_size * sum(saved.values()),
                           data=sample * (shard_samples + test_samples))
 
 

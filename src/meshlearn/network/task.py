@@ -11,6 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
 from meshlearn.config import ExperimentConfig
+from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
@@ -25,7 +26,7 @@ MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
 UDP_TIMEOUT = 2.0  # seconds a UDP task's provider waits for an iteration's datagrams (internet round trips)
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
-DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:", "text:")
+DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:", "text:", "leaf:")
 BUILT_IN_DATA = ("digits", "pystdlib")  # dataset specs without a path
 
 
@@ -36,6 +37,7 @@ class TaskRequest(Settings):
     data: str = Field("", description="folder with train/ and test/, CIFAR-10's archive, or a dataset spec "
                                       "(digits, cifar10:PATH, ...; text: pystdlib, text:PATH)")
     context: int = Field(128, ge=2, le=65_536, description="text data: tokens a language model reads at once")
+    vocabulary: VocabularyKind = Field("bytes", description=VOCABULARY_HELP)
     data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
                                                             "--data-root")
     model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18 | gpt-tiny | gpt-small "
@@ -261,6 +263,7 @@ class TaskSpec(Settings):
     transport: Literal["tcp", "udp"] = "tcp"
     udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT)
     context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
+    vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
@@ -304,7 +307,8 @@ class TaskSpec(Settings):
             transport="tcp" if alone else self.transport,
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context)
+            gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
+            vocabulary=self.vocabulary)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network

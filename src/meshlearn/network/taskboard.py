@@ -65,7 +65,8 @@ class TaskBoard:
         self._tasks: OrderedDict[str, _Task] = OrderedDict()
 
     def report(self, task_id: str, body: dict) -> None:
-        """Apply one report: {"providers": {id: progress}, "faults": [text], "result": {"accuracy"}}."""
+        """Apply one report: {"providers": {id: progress}, "faults": [text], "result": {"accuracy",
+        "perplexity" (a language model's)}}."""
         providers = field_of(body, "providers", dict, {}, max_len=MAX_PROVIDERS)
         progress = {}
         for provider, state in providers.items():
@@ -84,6 +85,7 @@ class TaskBoard:
             raise BadMessage("faults must be short texts")
         result = field_of(body, "result", (dict, type(None)), None, max_len=8)
         accuracy = None if result is None else _number(result, "accuracy")
+        perplexity = None if result is None else _number(result, "perplexity")
         with self._lock:
             task = self._tasks.get(task_id)
             if task is None:
@@ -100,7 +102,7 @@ class TaskBoard:
             task.faults += [{"at": self.clock.time(), "text": text} for text in faults]
             del task.faults[:-FAULTS_KEPT]
             if result is not None:
-                task.result = {"accuracy": accuracy}
+                task.result = {"accuracy": accuracy, **({"perplexity": perplexity} if perplexity is not None else {})}
 
     def page_view(self, record: dict[str, Any]) -> dict[str, Any]:
         """What the page shows of a task of the registry (``record``: its id, status and ``created``)

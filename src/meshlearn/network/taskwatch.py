@@ -79,9 +79,11 @@ class TaskWatch:
         result = None
         if metrics is not None:
             result = {"accuracy": _finite(metrics.get("accuracy"))}
+            if metrics.get("perplexity") is not None:  # a language model's
+                result["perplexity"] = _finite(metrics.get("perplexity"))
             if self.scalars is not None:
                 step = max((p["iterations"] for p in self.progress.values()), default=0)
-                for key in ("accuracy", "loss", "f1"):
+                for key in ("accuracy", "loss", "f1", "perplexity"):
                     self.scalars.add(MEAN, f"result/{key}", _finite(metrics.get(key)), step)
         self._report(final=True, result=result)
         if self.scalars is not None:

@@ -163,9 +163,12 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
 
 
 def _result_line(run_dir: Path) -> str:
-    """One run's outcome in a few words (the mean final accuracy of its honest nodes)."""
+    """One run's outcome in a few words (the mean final accuracy of its honest nodes; a language
+    model's perplexity)."""
     try:
         final = json.loads((Path(run_dir) / "summary.json").read_text())["final"]
+        if final.get("perplexity") is not None:
+            return f"perplexity {final['perplexity']:.3f} ± {final['perplexity_std']:.3f}"
         return f"accuracy {final['accuracy']:.4f} ± {final['accuracy_std']:.4f}"
     except (OSError, ValueError, KeyError, TypeError):
         return "no summary written"
@@ -187,6 +190,8 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
         "run": name,
         "accuracy": final["final"]["accuracy"],
         "f1": final["final"]["f1"],
+        **({"perplexity": final["final"]["perplexity"], "loss": final["final"]["loss"]}
+           if final["final"].get("perplexity") is not None else {}),  # a language model's
         "iter_mean_ms": statistics.fmean(totals) * 1000 if totals else float("nan"),
         "iter_median_ms": statistics.median(totals) * 1000 if totals else float("nan"),
         "iter_std_ms": statistics.pstdev(totals) * 1000 if totals else float("nan"),
@@ -200,13 +205,20 @@ def _run_rows(name: str, run_dir: Path) -> tuple[dict[str, Any], list[dict[str, 
     return row, per_node, totals
 
 
-def _seed_means(groups: dict[str, list[str]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def headline_metric(rows: list[dict[str, Any]]) -> str:
+    """What an experiment's tables and figure lead with: ``perplexity`` where every run is a
+    language model's (lower is better), else ``accuracy``."""
+    return "perplexity" if rows and all("perplexity" in r for r in rows) else "accuracy"
+
+
+def _seed_means(groups: dict[str, list[str]], rows: list[dict[str, Any]], metric: str = "accuracy"
+                ) -> list[dict[str, Any]]:
     by_name = {r["run"]: r for r in rows}
     means = []
     for name, members in groups.items():
-        accuracies = [by_name[m]["accuracy"] for m in members]
-        means.append({"run": name, "seeds": len(members), "accuracy": statistics.fmean(accuracies),
-                      "accuracy_min": min(accuracies), "accuracy_max": max(accuracies),
+        values = [by_name[m][metric] for m in members]
+        means.append({"run": name, "seeds": len(members), metric: statistics.fmean(values),
+                      f"{metric}_min": min(values), f"{metric}_max": max(values),
                       "iter_mean_ms": statistics.fmean(by_name[m]["iter_mean_ms"] for m in members)})
     return means
 
@@ -224,7 +236,8 @@ def _seed_curves(groups: dict[str, list[str]], curves: list[tuple[str, list[dict
         elif name == groups[member_of[name]][0]:
             members = [{row["iteration"]: row for row in tables[m]} for m in groups[member_of[name]]]
             shared = sorted(set.intersection(*(set(m) for m in members)))
-            keys = [k for k in ("time_mean", "test_acc_mean", "mb_sent_mean") if all(k in m[i] for m in members
+            keys = [k for k in ("time_mean", "test_acc_mean", "test_perplexity_mean", "mb_sent_mean")
+                    if all(k in m[i] for m in members
                                                                                       for i in shared)]
             seeds = f"{len(members)} seeds" if len(members) > 1 else "1 seed"
             drawn.append((f"{member_of[name]} (mean of {seeds})",
@@ -238,11 +251,15 @@ MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
 
 
 def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]], time_axis: str = TIME_LABEL):
-    """Mean test accuracy of each run (name, evaluation table) against iteration, against time
-    (labelled ``time_axis``) and, where every run counts them, against the bytes each node sent
-    (accuracy for the traffic); every run gets its own line style and (hollow) marker, so identical
-    curves stay visible. The caller saves and closes the matplotlib Figure."""
+    """Mean test accuracy of each run (name, evaluation table; where every run is a language
+    model's, its perplexity) against iteration, against time (labelled ``time_axis``) and, where
+    every run counts them, against the bytes each node sent (accuracy for the traffic); every run
+    gets its own line style and (hollow) marker, so identical curves stay visible. The caller saves
+    and closes the matplotlib Figure."""
     plt = pyplot()
+    perplexity = all(table and all("test_perplexity_mean" in r for r in table) for _, table in curves)
+    y_key, y_label = ("test_perplexity_mean", "mean test perplexity") if perplexity else \
+        ("test_acc_mean", "mean test accuracy")
 
     axes_keys = x_axes([table for _, table in curves], time_axis)
     fig, axes = plt.subplots(1, len(axes_keys), figsize=(6 * len(axes_keys), 4.5))
@@ -250,12 +267,12 @@ def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]
         every = max(1, len(table) // 12)  # about 12 hollow markers a curve, staggered between runs
         style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "marker": MARKERS[index % len(MARKERS)],
                  "ms": 5, "mfc": "none", "markevery": (index % every, every), "label": name}
-        accuracy = [r["test_acc_mean"] for r in table]
+        values = [r[y_key] for r in table]
         for ax, (x_key, _) in zip(axes, axes_keys):
-            ax.plot([r[x_key] for r in table], accuracy, **style)
+            ax.plot([r[x_key] for r in table], values, **style)
     for ax, (_, label) in zip(axes, axes_keys):
         ax.set_xlabel(label)
-        ax.set_ylabel("mean test accuracy")
+        ax.set_ylabel(y_label)
         ax.grid(alpha=0.3)
     axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # one legend, beside the plots
     fig.suptitle(title)
@@ -274,28 +291,32 @@ def write_comparison(experiment: Experiment, output: Path) -> list[dict[str, Any
         nodes += per_node
         boxes.append((name, [t * 1000 for t in totals]))
         curves.append((name, evaluation_table(load_logs(Path(config.output)))))
+    metric = headline_metric(rows)
     with (output / "table.csv").open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     with (output / "per_node.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(nodes[0]) if nodes else ["run"])
         writer.writeheader()
         writer.writerows(nodes)
-    header = ("| run | accuracy | F1 | iteration mean / median / std (ms) | timeouts per iteration | chunks lost "
+    first = "perplexity | loss | next-token accuracy" if metric == "perplexity" else "accuracy | F1"
+    header = (f"| run | {first} | iteration mean / median / std (ms) | timeouts per iteration | chunks lost "
               "(used late) | MB sent | kB per node-iteration |")
-    lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * 8 + "|"]
+    lines = [f"# {experiment.name}", "", experiment.description, "", header, "|---" * header.count(" | ") + "|---|"]
     for r in rows:
-        lines.append(f"| {r['run']} | {r['accuracy']:.4f} | {r['f1']:.4f} | {r['iter_mean_ms']:.1f} / "
+        quality = f"{r['perplexity']:.3f} | {r['loss']:.4f} | {r['accuracy']:.4f}" if metric == "perplexity" else \
+            f"{r['accuracy']:.4f} | {r['f1']:.4f}"
+        lines.append(f"| {r['run']} | {quality} | {r['iter_mean_ms']:.1f} / "
                      f"{r['iter_median_ms']:.1f} / {r['iter_std_ms']:.1f} | {r['timeout_share']:.3f} | "
                      f"{r['chunks_lost']} ({r['late_chunks_used']}) | {r['bytes_sent'] / 1e6:.1f} | "
                      f"{r['bytes_per_iteration'] / 1e3:.1f} |")
-    means = _seed_means(experiment.groups, rows)
+    means = _seed_means(experiment.groups, rows, metric)
     if means:
-        lines += ["", "Mean over seeds:", "", "| run | seeds | accuracy mean (min .. max) | iteration mean (ms) |",
+        lines += ["", "Mean over seeds:", "", f"| run | seeds | {metric} mean (min .. max) | iteration mean (ms) |",
                   "|---|---|---|---|"]
-        lines += [f"| {m['run']} | {m['seeds']} | {m['accuracy']:.4f} ({m['accuracy_min']:.4f} .. "
-                  f"{m['accuracy_max']:.4f}) | {m['iter_mean_ms']:.1f} |" for m in means]
+        lines += [f"| {m['run']} | {m['seeds']} | {m[metric]:.4f} ({m[metric + '_min']:.4f} .. "
+                  f"{m[metric + '_max']:.4f}) | {m['iter_mean_ms']:.1f} |" for m in means]
     (output / "table.md").write_text("\n".join(lines) + "\n")
     (output / "experiment.json").write_text(json.dumps({"name": experiment.name, "runs": rows, "seed_means": means},
                                                        indent=2))

@@ -159,6 +159,7 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
     _name_this_process(f"meshlearn {rank}/{config_values['nodes']}")
     import torch
 
+    from meshlearn.data.vocabulary import model_metadata
     from meshlearn.models import MODEL_FILE, save_weights
     from meshlearn.node import build_node
 
@@ -178,7 +179,7 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
         finally:
             transport.close()
         if rank == 0:  # the run's final model, for `meshlearn sample` and anyone who wants it
-            save_weights(node.model.state_dict(), Path(log_dir).parent / MODEL_FILE)
+            save_weights(node.model.state_dict(), Path(log_dir).parent / MODEL_FILE, model_metadata(node.dataset))
         events.put(("done", rank, summary))
     except MeshlearnError as exc:
         events.put(("error", rank, str(exc)))

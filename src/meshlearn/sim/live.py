@@ -107,7 +107,7 @@ class RunBoard:
 
     def _node(self, rank: int) -> dict[str, Any]:
         return self._nodes.setdefault(rank, {"rank": rank, "iteration": 0, "test_acc": None, "test_loss": None,
-                                             "train_loss": None, "bytes_sent": None, "timeouts": 0,
+                                             "test_perplexity": None, "train_loss": None, "bytes_sent": None, "timeouts": 0,
                                              "chunks_missing": 0, "bad": self.attackers.get(rank) and
                                              str(self.attackers[rank])})
 
@@ -134,6 +134,7 @@ class RunBoard:
                 total[1] += 1
         elif kind == "eval":
             node["test_acc"], node["test_loss"] = event.get("test_acc"), event.get("test_loss")
+            node["test_perplexity"] = event.get("test_perplexity")
             (self._bad_evals if rank in self.attackers else self._evals)[int(event["iteration"])].append(event)
         elif kind == "final":
             stats = event.get("stats") or {}
@@ -143,6 +144,7 @@ class RunBoard:
             metrics = event.get("metrics") or {}
             if metrics:
                 node["test_acc"], node["test_loss"] = metrics.get("accuracy"), metrics.get("loss")
+                node["test_perplexity"] = metrics.get("perplexity")
 
     def close(self) -> None:
         self.finish()
@@ -152,12 +154,16 @@ class RunBoard:
         with self._lock:
             self.status = status
 
-    def final_accuracy(self) -> float | None:
-        """The honest nodes' mean final accuracy so far (None before any evaluation)."""
+    def final_result(self) -> dict[str, float | None]:
+        """The honest nodes' mean final accuracy so far, and perplexity (a language model's; None
+        before any evaluation, or for a task without it)."""
         with self._lock:
-            values = [n["test_acc"] for r, n in self._nodes.items()
-                      if r not in self.attackers and n["test_acc"] is not None]
-        return statistics.fmean(values) if values else None
+            honest = [n for r, n in self._nodes.items() if r not in self.attackers]
+        result = {}
+        for key, field in (("accuracy", "test_acc"), ("perplexity", "test_perplexity")):
+            values = [n[field] for n in honest if n[field] is not None]
+            result[key] = statistics.fmean(values) if values else None
+        return result
 
     def snapshot(self) -> dict[str, Any]:
         """The page's state: plain JSON values (no NaN: unknown values are null)."""
@@ -172,18 +178,24 @@ class RunBoard:
             node["phases"] = per_node.get(node["rank"], {})
         rows = _thin(rows)
         train = _thin(train)
-        accuracies = [n["test_acc"] for n in nodes if n["test_acc"] is not None and not n["bad"]]
+        perplexity = any("test_perplexity_mean" in r for r in rows) or any(n["test_perplexity"] is not None
+                                                                            for n in nodes)
+        metric = "test_perplexity" if perplexity else "test_acc"  # what the page leads with: the task's own metric
+        values = [n[metric] for n in nodes if n[metric] is not None and not n["bad"]]
         many = c.nodes > NODE_TABLE_LIMIT
         state = {
             "kind": "run", "title": f"meshlearn run {self.name}", "name": self.name, "status": self.status,
             "config": {"algorithm": c.algorithm, "nodes": c.nodes, "iterations": c.iterations, "engine": c.engine,
                        "topology": c.topology, "dataset": c.dataset, "aggregation": c.aggregation},
             "iteration": min((n["iteration"] for n in nodes), default=0),
+            "metric": "perplexity" if perplexity else "accuracy",
             "eval": {"iteration": [r["iteration"] for r in rows], "acc_mean": [_num(r["test_acc_mean"]) for r in rows],
                      "acc_std": [_num(r["test_acc_std"]) or 0.0 for r in rows],
                      "loss_mean": [_num(r["test_loss_mean"]) for r in rows],
                      **({"attackers_acc": [_num(r.get("attackers_acc_mean")) for r in rows]}
-                        if self.attackers else {})},
+                        if self.attackers else {}),
+                     **({"ppl_mean": [_num(r.get("test_perplexity_mean")) for r in rows],
+                         "ppl_std": [_num(r.get("test_perplexity_std")) or 0.0 for r in rows]} if perplexity else {})},
             "train": {"iteration": [step for step, _ in train], "loss": [_num(s / n) for _, (s, n) in train]},
             "phases": phases,  # seconds per iteration, mean over every node's iterations so far
             "clock": "modelled" if c.engine == "batched" else "wall",
@@ -192,9 +204,9 @@ class RunBoard:
                        "chunks_missing": sum(n["chunks_missing"] for n in nodes)},
             "nodes": None if many else [{k: _num(v) for k, v in n.items()} for n in nodes],
         }
-        if many and accuracies:
-            state["distribution"] = {"count": len(accuracies), "quantiles": _quantiles(accuracies),
-                                     "histogram": accuracy_histogram(accuracies)}
+        if many and values:
+            state["distribution"] = {"count": len(values), "quantiles": _quantiles(values),
+                                     "histogram": value_histogram(values) if perplexity else accuracy_histogram(values)}
         return state
 
 
@@ -212,6 +224,18 @@ def accuracy_histogram(values: list[float], bins: int = HISTOGRAM_BINS) -> dict[
     return {"edges": [round(low + i * width, 6) for i in range(bins + 1)], "counts": counts}
 
 
+def value_histogram(values: list[float], bins: int = HISTOGRAM_BINS) -> dict[str, list]:
+    """{"edges", "counts"} of ``values`` (perplexities: no fixed range) in ``bins`` equal bins from
+    the lowest to the highest (a bin of width 1% of the value where all are equal)."""
+    low, high = min(values), max(values)
+    high = max(high, low + 0.01 * max(abs(low), 1e-9))
+    width = (high - low) / bins
+    counts = [0] * bins
+    for value in values:
+        counts[min(bins - 1, max(0, int((value - low) / width)))] += 1
+    return {"edges": [low + i * width for i in range(bins + 1)], "counts": counts}
+
+
 def _num(value):
     """A value fit for JSON: NaN and infinities become null."""
     if isinstance(value, float) and (value != value or value in (float("inf"), float("-inf"))):
@@ -226,7 +250,7 @@ class ExperimentBoard:
     def __init__(self, name: str, runs: list[str]):
         self.name = name
         self._lock = threading.Lock()
-        self._runs = {run: {"name": run, "status": "waiting", "accuracy": None} for run in runs}
+        self._runs = {run: {"name": run, "status": "waiting", "accuracy": None, "perplexity": None} for run in runs}
         self._current: RunBoard | None = None
 
     def begin(self, name: str, config: ExperimentConfig) -> RunBoard:
@@ -243,7 +267,7 @@ class ExperimentBoard:
         if board is not None:
             board.finish(status)
         with self._lock:
-            self._runs[name].update(status=status, accuracy=board.final_accuracy() if board else None)
+            self._runs[name].update(status=status, **(board.final_result() if board else {}))
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

@@ -53,6 +53,7 @@ def run_node(config: ExperimentConfig, address_file: str | Path, rank: int, say:
 
     import torch
 
+    from meshlearn.data.vocabulary import model_metadata
     from meshlearn.models import MODEL_FILE, save_weights
     from meshlearn.node import build_node
 
@@ -81,7 +82,7 @@ def run_node(config: ExperimentConfig, address_file: str | Path, rank: int, say:
     scheme = "udp" if isinstance(node.transport, Transport) and node.transport.lossy else "tcp"
     summary = node.run(node.contacts({j: f"{scheme}://{host}:{port}" for j, (host, port) in book.items()}))
     if rank == 0:  # the run's final model, as a simulation keeps it
-        save_weights(node.model.state_dict(), output / MODEL_FILE)
+        save_weights(node.model.state_dict(), output / MODEL_FILE, model_metadata(node.dataset))
     write_report(output)
     say(f"node {rank}: finished in {time.monotonic() - launched:.1f} s with start-up; results in {output}")
     return summary

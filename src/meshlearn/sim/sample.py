@@ -10,16 +10,19 @@ from meshlearn.errors import UserInputError
 from meshlearn.models import MODEL_FILE, build_model, load_weights
 from meshlearn.plugins import load_user_module
 
-TEXT_DATASETS = ("pystdlib", "text")
-VOCABULARY = 256  # byte tokens
+TEXT_DATASETS = ("pystdlib", "text")  # runs whose model file may predate its vocabulary record: bytes
 
 
 def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8,
                   seed: int = 0) -> str:
-    """``tokens`` bytes the run's model writes after ``prompt``, one at a time, each drawn from its
-    next-byte distribution at ``temperature`` (below 0.001: always the likeliest), seeded by ``seed``;
-    decoded as UTF-8 (a broken character shown as U+FFFD)."""
+    """``tokens`` tokens the run's model writes after ``prompt``, one at a time, each drawn from its
+    next-token distribution at ``temperature`` (below 0.001: always the likeliest), seeded by ``seed``;
+    decoded with the vocabulary its model file records (bytes as UTF-8, a broken character shown as
+    U+FFFD)."""
     import torch
+    from safetensors import safe_open
+
+    from meshlearn.data.vocabulary import METADATA_KEY, Vocabulary
 
     folder = Path(results)
     config_file, weights = folder / "config.yaml", folder / MODEL_FILE
@@ -27,19 +30,25 @@ def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperatu
         raise UserInputError(f"{folder} holds no finished run's config.yaml and {MODEL_FILE}: give the results folder "
                              "of a language-model run (meshlearn simulate --dataset pystdlib --model gpt-tiny ...)")
     config = make_config(read_config_file(config_file))
-    if config.dataset.partition(":")[0] not in TEXT_DATASETS and config.task != "language-model":
+    try:
+        with safe_open(str(weights), "pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as exc:  # safetensors raises its own errors for a damaged header
+        raise UserInputError(f"{weights} is not a readable safetensors file: {exc}") from None
+    if METADATA_KEY not in metadata and config.dataset.partition(":")[0] not in TEXT_DATASETS:
         raise UserInputError(f"the run in {folder} trained {config.model} on {config.dataset}, not a language model on "
-                             "text: sample needs a run on pystdlib or text:PATH")
+                             "text: sample needs a run on pystdlib, text:PATH or LEAF's Shakespeare")
+    vocabulary = Vocabulary.from_metadata(metadata)
     if tokens < 1 or temperature < 0:
         raise UserInputError("give --tokens of at least 1 and a --temperature of 0 or more")
     if config.models_module:
         load_user_module(config.models_module)
     torch.manual_seed(config.seed)
-    model = build_model(config.model, (config.context,), VOCABULARY)
+    model = build_model(config.model, (config.context,), vocabulary.size)
     load_weights(model, str(weights))
     model.eval()
     generator = torch.Generator().manual_seed(seed)
-    written = list(prompt.encode()) or [ord("\n")]
+    written = [int(t) for t in vocabulary.encode(prompt or "\n")]
     start = len(written)
     with torch.no_grad():
         for _ in range(tokens):
@@ -49,4 +58,4 @@ def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperatu
                 written.append(int(scores.argmax()))
             else:
                 written.append(int(torch.multinomial((scores / temperature).softmax(-1), 1, generator=generator)))
-    return bytes(written[start:]).decode("utf-8", errors="replace")
+    return vocabulary.decode(written[start:])

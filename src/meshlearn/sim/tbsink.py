@@ -3,9 +3,10 @@
 Per node (``node_K``, for runs of at most ``tblog.PER_NODE_LIMIT`` nodes), at step = iterations
 done: ``train/loss``, ``time/<phase>`` and ``time/iteration`` (seconds), ``traffic/bytes_sent``,
 ``link/missing`` and ``link/chunks_missing``; at each evaluation ``test/accuracy`` and
-``test/loss``. The ``mean`` writer holds summary.csv's rows, each written once every honest
-evaluating node has reported it (the rest when the run ends): ``test/accuracy`` and
-``test/accuracy_std``, ``test/loss`` and ``test/loss_std``, ``time/elapsed`` and
+``test/loss`` (and a language model's ``test/perplexity``). The ``mean`` writer holds summary.csv's
+rows, each written once every honest evaluating node has reported it (the rest when the run ends):
+``test/accuracy`` and ``test/accuracy_std``, ``test/loss`` and ``test/loss_std`` (a language
+model's ``test/perplexity`` and ``test/perplexity_std``), ``time/elapsed`` and
 ``time/elapsed_std``, ``consensus/distance`` (batched engine), ``bad_nodes/accuracy``,
 ``traffic/mb_sent`` (MB sent per node by then); and per
 iteration, once every node has done it, the mean ``train/loss`` and ``time/<phase>``.
@@ -26,7 +27,8 @@ from meshlearn.tblog import MEAN, ScalarLog
 ROW_TAGS = {"test_acc_mean": "test/accuracy", "test_acc_std": "test/accuracy_std", "test_loss_mean": "test/loss",
             "test_loss_std": "test/loss_std", "time_mean": "time/elapsed", "time_std": "time/elapsed_std",
             "consensus_distance": "consensus/distance", "attackers_acc_mean": "bad_nodes/accuracy",
-            "mb_sent_mean": "traffic/mb_sent"}
+            "mb_sent_mean": "traffic/mb_sent", "test_perplexity_mean": "test/perplexity",
+            "test_perplexity_std": "test/perplexity_std"}
 NODE_TAGS = {"train_loss": "train/loss", "bytes_sent": "traffic/bytes_sent", "missing": "link/missing",
              "chunks_missing": "link/chunks_missing", **{p: f"time/{p}" for p in PHASES}}
 
@@ -79,6 +81,7 @@ class TensorBoardSink:
         name = f"node_{rank}"
         self.log.add(name, "test/accuracy", event.get("test_acc"), step)
         self.log.add(name, "test/loss", event.get("test_loss"), step)
+        self.log.add(name, "test/perplexity", event.get("test_perplexity"), step)
         (self._bad_evals if rank in self.attackers else self._evals)[step].append(event)
         if len(self._evals[step]) == self.honest_evaluating and len(self._bad_evals[step]) == self.bad_evaluating:
             self._write_row(step)

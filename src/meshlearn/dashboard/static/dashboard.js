@@ -235,7 +235,11 @@ function renderNetwork(state, main, keep) {
     if (task.faults && task.faults.length) {
       box.append(el("ul", { class: "faults" }, ...task.faults.map((f) => el("li", { text: `${when(f.at)} ${f.text}` }))));
     }
-    if (task.result) box.append(el("p", { class: "result", text: `result: test accuracy ${pct(task.result.accuracy)}` }));
+    if (task.result) {
+      const perplexity = task.result.perplexity !== null && task.result.perplexity !== undefined;
+      box.append(el("p", { class: "result", text: perplexity ? `result: test perplexity ${fmt(task.result.perplexity, 2)}, next-token accuracy ${pct(task.result.accuracy)}`
+        : `result: test accuracy ${pct(task.result.accuracy)}` }));
+    }
     tasks.append(box);
   }
   main.append(tasks);
@@ -254,22 +258,25 @@ function renderRun(run, main, keep, prefix) {
   section.append(el("h2", {}, `${run.name} `, status(run.status),
     el("span", { class: "muted", text: ` ${c.algorithm || ""} · ${c.nodes || "?"} nodes · ${c.topology || ""} · ${c.dataset || ""} · ${c.engine || ""} · iteration ${run.iteration} / ${c.iterations || "?"}` })));
   const t = run.totals || {};
-  section.append(el("p", { class: "muted", text: `traffic ${bytes(t.bytes_sent)} sent · timeouts ${t.timeouts || 0} · lost chunks ${t.chunks_missing || 0}` + (run.eval.iteration.length ? ` · mean test accuracy ${pct(run.eval.acc_mean[run.eval.acc_mean.length - 1])}` : "") }));
+  // the task's own metric leads: a language model's perplexity (lower is better), else accuracy
+  const lm = run.metric === "perplexity", e = run.eval, mean = PALETTE[0];
+  const headline = lm ? { name: "test perplexity", mean: e.ppl_mean, std: e.ppl_std, show: (v) => fmt(v, 2), axis: (v) => fmt(v, 2) }
+    : { name: "test accuracy", mean: e.acc_mean, std: e.acc_std, show: pct, axis: pctAxis, legend: pct2 };
+  section.append(el("p", { class: "muted", text: `traffic ${bytes(t.bytes_sent)} sent · timeouts ${t.timeouts || 0} · lost chunks ${t.chunks_missing || 0}` + (e.iteration.length ? ` · mean ${headline.name} ${headline.show(headline.mean[headline.mean.length - 1])}` : "") }));
   const holder = el("div", { class: "charts" });
   section.append(holder);
   keep.add(`${prefix}acc`); keep.add(`${prefix}loss`);
   // the mean is drawn last (on top), its std as a light band between thin dashed lines
-  const e = run.eval, mean = PALETTE[0];
-  const lo = e.acc_mean.map((m, i) => (m === null ? null : m - (e.acc_std[i] || 0)));
-  const hi = e.acc_mean.map((m, i) => (m === null ? null : m + (e.acc_std[i] || 0)));
+  const lo = headline.mean.map((m, i) => (m === null ? null : m - (headline.std[i] || 0)));
+  const hi = headline.mean.map((m, i) => (m === null ? null : m + (headline.std[i] || 0)));
   const accSeries = [{ label: "mean - std", stroke: STD_STROKE, width: 1, dash: [4, 3] },
     { label: "mean + std", stroke: STD_STROKE, width: 1, dash: [4, 3] }];
   const accColumns = [lo, hi];
-  if (e.attackers_acc) { accSeries.push({ label: "bad nodes", stroke: PALETTE[3] }); accColumns.push(e.attackers_acc); }
+  if (e.attackers_acc && !lm) { accSeries.push({ label: "bad nodes", stroke: PALETTE[3] }); accColumns.push(e.attackers_acc); }
   accSeries.push({ label: "mean", stroke: mean, width: 2.5 });
-  accColumns.push(e.acc_mean);
-  chart(`${prefix}acc`, holder, "test accuracy (honest nodes)", "iteration", accSeries, e.iteration, accColumns,
-    { bands: [{ series: [2, 1], fill: STD_BAND }], yFormat: pctAxis, yLegend: pct2 });
+  accColumns.push(headline.mean);
+  chart(`${prefix}acc`, holder, `${headline.name} (honest nodes)`, "iteration", accSeries, e.iteration, accColumns,
+    defined({ bands: [{ series: [2, 1], fill: STD_BAND }], yFormat: headline.axis, yLegend: headline.legend }));
   lineChart(`${prefix}loss`, holder, "loss", "iteration", ["train (mean)"], run.train.iteration, [run.train.loss]);
   const modelled = run.clock === "modelled" ? ", modelled by the batched engine's cost model" : "";
   section.append(el("h3", { text: `Iteration time (mean over nodes and iterations so far${modelled})` }),
@@ -277,17 +284,17 @@ function renderRun(run, main, keep, prefix) {
   if (run.nodes) {
     const rows = run.nodes.map((n) => el("tr", { "data-rank": n.rank },
       el("td", { text: n.rank + (n.bad ? ` (${n.bad})` : "") }), el("td", { text: n.iteration }),
-      el("td", { text: pct(n.test_acc) }), el("td", { text: fmt(n.test_loss) }), el("td", { text: fmt(n.train_loss) }),
+      el("td", { text: lm ? fmt(n.test_perplexity, 2) : pct(n.test_acc) }), el("td", { text: fmt(n.test_loss) }), el("td", { text: fmt(n.train_loss) }),
       el("td", {}, splitBar(n.phases || {}), " ", totalTime(n.phases || {})), el("td", { text: bytes(n.bytes_sent) }),
       el("td", { text: n.timeouts }), el("td", { text: n.chunks_missing })));
     section.append(el("h3", { text: "Nodes" }),
-      table(["node", "iteration", "test acc", "test loss", "train loss", "time split (per iteration)", "sent",
+      table(["node", "iteration", lm ? "test ppl" : "test acc", "test loss", "train loss", "time split (per iteration)", "sent",
         "timeouts", "lost chunks"], rows, { class: "nodes" }));
   }
   if (run.distribution) {
     const d = run.distribution;
-    section.append(el("h3", { text: `Test accuracy across ${d.count} nodes` }),
-      table(["min", "10%", "median", "90%", "max"], [el("tr", {}, ...d.quantiles.map((q) => el("td", { text: pct(q) })))], { class: "distribution" }));
+    section.append(el("h3", { text: `${lm ? "Test perplexity" : "Test accuracy"} across ${d.count} nodes` }),
+      table(["min", "10%", "median", "90%", "max"], [el("tr", {}, ...d.quantiles.map((q) => el("td", { text: headline.show(q) })))], { class: "distribution" }));
     keep.add(`${prefix}hist`);
     const histogram = el("div", { class: "charts" });
     section.append(histogram);
@@ -295,21 +302,22 @@ function renderRun(run, main, keep, prefix) {
     const edges = d.histogram.edges;
     const centres = edges.slice(0, -1).map((edge, i) => (edge + edges[i + 1]) / 2);
     const half = (u) => (u.data[0].length > 1 ? (u.data[0][1] - u.data[0][0]) / 2 : 0.005);
-    chart(`${prefix}hist`, histogram, "nodes per accuracy bin", "test accuracy",
+    chart(`${prefix}hist`, histogram, `nodes per ${lm ? "perplexity" : "accuracy"} bin`, headline.name,
       [{ label: "nodes", stroke: PALETTE[0], fill: BAR_FILL, bars: true }], centres, [d.histogram.counts],
-      { xFormat: pctAxis, yFormat: (v) => fmt(v, 0),
+      { xFormat: headline.axis, yFormat: (v) => fmt(v, 0),
         xRange: (u) => (u.data[0].length ? [u.data[0][0] - half(u), u.data[0][u.data[0].length - 1] + half(u)]
           : [0, 1]),
-        xLegend: (v, u) => `${pctAxis(v - half(u))} to ${pctAxis(v + half(u))}` });
+        xLegend: (v, u) => `${headline.axis(v - half(u))} to ${headline.axis(v + half(u))}` });
   }
   main.append(section);
 }
 
 function renderExperiment(state, main, keep) {
+  const lm = state.runs.some((r) => r.perplexity !== null && r.perplexity !== undefined);  // language models
   const rows = state.runs.map((r) => el("tr", { "data-name": r.name }, el("td", { text: r.name }), el("td", {}, status(r.status)),
-    el("td", { text: pct(r.accuracy) })));
+    el("td", { text: lm ? fmt(r.perplexity, 2) : pct(r.accuracy) })));
   main.append(el("section", { id: "runs" }, el("h2", { text: `Runs (${state.runs.filter((r) => r.status === "done").length} / ${state.runs.length} done)` }),
-    table(["run", "status", "final accuracy"], rows)));
+    table(["run", "status", lm ? "final perplexity" : "final accuracy"], rows)));
   if (state.current) renderRun(state.current, main, keep, "current-");
 }
 
