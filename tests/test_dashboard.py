@@ -784,6 +784,8 @@ def test_a_language_models_page_shows_perplexity_in_chromium(browser):
     experiment.begin("lm", make_config({"nodes": 4, "iterations": 10})).add(_lm_events(4, 10))
     experiment.end("lm")
     server = _served_board(experiment)
+    browser.get("about:blank")  # leave the page before (its server may be gone) and drop what it logged
+    console_errors(browser)
     try:
         _open(browser, server.url, 2)
         assert "final perplexity" in _text(browser, "#runs") and "32.50" in _text(browser, "#runs")

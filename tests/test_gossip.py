@@ -397,26 +397,32 @@ def test_the_adapter_merges_the_state_a_peer_finishes_during_its_step(fresh):
 
 # --- real processes -------------------------------------------------------------------------
 
-def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
-    ports = _free_ports(4)
+def _train_workers(tmp_path, count: int, flags: list[str]) -> list[str]:
+    """Run ``count`` workers of examples/gossip_train.py with ``flags`` on loopback (worker i writes
+    its result to ``w{i}.json``); their outputs. Every one is killed if the test fails."""
     config = tmp_path / "group.yaml"
-    config.write_text(json.dumps(_group(ports, timeout_ms=1000)))
-    procs = []
+    config.write_text(json.dumps(_group(_free_ports(count), timeout_ms=1000)))
+    procs, outs = [], []
     try:
-        for i in range(4):
+        for i in range(count):
             procs.append(subprocess.Popen(
                 [sys.executable, str(ROOT / "examples" / "gossip_train.py"), "--config", str(config), "--name", f"w{i}",
-                 "--dataset", "digits", "--model", "mlp", "--epochs", "40", "--batch-size", "16", "--lr", "0.05",
-                 "--result", str(tmp_path / f"w{i}.json")],
+                 *flags, "--result", str(tmp_path / f"w{i}.json")],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
         for proc in procs:
-            out, _ = proc.communicate(timeout=240)
-            assert proc.returncode == 0, out
+            outs.append(proc.communicate(timeout=240)[0])
+            assert proc.returncode == 0, outs[-1]
     finally:
         for proc in procs:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+    return outs
+
+
+def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
+    _train_workers(tmp_path, 4, ["--dataset", "digits", "--model", "mlp", "--epochs", "40", "--batch-size", "16",
+                                 "--lr", "0.05"])
     results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(4)]
     assert np.mean([r["accuracy"] for r in results]) >= 0.90, results
     params = np.stack([np.load(tmp_path / f"w{i}.json.npy") for i in range(4)])  # (worker, [initial, final], P)
@@ -428,26 +434,8 @@ def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
 
 
 def test_two_workers_with_the_adapter_train_a_small_gpt_on_the_standard_library(tmp_path):
-    ports = _free_ports(2)
-    config = tmp_path / "group.yaml"
-    config.write_text(json.dumps(_group(ports, timeout_ms=1000)))
-    procs = []
-    try:
-        for i in range(2):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(ROOT / "examples" / "gossip_train.py"), "--config", str(config), "--name", f"w{i}",
-                 "--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "32", "--optimizer", "adamw", "--lr",
-                 "0.003", "--steps", "40", "--batch-size", "16", "--result", str(tmp_path / f"w{i}.json")],
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True))
-        outs = []
-        for proc in procs:
-            outs.append(proc.communicate(timeout=240)[0])
-            assert proc.returncode == 0, outs[-1]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    outs = _train_workers(tmp_path, 2, ["--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "32",
+                                        "--optimizer", "adamw", "--lr", "0.003", "--steps", "40", "--batch-size", "16"])
     results = [json.loads((tmp_path / f"w{i}.json").read_text()) for i in range(2)]
     for result, out in zip(results, outs):
         assert result["perplexity"] < 40 < 256, out  # from a uniform guess over 256 bytes

@@ -163,17 +163,20 @@ def test_a_language_model_task_trains_a_gpt_on_text_and_returns_a_model_of_the_p
     corpus.mkdir()
     for i, path in enumerate(stdlib_files()[:20]):  # 20 files: the 10th and 20th held out for testing
         (corpus / f"{i:02d}.txt").write_bytes(path.read_bytes()[:3000])
+    # characters as tokens: the providers build the model the requester's vocabulary needs
     code, out = _request(procs, "req-lm", bootstrap, "--data", f"text:{corpus}", "--model", "gpt-tiny",
-                         "--context", "32", "--epochs", "1", "--providers", "2", "--batch-size", "16", "--lr", "0.3",
+                         "--context", "32", "--vocabulary", "chars", "--epochs", "1", "--providers", "2", "--batch-size", "16", "--lr", "0.3",
                          "--eval-samples", "64", "--wait", "0")
     assert code == 0, out
     assert re.search(r"task \w+ done: perplexity [\d.]+  bits per token", out), out
     folder = procs.folder / "req-lm"
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["model"] == "gpt-tiny" and metrics["perplexity"] < 100 and not metrics.get("confusion")
-    model = build_model("gpt-tiny", (32,), 256)
+    text = load_dataset(f"text:{corpus}", context=32, vocabulary="chars")
+    assert text.num_classes < 256
+    model = build_model("gpt-tiny", (32,), text.num_classes)
     model.load_state_dict(load_file(str(folder / "model.safetensors")))
-    ours = evaluate_model(model, load_dataset(f"text:{corpus}", context=32), limit=64)
+    ours = evaluate_model(model, text, limit=64)
     assert ours.perplexity == pytest.approx(metrics["perplexity"], rel=1e-5)
 
 
