@@ -152,6 +152,21 @@ def test_a_quick_gpt_run_on_the_standard_library_learns_and_reports_perplexity(t
     assert (tmp_path / "lm" / "perplexity.png").stat().st_size > 1000
 
 
+def test_every_algorithm_trains_a_gpt_on_the_batched_engine(tmp_path):
+    from meshlearn.definitions.base import DEFINITIONS
+
+    for algorithm in DEFINITIONS.names():
+        optimizer = "sgd" if algorithm in ("gossip", "leader") else "adam"  # asynchronous nodes: torch.optim's AdamW
+        config = make_config({"engine": "batched", "algorithm": algorithm, "nodes": 4, "topology": "ring",
+                              "dataset": "pystdlib", "model": "gpt-tiny", "context": 8, "batch_size": 4,
+                              "iterations": 6, "test_after": 6, "eval_samples": 16, "optimizer": optimizer,
+                              "lr": 0.003 if optimizer == "adam" else 0.1, "step_time": 0.01,
+                              "output": str(tmp_path / algorithm)})
+        simulate(config, progress=False)
+        final = json.loads((tmp_path / algorithm / "summary.json").read_text())["final"]
+        assert math.isfinite(final["perplexity"]) and final["perplexity"] < 60, (algorithm, final)  # uniform: 256
+
+
 def test_simulate_prints_a_language_models_perplexity(tmp_path):
     out = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--engine", "batched", "--nodes", "2",
                           "--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "16", "--iterations", "2",
