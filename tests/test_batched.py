@@ -45,7 +45,9 @@ from meshlearn.wire.codec import Chunks
     ("pushsum", {"topology": "one-peer-exponential"}), ("tracking", {"partition": "shards:2"}),
     ("tracking", {"peer_sampling": "graph", "momentum": 0.9}),
     ("dpsgd", {"dataset": "pystdlib", "model": "gpt-tiny", "context": 32, "batch_size": 4, "iterations": 2,
-               "lr": 0.1, "eval_samples": 16})])
+               "lr": 0.1, "eval_samples": 16}),
+    ("dpsgd", {"outer": "nesterov:lr=0.7,momentum=0.9", "rounds": 3, "iterations": 4}),  # decentralized DiLoCo
+    ("fedavg", {"outer": "adam:lr=0.01", "fedavg_fraction": 0.5, "rounds": 2})])  # FedAdam
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = process_engine_states(values)

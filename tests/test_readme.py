@@ -22,6 +22,9 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # The first line of each block that is not run here, and why.
 NOT_RUN = {
+    "# DiLoCo: 50 local AdamW steps, the server's average, Nesterov's outer step":
+        "4 x 50 steps of 8 GPTs (minutes); test_outer runs an outer step in a run and by hand, and test_batched "
+        "compares both engines with Nesterov and Adam outer steps",
     "meshlearn simulate --nodes 8 --dataset digits --sharing topk:0.1":
         "the experiment file takes 5 minutes; test_sharing runs every scheme on digits (batched engine) and asserts "
         "bytes and accuracy, and test_batched runs each on the process engine",

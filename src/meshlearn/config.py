@@ -30,6 +30,7 @@ from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, Gossip
 from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
+from meshlearn.outer import OUTER_HELP, OuterOptimizer
 from meshlearn.schedule import SCHEDULE_HELP, LrSchedule
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
@@ -117,6 +118,7 @@ class ExperimentConfig(Settings):
     lr: float = Field(0.05, gt=0, description="learning rate")
     optimizer: str = Field("sgd", description=OPTIMIZER_HELP)
     lr_schedule: LrSchedule = Field(LrSchedule(), description="learning rate by iteration: " + SCHEDULE_HELP)
+    outer: OuterOptimizer = Field(OuterOptimizer(), description=OUTER_HELP)
     full_epochs: bool = Field(False, description="rounds count passes over the node's shard, not mini-batches "
                               "(DecentralizePy's full_epochs)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
@@ -350,7 +352,8 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
         engine=config.engine, transport=config.transport, sharing=config.sharing, aggregation=config.aggregation,
         byzantine=bool(config.byzantine), dynamic=config.dynamic(), full_epochs=config.full_epochs,
         plain_sgd=parse_optimizer(config.optimizer) == ("SGD", {}),
-        emulated=_either([name for name in ("delay", "jitter", "rate") if getattr(config.net, name)] or [""])))
+        emulated=_either([name for name in ("delay", "jitter", "rate") if getattr(config.net, name)] or [""]),
+        outer=config.outer._as_string() if config.outer.active else ""))
 
 
 def _either(names: list[str]) -> str:

@@ -237,6 +237,7 @@ class BatchedSimulation:
         """Every node takes each iteration's steps together, then the algorithm exchanges; returns
         the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
+        outer = config.outer.begin(run.stacked.params) if config.outer.active else None
         for iteration in range(config.iterations):
             if not config.lr_schedule.constant:  # every node at this iteration: the process engine's rate
                 run.sgd.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
@@ -245,6 +246,8 @@ class BatchedSimulation:
             compute = clocks.train(run.steps, None if trainers is None else [shard.start + r for r in trainers])
             columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
                        **run.algorithm.after_local_steps(iteration)}
+            if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step, every node's
+                config.outer.step(run.stacked.params, outer)
             train_loss = collective.gather(losses)
             columns["t"] = clocks.now
             done = iteration + 1

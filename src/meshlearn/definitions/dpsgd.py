@@ -31,7 +31,7 @@ class DpsgdDefinition(RoundAlgorithm):
     name = "dpsgd"
     summary = "synchronous: the Metropolis-Hastings average with the neighbours after the local steps"
     needs = Needs(lossy=True, sharing=ALL_SCHEMES, robust=True, byzantine=True, dynamic=True, torchrun=True,
-                  network=True)
+                  network=True, outer=True)
     settings = DpsgdSettings
 
 

@@ -50,7 +50,7 @@ class FedAvg(RoundAlgorithm):
 
     name = "fedavg"
     summary = "a parameter server, node 0, averages by samples: the federated baseline; the topology is not used"
-    needs = Needs(network=True)
+    needs = Needs(network=True, outer=True)
     settings = FedAvgSettings
     phases = 2  # the drawn push to the server; the server answers everyone
     talks_to = "server"

@@ -22,8 +22,9 @@ class Needs:
     lockstep iterations (the batched engine runs the others in modelled time). The rest says
     what it can run with: a lossy transport (UDP), sharing schemes (names, or ``*`` for any),
     robust aggregation rules, bad nodes, peers that change every round (``peer_sampling``, the
-    one-peer exponential graph), the batched engine split over torchrun processes, and network
-    tasks (``meshlearn request``)."""
+    one-peer exponential graph), the batched engine split over torchrun processes, network
+    tasks (``meshlearn request``), and an outer optimizer after each iteration's exchange
+    (``outer``: its nodes' models after the exchange are the round's aggregate)."""
 
     endpoint: Endpoint = "transport"
     synchronous: bool = True
@@ -34,6 +35,7 @@ class Needs:
     dynamic: bool = False
     torchrun: bool = False
     network: bool = False
+    outer: bool = False
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,7 @@ class RunShape:
     full_epochs: bool = False
     plain_sgd: bool = True
     emulated: str = ""  # the user-space network emulation asked for (delay, jitter, rate), "" for none
+    outer: str = ""  # the outer optimizer asked for, "" for none
 
 
 def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
@@ -68,7 +71,9 @@ def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
          "optimizer sgd on the batched engine, which steps its nodes one by one: or use the process engine"),
         (run.engine == "process" and bool(run.emulated) and needs.endpoint in ("pull", "hub"),
          f"no emulated {run.emulated} on the process engine, whose request-and-answer channels are not emulated: "
-         "drop them from --net, or use the batched engine, which models them")]
+         "drop them from --net, or use the batched engine, which models them"),
+        (bool(run.outer) and not needs.outer, f"outer none (not {run.outer}): its exchanges are not rounds with an "
+         "aggregate an outer step could follow; use dpsgd or fedavg")]
     for lacks, what in lacking:
         if lacks:
             return f"algorithm {name} needs {what}"

@@ -147,6 +147,7 @@ class Node:
             })
             start = time.perf_counter()
             last: Evaluation | None = None
+            outer = config.outer.begin(self.flat.params.detach().unsqueeze(0)) if config.outer.active else None
             for iteration in range(config.iterations):
                 if not config.lr_schedule.constant:
                     self.optimizer.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
@@ -161,6 +162,9 @@ class Node:
                     self.algorithm.after_step(losses[-1])
                 train_loss = sum(losses) / len(losses) if losses else None
                 record = self.algorithm.after_local_steps(iteration, train_loss)
+                if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step
+                    with torch.no_grad():
+                        config.outer.step(self.flat.params.detach().unsqueeze(0), outer)
                 self.algorithm.check()
                 record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss,
                               bytes_sent=self.transport.stats.bytes_sent)
