@@ -205,6 +205,14 @@ class ExperimentConfig(Settings):
         return value
 
     @model_validator(mode="after")
+    def _outer_fits(self) -> "ExperimentConfig":
+        if self.outer.active and self.algorithm == "leader" and not self.leader.sync:
+            raise ConfigError(f"outer {self.outer._as_string()} with the leader needs synchronous cycles (every member "
+                              "answered with one aggregate, from one model before it): add leader_sync true, or use "
+                              "outer none")
+        return self
+
+    @model_validator(mode="after")
     def _schedule_fits(self) -> "ExperimentConfig":
         if not self.lr_schedule.constant and self.engine == "batched" and self.algorithm in DEFINITIONS and \
                 not definition(self.algorithm).needs.synchronous:

@@ -12,5 +12,5 @@ class LeaderDefinition(Definition):
 
     name = "leader"
     summary = "asynchronous leader aggregation, as CloudMesh"
-    needs = Needs(endpoint="hub", synchronous=False, robust=True, byzantine=True, network=True)
+    needs = Needs(endpoint="hub", synchronous=False, robust=True, byzantine=True, network=True, outer=True)
     settings = LeaderSettings

@@ -73,7 +73,7 @@ def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
          f"no emulated {run.emulated} on the process engine, whose request-and-answer channels are not emulated: "
          "drop them from --net, or use the batched engine, which models them"),
         (bool(run.outer) and not needs.outer, f"outer none (not {run.outer}): its exchanges are not rounds with an "
-         "aggregate an outer step could follow; use dpsgd or fedavg")]
+         "aggregate an outer step could follow; use dpsgd, fedavg or leader")]
     for lacks, what in lacking:
         if lacks:
             return f"algorithm {name} needs {what}"

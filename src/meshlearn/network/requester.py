@@ -209,7 +209,7 @@ class Requester:
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
             fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
-            vocabulary=req.vocabulary)
+            vocabulary=req.vocabulary, outer=req.outer)
 
     # ---- steps -----------------------------------------------------------------------------
 

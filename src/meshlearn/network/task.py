@@ -15,6 +15,7 @@ from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
+from meshlearn.outer import OUTER_HELP, OuterOptimizer
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
@@ -90,11 +91,14 @@ class TaskRequest(Settings):
     gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
+    outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, leader with "
+                                  "--leader-sync true): " + OUTER_HELP)
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
+    _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
 
 
 def dataset_spec(data: str) -> str:
@@ -225,6 +229,15 @@ def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     return task
 
 
+def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
+    """``task`` if its algorithm takes its outer optimizer: every provider steps from one model
+    before each aggregation (fedavg, dpsgd, the leader's synchronous cycles); else ValueError in one line."""
+    if task.outer.active and (task.algorithm == "gossip" or (task.algorithm == "leader" and not task.leader.sync)):
+        raise ValueError(f"outer {task.outer._as_string()} needs aggregations every provider takes at once: use "
+                         "algorithm fedavg or dpsgd, or leader with --leader-sync true")
+    return task
+
+
 def network_algorithm(name: str) -> str:
     """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
     naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
@@ -264,10 +277,12 @@ class TaskSpec(Settings):
     udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT)
     context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
     vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
+    outer: OuterOptimizer = OuterOptimizer()  # each provider's outer step after each aggregation
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
+    _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
@@ -308,7 +323,7 @@ class TaskSpec(Settings):
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
-            vocabulary=self.vocabulary)
+            vocabulary=self.vocabulary, outer=self.outer)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
