@@ -58,7 +58,8 @@ def test_a_synchronous_task_whose_leader_is_killed_completes_under_the_next(tmp_
     procs = Processes(tmp_path)
     try:
         bootstrap, _ = start_network(procs, 3)
-        sync = ["--leader-sync", "true"] if algorithm == "leader" else []
+        # the leader with DiLoCo's outer step: each provider keeps its outer state, so the leader's death loses none
+        sync = ["--leader-sync", "true", "--outer", "nesterov:lr=0.7,momentum=0.9"] if algorithm == "leader" else []
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
                               "--algorithm", algorithm, *sync, "--epochs", "30", "--providers", "3",
                               "--aggregate-every", "2", "--peer-timeout", "6")
