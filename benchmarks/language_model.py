@@ -4,16 +4,18 @@ tokens per second per node against a plain PyTorch loop.
 ``quality``: 8 nodes (3-regular) train gpt-tiny with D-PSGD (batched engine), gossip and the
 leader (process engine: the batched engine steps asynchronous nodes apart, which torch.optim's
 AdamW cannot), each node ``--batch`` windows a step; beside them a plain PyTorch loop trains one
-gpt-tiny on batches of 8 x ``--batch`` windows for as many steps: the same tokens. All start from
-the same model (the run's seed) and are measured on the same held-out windows; the table gives
-each run's validation perplexity and its ratio to the single model's.
+gpt-tiny on batches of 8 x ``--batch`` windows for as many steps: the same tokens. A seed's runs
+start from the same model and are measured on the same held-out windows; the table gives each
+run's validation perplexity and its ratio to the single model's, and with several ``--seeds``
+(one model and D-PSGD run for each; gossip and the leader for the first only) each one's mean and
+standard deviation over the seeds: one run's perplexity moves by 15-20% from seed to seed.
 
 ``speed``: training tokens a second, on both engines at 8 and 64 nodes (the batched engine: one
 process; the process engine: one process per node): the machine's (all nodes together) and per
 node, against a plain PyTorch loop using the whole machine.
 
     python3 benchmarks/language_model.py quality [--iterations 200] [--batch 16] [--context 64]
-        [--optimizer adamw] [--lr 0.003] [--momentum 0] [--lr-schedule constant]
+        [--optimizer adamw] [--lr 0.003] [--momentum 0] [--lr-schedule constant] [--seeds 90 ...]
     python3 benchmarks/language_model.py speed [--iterations 6] [--nodes 8 64]
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -41,11 +44,12 @@ SEED, LR, OPTIMIZER = 90, 0.003, "adamw"
 
 
 def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, optimizer: str = OPTIMIZER,
-               lr: float = LR, momentum: float = 0.0, schedule: str = "constant") -> tuple[float, float]:
+               lr: float = LR, momentum: float = 0.0, schedule: str = "constant", seed: int = SEED
+               ) -> tuple[float, float]:
     """One gpt-tiny trained alone on ``batch``-window batches: (validation perplexity, training tokens a
     second, the first step left out of the timing)."""
     dataset = load_dataset("pystdlib", context=context)
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = build_model("gpt-tiny", dataset.input_shape, dataset.num_classes)
     params = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
@@ -54,7 +58,7 @@ def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, opt
         p.data = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
     rows = make_optimizer(optimizer, flat.unsqueeze(0), lr, momentum)
-    generator = torch.Generator().manual_seed(SEED)
+    generator = torch.Generator().manual_seed(seed)
     loss_of = task_of(dataset).loss
     started = 0.0
     factors = LrSchedule.model_validate(schedule)
@@ -80,25 +84,34 @@ def quality(args: argparse.Namespace) -> None:
     common = {"nodes": 8, "topology": "regular:3", "context": args.context, "batch_size": args.batch,
               "iterations": args.iterations, "test_after": args.iterations, "eval_samples": args.eval_samples,
               "optimizer": args.optimizer, "lr": args.lr, "momentum": args.momentum, "lr_schedule": args.lr_schedule}
-    rows = []
-    started = time.perf_counter()
-    alone, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples, args.optimizer, args.lr,
-                          args.momentum, args.lr_schedule)
-    rows.append(("one model, 8x the batch (plain PyTorch)", alone, time.perf_counter() - started))
+    runs: dict[str, list[tuple[float, float]]] = {}  # run -> (perplexity, wall seconds) per seed
+    alone = "one model, 8x the batch (plain PyTorch)"
     with tempfile.TemporaryDirectory() as folder:
-        for name, engine, algorithm in (("D-PSGD", "batched", "dpsgd"), ("gossip", "process", "gossip"),
-                                        ("leader", "process", "leader")):
+        for index, seed in enumerate(args.seeds):
             started = time.perf_counter()
-            summary = meshlearn_run(Path(folder) / name, engine=engine, algorithm=algorithm, **common)
-            rows.append((f"{name}, 8 nodes ({engine} engine)", summary["final"]["perplexity"],
-                         time.perf_counter() - started))
+            perplexity, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples,
+                                       args.optimizer, args.lr, args.momentum, args.lr_schedule, seed)
+            runs.setdefault(alone, []).append((perplexity, time.perf_counter() - started))
+            for name, engine, algorithm in (("D-PSGD", "batched", "dpsgd"), ("gossip", "process", "gossip"),
+                                            ("leader", "process", "leader")):
+                if index and algorithm != "dpsgd":  # gossip and the leader: the first seed only
+                    continue
+                started = time.perf_counter()
+                summary = meshlearn_run(Path(folder) / f"{name}-{seed}", engine=engine, algorithm=algorithm,
+                                        seed=seed, **common)
+                runs.setdefault(f"{name}, 8 nodes ({engine} engine)", []).append(
+                    (summary["final"]["perplexity"], time.perf_counter() - started))
     print(f"gpt-tiny on pystdlib, context {args.context}, {args.iterations} steps of {args.batch} windows a node "
           f"({args.optimizer}, lr {args.lr}, momentum {args.momentum}, lr schedule {args.lr_schedule}); validation: "
-          f"{args.eval_samples} held-out "
-          "windows")
-    print("| run | validation perplexity | of the single model's | wall s |\n|---|---|---|---|")
-    for name, perplexity, seconds in rows:
-        print(f"| {name} | {perplexity:.3f} | {perplexity / alone:.3f} | {seconds:.0f} |")
+          f"{args.eval_samples} held-out windows; seeds {', '.join(map(str, args.seeds))}")
+    print("| run | validation perplexity per seed | mean ± std | of the single model's (means) | wall s |")
+    print("|---|---|---|---|---|")
+    base = statistics.fmean(p for p, _ in runs[alone])
+    for name, results in runs.items():
+        values = [p for p, _ in results]
+        spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+        print(f"| {name} | {', '.join(f'{p:.3f}' for p in values)} | {statistics.fmean(values):.3f}{spread} | "
+              f"{statistics.fmean(values) / base:.3f} | {sum(w for _, w in results):.0f} |")
 
 
 def speed(args: argparse.Namespace) -> None:
@@ -142,6 +155,7 @@ def main() -> None:
     q.add_argument("--lr", type=float, default=LR)
     q.add_argument("--momentum", type=float, default=0.0)
     q.add_argument("--lr-schedule", default="constant")
+    q.add_argument("--seeds", type=int, nargs="+", default=[SEED])
     s = sub.add_parser("speed")
     s.add_argument("--iterations", type=int, default=6)
     s.add_argument("--batch", type=int, default=16)
