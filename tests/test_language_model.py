@@ -108,6 +108,11 @@ def test_the_language_models_metrics_by_hand():
     assert classification.perplexity is None and "perplexity" not in classification.as_dict()
 
 
+def test_a_character_vocabulary_for_images_is_one_clear_error():
+    with pytest.raises(ConfigError, match="vocabulary chars is for text datasets"):
+        make_config({"dataset": "digits", "vocabulary": "chars"})
+
+
 @pytest.mark.parametrize("asked,dataset,problem", [
     ("language-model", "digits", "task language-model cannot learn from dataset digits"),
     ("classification", "pystdlib", "task classification cannot learn from dataset pystdlib"),
@@ -250,7 +255,9 @@ def test_a_character_vocabulary_by_hand():
     kept = Vocabulary.of_text("chars", [many])
     assert kept.size == 256 and kept.chars == "".join(chr(0x100 + i) for i in range(45, 300))
     assert kept.encode(chr(0x100)).tolist() == [255]  # one of the rarest: the unknown token
-    for garbled in ({"meshlearn.vocabulary": "{"}, {"meshlearn.vocabulary": '{"kind": "chars", "chars": "ba"}'}):
+    for garbled in ({"meshlearn.vocabulary": "{"}, {"meshlearn.vocabulary": '{"kind": "chars", "chars": "ba"}'},
+                    {"meshlearn.vocabulary": '{"kind": "words", "chars": "ab"}'},
+                    {"meshlearn.vocabulary": "[" * 100_000 + "]" * 100_000}):
         with pytest.raises(DatasetError, match="vocabulary"):
             Vocabulary.from_metadata(garbled)
     stdlib = load_dataset("pystdlib", context=64, vocabulary="chars")
@@ -287,7 +294,10 @@ def test_leafs_shakespeare_is_each_writers_text_rebuilt_from_its_samples(tmp_pat
     from meshlearn.data.text import leaf_holds_text, leaf_writer_text
     from meshlearn.data.vocabulary import Vocabulary
 
-    assert leaf_writer_text(["abc", "bcd", "xyz", "yzw"], ["d", "e", "w", "!"]) == "abcdexyzw!"
+    assert leaf_writer_text(["abcdefgh", "bcdefghi", "xyzwvuts", "yzwvutsr"], ["i", "j", "r", "!"]) == \
+        "abcdefghijxyzwvutsr!"
+    # a split by sample leaves gaps: a later window adds only what goes past the text so far
+    assert leaf_writer_text(["abcdefgh", "defghijk", "hijklmno"], ["i", "l", "p"]) == "abcdefghijklmnop"
     root = _shakespeare(tmp_path / "shakespeare")
     assert leaf_holds_text(root)
     dataset = load_dataset(f"leaf:{root}", context=8, vocabulary="chars")
@@ -309,6 +319,16 @@ def test_leafs_shakespeare_is_each_writers_text_rebuilt_from_its_samples(tmp_pat
         (femnist / split / "d.json").write_text(json.dumps({"users": ["w"], "user_data": {
             "w": {"x": [[0.5] * 16, [0.0] * 16], "y": [1, 0]}}}))
     assert not leaf_holds_text(femnist) and load_dataset(f"leaf:{femnist}").task == "classification"
+    # LEAF's split by sample (a writer on both sides): every tenth writer (of three, the last) is held out instead
+    by_sample = _shakespeare(tmp_path / "by-sample")
+    test = json.loads((by_sample / "test" / "all_data.json").read_text())
+    test["users"], test["user_data"] = ["HAMLET"], {"HAMLET": test["user_data"]["HORATIO"]}
+    (by_sample / "test" / "all_data.json").write_text(json.dumps(test))
+    held = load_dataset(f"leaf:{by_sample}", context=8, vocabulary="chars")
+    held_vocab = Vocabulary.of_names(held.class_names)
+    polonius = "".join(c if c in held_vocab.chars else "\ufffd" for c in list(SPEECHES.values())[2] * 3)
+    assert held_vocab.decode(held.test_x.flatten().tolist()) == polonius[:len(held.test_x) * 8]
+    assert held.train_groups.tolist()[-1] == 1  # HAMLET's and OPHELIA's texts train
 
 
 def test_a_run_on_shakespeares_characters_samples_in_them(tmp_path):
@@ -344,6 +364,7 @@ def _windows(n, t, dtype=torch.uint8):
     (_meta(num_classes=512), _windows(4, 8), _windows(2, 8), "a vocabulary of 2 to 256 named tokens"),
     (_meta(num_classes=10, class_names=list("0123456789")), _windows(4, 8), _windows(2, 8), "tokens outside 0..9"),
     (_meta(class_names=["x"] * 10), _windows(4, 8), _windows(2, 8), "a vocabulary of 2 to 256 named tokens"),
+    (_meta(), _windows(4, 0), _windows(2, 0), "a vocabulary of 2 to 256 named tokens"),  # empty windows
     (_meta(), _windows(4, 8), _windows(2, 16), "not shaped like its training samples"),
     (_meta(mean=[0.5], std=[0.2]), _windows(4, 8), _windows(2, 8), "does not fit a language model"),
     ({"name": "x"}, _windows(4, 8), _windows(2, 8), "lacks or garbles"),

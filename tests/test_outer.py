@@ -18,6 +18,12 @@ def test_the_outer_setting_is_parsed_once_with_each_kinds_defaults():
     for text in ("nesterov:lr=0.5", "adam:lr=0.1,beta2=0.999", "sgd:lr=1,momentum=0.9,nesterov=true", "yogi", "none"):
         written = OuterOptimizer.model_validate(text).model_dump()
         assert OuterOptimizer.model_validate(written) == OuterOptimizer.model_validate(text), written  # round trip
+    from_yaml = OuterOptimizer.model_validate({"kind": "nesterov", "lr": 0.5})  # a map: its kind's defaults too
+    assert (from_yaml.lr, from_yaml.momentum, from_yaml.spec) == (0.5, 0.9, "nesterov:lr=0.5,momentum=0.9")
+    assert OuterOptimizer.model_validate({"kind": "adam"}).lr == 0.01
+    assert OuterOptimizer.model_validate("adam:lr=0.0123456789").spec.startswith("adam:lr=0.0123456789,")  # exact
+    with pytest.raises(ConfigError, match="momentum is not one of its options"):
+        OuterOptimizer.model_validate({"kind": "adam", "momentum": 0.9})
     for bad, problem in (("lamb", "write one of none, sgd"), ("adam:momentum=0.9", "not one of adam's options"),
                          ("sgd:lr=fast", "lr must be a number"), ("sgd:nesterov=maybe", "true or false"),
                          ("nesterov:nesterov=false", "not one of nesterov's options")):

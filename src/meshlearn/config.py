@@ -22,7 +22,7 @@ from pydantic.fields import FieldInfo
 from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.batched.settings import BatchedSettings
-from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
+from meshlearn.data.specs import IMAGE_KINDS, KINDS, VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition, names_that
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.definitions.pushsum import PushSumSettings
@@ -205,9 +205,17 @@ class ExperimentConfig(Settings):
         return value
 
     @model_validator(mode="after")
+    def _vocabulary_fits(self) -> "ExperimentConfig":
+        kind = KINDS.get(self.dataset.partition(":")[0].strip().lower(), ("",))[0]
+        if self.vocabulary != "bytes" and kind in IMAGE_KINDS:
+            raise ConfigError(f"vocabulary {self.vocabulary} is for text datasets (pystdlib, text:PATH, LEAF's "
+                              f"Shakespeare); {self.dataset} holds images: leave vocabulary out")
+        return self
+
+    @model_validator(mode="after")
     def _outer_fits(self) -> "ExperimentConfig":
         if self.outer.active and self.algorithm == "leader" and not self.leader.sync:
-            raise ConfigError(f"outer {self.outer._as_string()} with the leader needs synchronous cycles (every member "
+            raise ConfigError(f"outer {self.outer.spec} with the leader needs synchronous cycles (every member "
                               "answered with one aggregate, from one model before it): add leader_sync true, or use "
                               "outer none")
         return self
@@ -361,7 +369,7 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
         byzantine=bool(config.byzantine), dynamic=config.dynamic(), full_epochs=config.full_epochs,
         plain_sgd=parse_optimizer(config.optimizer) == ("SGD", {}),
         emulated=_either([name for name in ("delay", "jitter", "rate") if getattr(config.net, name)] or [""]),
-        outer=config.outer._as_string() if config.outer.active else ""))
+        outer=config.outer.spec if config.outer.active else ""))
 
 
 def _either(names: list[str]) -> str:

@@ -59,17 +59,39 @@ class OuterOptimizer(Settings):
     def _from_string(cls, value: Any) -> Any:
         if value is None:
             return {}
-        return parse_outer(value) if isinstance(value, str) else value
+        if isinstance(value, str):
+            return parse_outer(value)
+        if isinstance(value, dict):  # a YAML map: its kind's defaults, and only its kind's keys
+            kind = str(value.get("kind", "none")).strip().lower()
+            if kind not in KINDS:
+                raise ConfigError(f"outer kind {kind!r}: use one of {', '.join(KINDS)}")
+            extra = sorted(set(value) - set(DEFAULTS[kind]) - {"kind"})
+            if extra:
+                raise ConfigError(f"outer {kind}: {', '.join(extra)} is not one of its options ("
+                                  f"{', '.join(DEFAULTS[kind]) or 'none'})")
+            return {**DEFAULTS[kind], **value, "kind": kind}
+        return value
 
     @model_serializer
     def _as_string(self) -> str:
+        return self.spec
+
+    @property
+    def spec(self) -> str:
+        """The setting as written (``nesterov:lr=0.7,momentum=0.9``), its numbers exact."""
         if self.kind == "none":
             return "none"
-        keys = ("lr", "momentum") + (("nesterov",) if self.kind == "sgd" else ()) if self.kind in ("sgd", "nesterov") \
-            else ("lr", "beta1", "beta2", "eps")
-        values = [f"{k}={str(getattr(self, k)).lower() if k == 'nesterov' else format(getattr(self, k), 'g')}"
-                  for k in keys]
+        keys = [key for key in DEFAULTS[self.kind] if not (self.kind == "nesterov" and key == "nesterov")]
+        values = [f"{key}={str(getattr(self, key)).lower() if key == 'nesterov' else repr(getattr(self, key))}"
+                  for key in keys]
         return f"{self.kind}:{','.join(values)}"
+
+    @property
+    def copies(self) -> int:
+        """Model-sized tensors its state holds per node (the model before the round, moments)."""
+        if not self.active:
+            return 0
+        return 1 + (2 if self.kind in ("adam", "yogi") else 1 if self.momentum > 0 else 0)
 
     @property
     def active(self) -> bool:

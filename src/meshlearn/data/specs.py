@@ -21,6 +21,8 @@ VocabularyKind = Literal["bytes", "chars"]  # a language model's tokens (data.vo
 VOCABULARY_HELP = ("text datasets: bytes (256 tokens, every byte of the UTF-8 text) | chars (the characters of the "
                    "training text, at most 255, the most frequent, and one token for any other)")
 
+IMAGE_KINDS = ("digits", "fashion-mnist", "mnist", "cifar10", "imagefolder")  # datasets that hold no text
+
 SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR, pystdlib, text:PATH"
 # The name a spec starts with -> the dataset it means (and whether it needs a path)
 KINDS = {"digits": ("digits", False), "fashion-mnist": ("fashion-mnist", True), "fmnist": ("fashion-mnist", True),

@@ -3,8 +3,9 @@ download), a user's text (``text:PATH``) and LEAF's Shakespeare (``leaf:DIR``), 
 
 A corpus is a list of files in a fixed order. Every tenth file (the 10th, 20th, ...; of fewer than
 ten, the last) is held out for testing, so the test set is text no node trained on; a single file
-is split at nine tenths of its bytes instead. LEAF's Shakespeare comes split: each writer's (a
-character's) lines are one text, rebuilt from its sliding 80-character samples. Each side's text,
+is split at nine tenths of its bytes instead. In LEAF's Shakespeare each writer's (a speaking
+character's) lines are one text, rebuilt from its sliding 80-character samples; LEAF's test
+writers are held out, or where LEAF split each writer's samples, every tenth writer. Each side's text,
 one file (writer) after another, is one token stream of the vocabulary (``data.vocabulary``:
 bytes, or the training text's characters), tokenized once per machine into the cache and
 memory-mapped. A sample is a window of ``context`` tokens (``x``) and the same window one token on
@@ -20,7 +21,7 @@ import os
 import re
 import sys
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -93,33 +94,61 @@ def leaf_holds_text(path: str | Path) -> bool:
         return found.group(1) == b'"'
     for _, _, record in leaf_records(first.parent):
         samples = record.get("x") if isinstance(record, dict) else None
-        return bool(samples) and isinstance(samples[0], str)
+        return isinstance(samples, list) and bool(samples) and isinstance(samples[0], str)
     return False
 
 
 def load_leaf_text(path: str | Path, context: int = DEFAULT_CONTEXT, vocabulary: VocabularyKind = "bytes") -> Dataset:
     """LEAF's Shakespeare (``train/*.json``, ``test/*.json``, each ``user_data: {writer: {x: [80
     characters], y: [the next one]}}``) as a language-modelling corpus: each writer's samples
-    rebuilt into its text, writers as the groups (partition ``writers``)."""
+    rebuilt into its text, writers as the groups (partition ``writers``).
+
+    LEAF splits Shakespeare by writer (``-t user``: its test writers are the test text) or by sample
+    (the default: each writer's windows dealt to both sides, so test windows are lines the training
+    text holds). Where a writer is on both sides, its test samples are dropped and every tenth
+    writer (of fewer than ten, the last) is held out instead, as files are: the test text is text
+    no node trained on."""
     root = Path(path)
     folders = leaf_folders(root)
     files = [*sorted(folders[0].glob("*.json")), *sorted(folders[1].glob("*.json"))]
-    return _corpus("leaf-text", _file_key(*files), lambda: tuple(_leaf_texts(f) for f in folders), context,
-                   vocabulary)
+    return _corpus("leaf-text", _file_key(*files), lambda: _leaf_split(folders), context, vocabulary)
+
+
+MIN_OVERLAP = 4  # characters a sample must share with the text so far to be read as overlapping it
 
 
 def leaf_writer_text(samples: list[str], following: list[str]) -> str:
-    """A writer's text from LEAF's sliding samples: a sample that continues the one before (its
-    window moved one character on) adds its next character; any other adds itself and its next
+    """A writer's text from LEAF's sliding samples: a sample that overlaps the end of the text so far
+    (the next window, one character on; or a later one, where a split by sample left a gap) adds
+    what goes past the overlap and its next character; one that does not adds itself and its next
     character."""
-    parts, before = [], None
+    parts, tail = [], ""  # tail: the last characters written, a window and one long
     for x, y in zip(samples, following):
-        parts.append(y if before is not None and x == before[1:] else x + y)
-        before = x + y
+        shared = _overlap(tail, x)
+        piece = x[shared:] + y
+        parts.append(piece)
+        tail = (tail + piece)[-(len(x) + 1):]
     return "".join(parts)
 
 
-def _leaf_texts(folder: Path) -> list[str]:
+def _overlap(tail: str, window: str) -> int:
+    """The longest start of ``window`` (at least MIN_OVERLAP characters) that ``tail`` ends with, or 0."""
+    for size in range(min(len(tail), len(window)), MIN_OVERLAP - 1, -1):
+        if tail.endswith(window[:size]):
+            return size
+    return 0
+
+
+def _leaf_split(folders: list[Path]) -> Texts:
+    train, test = (_leaf_texts(folder) for folder in folders)
+    if {writer for writer, _ in train} & {writer for writer, _ in test}:  # LEAF's split by sample
+        texts = [text for _, text in train]
+        kept, held_out = split_files(texts)
+        return [texts[i] for i in kept], [texts[i] for i in held_out]
+    return [text for _, text in train], [text for _, text in test]
+
+
+def _leaf_texts(folder: Path) -> list[tuple[str, str]]:
     texts = []
     for path, user, record in leaf_records(folder):
         samples = record.get("x") if isinstance(record, dict) else None
@@ -128,7 +157,7 @@ def _leaf_texts(folder: Path) -> list[str]:
                 not all(isinstance(t, str) for t in samples + following):
             raise DatasetError(f"{path}: writer {user!r} needs as many text samples (x, strings) as next characters "
                                "(y, strings)")
-        texts.append(leaf_writer_text(samples, following))
+        texts.append((user, leaf_writer_text(samples, following)))
     return texts
 
 
@@ -141,9 +170,9 @@ def _file_texts(files: list[Path]) -> Texts:
     return [_read(files[i]) for i in train], [_read(files[i]) for i in test]
 
 
-def split_files(files: list[Path]) -> tuple[list[int], list[int]]:
-    """The positions of the training files and of the held-out ones: every ``HELD_OUT_EVERY``-th,
-    or of fewer files, the last one."""
+def split_files(files: Sequence[object]) -> tuple[list[int], list[int]]:
+    """The positions of the training files (or writers' texts) and of the held-out ones: every
+    ``HELD_OUT_EVERY``-th, or of fewer files, the last one."""
     test = [i for i in range(len(files)) if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1] or [len(files) - 1]
     return [i for i in range(len(files)) if i not in test], test
 

@@ -80,10 +80,13 @@ class Vocabulary:
         try:
             record = json.loads(raw)
             kind, chars = record["kind"], record["chars"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             raise DatasetError(f"the model file's {METADATA_KEY} is not a vocabulary record") from None
         if kind == "bytes":
             return cls()
+        if kind != "chars":
+            raise DatasetError(f"the model file's {METADATA_KEY} names vocabulary {str(kind)[:20]!r}, not bytes or "
+                               "chars")
         return cls.from_chars(chars)
 
     @classmethod

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from meshlearn.data import Dataset
+from meshlearn.data.vocabulary import BYTES
 from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
 from meshlearn.network.rpc import call
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 CHUNK_BYTES = 1024 * 1024
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-MAX_TOKENS = 256  # a language model's vocabulary at most: token ids are bytes (bytes, or at most 255 characters)
+MAX_TOKENS = BYTES  # a language model's vocabulary at most: token ids are bytes (bytes, or at most 255 characters)
 
 
 def check_name(name: str) -> str:
@@ -197,16 +198,17 @@ def dataset_from_shards(meta: dict, train: tuple[torch.Tensor, torch.Tensor],
     if train[0].shape[1:] != test[0].shape[1:] or train[0].dtype != test[0].dtype or train[1].dtype != test[1].dtype:
         raise NetworkError("the task's test samples are not shaped like its training samples")
     if task == "language-model":
-        if train[0].ndim != 2 or mean or std or not 2 <= num_classes <= MAX_TOKENS or len(class_names) != num_classes:
+        if train[0].ndim != 2 or train[0].shape[1] < 1 or mean or std or not 2 <= num_classes <= MAX_TOKENS or \
+                len(class_names) != num_classes:
             raise NetworkError(f"the task's data does not fit a language model: windows of token ids, a vocabulary of "
                                f"2 to {MAX_TOKENS} named tokens")
         for x in (train[0], test[0]):
-            if len(x) and int(x.max()) >= num_classes:
+            if x.numel() and int(x.max()) >= num_classes:
                 raise NetworkError(f"tokens outside 0..{num_classes - 1} in the task's data")
     elif train[0].ndim != 4 or not len(mean) == len(std) == train[0].shape[1] or min(std, default=0) <= 0:
         raise NetworkError("the task's data does not fit classification: images (N, C, H, W) with a mean and a "
                            "positive std per channel")
     for y in (train[1], test[1]):
-        if len(y) and (int(y.min()) < 0 or int(y.max()) >= num_classes):
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= num_classes):
             raise NetworkError(f"labels outside 0..{num_classes - 1} in the task's data")
     return Dataset(name, train[0], train[1], test[0], test[1], num_classes, class_names, mean, std, task=task)

@@ -235,7 +235,7 @@ class Requester:
         model = build_model(req.model, dataset.input_shape, dataset.num_classes)
         tests = len(test_samples(dataset, req.eval_samples)[1])
         self.estimate = estimate_memory(model, tuple(dataset.input_shape), min(req.batch_size, largest), largest,
-                                        tests, req.momentum, tokens=dataset.tokens)
+                                        tests, req.momentum, tokens=dataset.tokens, outer_copies=req.outer.copies)
 
     def _needs(self) -> tuple[float, str]:
         """The least RAM (GB) a provider must declare for this task, and why."""

@@ -5,8 +5,9 @@ The estimate is of a task's peak memory on one provider, in bytes:
 
 - the Python and torch runtime every provider pays (``RUNTIME_BYTES``, measured: 0.24 GB of
   resident memory once torch and the task machinery are loaded, rounded up);
-- the model's parameters, their gradients, SGD's momentum buffer (with momentum) and two more
-  flat copies the aggregation holds (one sent, one received);
+- the model's parameters, their gradients, SGD's momentum buffer (with momentum), two more
+  flat copies the aggregation holds (one sent, one received), and an outer optimizer's state (the
+  model before the round, and its momentum or moments);
 - one batch's activations: every tensor the backward pass keeps of one sample's forward pass (a
   layer's inputs and outputs, a transformer's attention weights, B x heads x T x T), times the batch
   size, times two (kept, and their gradients);
@@ -57,13 +58,15 @@ class MemoryEstimate:
 
 
 def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: int, test_samples: int,
-                    momentum: float, tokens: bool = False) -> MemoryEstimate:
+                    momentum: float, tokens: bool = False, outer_copies: int = 0) -> MemoryEstimate:
     """A task's peak memory on one provider (see the module's docstring for what is counted);
-    ``tokens``: samples are windows of byte tokens (text), not float pixels."""
+    ``tokens``: samples are windows of byte tokens (text), not float pixels; ``outer_copies``: the
+    model-sized tensors an outer optimizer keeps (``OuterOptimizer.copies``)."""
     import torch
 
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    copies = 2 + (1 if momentum > 0 else 0) + AGGREGATION_COPIES  # weights, gradients, momentum, aggregation
+    # weights, gradients, momentum, aggregation, the outer optimizer's state
+    copies = 2 + (1 if momentum > 0 else 0) + AGGREGATION_COPIES + outer_copies
     weights = {p.data_ptr() for p in model.parameters()}
     saved: dict[tuple[int, int], int] = {}  # each tensor the backward pass keeps, once: (address, bytes) -> bytes
 

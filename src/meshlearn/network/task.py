@@ -232,8 +232,9 @@ def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
 def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     """``task`` if its algorithm takes its outer optimizer: every provider steps from one model
     before each aggregation (fedavg, dpsgd, the leader's synchronous cycles); else ValueError in one line."""
-    if task.outer.active and (task.algorithm == "gossip" or (task.algorithm == "leader" and not task.leader.sync)):
-        raise ValueError(f"outer {task.outer._as_string()} needs aggregations every provider takes at once: use "
+    takes = task.algorithm in DEFINITIONS and definition(task.algorithm).needs.outer
+    if task.outer.active and (not takes or (task.algorithm == "leader" and not task.leader.sync)):
+        raise ValueError(f"outer {task.outer.spec} needs aggregations every provider takes at once: use "
                          "algorithm fedavg or dpsgd, or leader with --leader-sync true")
     return task
 

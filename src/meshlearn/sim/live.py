@@ -157,12 +157,12 @@ class RunBoard:
     def final_result(self) -> dict[str, float | None]:
         """The honest nodes' mean final accuracy so far, and perplexity (a language model's; None
         before any evaluation, or for a task without it)."""
-        with self._lock:
-            honest = [n for r, n in self._nodes.items() if r not in self.attackers]
         result = {}
-        for key, field in (("accuracy", "test_acc"), ("perplexity", "test_perplexity")):
-            values = [n[field] for n in honest if n[field] is not None]
-            result[key] = statistics.fmean(values) if values else None
+        with self._lock:  # both from the same updates
+            honest = [n for r, n in self._nodes.items() if r not in self.attackers]
+            for key, field in (("accuracy", "test_acc"), ("perplexity", "test_perplexity")):
+                values = [n[field] for n in honest if n[field] is not None]
+                result[key] = statistics.fmean(values) if values else None
         return result
 
     def snapshot(self) -> dict[str, Any]:
@@ -181,7 +181,7 @@ class RunBoard:
         perplexity = any("test_perplexity_mean" in r for r in rows) or any(n["test_perplexity"] is not None
                                                                             for n in nodes)
         metric = "test_perplexity" if perplexity else "test_acc"  # what the page leads with: the task's own metric
-        values = [n[metric] for n in nodes if n[metric] is not None and not n["bad"]]
+        values = [n[metric] for n in nodes if n[metric] is not None and math.isfinite(n[metric]) and not n["bad"]]
         many = c.nodes > NODE_TABLE_LIMIT
         state = {
             "kind": "run", "title": f"meshlearn run {self.name}", "name": self.name, "status": self.status,
@@ -217,23 +217,26 @@ def accuracy_histogram(values: list[float], bins: int = HISTOGRAM_BINS) -> dict[
     high = min(1.0, math.ceil(max(values) * 100 - 1e-9) / 100)
     low = max(0.0, math.floor(min(min(values), high - ACCURACY_SPAN) * 100 + 1e-9) / 100)
     high = max(high, low + 0.01)
-    width = (high - low) / bins
-    counts = [0] * bins
-    for value in values:
-        counts[min(bins - 1, max(0, int((value - low) / width)))] += 1
-    return {"edges": [round(low + i * width, 6) for i in range(bins + 1)], "counts": counts}
+    edges, counts = _binned(values, low, high, bins)
+    return {"edges": [round(edge, 6) for edge in edges], "counts": counts}
 
 
 def value_histogram(values: list[float], bins: int = HISTOGRAM_BINS) -> dict[str, list]:
-    """{"edges", "counts"} of ``values`` (perplexities: no fixed range) in ``bins`` equal bins from
-    the lowest to the highest (a bin of width 1% of the value where all are equal)."""
+    """{"edges", "counts"} of ``values`` (finite perplexities: no fixed range) in ``bins`` equal bins
+    from the lowest to the highest (1% of the value wide where all are equal)."""
     low, high = min(values), max(values)
-    high = max(high, low + 0.01 * max(abs(low), 1e-9))
+    edges, counts = _binned(values, low, max(high, low + 0.01 * max(abs(low), 1e-9)), bins)
+    return {"edges": edges, "counts": counts}
+
+
+def _binned(values: list[float], low: float, high: float, bins: int) -> tuple[list[float], list[int]]:
+    """The edges of ``bins`` equal bins from ``low`` to ``high``, and how many values fall in each
+    (those outside in the first or last)."""
     width = (high - low) / bins
     counts = [0] * bins
     for value in values:
         counts[min(bins - 1, max(0, int((value - low) / width)))] += 1
-    return {"edges": [low + i * width for i in range(bins + 1)], "counts": counts}
+    return [low + i * width for i in range(bins + 1)], counts
 
 
 def _num(value):

@@ -35,7 +35,8 @@ def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperatu
             metadata = handle.metadata() or {}
     except Exception as exc:  # safetensors raises its own errors for a damaged header
         raise UserInputError(f"{weights} is not a readable safetensors file: {exc}") from None
-    if METADATA_KEY not in metadata and config.dataset.partition(":")[0] not in TEXT_DATASETS:
+    if METADATA_KEY not in metadata and config.dataset.partition(":")[0] not in TEXT_DATASETS and \
+            config.task != "language-model":
         raise UserInputError(f"the run in {folder} trained {config.model} on {config.dataset}, not a language model on "
                              "text: sample needs a run on pystdlib, text:PATH or LEAF's Shakespeare")
     vocabulary = Vocabulary.from_metadata(metadata)
