@@ -16,7 +16,7 @@ node, against a plain PyTorch loop using the whole machine.
 
     python3 benchmarks/language_model.py quality [--iterations 200] [--batch 16] [--context 64]
         [--optimizer adamw] [--lr 0.003] [--momentum 0] [--lr-schedule constant] [--seeds 90 ...]
-    python3 benchmarks/language_model.py speed [--iterations 6] [--nodes 8 64]
+    python3 benchmarks/language_model.py speed [--iterations 6] [--nodes 8 64] [--batched-workers 0]
 """
 
 from __future__ import annotations
@@ -132,7 +132,8 @@ def speed(args: argparse.Namespace) -> None:
                                         topology="regular:3", context=args.context, batch_size=args.batch,
                                         iterations=args.iterations, eval_nodes=1, test_after=args.iterations,
                                         eval_samples=16, optimizer="sgd", lr=0.1,
-                                        **({"step_time": 0.01} if engine == "batched" else {}))
+                                        **({"step_time": 0.01, "batched_workers": args.batched_workers}
+                                           if engine == "batched" else {}))
                 wall = time.perf_counter() - started
                 if engine == "batched":  # every node in one process: its wall-clock after start-up, per iteration
                     seconds = (summary["wall_clock"] - summary["startup"]) / args.iterations
@@ -161,6 +162,8 @@ def main() -> None:
     s.add_argument("--batch", type=int, default=16)
     s.add_argument("--context", type=int, default=64)
     s.add_argument("--nodes", type=int, nargs="+", default=[8, 64])
+    s.add_argument("--batched-workers", type=int, default=0, help="the batched engine's threads (0: auto, which "
+                   "times its first steps on each count: a short run measures mostly those trials)")
     args = parser.parse_args()
     quality(args) if args.what == "quality" else speed(args)
 
