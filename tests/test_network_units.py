@@ -246,7 +246,7 @@ def test_the_memory_estimate_counts_model_optimizer_activations_and_data():
 
     adam = estimate_memory(model, (1, 8, 8), 16, 100, 50, momentum=0.0,
                            outer_copies=OuterOptimizer.model_validate("adam").copies)
-    assert adam.model == plain.model + 3 * params  # the model before the round, and Adam's two moments
+    assert adam.model == plain.model + 5 * params  # the model before the round, Adam's moments, two buffers
     assert moving.activations == 2 * plain.activations > 0  # twice the batch
     assert plain.data == (4 * 64 + 8) * 150 and moving.data == (4 * 64 + 8) * 250
     assert plain.total == plain.runtime + plain.model + plain.activations + plain.data

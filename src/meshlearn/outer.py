@@ -88,10 +88,11 @@ class OuterOptimizer(Settings):
 
     @property
     def copies(self) -> int:
-        """Model-sized tensors its state holds per node (the model before the round, moments)."""
+        """Model-sized tensors its state holds per node: the model before the round, the
+        pseudo-gradient's buffer, momentum or moments, and Adam's and Yogi's second buffer."""
         if not self.active:
             return 0
-        return 1 + (2 if self.kind in ("adam", "yogi") else 1 if self.momentum > 0 else 0)
+        return 2 + (3 if self.kind in ("adam", "yogi") else 1 if self.momentum > 0 else 0)
 
     @property
     def active(self) -> bool:
@@ -100,13 +101,18 @@ class OuterOptimizer(Settings):
 
     def begin(self, rows: "Tensor") -> OutState:
         """The state of the nodes in ``rows`` [B, P] (their models): zero moments, ``before`` a copy
-        of the models (what the next round's pseudo-gradient starts from)."""
+        of the models (what the next round's pseudo-gradient starts from), and the buffers a step
+        works in (a step allocates nothing)."""
         state: OutState = {"before": rows.clone()}
+        if not self.active:
+            return state
+        state["grad"] = rows.new_empty(rows.shape)
         if self.kind in ("sgd", "nesterov") and self.momentum > 0:
             state["momentum"] = rows.new_zeros(rows.shape)
         if self.kind in ("adam", "yogi"):
             state["m"] = rows.new_zeros(rows.shape)
             state["v"] = rows.new_full(rows.shape, self.eps ** 2)
+            state["scratch"] = rows.new_empty(rows.shape)
         return state
 
     def step(self, aggregate: "Tensor", state: OutState) -> None:
@@ -117,21 +123,23 @@ class OuterOptimizer(Settings):
         if self.kind == "none":
             before.copy_(aggregate)
             return
-        grad = before - aggregate  # the pseudo-gradient; a fresh tensor, used as scratch below
+        import torch
+
+        grad = torch.sub(before, aggregate, out=state["grad"])  # the pseudo-gradient
         if self.kind in ("sgd", "nesterov"):
             if "momentum" in state:
                 buffer = state["momentum"].mul_(self.momentum).add_(grad)
                 grad = grad.add_(buffer, alpha=self.momentum) if self.nesterov or self.kind == "nesterov" else buffer
             aggregate.copy_(before).sub_(grad, alpha=self.lr)
         else:
-            m, v = state["m"], state["v"]
+            m, v, scratch = state["m"], state["v"], state["scratch"]
             m.mul_(self.beta1).add_(grad, alpha=1 - self.beta1)
             square = grad.mul_(grad)
             if self.kind == "adam":
                 v.mul_(self.beta2).add_(square, alpha=1 - self.beta2)
             else:  # yogi: v - (1 - beta2) g^2 sign(v - g^2)
-                v.sub_(square.mul(v.sub(square).sign_()), alpha=1 - self.beta2)
-            aggregate.copy_(before).addcdiv_(m, v.sqrt().add_(self.eps), value=-self.lr)
+                v.sub_(torch.sub(v, square, out=scratch).sign_().mul_(square), alpha=1 - self.beta2)
+            aggregate.copy_(before).addcdiv_(m, torch.sqrt(v, out=scratch).add_(self.eps), value=-self.lr)
         before.copy_(aggregate)
 
 
