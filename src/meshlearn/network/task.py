@@ -324,7 +324,7 @@ class TaskSpec(Settings):
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
-            vocabulary=self.vocabulary, outer=self.outer)
+            outer=self.outer)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
