@@ -170,6 +170,14 @@ def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_the
         assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", TIME_LABEL]
     finally:
         plt.close(fig)
+    with_loss = [dict(r, test_loss_mean=2.0 / r["iteration"]) for r in counted]
+    fig = comparison_figure("mini", [("full", with_loss), ("diloco", with_loss)])  # and the loss below: loss per MB
+    try:
+        assert [ax.get_ylabel() for ax in fig.axes] == ["mean test accuracy"] * 3 + ["mean test loss"] * 3
+        assert list(fig.axes[5].get_lines()[0].get_xdata()) == pytest.approx([0.5 * i for i in range(1, 11)])
+        assert list(fig.axes[5].get_lines()[0].get_ydata()) == [2.0 / i for i in range(1, 11)]
+    finally:
+        plt.close(fig)
 
 
 def test_quick_on_a_file_without_a_quick_section_is_refused_not_run_at_full_scale(tmp_path):

@@ -102,7 +102,18 @@ def test_an_outer_step_follows_each_exchange_in_a_run_and_none_is_todays_run(tmp
     outer = batched_states({**values, "iterations": 1, "outer": "sgd:lr=0.5"}, tmp_path / "half", "on")
     assert torch.allclose(outer[0], start + 0.5 * (one - start), atol=1e-6)  # half of the way to the aggregate
     assert all(torch.equal(row, outer[0]) for row in outer)  # every node: the same global model
-    with pytest.raises(ConfigError, match="algorithm gossip needs outer none .not nesterov:lr=0.7,momentum=0.9."):
-        make_config({"algorithm": "gossip", "outer": "nesterov"})
+    with pytest.raises(ConfigError, match="algorithm pushsum needs outer none .not nesterov:lr=0.7,momentum=0.9."):
+        make_config({"algorithm": "pushsum", "outer": "nesterov"})
     with pytest.raises(ConfigError, match="outer"):
         make_config({"algorithm": "fedavg", "outer": "sgd:lr=-1"})
+
+
+def test_gossip_takes_each_nodes_outer_step_when_it_finishes_an_iteration(tmp_path):
+    from helpers.engines import BASE, batched_states
+
+    values = {**BASE, "algorithm": "gossip", "iterations": 1, "rounds": 3, "fetch_probability": 1.0}
+    start = batched_states({**values, "rounds": 0}, tmp_path / "start", "on")
+    plain = batched_states(values, tmp_path / "plain", "on")
+    assert not torch.allclose(plain, start)
+    half = batched_states({**values, "outer": "sgd:lr=0.5"}, tmp_path / "half", "on")
+    assert torch.allclose(half, start + 0.5 * (plain - start), atol=1e-6)  # each node: half of its way

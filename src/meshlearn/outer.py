@@ -115,10 +115,17 @@ class OuterOptimizer(Settings):
             state["scratch"] = rows.new_empty(rows.shape)
         return state
 
-    def step(self, aggregate: "Tensor", state: OutState) -> None:
+    def step(self, aggregate: "Tensor", state: OutState, span: "tuple[int, int] | None" = None) -> None:
         """In place: the outer step from ``state["before"]`` along the pseudo-gradient ``before -
         aggregate``; ``aggregate`` [B, P] becomes the new models and ``state["before"]`` a copy of
-        them (the next round's start). With ``none``, only that copy."""
+        them (the next round's start). With ``none``, only that copy. ``span`` [a, b): only those
+        values were aggregated (a part of the state, Streaming DiLoCo's fragment; the part past
+        ``aggregate``'s P values, the model's buffers, has no outer step); the others are left alone."""
+        if span is not None:
+            a, b = max(0, span[0]), min(span[1], aggregate.shape[1])
+            if a >= b:
+                return
+            aggregate, state = aggregate[:, a:b], {name: rows[:, a:b] for name, rows in state.items()}
         before = state["before"]
         if self.kind == "none":
             before.copy_(aggregate)

@@ -118,6 +118,11 @@ class Algorithm(ABC):
     def before_local_steps(self, iteration: int) -> None:
         """Called at the start of each iteration, before the local steps."""
 
+    def aggregated(self, iteration: int) -> tuple[int, int] | None:
+        """The part [a, b) of the state ``iteration``'s exchange aggregated (an outer optimizer steps
+        only it); None: all of it."""
+        return None
+
     def trains(self, iteration: int) -> bool:
         """Whether this node's local steps of ``iteration`` are asked for (a node not drawn for a
         round of partial participation skips them, where its optimizer allows: ``steps_rows_apart``)."""

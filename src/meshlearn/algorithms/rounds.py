@@ -45,6 +45,13 @@ class RoundRunner(Algorithm):
         self.state = self.rules.begin(ctx.flat.state.detach().unsqueeze(0))
         self._buffer: torch.Tensor | None = None
         self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
+        self._iteration = 0  # of the exchange under way
+
+    def before_local_steps(self, iteration: int) -> None:
+        self.rules.start_round(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration)
+
+    def aggregated(self, iteration: int) -> tuple[int, int] | None:
+        return self.rules.span(iteration)
 
     def trains(self, iteration: int) -> bool:
         chosen = self.rules.trains(iteration)
@@ -64,6 +71,7 @@ class RoundRunner(Algorithm):
         own = ctx.flat.state.detach().unsqueeze(0)
         t0 = time.perf_counter()
         exchange = self.rules.round(iteration)
+        self._iteration = iteration
         with torch.no_grad():
             sent = self.rules.payload(own, self.state, iteration)
         t1 = time.perf_counter()
@@ -116,7 +124,8 @@ class RoundRunner(Algorithm):
         if tensors.keys() != ranges.keys() or any(tensors[name].dtype != sent.dtype or tensors[name].shape != (b - a,)
                                                   for name, (a, b) in ranges.items()):
             return f"it sent {sorted(tensors)[:3]}, not {len(ranges)} segments of {sent.numel()} {sent.dtype} values"
-        return next(filter(None, map(refusal, tensors.values())), None)
+        return next(filter(None, map(refusal, tensors.values())), None) or \
+            self.rules.payload_problem(self.vector(msg, sent), self._iteration)
 
     def _merge(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
                exchange: Round, iteration: int) -> None:

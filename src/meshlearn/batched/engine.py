@@ -241,13 +241,14 @@ class BatchedSimulation:
         for iteration in range(config.iterations):
             if not config.lr_schedule.constant:  # every node at this iteration: the process engine's rate
                 run.sgd.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
+            run.algorithm.before_local_steps(iteration)
             trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
             losses = run.train(trainers)
             compute = clocks.train(run.steps, None if trainers is None else [shard.start + r for r in trainers])
             columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
                        **run.algorithm.after_local_steps(iteration)}
             if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step, every node's
-                config.outer.step(run.stacked.params, outer)
+                config.outer.step(run.stacked.params, outer, run.algorithm.aggregated(iteration))
             train_loss = collective.gather(losses)
             columns["t"] = clocks.now
             done = iteration + 1
@@ -355,6 +356,8 @@ class _Asynchronous:
         self.snapshots: dict[int, torch.Tensor] = {}  # iteration -> every node's state when it finished it
         self.finish = np.zeros(run.config.nodes)
         self.written = 0  # iterations logged so far
+        outer = run.config.outer
+        self.outer = outer.begin(run.stacked.params) if outer.active else None  # every node's, stepped one by one
 
     def train(self, ranks: list[int]) -> dict[int, float]:
         run = self.run
@@ -363,6 +366,9 @@ class _Asynchronous:
 
     def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
         run = self.run
+        if self.outer is not None:  # the node's model after the iteration's steps and merges: its outer step
+            run.config.outer.step(run.stacked.params[rank:rank + 1],
+                                  {name: rows[rank:rank + 1] for name, rows in self.outer.items()})
         self.records.setdefault(iteration, {})[rank] = {**columns, "t": now}
         if run.evaluates_after(iteration + 1):
             rows = self.snapshots.setdefault(iteration, torch.empty_like(run.stacked.state))

@@ -87,6 +87,20 @@ class RoundAlgorithm(Definition):
         """The algorithm's per-node tensors, made once from the nodes' first models ``own`` [B, P]."""
         return {}
 
+    def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
+        """Called with the models ``own`` each node starts ``iteration``'s local steps from (after
+        any outer step of the iteration before)."""
+
+    def span(self, iteration: int) -> "tuple[int, int] | None":
+        """The part [a, b) of the state ``iteration``'s exchange aggregates (an outer optimizer steps
+        only it); None: all of it."""
+        return None
+
+    def payload_problem(self, payload: "Tensor", iteration: int) -> str | None:
+        """Why a payload received from another process must not be merged, beyond its size, type and
+        finite values, which the engine checks (a quantized one that does not decode), or None."""
+        return None
+
     def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
         """What each node sends this round, [B, Q] (every peer gets the same). An engine may write
         into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent."""

@@ -11,13 +11,26 @@ hear it in time trains on from its own). Nodes that were not drawn skip the roun
 nothing, and every node's evaluation is the global model's.
 
 The payload carries a 1 after the model, so the weighted sum the engines compute also gives the
-total weight of what arrived: the server divides by it (only what came counts, by samples)."""
+total weight of what arrived: the server divides by it (only what came counts, by samples).
+
+``compress`` (int8, int4): what travels both ways is the change over the round instead of the model,
+quantized with error feedback (``compressed``). A client sends its model at the round's start minus
+its trained model; the server averages those changes (its own exact) by samples and sends the
+average, quantized in turn with its own error feedback; every node, the server too, takes its model
+at the round's start minus that decoded average, so all hold the same model. A client that did not
+hear the server trains on from its own model, and its next change starts from there.
+
+``fragments`` F (Streaming DiLoCo, Douillard et al. 2025): the state in F contiguous parts of equal
+size; iteration i exchanges part i mod F only (``span``), so each part is synchronised every F
+iterations, part f at offsets f, f + F, ...: the traffic of a round is spread over F iterations, and
+an outer optimizer steps the part just aggregated."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
 from meshlearn.definitions.base import RoundAlgorithm, State, register_algorithm
+from meshlearn.definitions.compressed import BITS, DeltaCodec
 from meshlearn.definitions.needs import Needs
 from meshlearn.definitions.settings import FedAvgSettings
 from meshlearn.errors import ConfigError
@@ -61,12 +74,34 @@ class FedAvg(RoundAlgorithm):
         if len(self.shard_sizes) != nodes:
             raise ConfigError("FedAvg's server weighs models by every node's shard sizes, from the seeded partition: "
                               f"it was given {len(self.shard_sizes)} shard sizes for {nodes} nodes")
-        self.fraction = (settings or FedAvgSettings()).fraction
+        options = settings or FedAvgSettings()
+        self.fraction, self.fragments, self.bits = options.fraction, options.fragments, BITS.get(options.compress, 0)
         from meshlearn.aggregation.weights import by_samples
 
         self.samples = by_samples(self.shard_sizes)
         self._rounds: dict[tuple[int, int], Round] = {}
         self._server_weight = 0.0
+        self._spans: list[tuple[int, int]] = []  # the parts of the state (one: all of it), from ``begin``
+        self._codecs: dict[int, DeltaCodec] = {}  # compress: one per part size
+        self._dtype = None  # the models' (from ``begin``)
+
+    @property
+    def linear(self) -> bool:
+        """The weighted sum of the models sent; not where changes travel quantized (each is decoded)."""
+        return not self.bits
+
+    def span(self, iteration: int) -> tuple[int, int] | None:
+        """The part of the state ``iteration`` exchanges (None: all of it)."""
+        return None if self.fragments == 1 else self._part(iteration)
+
+    def _part(self, iteration: int) -> tuple[int, int]:
+        return self._spans[iteration % len(self._spans)]
+
+    def _codec(self, size: int, dtype) -> DeltaCodec:
+        """The codec of changes to ``size`` values (one per part size)."""
+        if size not in self._codecs:
+            self._codecs[size] = DeltaCodec(size, dtype, self.seed, self.bits)
+        return self._codecs[size]
 
     @property
     def keeps_missing(self) -> bool:
@@ -105,30 +140,102 @@ class FedAvg(RoundAlgorithm):
         return [1.0 if rank == SERVER else 0.0 for rank in ranks]
 
     def begin(self, own: "Tensor") -> State:
-        """The last average the server sent (kept by the server's row only)."""
-        return {"global": own[self.ranks.index(SERVER)].clone()} if SERVER in self.ranks else {}
+        """The last average the server sent (kept by the server's row only); with ``compress``, every
+        row's model at the round's start and its error feedback."""
+        self._spans, self._dtype = fragment_spans(own.shape[1], self.fragments), own.dtype
+        state = {"global": own[self.ranks.index(SERVER)].clone()} if SERVER in self.ranks and not self.bits else {}
+        if self.bits:
+            state.update(before=own.clone(), error=own.new_zeros(own.shape))
+        return state
+
+    def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
+        """With ``compress``: the part last exchanged, as the node starts its steps from it (after
+        any outer step), is where its next change starts."""
+        if self.bits and iteration > 0:
+            a, b = self._part(iteration - 1)
+            state["before"][:, a:b] = own[:, a:b]
 
     def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
-        """The model, then a 1 (what the weighted sum adds up to the weight that came)."""
-        sent = own.new_empty((own.shape[0], own.shape[1] + 1))
-        sent[:, :-1] = own
-        sent[:, -1] = 1.0
-        return sent
-
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
-        """Each row: the weighted sum over the weight that came; the server with nothing come keeps
-        the last average."""
+        """The part's model, then a 1 (what the weighted sum adds up to the weight that came); with
+        ``compress``, the quantized change: each drawn client's in the push, the server's average
+        in its answer (the other rows send nothing, and their error feedback is left alone)."""
+        a, b = self._part(iteration)
+        if not self.bits:
+            sent = own.new_empty((own.shape[0], b - a + 1))
+            sent[:, :-1] = own[:, a:b]
+            sent[:, -1] = 1.0
+            return sent
         import torch
 
+        codec = self._codec(b - a, self._dtype)
+        sent = own.new_zeros((own.shape[0], codec.nbytes), dtype=torch.uint8)
+        tag = 2 * iteration + self.phase  # the rounding's draws: one set per sender and exchange
+        if self.phase == 0:
+            drawn = set(participants(self.seed, iteration, self.nodes, self.fraction))
+            for row, rank in enumerate(self.ranks):
+                if rank != SERVER and rank in drawn:
+                    codec.encode_(state["before"][row, a:b] - own[row, a:b], state["error"][row, a:b], rank, tag,
+                                  sent[row])
+        elif SERVER in self.ranks:
+            row = self.ranks.index(SERVER)
+            codec.encode_(state.pop("average"), state["error"][row, a:b], SERVER, tag, sent[row])
+        return sent
+
+    def payload_problem(self, payload: "Tensor", iteration: int) -> str | None:
+        """With ``compress``: why a received change cannot be decoded."""
+        if not self.bits:
+            return None
+        a, b = self._part(iteration)
+        return self._codec(b - a, self._dtype).problem(payload)
+
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+        """Each row's part: the weighted sum over the weight that came; the server with nothing
+        come keeps the last average."""
+        a, b = self._part(iteration)
         total = mixed[:, -1:]
         row = self.ranks.index(SERVER) if SERVER in self.ranks else None
         if self.phase == 0:  # only the server takes anything: a client's row is its own model over 1, unchanged
             if row is not None:
                 if float(total[row]) == 0.0:  # nobody's model this round
-                    own[row] = state["global"]
+                    own[row, a:b] = state["global"][a:b]
                 else:
-                    torch.div(mixed[row, :-1], total[row], out=own[row])
+                    own[row, a:b] = mixed[row, :-1] / total[row]
         else:
-            torch.div(mixed[:, :-1], total.clamp_min(1e-30), out=own)
+            own[:, a:b] = mixed[:, :-1] / total.clamp_min(1e-30)
         if row is not None:
-            state["global"].copy_(own[row])
+            state["global"][a:b] = own[row, a:b]
+
+    def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
+                    own_weight: "Tensor", iteration: int) -> None:
+        """With ``compress``. The push: the server's average change, by samples, of its own (exact)
+        and the decoded changes that came (none come: no change). The answer: every row that has it
+        (the server's own) takes its model at the round's start minus the decoded average."""
+        a, b = self._part(iteration)
+        codec, before = self._codec(b - a, self._dtype), state["before"]
+        if self.phase == 0:
+            if SERVER in self.ranks:
+                row = self.ranks.index(SERVER)
+                average, total = own.new_zeros(b - a), float(own_weight[row]) + float(weights[row].sum())
+                if float(own_weight[row]) > 0:
+                    average.add_(before[row, a:b] - own[row, a:b], alpha=float(own_weight[row]))
+                for k in range(received.shape[1]):
+                    if float(weights[row, k]) > 0:
+                        average.add_(codec.decode(received[row, k]).to(own.device), alpha=float(weights[row, k]))
+                state["average"] = average.div_(total) if total > 0 else average
+            return
+        for row, rank in enumerate(self.ranks):
+            if rank == SERVER:
+                encoded = sent[row]
+            elif received.shape[1] and float(weights[row, 0]) > 0:
+                encoded = received[row, 0]
+            else:  # the answer did not come: it trains on from its own model
+                continue
+            own[row, a:b] = before[row, a:b] - codec.decode(encoded).to(own.device)
+
+
+def fragment_spans(numel: int, fragments: int) -> list[tuple[int, int]]:
+    """``fragments`` contiguous parts of ``numel`` values, sizes differing by at most one (never
+    more parts than values)."""
+    count = max(1, min(fragments, numel))
+    edges = [numel * f // count for f in range(count + 1)]
+    return list(zip(edges[:-1], edges[1:]))

@@ -13,5 +13,5 @@ class GossipDefinition(Definition):
 
     name = "gossip"
     summary = "asynchronous pairwise averaging, as dpwa"
-    needs = Needs(endpoint="pull", synchronous=False, robust=True, byzantine=True, network=True)
+    needs = Needs(endpoint="pull", synchronous=False, robust=True, byzantine=True, network=True, outer=True)
     settings = GossipSettings

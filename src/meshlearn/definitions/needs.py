@@ -23,8 +23,8 @@ class Needs:
     what it can run with: a lossy transport (UDP), sharing schemes (names, or ``*`` for any),
     robust aggregation rules, bad nodes, peers that change every round (``peer_sampling``, the
     one-peer exponential graph), the batched engine split over torchrun processes, network
-    tasks (``meshlearn request``), and an outer optimizer after each iteration's exchange
-    (``outer``: its nodes' models after the exchange are the round's aggregate)."""
+    tasks (``meshlearn request``), and an outer optimizer after each iteration (``outer``: a
+    node's model after the iteration's steps and exchanges is the round's aggregate)."""
 
     endpoint: Endpoint = "transport"
     synchronous: bool = True
@@ -73,7 +73,7 @@ def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
          f"no emulated {run.emulated} on the process engine, whose request-and-answer channels are not emulated: "
          "drop them from --net, or use the batched engine, which models them"),
         (bool(run.outer) and not needs.outer, f"outer none (not {run.outer}): its exchanges are not rounds with an "
-         "aggregate an outer step could follow; use dpsgd, fedavg or leader")]
+         "aggregate an outer step could follow; use dpsgd, gossip, fedavg or leader")]
     for lacks, what in lacking:
         if lacks:
             return f"algorithm {name} needs {what}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from meshlearn.settings import Settings
 
@@ -60,9 +60,23 @@ class LeaderSettings(Settings):
 
 
 class FedAvgSettings(Settings):
-    """FedAvg's settings (flat name: ``fedavg_fraction``)."""
+    """FedAvg's settings (flat names: ``fedavg_fraction``, ``fedavg_compress``, ``fedavg_fragments``)."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction"}
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction", "compress": "fedavg_compress",
+                                            "fragments": "fedavg_fragments"}
 
     fraction: float = Field(1.0, gt=0, le=1, description="share of the nodes whose models the server takes each "
                             "round (drawn from the seed; DecentralizePy's working_fraction)")
+    compress: Literal["none", "int8", "int4"] = Field(
+        "none", description="what travels: the model (none), or its change over the round (the pseudo-gradient, "
+        "both ways) quantized to 8 or 4 bits a value with error feedback kept per node (as INTELLECT-1's int8)")
+    fragments: int = Field(1, ge=1, le=1024, description="Streaming DiLoCo: the model in this many parts, part f "
+                           "exchanged at iterations f, f + F, ...: each part synchronised every F iterations, "
+                           "their offsets spread over them (needs fedavg_fraction 1)")
+
+    @model_validator(mode="after")
+    def _every_node_with_fragments(self) -> "FedAvgSettings":
+        if self.fragments > 1 and self.fraction < 1:
+            raise ValueError(f"fedavg_fragments {self.fragments} needs fedavg_fraction 1 (every node trains every "
+                             "iteration, each exchanging one part of its model)")
+        return self

@@ -99,6 +99,7 @@ class TaskRequest(Settings):
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
+    _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
 
 
 def dataset_spec(data: str) -> str:
@@ -239,6 +240,16 @@ def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     return task
 
 
+def fedavg_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
+    """``task`` unless it asks FedAvg for quantized changes or fragments, which a network task's
+    FedAvg (the synchronous leader, sending whole models) does not do; else ValueError in one line."""
+    fedavg = task.fedavg
+    if fedavg.compress != "none" or fedavg.fragments > 1:
+        raise ValueError("--fedavg-compress and --fedavg-fragments run in simulations (meshlearn run, experiment) "
+                         "only: a network task's FedAvg is the synchronous leader, which sends whole models; drop them")
+    return task
+
+
 def network_algorithm(name: str) -> str:
     """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
     naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
@@ -284,6 +295,7 @@ class TaskSpec(Settings):
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
+    _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""

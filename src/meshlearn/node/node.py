@@ -164,7 +164,8 @@ class Node:
                 record = self.algorithm.after_local_steps(iteration, train_loss)
                 if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step
                     with torch.no_grad():
-                        config.outer.step(self.flat.params.detach().unsqueeze(0), outer)
+                        config.outer.step(self.flat.params.detach().unsqueeze(0), outer,
+                                          self.algorithm.aggregated(iteration))
                 self.algorithm.check()
                 record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss,
                               bytes_sent=self.transport.stats.bytes_sent)

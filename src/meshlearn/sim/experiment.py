@@ -236,7 +236,7 @@ def _seed_curves(groups: dict[str, list[str]], curves: list[tuple[str, list[dict
         elif name == groups[member_of[name]][0]:
             members = [{row["iteration"]: row for row in tables[m]} for m in groups[member_of[name]]]
             shared = sorted(set.intersection(*(set(m) for m in members)))
-            keys = [k for k in ("time_mean", "test_acc_mean", "test_perplexity_mean", "mb_sent_mean")
+            keys = [k for k in ("time_mean", "test_acc_mean", "test_perplexity_mean", "test_loss_mean", "mb_sent_mean")
                     if all(k in m[i] for m in members
                                                                                       for i in shared)]
             seeds = f"{len(members)} seeds" if len(members) > 1 else "1 seed"
@@ -253,28 +253,33 @@ MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
 def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]], time_axis: str = TIME_LABEL):
     """Mean test accuracy of each run (name, evaluation table; where every run is a language
     model's, its perplexity) against iteration, against time (labelled ``time_axis``) and, where
-    every run counts them, against the bytes each node sent (accuracy for the traffic); every run
-    gets its own line style and (hollow) marker, so identical curves stay visible. The caller saves
-    and closes the matplotlib Figure."""
+    every run counts them, against the bytes each node sent (accuracy for the traffic); below, where
+    every run has it, the mean test loss against the same. Every run gets its own line style and
+    (hollow) marker, so identical curves stay visible. The caller saves and closes the matplotlib Figure."""
     plt = pyplot()
     perplexity = all(table and all("test_perplexity_mean" in r for r in table) for _, table in curves)
-    y_key, y_label = ("test_perplexity_mean", "mean test perplexity") if perplexity else \
-        ("test_acc_mean", "mean test accuracy")
+    metrics = [("test_perplexity_mean", "mean test perplexity") if perplexity else
+               ("test_acc_mean", "mean test accuracy")]
+    if all(table and all("test_loss_mean" in r for r in table) for _, table in curves):
+        metrics.append(("test_loss_mean", "mean test loss"))
 
     axes_keys = x_axes([table for _, table in curves], time_axis)
-    fig, axes = plt.subplots(1, len(axes_keys), figsize=(6 * len(axes_keys), 4.5))
+    fig, grid = plt.subplots(len(metrics), len(axes_keys), figsize=(6 * len(axes_keys), 4.5 * len(metrics)),
+                             squeeze=False)
     for index, (name, table) in enumerate(curves):
         every = max(1, len(table) // 12)  # about 12 hollow markers a curve, staggered between runs
         style = {"linestyle": LINE_STYLES[index % len(LINE_STYLES)], "marker": MARKERS[index % len(MARKERS)],
                  "ms": 5, "mfc": "none", "markevery": (index % every, every), "label": name}
-        values = [r[y_key] for r in table]
-        for ax, (x_key, _) in zip(axes, axes_keys):
-            ax.plot([r[x_key] for r in table], values, **style)
-    for ax, (_, label) in zip(axes, axes_keys):
-        ax.set_xlabel(label)
-        ax.set_ylabel(y_label)
-        ax.grid(alpha=0.3)
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # one legend, beside the plots
+        for axes, (y_key, _) in zip(grid, metrics):
+            values = [r[y_key] for r in table]
+            for ax, (x_key, _) in zip(axes, axes_keys):
+                ax.plot([r[x_key] for r in table], values, **style)
+    for axes, (_, y_label) in zip(grid, metrics):
+        for ax, (_, label) in zip(axes, axes_keys):
+            ax.set_xlabel(label)
+            ax.set_ylabel(y_label)
+            ax.grid(alpha=0.3)
+    grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # one legend, beside the plots
     fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -81,6 +81,14 @@ class BatchedAlgorithm(ABC):
         (None: every one); the others skip them, where the optimizer allows (``steps_rows_apart``)."""
         return None
 
+    def before_local_steps(self, iteration: int) -> None:
+        """Called before each iteration's local steps (synchronous algorithms)."""
+
+    def aggregated(self, iteration: int) -> tuple[int, int] | None:
+        """The part [a, b) of the state ``iteration``'s exchange aggregated (an outer optimizer steps
+        only it); None: all of it."""
+        return None
+
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
         """Exchange and merge every node's model for this iteration; advance their clocks."""
         raise NotImplementedError(f"{self.name} is asynchronous: it drives its own steps")

@@ -37,6 +37,12 @@ class BatchedRounds(BatchedAlgorithm):
         self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
 
+    def before_local_steps(self, iteration: int) -> None:
+        self.rules.start_round(self.ctx.stacked.state, self.state, iteration)
+
+    def aggregated(self, iteration: int) -> tuple[int, int] | None:
+        return self.rules.span(iteration)
+
     def trainers(self, iteration: int) -> list[int] | None:
         chosen, shard = self.rules.trains(iteration), self.ctx.shard
         return None if chosen is None else [rank - shard.start for rank in chosen if shard.start <= rank < shard.stop]
