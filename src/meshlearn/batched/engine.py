@@ -366,7 +366,7 @@ class _Asynchronous:
 
     def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
         run = self.run
-        if self.outer is not None:  # the node's model after the iteration's steps and merges: its outer step
+        if self.outer is not None:  # the node's model after the iteration's steps and exchanges: its outer step
             run.config.outer.step(run.stacked.params[rank:rank + 1],
                                   {name: rows[rank:rank + 1] for name, rows in self.outer.items()})
         self.records.setdefault(iteration, {})[rank] = {**columns, "t": now}

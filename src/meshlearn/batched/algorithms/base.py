@@ -56,7 +56,8 @@ class AsyncDriver(Protocol):
 
     def record(self, rank: int, iteration: int, now: float, columns: dict[str, Any]) -> None:
         """Node ``rank`` finished ``iteration`` at modelled time ``now``: its log columns (its
-        model then is what that iteration's evaluation sees)."""
+        model then, after the engine's outer step where the run has an outer optimizer, is what
+        that iteration's evaluation sees and what its next steps start from)."""
 
     def finished(self, rank: int, now: float) -> None:
         """Node ``rank`` finished its last step at modelled time ``now``."""

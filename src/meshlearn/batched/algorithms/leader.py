@@ -80,8 +80,6 @@ class _LeaderRun:
         self.losses: dict[int, list[float]] = {rank: [] for rank in range(nodes)}  # since each one's last push
         self.events = EventQueue()
         self.steps = PendingSteps(driver.train, self.config.rounds)
-        params = ctx.stacked.params  # the outer optimizer's rows (synchronous cycles only: config checks it)
-        self.outer = (self.config.outer, self.config.outer.begin(params), params) if self.config.outer.active else None
         self.handlers = {DONE: self.done, PUSH: self.push_arrives, BARRIER: self.barrier, REPLY: self.reply}
 
     def run(self) -> None:
@@ -132,10 +130,7 @@ class _LeaderRun:
         """The leader's answer reaches member ``rank``: it trains on from the aggregate."""
         if rank != LEADER:
             self.traffic.received(rank, self.size)
-        self.state[rank].copy_(self.answers.pop(rank))
-        if self.outer is not None:  # the member's outer step from its model before the cycle, as the process engine's
-            outer, state, params = self.outer
-            outer.step(params[rank:rank + 1], {name: rows[rank:rank + 1] for name, rows in state.items()})
+        self.state[rank].copy_(self.answers.pop(rank))  # (an outer step follows in ``record``, as in the process engine)
         done = self.iteration[rank]
         self.iteration[rank] += 1
         losses = self.losses[rank]
