@@ -184,6 +184,33 @@ def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_the
         plt.close(fig)
 
 
+def test_some_runs_of_a_file_and_a_file_stopped_half_way_goes_on_where_it_stopped(tmp_path):
+    path = tmp_path / "e.yaml"
+    path.write_text("name: e\nbase: {nodes: 3, dataset: digits, model: mlp, iterations: 2, engine: batched, "
+                    "step_time: 0.001}\nruns:\n  - {name: a}\n  - {name: b, lr: 0.2}\n"
+                    "  - {name: c, seeds: [1, 2]}\n")
+    with pytest.raises(ConfigError, match="has no run 'z': its runs are a, b, c"):
+        load_experiment(path, quick=False, output=tmp_path / "out", only=["a", "z"])
+    picked = load_experiment(path, quick=False, output=tmp_path / "out", only=["c", "a"])
+    assert [name for name, _ in picked.runs] == ["a", "c-s1", "c-s2"] and picked.groups == {"c": ["c-s1", "c-s2"]}
+    said: list[str] = []
+    run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a"]), progress=False,
+                   log=said.append)
+    first = (tmp_path / "out" / "a" / "summary.json").stat().st_mtime_ns
+    said.clear()
+    output = run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a", "b"]),
+                            progress=False, log=said.append, resume=True)
+    assert said[0].startswith("[1/2] a: kept, finished before with this configuration (accuracy ")
+    assert (tmp_path / "out" / "a" / "summary.json").stat().st_mtime_ns == first  # not run again
+    assert any(line.startswith("[2/2] b: ") and "kept" not in line for line in said)
+    assert [row["run"] for row in csv.DictReader((output / "table.csv").open())] == ["a", "b"]  # both reported
+    path.write_text(path.read_text().replace("{name: a}", "{name: a, lr: 0.3}"))  # another configuration: run again
+    said.clear()
+    run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a"]), progress=False,
+                   log=said.append, resume=True)
+    assert "kept" not in said[0] and (tmp_path / "out" / "a" / "summary.json").stat().st_mtime_ns != first
+
+
 def test_quick_on_a_file_without_a_quick_section_is_refused_not_run_at_full_scale(tmp_path):
     path = tmp_path / "exp.yaml"
     path.write_text("runs:\n  - {name: a, nodes: 2}\n")

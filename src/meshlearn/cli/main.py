@@ -190,10 +190,11 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_experiment(args: argparse.Namespace) -> int:
     from meshlearn.sim.experiment import load_experiment, run_experiment
 
-    experiment = load_experiment(args.file, args.quick, args.output, batched=args.batched)
+    only = [name.strip() for name in args.runs.split(",") if name.strip()] if args.runs else None
+    experiment = load_experiment(args.file, args.quick, args.output, batched=args.batched, only=only)
     check_live_flags(args)
     output = _watched_experiment(experiment, args) if (args.dashboard or args.tensorboard) else \
-        run_experiment(experiment, progress=not args.quiet)
+        run_experiment(experiment, progress=not args.quiet, resume=args.resume)
     print((output / "table.md").read_text())
     print(f"report: {output}  (table.md, table.csv, per_node.csv, comparison.png, iteration_times.png)")
     return 0
@@ -229,7 +230,7 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
         board.end(name)
 
     with dashboard(args, board.snapshot):
-        return run_experiment(experiment, progress=not args.quiet, around_run=each_run)
+        return run_experiment(experiment, progress=not args.quiet, around_run=each_run, resume=args.resume)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "'batched' section; times modelled; runs marked 'batched: false' left out)")
     experiment.add_argument("--output", help="report folder (default: runs/<name>, plus -quick and/or -batched)")
     experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
+    experiment.add_argument("--runs", help="only these runs of the file, comma-separated names (the report covers them) (default: all)")
+    experiment.add_argument("--resume", action="store_true", help="keep each run whose folder holds a finished run "
+                            "of the same configuration (a file stopped half-way goes on where it stopped)")
     add_live_flags(experiment)
     experiment.set_defaults(func=cmd_experiment)
 

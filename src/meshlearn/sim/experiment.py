@@ -47,6 +47,7 @@ from meshlearn.sim.report import (
     final_summary,
     load_logs,
     read_run_logs,
+    run_config,
     x_axes,
 )
 from meshlearn.sim.run import simulate
@@ -67,8 +68,10 @@ class Experiment:
 
 
 def load_experiment(path: str | Path, quick: bool, output: str | Path | None = None,
-                    batched: bool = False) -> Experiment:
-    """Read and validate an experiment file (every run's config is checked before any starts)."""
+                    batched: bool = False, only: list[str] | None = None) -> Experiment:
+    """Read and validate an experiment file (every run's config is checked before any starts);
+    ``only``: the names of the runs to keep (a run with seeds keeps all its repetitions), in the
+    file's order; ConfigError naming the file's runs for a name it does not have."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist")
@@ -126,6 +129,14 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
                 raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
     if not runs:
         raise ConfigError(f"experiment file {path}: every run says 'batched: false', so --batched has nothing to run")
+    if only:
+        missing = [name for name in only if name not in seen]
+        if missing:
+            raise ConfigError(f"experiment file {path} has no run {', '.join(map(repr, missing))}: its runs are "
+                              f"{', '.join(str(run['name']) for run in raw['runs'])}")
+        member_of = {member: name for name, members in groups.items() for member in members}
+        runs = [(name, config) for name, config in runs if member_of.get(name, name) in only]
+        groups = {name: members for name, members in groups.items() if name in only}
     return Experiment(name, str(raw.get("description", "")), runs, groups, source=str(path),
                       smaller_scale=not quick and bool(raw.get("quick")))
 
@@ -144,11 +155,17 @@ def check_datasets(experiment: Experiment) -> None:
             raise DatasetError(f"experiment file {experiment.source}, run {name!r}: {exc}{quick}") from None
 
 
-def run_experiment(experiment: Experiment, progress: bool = True, log=print, around_run=None) -> Path:
+def run_experiment(experiment: Experiment, progress: bool = True, log=print, around_run=None,
+                   resume: bool = False) -> Path:
     """Run every run of an experiment in turn, then write the comparison report; returns its folder.
-    ``around_run(name, config)``: a context manager each run goes on in (say, a live view of it)."""
+    ``around_run(name, config)``: a context manager each run goes on in (say, a live view of it).
+    ``resume``: a run whose folder holds a finished run of the same configuration is kept, not run again."""
     check_datasets(experiment)
     for index, (name, config) in enumerate(experiment.runs, start=1):
+        if resume and finished_run(config):
+            log(f"[{index}/{len(experiment.runs)}] {name}: kept, finished before with this configuration "
+                f"({_result_line(Path(config.output))})")
+            continue
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
             f"{' net ' + config.net.describe() if config.net.active else ''}")
@@ -160,6 +177,19 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
     output = Path(experiment.runs[0][1].output).parent
     write_comparison(experiment, output)
     return output
+
+
+def finished_run(config: ExperimentConfig) -> bool:
+    """Whether ``config.output`` holds a finished run (its summary.json) of this configuration (its
+    config.yaml the same, but for the step time a batched run measured and wrote there)."""
+    folder = Path(config.output)
+    if not (folder / "summary.json").is_file():
+        return False
+    saved, fresh = run_config(folder), yaml.safe_load(config.model_copy(update={"output": str(folder)}).to_yaml())
+    if isinstance(saved.get("batched"), dict) and isinstance(fresh.get("batched"), dict) and \
+            not fresh["batched"].get("step_time"):
+        fresh["batched"]["step_time"] = saved["batched"].get("step_time")
+    return saved == fresh
 
 
 def _result_line(run_dir: Path) -> str:
