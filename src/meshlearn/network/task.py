@@ -91,8 +91,8 @@ class TaskRequest(Settings):
     gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
-    outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, leader with "
-                                  "--leader-sync true): " + OUTER_HELP)
+    outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, gossip, leader "
+                                  "with --leader-sync true): " + OUTER_HELP)
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
@@ -231,12 +231,12 @@ def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
 
 
 def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
-    """``task`` if its algorithm takes its outer optimizer: every provider steps from one model
-    before each aggregation (fedavg, dpsgd, the leader's synchronous cycles); else ValueError in one line."""
+    """``task`` if its algorithm takes its outer optimizer (fedavg, dpsgd, gossip, the leader's
+    synchronous cycles: each provider steps after each of its iterations); else ValueError in one line."""
     takes = task.algorithm in DEFINITIONS and definition(task.algorithm).needs.outer
     if task.outer.active and (not takes or (task.algorithm == "leader" and not task.leader.sync)):
         raise ValueError(f"outer {task.outer.spec} needs aggregations every provider takes at once: use "
-                         "algorithm fedavg or dpsgd, or leader with --leader-sync true")
+                         "algorithm fedavg, dpsgd or gossip, or leader with --leader-sync true")
     return task
 
 
