@@ -48,7 +48,8 @@ from meshlearn.wire.codec import Chunks
                "lr": 0.1, "eval_samples": 16}),
     ("dpsgd", {"outer": "nesterov:lr=0.7,momentum=0.9", "rounds": 3, "iterations": 4}),  # decentralized DiLoCo
     ("fedavg", {"outer": "adam:lr=0.01", "fedavg_fraction": 0.5, "rounds": 2}),  # FedAdam
-    ("fedavg", {"outer": "nesterov", "fedavg_compress": "int4", "fedavg_fragments": 3})])  # quantized, streamed
+    ("fedavg", {"outer": "nesterov", "fedavg_compress": "int4", "fedavg_fragments": 3}),  # quantized, streamed
+    ("fedavg", {"outer": "nesterov", "fedavg_compress": "int8", "fedavg_overlap": True, "fedavg_mix": 0.3})])  # overlapped
 def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algorithm, extra):
     values = {**BASE, "algorithm": algorithm, **extra}
     expected = process_engine_states(values)

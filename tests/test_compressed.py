@@ -108,7 +108,7 @@ def test_fragments_split_the_state_and_each_is_exchanged_every_f_iterations():
     rules.begin(own)
     assert [rules.span(i) for i in range(7)] == [(0, 3), (3, 6), (6, 10), (0, 3), (3, 6), (6, 10), (0, 3)]
     assert rules.payload(own, {}, 4).shape == (3, 3 + 1)  # part 1's values, then the 1 the weights add up in
-    with pytest.raises(ConfigError, match="fedavg_fragments 2 needs fedavg_fraction 1"):
+    with pytest.raises(ConfigError, match="fedavg_fragments needs fedavg_fraction 1"):
         make_config({"algorithm": "fedavg", "fedavg_fragments": 2, "fedavg_fraction": 0.5})
 
 
@@ -149,3 +149,74 @@ def test_streamed_runs_synchronise_the_part_of_each_iteration_and_count_a_parts_
     assert all(torch.equal(row, int4[0]) for row in int4)
     assert whole_bytes / int4_bytes > 7  # 4 bits and a scale per 512 values, against 32 bits
     assert float((int4 - whole).abs().max()) < 0.05 * float(whole.abs().max())
+
+
+def test_an_overlapped_exchange_reads_and_writes_apart_from_the_models_and_is_taken_one_iteration_late():
+    torch.manual_seed(2)
+    rules = FedAvg(None, 3, seed=2, settings=FedAvgSettings(overlap=True, mix=0.25), shard_sizes=[1, 1, 2],
+                   ranks=range(3))
+    own = torch.randn(3, 8)
+    state = rules.begin(own)
+    assert rules.span(0) == (0, 0) and rules.span(1) == rules.span(5) == (0, 8)  # an outer step only on what was taken
+    trained = own.clone()
+    rules.phase = 0
+    push = rules.payload(own, state, 0)  # the engines: this iteration's push, then ``settle``, then the exchange
+    rules.settle(own, state, 0)
+    assert torch.equal(own, trained)  # nothing to take yet
+    own.add_(1.0)  # the next local steps, while the exchange goes on
+    during = own.clone()
+    _exchange_from(rules, own, state, 0, push)
+    assert torch.equal(own, during)  # the exchange never touched the models that train on
+    average = (trained * torch.tensor([[1.0], [1.0], [2.0]])).sum(0) / 4
+    assert all(torch.allclose(row, average) for row in state["late"])
+    rules.phase = 0
+    rules.payload(own, state, 1)
+    rules.settle(own, state, 1)  # iteration 1: its push made, the models take the outcome of iteration 0
+    assert all(torch.allclose(row, average) for row in own) and torch.equal(state["local"], during)
+    own.mul_(2.0)  # an outer step on it
+    rules.start_round(own, state, 2)  # before iteration 2's steps: mixed with the part as trained meanwhile
+    assert torch.allclose(own, 0.75 * 2.0 * average + 0.25 * during)
+
+
+def _exchange_from(rules: FedAvg, own: torch.Tensor, state: dict, iteration: int, push: torch.Tensor) -> None:
+    """The phases of one uncompressed FedAvg exchange (linear: the engines' weighted sums), everything arriving,
+    with ``push`` the payload already made."""
+    for phase in (0, 1):
+        rules.phase = phase
+        exchange = rules.round(iteration)
+        payload = push if phase == 0 else rules.payload(own, state, iteration)
+        own_weight = rules.own_weights(exchange, [0, 1, 2])
+        mixed = torch.stack([payload[rank] * own_weight[rank] + sum(
+            (payload[sender] * weight for sender, weight in exchange.weights[rank].items()),
+            torch.zeros_like(payload[rank])) for rank in range(3)])
+        rules.merge(own, state, mixed, iteration)
+
+
+def test_the_process_engine_trains_on_while_an_overlapped_exchange_is_under_way(tmp_path, monkeypatch):
+    import threading
+
+    from helpers.engines import process_engine_states
+
+    from meshlearn.algorithms.rounds import RoundRunner
+    from meshlearn.node.node import Node
+
+    stepped_during: list[bool] = []
+    step_taken = threading.Event()
+    phases, train_step = RoundRunner._phases, Node.train_step
+
+    def slow_phases(self, iteration, sent=None):
+        if threading.current_thread().name.startswith("exchange-") and self.ctx.rank == 1:  # the exchange thread
+            step_taken.clear()
+            stepped_during.append(step_taken.wait(timeout=30))  # a local step of the next iteration comes meanwhile
+        return phases(self, iteration, sent)
+
+    def noting_step(self):
+        if self.rank == 1:
+            step_taken.set()
+        return train_step(self)
+
+    monkeypatch.setattr(RoundRunner, "_phases", slow_phases)
+    monkeypatch.setattr(Node, "train_step", noting_step)
+    states = process_engine_states({**BASE, "algorithm": "fedavg", "fedavg_overlap": True, "iterations": 4})
+    assert stepped_during == [True, True, True]  # iterations 0-2 overlap the next steps; the last starts none
+    assert all(torch.equal(state, states[0]) for state in states)  # the last iteration took iteration 2's outcome

@@ -25,7 +25,7 @@ NOT_RUN = {
     "# DiLoCo: 50 local AdamW steps, the server's average, Nesterov's outer step":
         "4 x 50 steps of 8 GPTs (minutes); test_outer runs an outer step in a run and by hand, and test_batched "
         "compares both engines with Nesterov and Adam outer steps",
-    "# Streaming DiLoCo with 4-bit pseudo-gradients: 4 parts, each synchronised every 40 steps":
+    "# Streaming DiLoCo with 4-bit pseudo-gradients: 4 parts, each synchronised every 40 steps, overlapped":
         "400 steps of 8 nodes (a minute); test_compressed runs both settings in short runs and by hand, and "
         "test_batched compares both engines with them",
     "meshlearn simulate --nodes 8 --dataset digits --sharing topk:0.1":

@@ -15,6 +15,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext
 from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
+from meshlearn.threads import GuardedThread
 from meshlearn.topology.sampling import Round, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
@@ -46,6 +47,9 @@ class RoundRunner(Algorithm):
         self._buffer: torch.Tensor | None = None
         self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
         self._iteration = 0  # of the exchange under way
+        self._pending: GuardedThread | None = None  # overlapping algorithms: the exchange running beside the steps
+        self._counters: dict[str, float] = {}  # what the last one counted
+        self._made: torch.Tensor | None = None  # the next exchange's payload, where made already
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration)
@@ -58,12 +62,54 @@ class RoundRunner(Algorithm):
         return chosen is None or self.ctx.rank in chosen
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
+        if not self.rules.overlaps:
+            return self._phases(iteration)
+        # the exchange of the iteration before ran beside these local steps: its outcome, then this one's push
+        t0 = time.perf_counter()
+        record = self._join()
+        waited = time.perf_counter() - t0
+        record["comm"] = waited  # what the local steps did not hide (the exchange's own time is in "exchange")
+        own, last = self.ctx.flat.state.detach().unsqueeze(0), iteration + 1 == self.ctx.iterations
+        with torch.no_grad():
+            self.rules.phase = 0
+            sent = None if last else self.rules.payload(own, self.state, iteration)
+            self.rules.settle(own, self.state, iteration)
+        if not last:
+            self._pending = GuardedThread(self._overlapped, f"exchange-{self.ctx.rank}", (iteration, sent))
+            self._pending.start()
+        return record
+
+    def _phases(self, iteration: int, sent: torch.Tensor | None = None) -> dict[str, float]:
+        """Every exchange of the iteration (``sent``: the first one's payload, where made already)."""
         record = {"encode": 0.0, "comm": 0.0, "average": 0.0, "received": 0, "missing": 0}
         for phase in range(self.rules.phases):
             self.rules.phase = phase
+            self._made = sent if phase == 0 else None
             for name, value in self._exchange(iteration, iteration * self.rules.phases + phase).items():
                 record[name] = record.get(name, 0) + value
         return record
+
+    def _overlapped(self, iteration: int, sent: torch.Tensor) -> None:
+        """The exchange thread's work: the iteration's exchanges, their counters kept for ``_join``."""
+        with torch.no_grad():
+            self._counters = self._phases(iteration, sent)
+
+    def _join(self) -> dict[str, float]:
+        """Wait for the exchange under way (raising what ended it, if it failed); its counters, the
+        seconds it took as ``exchange`` ({} when none was under way)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return {}
+        pending.join()
+        pending.raise_if_failed()
+        counters = dict(self._counters)
+        counters["exchange"] = counters.pop("comm", 0.0)
+        return counters
+
+    def stop(self) -> None:
+        if self._pending is not None:
+            self._join()
+        super().stop()
 
     def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
         """One exchange of the iteration (``tag``: its number on the wire, one per phase)."""
@@ -72,8 +118,10 @@ class RoundRunner(Algorithm):
         t0 = time.perf_counter()
         exchange = self.rules.round(iteration)
         self._iteration = iteration
-        with torch.no_grad():
-            sent = self.rules.payload(own, self.state, iteration)
+        sent, self._made = self._made, None  # the payload, where made already (an overlapped exchange's push)
+        if sent is None:
+            with torch.no_grad():
+                sent = self.rules.payload(own, self.state, iteration)
         t1 = time.perf_counter()
         senders = list(exchange.receive_from[rank])
         self.send(list(exchange.send_to[rank]), sent[0], tag, len(senders))

@@ -56,6 +56,7 @@ class RoundAlgorithm(Definition):
 
     needs: ClassVar[Needs] = Needs(dynamic=True)
     linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum): a sparse product in the batched engine
+    overlaps: bool = False  # each exchange runs on during the next iteration's local steps (``settle``)
     keeps_missing: bool = True  # a sender not heard in time leaves its weight to the node's own payload
     phases: ClassVar[int] = 1
     talks_to: ClassVar[str] = "neighbours"
@@ -90,6 +91,13 @@ class RoundAlgorithm(Definition):
     def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
         """Called with the models ``own`` each node starts ``iteration``'s local steps from (after
         any outer step of the iteration before)."""
+
+    def settle(self, own: "Tensor", state: State, iteration: int) -> None:
+        """For an algorithm that ``overlaps``: called at ``iteration``, after its local steps, once the
+        exchange of the iteration before is over and this iteration's push is made (its payload
+        copied aside), to have the models take that exchange's outcome. The engines then start this
+        iteration's exchange, which must read and write only the algorithm's state, never ``own``
+        (the process engine runs it beside the next local steps); none starts at the last iteration."""
 
     def span(self, iteration: int) -> "tuple[int, int] | None":
         """The part [a, b) of the state ``iteration``'s exchange aggregates (an outer optimizer steps

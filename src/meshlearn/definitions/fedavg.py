@@ -76,6 +76,7 @@ class FedAvg(RoundAlgorithm):
                               f"it was given {len(self.shard_sizes)} shard sizes for {nodes} nodes")
         options = settings or FedAvgSettings()
         self.fraction, self.fragments, self.bits = options.fraction, options.fragments, BITS.get(options.compress, 0)
+        self.overlaps, self.mix = options.overlap, options.mix
         from meshlearn.aggregation.weights import by_samples
 
         self.samples = by_samples(self.shard_sizes)
@@ -89,10 +90,6 @@ class FedAvg(RoundAlgorithm):
     def linear(self) -> bool:
         """The weighted sum of the models sent; not where changes travel quantized (each is decoded)."""
         return not self.bits
-
-    def span(self, iteration: int) -> tuple[int, int] | None:
-        """The part of the state ``iteration`` exchanges (None: all of it)."""
-        return None if self.fragments == 1 else self._part(iteration)
 
     def _part(self, iteration: int) -> tuple[int, int]:
         return self._spans[iteration % len(self._spans)]
@@ -141,28 +138,80 @@ class FedAvg(RoundAlgorithm):
 
     def begin(self, own: "Tensor") -> State:
         """The last average the server sent (kept by the server's row only); with ``compress``, every
-        row's model at the round's start and its error feedback."""
+        row's model at the round's start and its error feedback; with ``overlap``, what an exchange
+        under way reads (the models as sent, and as at the round's start) and writes (its outcome),
+        apart from the models that train on meanwhile, and each node's part as trained when the
+        outcome came."""
         self._spans, self._dtype = fragment_spans(own.shape[1], self.fragments), own.dtype
         state = {"global": own[self.ranks.index(SERVER)].clone()} if SERVER in self.ranks and not self.bits else {}
         if self.bits:
             state.update(before=own.clone(), error=own.new_zeros(own.shape))
+        if self.overlaps:
+            state.update(sent=own.clone(), late=own.clone(), local=own.clone())
+            if self.bits:
+                state["base"] = own.clone()
         return state
 
+    def merged(self, iteration: int) -> tuple[int, int] | None:
+        """The part whose exchange's outcome the models take at ``iteration`` (the part exchanged
+        then; with ``overlap``, the one exchanged the iteration before, none at the first)."""
+        if not self.overlaps:
+            return self._part(iteration)
+        return self._part(iteration - 1) if iteration > 0 else None
+
+    def span(self, iteration: int) -> tuple[int, int] | None:
+        """The part of the state whose exchange's outcome the models take at ``iteration`` (None:
+        all of it, every iteration's)."""
+        if self.fragments == 1 and not self.overlaps:
+            return None
+        return self.merged(iteration) or (0, 0)
+
     def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
-        """With ``compress``: the part last exchanged, as the node starts its steps from it (after
-        any outer step), is where its next change starts."""
-        if self.bits and iteration > 0:
-            a, b = self._part(iteration - 1)
+        """The part the models took an outcome of last iteration, as each node starts its steps from
+        it (after any outer step): with ``compress``, where its next change starts; with
+        ``overlap``, mixed with the node's own part as trained meanwhile (Streaming DiLoCo's
+        ``mix * own + (1 - mix) * outcome``)."""
+        taken = self.merged(iteration - 1) if iteration > 0 else None
+        if taken is None:
+            return
+        a, b = taken
+        if self.bits:
             state["before"][:, a:b] = own[:, a:b]
+        if self.overlaps:
+            own[:, a:b].mul_(1 - self.mix).add_(state["local"][:, a:b], alpha=self.mix)
+
+    def settle(self, own: "Tensor", state: State, iteration: int) -> None:
+        """With ``overlap``, at ``iteration`` once the exchange of the iteration before is over: each
+        node's part as trained is kept aside (``start_round`` mixes it back) and the models take
+        the exchange's outcome, for the outer step."""
+        taken = self.merged(iteration) if self.overlaps else None
+        if taken is None:
+            return
+        a, b = taken
+        state["local"][:, a:b] = own[:, a:b]
+        own[:, a:b] = state["late"][:, a:b]
+
+    def _rows(self, own: "Tensor", state: State) -> tuple["Tensor", "Tensor | None", "Tensor"]:
+        """What the exchange reads as the models and as the models at the round's start, and where
+        it writes its outcome: the models themselves, or (``overlap``) copies apart from them."""
+        if not self.overlaps:
+            return own, state.get("before"), own
+        return state["sent"], state.get("base"), state["late"]
 
     def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
         """The part's model, then a 1 (what the weighted sum adds up to the weight that came); with
         ``compress``, the quantized change: each drawn client's in the push, the server's average
-        in its answer (the other rows send nothing, and their error feedback is left alone)."""
+        in its answer (the other rows send nothing, and their error feedback is left alone). With
+        ``overlap``, the push first copies what the exchange reads."""
         a, b = self._part(iteration)
+        if self.overlaps and self.phase == 0:
+            state["sent"][:, a:b] = own[:, a:b]
+            if self.bits:
+                state["base"][:, a:b] = state["before"][:, a:b]
+        models, before, outcome = self._rows(own, state)
         if not self.bits:
             sent = own.new_empty((own.shape[0], b - a + 1))
-            sent[:, :-1] = own[:, a:b]
+            sent[:, :-1] = (models if self.phase == 0 else outcome)[:, a:b]
             sent[:, -1] = 1.0
             return sent
         import torch
@@ -174,8 +223,7 @@ class FedAvg(RoundAlgorithm):
             drawn = set(participants(self.seed, iteration, self.nodes, self.fraction))
             for row, rank in enumerate(self.ranks):
                 if rank != SERVER and rank in drawn:
-                    codec.encode_(state["before"][row, a:b] - own[row, a:b], state["error"][row, a:b], rank, tag,
-                                  sent[row])
+                    codec.encode_(before[row, a:b] - models[row, a:b], state["error"][row, a:b], rank, tag, sent[row])
         elif SERVER in self.ranks:
             row = self.ranks.index(SERVER)
             codec.encode_(state.pop("average"), state["error"][row, a:b], SERVER, tag, sent[row])
@@ -192,32 +240,35 @@ class FedAvg(RoundAlgorithm):
         """Each row's part: the weighted sum over the weight that came; the server with nothing
         come keeps the last average."""
         a, b = self._part(iteration)
+        outcome = self._rows(own, state)[2]
         total = mixed[:, -1:]
         row = self.ranks.index(SERVER) if SERVER in self.ranks else None
         if self.phase == 0:  # only the server takes anything: a client's row is its own model over 1, unchanged
             if row is not None:
                 if float(total[row]) == 0.0:  # nobody's model this round
-                    own[row, a:b] = state["global"][a:b]
+                    outcome[row, a:b] = state["global"][a:b]
                 else:
-                    own[row, a:b] = mixed[row, :-1] / total[row]
+                    outcome[row, a:b] = mixed[row, :-1] / total[row]
         else:
-            own[:, a:b] = mixed[:, :-1] / total.clamp_min(1e-30)
+            outcome[:, a:b] = mixed[:, :-1] / total.clamp_min(1e-30)
         if row is not None:
-            state["global"][a:b] = own[row, a:b]
+            state["global"][a:b] = outcome[row, a:b]
 
     def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
                     own_weight: "Tensor", iteration: int) -> None:
         """With ``compress``. The push: the server's average change, by samples, of its own (exact)
         and the decoded changes that came (none come: no change). The answer: every row that has it
-        (the server's own) takes its model at the round's start minus the decoded average."""
+        (the server's own) takes its model at the round's start minus the decoded average; one that
+        did not trains on from its own model."""
         a, b = self._part(iteration)
-        codec, before = self._codec(b - a, self._dtype), state["before"]
+        codec = self._codec(b - a, self._dtype)
+        models, before, outcome = self._rows(own, state)
         if self.phase == 0:
             if SERVER in self.ranks:
                 row = self.ranks.index(SERVER)
                 average, total = own.new_zeros(b - a), float(own_weight[row]) + float(weights[row].sum())
                 if float(own_weight[row]) > 0:
-                    average.add_(before[row, a:b] - own[row, a:b], alpha=float(own_weight[row]))
+                    average.add_(before[row, a:b] - models[row, a:b], alpha=float(own_weight[row]))
                 for k in range(received.shape[1]):
                     if float(weights[row, k]) > 0:
                         average.add_(codec.decode(received[row, k]).to(own.device), alpha=float(weights[row, k]))
@@ -228,9 +279,11 @@ class FedAvg(RoundAlgorithm):
                 encoded = sent[row]
             elif received.shape[1] and float(weights[row, 0]) > 0:
                 encoded = received[row, 0]
-            else:  # the answer did not come: it trains on from its own model
+            else:  # the answer did not come: its own model (the outcome is the model itself, or a copy to take)
+                if outcome is not own:
+                    outcome[row, a:b] = models[row, a:b]
                 continue
-            own[row, a:b] = before[row, a:b] - codec.decode(encoded).to(own.device)
+            outcome[row, a:b] = before[row, a:b] - codec.decode(encoded).to(own.device)
 
 
 def fragment_spans(numel: int, fragments: int) -> list[tuple[int, int]]:

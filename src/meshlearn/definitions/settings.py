@@ -60,10 +60,12 @@ class LeaderSettings(Settings):
 
 
 class FedAvgSettings(Settings):
-    """FedAvg's settings (flat names: ``fedavg_fraction``, ``fedavg_compress``, ``fedavg_fragments``)."""
+    """FedAvg's settings (flat names: ``fedavg_fraction``, ``fedavg_compress``, ``fedavg_fragments``,
+    ``fedavg_overlap``, ``fedavg_mix``)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction", "compress": "fedavg_compress",
-                                            "fragments": "fedavg_fragments"}
+                                            "fragments": "fedavg_fragments", "overlap": "fedavg_overlap",
+                                            "mix": "fedavg_mix"}
 
     fraction: float = Field(1.0, gt=0, le=1, description="share of the nodes whose models the server takes each "
                             "round (drawn from the seed; DecentralizePy's working_fraction)")
@@ -74,9 +76,16 @@ class FedAvgSettings(Settings):
                            "exchanged at iterations f, f + F, ...: each part synchronised every F iterations, "
                            "their offsets spread over them (needs fedavg_fraction 1)")
 
+    overlap: bool = Field(False, description="Streaming DiLoCo's overlap: each iteration's exchange goes on while "
+                          "the next iteration's local steps run, and its outcome (after any outer step) is mixed into "
+                          "the part as trained meanwhile (needs fedavg_fraction 1)")
+    mix: float = Field(0.5, ge=0, le=1, description="with overlap: the share of its own part, as trained meanwhile, a "
+                       "node keeps when the exchange's outcome comes (Streaming DiLoCo's alpha)")
+
     @model_validator(mode="after")
     def _every_node_with_fragments(self) -> "FedAvgSettings":
-        if self.fragments > 1 and self.fraction < 1:
-            raise ValueError(f"fedavg_fragments {self.fragments} needs fedavg_fraction 1 (every node trains every "
-                             "iteration, each exchanging one part of its model)")
+        for name, asked in (("fedavg_fragments", self.fragments > 1), ("fedavg_overlap", self.overlap)):
+            if asked and self.fraction < 1:
+                raise ValueError(f"{name} needs fedavg_fraction 1 (every node trains every iteration, and takes "
+                                 "each exchange's outcome)")
         return self

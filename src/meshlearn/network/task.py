@@ -241,12 +241,13 @@ def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
 
 
 def fedavg_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
-    """``task`` unless it asks FedAvg for quantized changes or fragments, which a network task's
-    FedAvg (the synchronous leader, sending whole models) does not do; else ValueError in one line."""
+    """``task`` unless it asks FedAvg for quantized changes, fragments or overlapped exchanges, which
+    a network task's FedAvg (the synchronous leader) does not do; else ValueError in one line."""
     fedavg = task.fedavg
-    if fedavg.compress != "none" or fedavg.fragments > 1:
-        raise ValueError("--fedavg-compress and --fedavg-fragments run in simulations (meshlearn run, experiment) "
-                         "only: a network task's FedAvg is the synchronous leader, which sends whole models; drop them")
+    if fedavg.compress != "none" or fedavg.fragments > 1 or fedavg.overlap:
+        raise ValueError("--fedavg-compress, --fedavg-fragments and --fedavg-overlap run in simulations (meshlearn "
+                         "simulate, experiment) only: a network task's FedAvg is the synchronous leader, which sends "
+                         "whole models in turn; drop them")
     return task
 
 

@@ -36,6 +36,8 @@ class BatchedRounds(BatchedAlgorithm):
         self.network = ctx.network
         self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
+        self._done_at: np.ndarray | None = None  # overlapping: when each node's exchange under way ends (modelled)
+        self._made: torch.Tensor | None = None  # the next exchange's payload, where made already
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.stacked.state, self.state, iteration)
@@ -52,17 +54,38 @@ class BatchedRounds(BatchedAlgorithm):
         nodes = self.ctx.config.nodes
         record = {"comm": np.zeros(nodes), "received": np.zeros(nodes, dtype=np.int64),
                   "missing": np.zeros(nodes, dtype=np.int64)}
+        sent, clocks = None, self.ctx.clocks
+        if self.rules.overlaps:  # the process engine's models, its exchange modelled beside the next local steps
+            if self._done_at is not None:  # the exchange of the iteration before: waited for what it did not hide
+                record["comm"] = np.maximum(0.0, self._done_at - clocks.now)
+                clocks.now = np.maximum(clocks.now, self._done_at)
+                self._done_at = None
+            if iteration + 1 == self.ctx.config.iterations:  # the last: the outcome of the one before, no new one
+                self.rules.settle(self.ctx.stacked.state, self.state, iteration)
+                return record
+            self.rules.phase = 0
+            sent = self.rules.payload(self.ctx.stacked.state, self.state, iteration)
+            self.rules.settle(self.ctx.stacked.state, self.state, iteration)
+        started = clocks.now.copy()
+        counts = {}
         for phase in range(self.rules.phases):
             self.rules.phase = phase
+            self._made = sent if phase == 0 else None
             for name, values in self._exchange(iteration).items():
-                record[name] = record[name] + values if name in record else values
-        return record
+                counts[name] = counts[name] + values if name in counts else values
+        if self.rules.overlaps:  # the next steps start now; the exchange ends when it ends
+            self._done_at, clocks.now = clocks.now.copy(), started
+            counts["exchange"] = counts.pop("comm")
+        return {**record, **{name: record[name] + values if name in record else values
+                             for name, values in counts.items()}}
 
     def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
         """One exchange of the iteration, for every node."""
         own = self.ctx.stacked.state
         everyone, links, own_weight = self._links(self.rules.round(iteration))
-        sent = self.rules.payload(own, self.state, iteration)
+        sent, self._made = self._made, None  # the payload, where made already (an overlapped exchange's push)
+        if sent is None:
+            sent = self.rules.payload(own, self.state, iteration)
         self.network.carry(sent.shape[1] * sent.element_size())
         arrived, waited = self.network.gather(everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy(),
                                               self.silent())
