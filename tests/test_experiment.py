@@ -2,6 +2,7 @@
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,10 @@ def test_some_runs_of_a_file_and_a_file_stopped_half_way_goes_on_where_it_stoppe
     run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a"]), progress=False,
                    log=said.append)
     first = (tmp_path / "out" / "a" / "summary.json").stat().st_mtime_ns
+    saved = tmp_path / "out" / "a" / "config.yaml"  # written by a version without a setting added since
+    assert "  mix: 0.5\n" in saved.read_text()
+    saved.write_text(saved.read_text().replace("  mix: 0.5\n", ""))
+    os.utime(saved, ns=(first - 10**9, first - 10**9))
     said.clear()
     output = run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a", "b"]),
                             progress=False, log=said.append, resume=True)
@@ -204,6 +209,12 @@ def test_some_runs_of_a_file_and_a_file_stopped_half_way_goes_on_where_it_stoppe
     assert (tmp_path / "out" / "a" / "summary.json").stat().st_mtime_ns == first  # not run again
     assert any(line.startswith("[2/2] b: ") and "kept" not in line for line in said)
     assert [row["run"] for row in csv.DictReader((output / "table.csv").open())] == ["a", "b"]  # both reported
+    log = next((tmp_path / "out" / "b" / "logs").glob("*.jsonl"))  # a run stopped before its summary: run again
+    os.utime(log, ns=(log.stat().st_mtime_ns + 10**9,) * 2)
+    said.clear()
+    run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["b"]), progress=False,
+                   log=said.append, resume=True)
+    assert "kept" not in said[0]
     path.write_text(path.read_text().replace("{name: a}", "{name: a, lr: 0.3}"))  # another configuration: run again
     said.clear()
     run_experiment(load_experiment(path, quick=False, output=tmp_path / "out", only=["a"]), progress=False,

@@ -180,12 +180,18 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
 
 
 def finished_run(config: ExperimentConfig) -> bool:
-    """Whether ``config.output`` holds a finished run (its summary.json) of this configuration (its
-    config.yaml the same, but for the step time a batched run measured and wrote there)."""
+    """Whether ``config.output`` holds a finished run of this configuration: its summary.json written
+    after its last log line, and its config.yaml, resolved by this version (settings added since
+    take their defaults), the same but for the step time a batched run measured and wrote there."""
     folder = Path(config.output)
-    if not (folder / "summary.json").is_file():
+    summary, logs = folder / "summary.json", list((folder / "logs").glob("*.jsonl"))
+    if not summary.is_file() or not logs or max(f.stat().st_mtime for f in logs) > summary.stat().st_mtime:
         return False
-    saved, fresh = run_config(folder), yaml.safe_load(config.model_copy(update={"output": str(folder)}).to_yaml())
+    try:
+        saved = yaml.safe_load(make_config(run_config(folder)).to_yaml())
+    except ConfigError:
+        return False
+    fresh = yaml.safe_load(config.model_copy(update={"output": str(folder)}).to_yaml())
     if isinstance(saved.get("batched"), dict) and isinstance(fresh.get("batched"), dict) and \
             not fresh["batched"].get("step_time"):
         fresh["batched"]["step_time"] = saved["batched"].get("step_time")
