@@ -179,8 +179,15 @@ def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_the
     fig = comparison_figure("mini", [("full", with_loss), ("diloco", with_loss)])  # and the loss below: loss per MB
     try:
         assert [ax.get_ylabel() for ax in fig.axes] == ["mean test accuracy"] * 3 + ["mean test loss"] * 3
+        assert fig.axes[5].get_xscale() == "linear"  # 10x apart: a linear scale
         assert list(fig.axes[5].get_lines()[0].get_xdata()) == pytest.approx([0.5 * i for i in range(1, 11)])
         assert list(fig.axes[5].get_lines()[0].get_ydata()) == [2.0 / i for i in range(1, 11)]
+    finally:
+        plt.close(fig)
+    rare = [dict(r, mb_sent_mean=r["mb_sent_mean"] / 1000) for r in with_loss]  # DiLoCo against every step
+    fig = comparison_figure("mini", [("full", with_loss), ("diloco", rare)])
+    try:
+        assert fig.axes[2].get_xscale() == fig.axes[5].get_xscale() == "log" and "log" in fig.axes[2].get_xlabel()
     finally:
         plt.close(fig)
 

@@ -289,7 +289,8 @@ MARKERS = ("o", "s", "^", "v", "D", "x", "+", "*")
 def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]], time_axis: str = TIME_LABEL):
     """Mean test accuracy of each run (name, evaluation table; where every run is a language
     model's, its perplexity) against iteration, against time (labelled ``time_axis``) and, where
-    every run counts them, against the bytes each node sent (accuracy for the traffic); below, where
+    every run counts them, against the bytes each node sent (accuracy for the traffic; on a log scale
+    where runs send orders of magnitude apart); below, where
     every run has it, the mean test loss against the same. Every run gets its own line style and
     (hollow) marker, so identical curves stay visible. The caller saves and closes the matplotlib Figure."""
     plt = pyplot()
@@ -310,9 +311,13 @@ def comparison_figure(title: str, curves: list[tuple[str, list[dict[str, Any]]]]
             values = [r[y_key] for r in table]
             for ax, (x_key, _) in zip(axes, axes_keys):
                 ax.plot([r[x_key] for r in table], values, **style)
+    sent = [r["mb_sent_mean"] for _, table in curves for r in table if r.get("mb_sent_mean", 0) > 0]
+    spread = bool(sent) and max(sent) > 100 * min(sent)  # runs that send orders of magnitude apart
     for axes, (_, y_label) in zip(grid, metrics):
-        for ax, (_, label) in zip(axes, axes_keys):
-            ax.set_xlabel(label)
+        for ax, (x_key, label) in zip(axes, axes_keys):
+            ax.set_xlabel(label + (" (log scale)" if x_key == "mb_sent_mean" and spread else ""))
+            if x_key == "mb_sent_mean" and spread:
+                ax.set_xscale("log")
             ax.set_ylabel(y_label)
             ax.grid(alpha=0.3)
     grid[0][-1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")  # one legend, beside the plots
