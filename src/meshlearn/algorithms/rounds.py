@@ -111,6 +111,11 @@ class RoundRunner(Algorithm):
             self._join()
         super().stop()
 
+    def check(self) -> None:
+        super().check()
+        if self._pending is not None:  # an overlapped exchange that failed is known at once, not at its join
+            self._pending.raise_if_failed()
+
     def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
         """One exchange of the iteration (``tag``: its number on the wire, one per phase)."""
         ctx, rank = self.ctx, self.ctx.rank
