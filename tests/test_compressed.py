@@ -159,9 +159,7 @@ def test_an_overlapped_exchange_reads_and_writes_apart_from_the_models_and_is_ta
     state = rules.begin(own)
     assert rules.span(0) == (0, 0) and rules.span(1) == rules.span(5) == (0, 8)  # an outer step only on what was taken
     trained = own.clone()
-    rules.phase = 0
-    push = rules.payload(own, state, 0)  # the engines: this iteration's push, then ``settle``, then the exchange
-    rules.settle(own, state, 0)
+    push = rules.push(own, state, 0, last=False)  # what both engines do: the push, ``settle``, then the exchange
     assert torch.equal(own, trained)  # nothing to take yet
     own.add_(1.0)  # the next local steps, while the exchange goes on
     during = own.clone()
@@ -169,9 +167,7 @@ def test_an_overlapped_exchange_reads_and_writes_apart_from_the_models_and_is_ta
     assert torch.equal(own, during)  # the exchange never touched the models that train on
     average = (trained * torch.tensor([[1.0], [1.0], [2.0]])).sum(0) / 4
     assert all(torch.allclose(row, average) for row in state["late"])
-    rules.phase = 0
-    rules.payload(own, state, 1)
-    rules.settle(own, state, 1)  # iteration 1: its push made, the models take the outcome of iteration 0
+    assert rules.push(own, state, 1, last=True) is None  # the last iteration: no push, the outcome of iteration 0
     assert all(torch.allclose(row, average) for row in own) and torch.equal(state["local"], during)
     own.mul_(2.0)  # an outer step on it
     rules.start_round(own, state, 2)  # before iteration 2's steps: mixed with the part as trained meanwhile

@@ -69,12 +69,10 @@ class RoundRunner(Algorithm):
         record = self._join()
         waited = time.perf_counter() - t0
         record["comm"] = waited  # what the local steps did not hide (the exchange's own time is in "exchange")
-        own, last = self.ctx.flat.state.detach().unsqueeze(0), iteration + 1 == self.ctx.iterations
         with torch.no_grad():
-            self.rules.phase = 0
-            sent = None if last else self.rules.payload(own, self.state, iteration)
-            self.rules.settle(own, self.state, iteration)
-        if not last:
+            sent = self.rules.push(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration,
+                                   last=iteration + 1 == self.ctx.iterations)
+        if sent is not None:
             self._pending = GuardedThread(self._overlapped, f"exchange-{self.ctx.rank}", (iteration, sent))
             self._pending.start()
         return record

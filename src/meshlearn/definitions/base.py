@@ -99,6 +99,16 @@ class RoundAlgorithm(Definition):
         iteration's exchange, which must read and write only the algorithm's state, never ``own``
         (the process engine runs it beside the next local steps); none starts at the last iteration."""
 
+    def push(self, own: "Tensor", state: State, iteration: int, last: bool) -> "Tensor | None":
+        """For an algorithm that ``overlaps``, after ``iteration``'s local steps, once the exchange
+        of the iteration before is over: this iteration's payload (None at the ``last`` iteration,
+        which starts no exchange), then ``settle``. Both engines call it, then start the exchange
+        with that payload."""
+        self.phase = 0
+        sent = None if last else self.payload(own, state, iteration)
+        self.settle(own, state, iteration)
+        return sent
+
     def span(self, iteration: int) -> "tuple[int, int] | None":
         """The part [a, b) of the state ``iteration``'s exchange aggregates (an outer optimizer steps
         only it); None: all of it."""

@@ -60,12 +60,10 @@ class BatchedRounds(BatchedAlgorithm):
                 record["comm"] = np.maximum(0.0, self._done_at - clocks.now)
                 clocks.now = np.maximum(clocks.now, self._done_at)
                 self._done_at = None
-            if iteration + 1 == self.ctx.config.iterations:  # the last: the outcome of the one before, no new one
-                self.rules.settle(self.ctx.stacked.state, self.state, iteration)
+            sent = self.rules.push(self.ctx.stacked.state, self.state, iteration,
+                                   last=iteration + 1 == self.ctx.config.iterations)
+            if sent is None:  # the last: the outcome of the one before, no new exchange
                 return record
-            self.rules.phase = 0
-            sent = self.rules.payload(self.ctx.stacked.state, self.state, iteration)
-            self.rules.settle(self.ctx.stacked.state, self.state, iteration)
         started = clocks.now.copy()
         counts = {}
         for phase in range(self.rules.phases):
