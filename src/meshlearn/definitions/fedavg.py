@@ -23,7 +23,13 @@ hear the server trains on from its own model, and its next change starts from th
 ``fragments`` F (Streaming DiLoCo, Douillard et al. 2025): the state in F contiguous parts of equal
 size; iteration i exchanges part i mod F only (``span``), so each part is synchronised every F
 iterations, part f at offsets f, f + F, ...: the traffic of a round is spread over F iterations, and
-an outer optimizer steps the part just aggregated."""
+an outer optimizer steps the part just aggregated.
+
+``overlap`` (Streaming DiLoCo's): each iteration's exchange reads the models as pushed and writes
+its outcome apart from the models (``state``), so it can run beside the next iteration's local
+steps; after them the models take the outcome (``settle``: each node's part as trained kept aside),
+the outer optimizer steps it, and before the next steps it is mixed with the part as trained,
+``mix * trained + (1 - mix) * outcome`` (``start_round``)."""
 
 from __future__ import annotations
 
