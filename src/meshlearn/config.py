@@ -145,6 +145,10 @@ class ExperimentConfig(Settings):
     threads: int = Field(1, ge=1, description="torch intra-op threads per node process")
     output: str | None = Field(None, description="results folder (default: runs/<timestamp>; meshlearn "
                                  "node: runs/<address file name>)")
+    checkpoint_every: int | None = Field(
+        None, ge=0, description="keep the run's state every this many iterations, to continue it after a crash "
+        "(simulate --resume FOLDER); 0: never (default: every test_after iterations, at most 20 times a run)")
+    checkpoint_keep: int = Field(2, ge=1, le=1000, description="how many of the newest checkpoints a run keeps")
     tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
     udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
     dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
@@ -351,6 +355,26 @@ class ExperimentConfig(Settings):
             r, _, amount = item.partition(":")
             found[r] = _slowdown_amount(amount)
         return found.get(str(rank), found.get("*", (1.0, 0.0)))
+
+    @property
+    def checkpoint_interval(self) -> int:
+        """Iterations between two checkpoints (0: none): ``checkpoint_every``, or by default every
+        ``test_after`` iterations, at most 20 times a run."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return max(self.test_after, -(-self.iterations // 20))
+
+    def checkpoint_due(self, done: int) -> bool:
+        """Whether the run keeps a checkpoint once ``done`` iterations are done (never after the last)."""
+        every = self.checkpoint_interval
+        return bool(every) and done % every == 0 and done < self.iterations
+
+    def fingerprint(self) -> str:
+        """What makes two configurations the same run (all but where its results go), as a digest a
+        checkpoint records: a run resumes only from its own."""
+        import hashlib
+
+        return hashlib.sha256(self.model_copy(update={"output": None}).to_yaml().encode()).hexdigest()[:16]
 
     def node_evaluates(self, rank: int) -> bool:
         """Whether node ``rank`` runs the periodic test evaluation."""

@@ -37,6 +37,10 @@ class ModelError(UserInputError):
     """An unknown model name or a model that does not fit the data."""
 
 
+class CheckpointError(UserInputError):
+    """A checkpoint that cannot be resumed from: missing, damaged, or of another run."""
+
+
 class WireError(MeshlearnError):
     """A message that cannot be decoded: bad magic/version, wrong sizes, unknown dtype, too big."""
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -58,9 +59,11 @@ def _value(text: str, spec: str) -> Any:
     return numbers[0] if len(numbers) == 1 else tuple(numbers)
 
 
-class TorchRows:
+class TorchRows(Stateful):
     """A ``torch.optim`` optimizer over parameter rows (``[N, P]``, a view the update writes
     through), stepped with explicit gradients like ``StackedSGD``; every row steps together."""
+
+    state_fields = ("optimizer",)
 
     def __init__(self, params: "torch.Tensor", optimizer: "torch.optim.Optimizer"):
         self.params, self.optimizer = params, optimizer

@@ -10,12 +10,13 @@ from typing import Any, Iterator
 
 class JsonlLog:
     """One JSON object per line, flushed as it goes so a crash loses little. The first write of a
-    log starts the file afresh (a rerun into the same folder must not append to the last run)."""
+    log starts the file afresh (a rerun into the same folder must not append to the last run),
+    unless ``append`` (a resumed run, whose log ``truncate_log`` cut back to its checkpoint)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, append: bool = False):
         self.path = Path(path)
         self._file = None
-        self._opened = False
+        self._opened = append
 
     def write(self, event: dict[str, Any]) -> None:
         """Add one event."""
@@ -44,6 +45,23 @@ def read_jsonl(path: str | Path) -> Iterator[dict[str, Any]]:
                 yield json.loads(line)
             except ValueError:
                 continue
+
+
+def truncate_log(path: str | Path, iteration: int) -> None:
+    """Cut a run log back to what it held once ``iteration`` iterations were done (a run resumed
+    from its checkpoint of then writes the rest again): its iteration events before ``iteration``,
+    its evaluations up to it, no final event; the file is replaced whole, never left half cut."""
+    path = Path(path)
+    kept = []
+    for event in read_jsonl(path):
+        kind, at = event.get("event"), event.get("iteration")
+        if kind == "final" or (kind == "iteration" and isinstance(at, int) and at >= iteration) or \
+                (kind in ("eval", "resumed") and isinstance(at, int) and at > iteration):
+            continue
+        kept.append(json.dumps(event, separators=(",", ":")) + "\n")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text("".join(kept), encoding="utf-8")
+    os.replace(partial, path)
 
 
 COLUMNAR_LOG = "nodes.jsonl"  # a run's one columnar log of every node, in its logs/ folder (batched engine)

@@ -11,11 +11,15 @@ from typing import Callable
 
 import torch
 
+from meshlearn.checkpoint import Stateful
 
-class StackedSGD:
+
+class StackedSGD(Stateful):
     """SGD with momentum and weight decay (no dampening, no Nesterov) on rows of parameters, each
     row with its own momentum buffer: row i follows exactly the update ``torch.optim.SGD`` makes
     for node i."""
+
+    state_fields = ("lr", "buffer", "started")
 
     def __init__(self, params: torch.Tensor, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
         self.params = params  # [N, P], a view the update writes through

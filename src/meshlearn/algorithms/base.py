@@ -11,6 +11,7 @@ import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
+from meshlearn.checkpoint import Stateful
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.plugins import Registry
@@ -59,7 +60,7 @@ class AlgorithmContext:
         return self.attack.sent(state, initial, self.seed, self.rank, iteration, neighbours)
 
 
-class Algorithm(ABC):
+class Algorithm(Stateful, ABC):
     """A way of combining models across nodes, called by the node's run loop.
 
     ``before_local_steps`` runs once per iteration before the local SGD steps, ``before_step`` and
@@ -69,7 +70,8 @@ class Algorithm(ABC):
     ``endpoint`` is the class of endpoint the algorithm needs, which the node factory builds (a
     ``Transport`` means TCP or UDP, as configured); ``talks_to`` says whether it exchanges with
     its neighbours in the topology, with everyone, or (``server``) node 0 with everyone and the
-    others with node 0.
+    others with node 0. ``state_fields``: what a checkpoint keeps of it (none by default: a resumed
+    node starts its exchanges afresh).
     """
 
     name: ClassVar[str]

@@ -42,6 +42,7 @@ class DPSGD(RoundRunner):
     name = "dpsgd"
     definition = DpsgdDefinition
     takes_lossy = True
+    state_fields = (*RoundRunner.state_fields, "sharing")
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)

@@ -32,6 +32,7 @@ class RoundRunner(Algorithm):
     endpoint = Transport
     talks_to = "neighbours"
     takes_lossy: ClassVar[bool] = False
+    state_fields = ("state",)
 
     def __init__(self, ctx: AlgorithmContext):
         super().__init__(ctx)
@@ -103,6 +104,12 @@ class RoundRunner(Algorithm):
         counters = dict(self._counters)
         counters["exchange"] = counters.pop("comm", 0.0)
         return counters
+
+    def state_dict(self) -> dict:
+        """The definition's state, once the exchange under way (if any) has written its outcome."""
+        if self._pending is not None:
+            self._pending.join()
+        return super().state_dict()
 
     def stop(self) -> None:
         if self._pending is not None:

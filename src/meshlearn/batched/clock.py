@@ -26,15 +26,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.config import ExperimentConfig
 from meshlearn.netem import retransmit_delays
 
 
-class VirtualClocks:
+class VirtualClocks(Stateful):
     """Per-node modelled time (seconds since training started), for a run of ``config``.
 
     ``links_sender`` / ``links_receiver`` name the run's directed links (numpy arrays, one entry
     per link); ``message_bytes`` is what one model exchange sends over a link."""
+
+    state_fields = ("now", "rng", "transfer", "message_bytes", "step_seconds")  # a measured step time too
 
     def __init__(self, config: ExperimentConfig, step_time: float, message_bytes: int,
                  links_sender: np.ndarray, links_receiver: np.ndarray):

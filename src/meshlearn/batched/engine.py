@@ -4,6 +4,11 @@ The same experiment as the process engine (same partitions, initial model, batch
 averaging), computed for all nodes at once on an [N, P] state. Its log is one columnar file,
 ``logs/nodes.jsonl`` (``runlog.columnar_event``): one line per iteration for all nodes, which the
 report reads like the process engine's per-node logs. Times in it are modelled (``clock``).
+
+A lockstep run keeps checkpoints (``checkpoint``: every node's state, optimizer, batch order,
+clocks, counters, the algorithm's state and the random generators) and resumes from one to the
+same final models as a run never interrupted. An asynchronous algorithm's run keeps none: its
+event queue is in flight between any two iterations.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
+from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig, load_run_dataset
 from meshlearn.data import (
     Dataset,
@@ -44,14 +50,14 @@ from meshlearn.data import (
 )
 from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
-from meshlearn.errors import ConfigError
+from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
-from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
+from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
 from meshlearn.tasks import task_of
@@ -119,11 +125,13 @@ def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, c
 class BatchedSimulation:
     """One run of ``config`` (``engine: batched``) over ``graph``, logging to ``log_dir``; under
     ``torchrun`` one process of it, holding the nodes of ``shard`` (the first process writes the
-    log). The constructor only records; ``run()`` loads the data, trains and writes the log."""
+    log). ``resume``: continue from the run's checkpoint of that iteration, in ``log_dir``'s results
+    folder. The constructor only records; ``run()`` loads the data, trains and writes the log."""
 
     def __init__(self, config: ExperimentConfig, graph: Graph, log_dir: str | Path,
-                 progress: Progress | None = None, shard: Shard | None = None):
+                 progress: Progress | None = None, shard: Shard | None = None, resume: int | None = None):
         self.config = config
+        self.resume = resume
         self.graph = graph
         self.log_path = Path(log_dir) / COLUMNAR_LOG
         self.progress = progress
@@ -149,7 +157,9 @@ class BatchedSimulation:
 
     def _train(self, run: "_Run") -> dict[int, dict[str, Any]]:
         """The run proper, once built: start event, iterations, final evaluation and summaries."""
-        if run.log is not None:
+        if self.resume is not None:
+            self._restore(run)
+        elif run.log is not None:
             bad = {rank: str(spec) for rank, spec in self.config.attackers().items()}
             run.log.write(columnar_event(
                 "start", run.ranks, {"neighbours": [self.graph.neighbours(r) for r in run.ranks],
@@ -219,6 +229,7 @@ class BatchedSimulation:
             BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
                            [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
         optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
+        outer = config.outer.begin(stacked.params) if config.outer.active and not algorithm.asynchronous else None
         models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients
         return _Run(
             config=config, shard=shard, collective=collective, dataset=dataset, validation=validation,
@@ -229,7 +240,8 @@ class BatchedSimulation:
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
-            samples=[len(part) for part in parts], log=JsonlLog(self.log_path) if shard.main else None,
+            samples=[len(part) for part in parts], outer=outer,
+            log=JsonlLog(self.log_path, append=self.resume is not None) if shard.main else None,
             steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1),
             skips_idle=steps_rows_apart(config.optimizer))
 
@@ -237,8 +249,9 @@ class BatchedSimulation:
         """Every node takes each iteration's steps together, then the algorithm exchanges; returns
         the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
         config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
-        outer = config.outer.begin(run.stacked.params) if config.outer.active else None
-        for iteration in range(config.iterations):
+        outer = run.outer
+        checkpoints = self._checkpoints(run)
+        for iteration in range(run.first, config.iterations):
             if not config.lr_schedule.constant:  # every node at this iteration: the process engine's rate
                 run.sgd.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
             run.algorithm.before_local_steps(iteration)
@@ -265,7 +278,46 @@ class BatchedSimulation:
                     run.write_evaluation(done, evaluation, clocks.now, consensus, validation, on_shards)
             if self.progress is not None:
                 self.progress(done)
+            if checkpoints is not None and config.checkpoint_due(done):
+                checkpoints.save(done, self._parts(run), wall=time.perf_counter() - run.began, engine="batched",
+                                 step_time=self.step_time)
         return evaluation
+
+    def _checkpoints(self, run: "_Run") -> RunCheckpoints | None:
+        """Where this run keeps its checkpoints: none for an asynchronous algorithm, under
+        torchrun (each process would hold a block), or with ``checkpoint_every: 0``."""
+        config = run.config
+        if run.algorithm.asynchronous or self.shard.count > 1 or not config.checkpoint_interval:
+            return None
+        return RunCheckpoints(self.log_path.parent.parent, "nodes", config.fingerprint(), config.checkpoint_keep)
+
+    def _parts(self, run: "_Run") -> dict[str, Any]:
+        """What a checkpoint keeps: every part of the run that changes as it trains."""
+        parts = {"stacked": run.stacked, "sgd": run.sgd, "loaders": run.batches.loaders, "clocks": run.clocks,
+                 "traffic": run.traffic, "network": run.algorithm.ctx.network, "algorithm": run.algorithm,
+                 "outer": run.outer, "torch_rng": torch.get_rng_state()}
+        if run.stacked.state.device.type == "cuda":
+            parts["cuda_rng"] = torch.cuda.get_rng_state(run.stacked.state.device)
+        return parts
+
+    def _restore(self, run: "_Run") -> None:
+        """Continue from the checkpoint of ``resume`` iterations: every part as it was, the log cut
+        back to it (only once the checkpoint has loaded: a bad one leaves the folder as it was)."""
+        checkpoints = self._checkpoints(run)
+        if checkpoints is None:
+            raise CheckpointError(f"a batched {run.config.algorithm} run keeps no checkpoints (asynchronous, "
+                                  "under torchrun, or checkpoint_every 0): it cannot be resumed; run it again")
+        meta, tree = checkpoints.load(self.resume)
+        values = checkpoints.restore(tree, self._parts(run), run.stacked.state.device)
+        torch.set_rng_state(values["torch_rng"])
+        if "cuda_rng" in values:
+            torch.cuda.set_rng_state(values["cuda_rng"].cpu(), run.stacked.state.device)
+        run.first = self.resume
+        self.step_time = float(meta.get("step_time", self.step_time))  # a measured one: the run's first measure
+        run.began = time.perf_counter() - float(meta.get("wall", 0.0))
+        if run.log is not None:
+            truncate_log(self.log_path, self.resume)
+            run.log.write(columnar_event("resumed", run.ranks, {}, iteration=self.resume, time=time.time()))
 
 
 @dataclass
@@ -289,6 +341,8 @@ class _Run:
     evaluating: list[int]
     samples: list[int]
     log: JsonlLog | None
+    outer: Any = None  # the outer optimizer's state (a lockstep run's)
+    first: int = 0  # the first iteration to run (a resumed run's checkpoint)
     began: float = field(default_factory=time.perf_counter)
     steps: int = 1  # local steps per iteration: rounds, or rounds x the shards' batches (full_epochs)
     skips_idle: bool = True  # nodes an iteration does not ask to train skip it (steps_rows_apart)

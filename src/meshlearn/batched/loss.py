@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.netem import NetemSpec
 
 
-class ChunkLoss:
+class ChunkLoss(Stateful):
     """Per link, a two-state Markov chain (Gilbert-Elliott) over the chunks it carries, one
     message after another: the netem emulator's chain (``netem.Emulator``), whose stationary loss
     is exactly ``loss`` and whose lag-1 correlation between successive drops is ``corr``; with
     ``corr`` 0 every chunk is lost independently. A burst of losses then lasts 1 / (1 - a) chunks
     on average, with a = corr + loss (1 - corr) the chance to stay in the losing state."""
+
+    state_fields = ("chunks", "dropped", "rng")
 
     def __init__(self, spec: NetemSpec, links: int, chunks: int, rng: np.random.Generator):
         self.loss = spec.loss

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.topology import Graph, mh_row
 from meshlearn.topology.sampling import Round
@@ -148,7 +149,7 @@ def heard_weights(links: Links, own_weight: torch.Tensor, heard: torch.Tensor,
     return weight, own_weight + links.incoming(links.weight - weight) if keeps_missing else own_weight
 
 
-class ChunkedMixing:
+class ChunkedMixing(Stateful):
     """D-PSGD's average when some chunks of some models are missing (a lossy UDP link), for every
     node at once: per chunk, D-PSGD's ``missing_chunks`` rule (``definitions.dpsgd``, the process
     engine's too) weighs each neighbour whose chunk arrived, and the node keeps the rest. A

@@ -12,13 +12,16 @@ import numpy as np
 
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
+from meshlearn.checkpoint import CheckpointError, Stateful
 from meshlearn.config import ExperimentConfig
 from meshlearn.transport.settings import default_chunk_bytes
 
 
 @dataclass
-class Traffic:
+class Traffic(Stateful):
     """Per-node counters of what the modelled network carried (the process engine's names)."""
+
+    state_fields = ("counters",)
 
     nodes: int
     counters: dict[str, np.ndarray] = field(default_factory=dict)
@@ -53,7 +56,7 @@ class Traffic:
         return {name: int(values[rank]) for name, values in self.counters.items()}
 
 
-class ModelledNetwork:
+class ModelledNetwork(Stateful):
     """Gathers over directed links (numpy arrays of senders and receivers, one entry per link)
     in modelled time, counting what each node sent and received in ``traffic``. ``lossy`` (UDP):
     messages travel as chunks of ``chunk_bytes``, each of which may be lost or late."""
@@ -66,6 +69,22 @@ class ModelledNetwork:
         self.waits = config.udp.mode == "sync"  # UDP's async mode: nobody waits, nobody times out
         self.net, self.seed = config.net, config.seed
         self._loss: ChunkLoss | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The chunk-loss chains, once drawn (a checkpoint's)."""
+        return {"loss": None if self._loss is None else self._loss.state_dict()}
+
+    def load_state(self, state: dict[str, Any], device: str = "cpu") -> None:
+        saved = state.get("loss") if isinstance(state, dict) else None
+        if saved is None:
+            self._loss = None
+            return
+        dropped = saved.get("dropped", {}) if isinstance(saved, dict) else {}
+        links = dropped.get("$array") if isinstance(dropped, dict) else None
+        if links is None or not isinstance(saved.get("chunks"), int):
+            raise CheckpointError("the checkpoint's chunk-loss chains are damaged")
+        self._loss = ChunkLoss(self.net, len(links), saved["chunks"], np.random.default_rng())
+        self._loss.load_state(saved, device)
 
     def gather(self, sender: np.ndarray, receiver: np.ndarray,
                silent: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -9,16 +9,18 @@ import torch
 from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.suspects import PeerRecord, PeerWatch
 from meshlearn.batched.mixing import Links
+from meshlearn.checkpoint import Stateful
 from meshlearn.definitions.dpsgd import robust_merge
 
 
-class RobustMixing:
+class RobustMixing(Stateful):
     """Nodes of equal in-degree are aggregated together, ``[B, 1 + degree, P]`` at a time (B
     bounded so that one block stays under ``BLOCK_ELEMENTS``). A node's own weight is its
     Metropolis-Hastings weight plus those of the links that did not arrive, as in the process
     engine. Counts, per link, the models that were deviant (``deviant``), for suspicion."""
 
     BLOCK_ELEMENTS = 1 << 25
+    state_fields = ("deviant", "heard")
 
     def __init__(self, links: Links, rule: AggregationRule, chunk_elements: int = 0):
         self.links = links

@@ -10,15 +10,18 @@ import torch
 
 from meshlearn.algorithms.averaging import merge_shares_
 from meshlearn.batched.mixing import Links
+from meshlearn.checkpoint import Stateful
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.sharing import Shared, Sharing, make_sharing
 
 
-class SharedMixing:
+class SharedMixing(Stateful):
     """D-PSGD's exchange for every node when nodes send shares of their models (``sharing``):
     each row is averaged with what its neighbours' schemes made of theirs, per value over those
     who sent it (``missing_chunks``), or updated by the scheme itself (CHOCO-SGD). ``chunk_bytes``:
     the size of a message's chunks over a lossy network (0: messages arrive whole or not at all)."""
+
+    state_fields = ("schemes",)
 
     def __init__(self, sharing: str, state: torch.Tensor, links: Links, degrees: list[int], missing_chunks: str,
                  seed: int, chunk_bytes: int = 0):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.flat import FlatState
 
 CONSENSUS_BLOCK = 1 << 22  # parameter values taken to float64 at once for the consensus distance (32 MB)
 
 
-class StackedState:
+class StackedState(Stateful):
     """The states of ``nodes`` copies of ``model``, one row each, in ``FlatState``'s layout
     (parameters first, then floating-point buffers such as BatchNorm's running statistics).
 
@@ -19,6 +20,8 @@ class StackedState:
     floating point (BatchNorm's ``num_batches_tracked``) are counters, kept apart, one per node.
     Every node starts from ``model``'s current values (the run's one initial model).
     """
+
+    state_fields = ("state", "counters")
 
     def __init__(self, model: nn.Module, nodes: int, device: torch.device | str = "cpu"):
         self.template = model

@@ -79,7 +79,7 @@ FLAG_GROUPS = {
     "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate", "topology_colour"],
     "transport and emulated network": ["transport", "net", "loss_mode", "slowdown", "host", "base_port"],
     "what nodes share, robust aggregation, attacks": ["sharing", "aggregation", "byzantine"],
-    "outputs": ["output"],
+    "outputs": ["output", "checkpoint_every", "checkpoint_keep"],
 }
 CONFIG_GROUP = " (flags override the config file)"  # the end of each experiment settings group's title
 SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
@@ -112,7 +112,8 @@ def _resolve(args: argparse.Namespace) -> ExperimentConfig:
     return config
 
 
-def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None) -> dict:
+def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None,
+                    resume: int | None = None) -> dict:
     from meshlearn.sim.checks import check_before_start
 
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
@@ -124,9 +125,9 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     from meshlearn.sim.report import PERPLEXITY_FIGURE
 
     if args is not None and (args.dashboard or args.tensorboard):
-        result = _watched_simulation(config, quiet, args)
+        result = _watched_simulation(config, quiet, args, resume)
     else:
-        result = simulate(config, progress=not quiet, launched=_process_started())
+        result = simulate(config, progress=not quiet, launched=_process_started(), resume=resume)
     if not result.main:  # one of torchrun's other processes: the first one reports
         return {}
     summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
@@ -138,7 +139,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     return summary
 
 
-def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace):
+def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace, resume: int | None = None):
     """A simulation with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
     from meshlearn.sim import simulate
     from meshlearn.sim.launcher import clear_earlier_run, default_output
@@ -146,18 +147,30 @@ def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Na
 
     if not config.output:
         config = config.model_copy(update={"output": str(default_output())})
-    if Path(config.output, "logs").is_dir():
+    if Path(config.output, "logs").is_dir() and resume is None:
         clear_earlier_run(Path(config.output))  # the watcher must not read the last run's logs
     board = RunBoard(config, Path(config.output).name)
     with dashboard(args, board.snapshot), watch_run(args, config, [board] if args.dashboard else []):
         try:
-            return simulate(config, progress=not quiet)
+            return simulate(config, progress=not quiet, resume=resume)
         except BaseException:
             board.finish("failed")
             raise
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
+    if args.resume:
+        from meshlearn.sim.resume import resume_point, saved_config, with_changes
+
+        values: dict[str, Any] = read_config_file(args.config) if args.config else {}
+        values.update(given(args, [name for name, _ in flat_fields()]))
+        config = with_changes(saved_config(args.resume), values)
+        iteration = resume_point(config)
+        if not args.quiet:
+            print(f"resuming {config.output} from its checkpoint at iteration {iteration} of {config.iterations}",
+                  file=sys.stderr)
+        _run_simulation(config, args.quiet, args, iteration)
+        return 0
     _run_simulation(_resolve(args), args.quiet, args)
     return 0
 
@@ -194,7 +207,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
     experiment = load_experiment(args.file, args.quick, args.output, batched=args.batched, only=only)
     check_live_flags(args)
     output = _watched_experiment(experiment, args) if (args.dashboard or args.tensorboard) else \
-        run_experiment(experiment, progress=not args.quiet, resume=args.resume)
+        run_experiment(experiment, progress=not args.quiet, resume=not args.restart)
     print((output / "table.md").read_text())
     print(f"report: {output}  (table.md, table.csv, per_node.csv, comparison.png, iteration_times.png)")
     return 0
@@ -210,6 +223,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
     """An experiment with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
+    from meshlearn.checkpoint import FOLDER as CHECKPOINTS
     from meshlearn.sim.experiment import run_experiment
     from meshlearn.sim.launcher import clear_earlier_run
     from meshlearn.sim.live import ExperimentBoard
@@ -218,8 +232,8 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
 
     @contextlib.contextmanager
     def each_run(name: str, config: ExperimentConfig):
-        if Path(config.output, "logs").is_dir():
-            clear_earlier_run(Path(config.output))
+        if Path(config.output, "logs").is_dir() and (args.restart or not Path(config.output, CHECKPOINTS).is_dir()):
+            clear_earlier_run(Path(config.output))  # (a run that resumes keeps its logs)
         run_board = board.begin(name, config)
         with watch_run(args, config, [run_board] if args.dashboard else []):
             try:
@@ -230,7 +244,7 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
         board.end(name)
 
     with dashboard(args, board.snapshot):
-        return run_experiment(experiment, progress=not args.quiet, around_run=each_run, resume=args.resume)
+        return run_experiment(experiment, progress=not args.quiet, around_run=each_run, resume=not args.restart)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "process with --engine batched)")
     simulate.add_argument("--config", help="YAML experiment file; flags override its settings (default: none)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
+    simulate.add_argument("--resume", metavar="FOLDER", help="continue the interrupted run in this results folder "
+                          "from its newest checkpoint, with its own settings (default: a new run)")
     add_live_flags(simulate)
     _add_config_flags(simulate)
     simulate.set_defaults(func=cmd_simulate)
@@ -260,8 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     experiment.add_argument("--output", help="report folder (default: runs/<name>, plus -quick and/or -batched)")
     experiment.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     experiment.add_argument("--runs", help="only these runs of the file, comma-separated names (the report covers them) (default: all)")
-    experiment.add_argument("--resume", action="store_true", help="keep each run whose folder holds a finished run "
-                            "of the same configuration (a file stopped half-way goes on where it stopped)")
+    experiment.add_argument("--restart", action="store_true", help="run every run afresh (default: keep each run "
+                            "whose folder holds a finished run of the same configuration, and continue one stopped "
+                            "half-way from its newest checkpoint)")
     add_live_flags(experiment)
     experiment.set_defaults(func=cmd_experiment)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.data.datasets import Dataset
 
 
@@ -13,11 +14,13 @@ def loader_seed(run_seed: int, rank: int) -> int:
     return run_seed * 1000 + rank
 
 
-class ShardLoaders:
+class ShardLoaders(Stateful):
     """Endless mini-batches of many nodes' shards, drawn together. Each node reshuffles its shard
     every epoch with its own seeded generator, and a batch never spans two epochs; a step for all
     nodes costs a few array operations (plus a shuffle for each node starting an epoch), not a
     call per node. ``ShardLoader`` is this for one node, so every engine draws the same batches."""
+
+    state_fields = ("generators", "epochs", "samples_seen", "_orders", "_pos")
 
     def __init__(self, shards: list[np.ndarray], batch_size: int, seeds: list[int]):
         self.shards = [np.asarray(shard, dtype=np.int64) for shard in shards]
@@ -76,6 +79,11 @@ class ShardLoader:
             raise ValueError("a node's shard is empty")
         self._many = ShardLoaders([np.asarray(indices)], batch_size, [seed])
         self.batch_size = int(self._many.batch_sizes[0])
+
+    @property
+    def batches(self) -> ShardLoaders:
+        """The batch order's state (one node's ``ShardLoaders``: what a checkpoint keeps)."""
+        return self._many
 
     @property
     def epoch(self) -> int:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig, load_run_dataset
 from meshlearn.data import partition_dataset
 from meshlearn.definitions.base import definition
@@ -73,11 +74,14 @@ def build_node(
     log_dir: str | Path | None = None,
     host: str | None = None,
     port: int | None = None,
+    resume: int | None = None,
 ) -> Node:
     """A Node for ``rank``: its shard of the dataset (seeded split), a model, an optimizer.
 
     Every node starts from the same initial model (seeded by ``config.seed``), as D-PSGD's
-    analysis assumes; shard order is seeded per node.
+    analysis assumes; shard order is seeded per node. With a ``log_dir`` (a run's results folder's
+    ``logs``) it keeps checkpoints in that folder, as the configuration says; ``resume``: it
+    starts from its checkpoint of that iteration.
     """
     if config.models_module:
         load_user_module(config.models_module)
@@ -85,7 +89,14 @@ def build_node(
     parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
-    log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl") if log_dir is not None else None
+    log = JsonlLog(Path(log_dir) / f"node_{rank}.jsonl", append=resume is not None) if log_dir is not None else None
+    checkpoints = RunCheckpoints(Path(log_dir).parent, checkpoint_name(rank), config.fingerprint(),
+                                 config.checkpoint_keep) if log_dir is not None and config.checkpoint_interval else None
     return Node(rank, config, graph, dataset, parts[rank], model,
                 lambda flat: make_transport(config, rank, flat, host, port), log,
-                shard_sizes=[len(part) for part in parts])
+                shard_sizes=[len(part) for part in parts], checkpoints=checkpoints, resume=resume)
+
+
+def checkpoint_name(rank: int) -> str:
+    """The name node ``rank``'s checkpoints go by in its run's checkpoints folder."""
+    return f"node-{rank}"

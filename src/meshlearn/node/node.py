@@ -10,12 +10,13 @@ from torch import nn
 
 from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.attacks.forge import LabelFlip, make_attack
+from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer, steps_rows_apart
-from meshlearn.runlog import JsonlLog
+from meshlearn.runlog import JsonlLog, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
@@ -30,7 +31,9 @@ class Node:
 
     It owns one endpoint and knows nothing about processes, so a launcher may host one node
     per process or many per process. The constructor only builds; ``run()`` connects, trains
-    and closes the transport on every exit path.
+    and closes the transport on every exit path. With ``checkpoints`` it keeps its state when
+    the configuration says (``checkpoint_due``); with ``resume`` too, it starts from its
+    checkpoint of that iteration (its log cut back to it).
     """
 
     def __init__(
@@ -44,8 +47,11 @@ class Node:
         make_transport: Callable[[FlatState], Endpoint],
         log: JsonlLog | None = None,
         shard_sizes: Sequence[int] = (),
+        checkpoints: RunCheckpoints | None = None,
+        resume: int | None = None,
     ):
         self.rank = rank
+        self.checkpoints, self.resume = checkpoints, resume
         self.config = config
         self.graph = graph
         self.dataset, self.validation = split_validation(dataset, config.validation, config.seed)
@@ -128,6 +134,29 @@ class Node:
         result = evaluate_model(self.model, self._shard_set, self.device)
         return {"shard_loss": result.loss, "shard_acc": result.accuracy}
 
+    def _parts(self, outer: dict | None, algorithm: bool = True) -> dict:
+        """What a checkpoint keeps of this node (``algorithm``: its algorithm's state too)."""
+        parts = {"model": self.model.state_dict(), "optimizer": self.optimizer, "loader": self.loader.batches,
+                 "outer": outer, "torch_rng": torch.get_rng_state(), "stats": self.transport.stats.as_dict()}
+        return {**parts, "algorithm": self.algorithm} if algorithm else parts
+
+    def _restore(self, outer: dict | None) -> tuple[dict, dict]:
+        """Load this node's checkpoint of ``resume`` into its model, optimizer, batch order,
+        outer state, random generator and counters (its algorithm's state: ``_restore_algorithm``,
+        once it has started); cut its log back to it. Returns (meta, the checkpoint's tree)."""
+        meta, tree = self.checkpoints.load(self.resume)
+        values = self.checkpoints.restore({name: tree[name] for name in tree if name != "algorithm"},
+                                          self._parts(outer, algorithm=False), self.device)
+        torch.set_rng_state(values["torch_rng"])
+        self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items()
+                                    if name in self.transport.stats.as_dict()})
+        if self.log is not None:
+            truncate_log(self.log.path, self.resume)
+        return meta, tree
+
+    def _save(self, done: int, outer: dict | None, elapsed: float) -> None:
+        self.checkpoints.save(done, self._parts(outer), elapsed=elapsed, rank=self.rank)
+
     def _write(self, event: dict) -> None:
         if self.log is not None:
             self.log.write(event)
@@ -137,18 +166,23 @@ class Node:
         config = self.config
         evaluates = config.node_evaluates(self.rank)
         try:
+            outer = config.outer.begin(self.flat.params.detach().unsqueeze(0)) if config.outer.active else None
+            meta, tree = self._restore(outer) if self.resume is not None else ({}, {})
             self.transport.connect(peers)
             self.algorithm.start()
-            self._write({
-                "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
-                "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
-                "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
-                "byzantine": None if self.behaviour is None else str(self.behaviour),
-            })
-            start = time.perf_counter()
+            if self.resume is not None:
+                self.checkpoints.restore({"algorithm": tree["algorithm"]}, {"algorithm": self.algorithm}, self.device)
+                self._write({"event": "resumed", "rank": self.rank, "iteration": self.resume, "time": time.time()})
+            else:
+                self._write({
+                    "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
+                    "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
+                    "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
+                    "byzantine": None if self.behaviour is None else str(self.behaviour),
+                })
+            start = time.perf_counter() - float(meta.get("elapsed", 0.0))
             last: Evaluation | None = None
-            outer = config.outer.begin(self.flat.params.detach().unsqueeze(0)) if config.outer.active else None
-            for iteration in range(config.iterations):
+            for iteration in range(self.resume or 0, config.iterations):
                 if not config.lr_schedule.constant:
                     self.optimizer.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
                 self.algorithm.before_local_steps(iteration)
@@ -185,6 +219,8 @@ class Node:
                 self._write(record)
                 for hook in self.hooks:
                     hook(self, iteration, record)
+                if self.checkpoints is not None and config.checkpoint_due(done):
+                    self._save(done, outer, time.perf_counter() - start)
             final = (last if last is not None and config.iterations > 0 else self.evaluate(full=True)) \
                 if evaluates else None
             self.algorithm.stop()

@@ -32,6 +32,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from meshlearn.checkpoint import Stateful
 from meshlearn.layout import TensorLayout
 from meshlearn.sharing.spec import SHARINGS, parse_sharing
 
@@ -48,11 +49,12 @@ class Shared:
     unsure: torch.Tensor | None = None
 
 
-class Sharing(ABC):
+class Sharing(Stateful, ABC):
     """One node's side of a sharing scheme (``numel`` values of ``dtype`` per model; ``seed``: the
     run's, for schemes that draw). ``lossy``: its messages travel over a transport that may lose
     chunks of them (UDP), for schemes whose encoding should then differ; ``make_sharing`` sets it
-    after the constructor, so read it in ``encode``, ``decode`` and ``layout``, not there."""
+    after the constructor, so read it in ``encode``, ``decode`` and ``layout``, not there.
+    ``state_fields``: what a checkpoint keeps of a scheme that follows its messages (``checkpoint``)."""
 
     name: ClassVar[str]
     mixes: ClassVar[bool] = False  # True: the scheme updates the model itself (``mix_``)

@@ -40,6 +40,8 @@ class Choco(SparseSharing):
     name = "choco"
     mixes = True
 
+    state_fields = ("own", "estimates", "stale")
+
     def __init__(self, numel: int, dtype: torch.dtype, seed: int, alpha: float, gamma: float = 0.5):
         super().__init__(numel, dtype, seed)
         self.alpha, self.gamma, self.count = alpha, gamma, share_count(alpha, numel)

@@ -21,6 +21,8 @@ class TopK(SparseSharing):
 
     name = "topk"
 
+    state_fields = ("reference",)
+
     def __init__(self, numel: int, dtype: torch.dtype, seed: int, alpha: float):
         super().__init__(numel, dtype, seed)
         self.alpha, self.count = alpha, share_count(alpha, numel)

@@ -16,9 +16,10 @@ from meshlearn.sim.report import RUN_TIMES, write_report
 
 def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[str], None],
                      prepare: Callable[[ExperimentConfig], tuple[Any, Path]],
-                     launched: float) -> tuple[Path, dict[int, dict[str, Any]], bool]:
+                     launched: float, resume: int | None = None) -> tuple[Path, dict[int, dict[str, Any]], bool]:
     """Run ``config`` on the batched engine; (results folder, the nodes' summaries, whether this
-    process is the one that wrote them). ``prepare`` checks the run and makes its folder."""
+    process is the one that wrote them). ``prepare`` checks the run and makes its folder;
+    ``resume``: continue from the run's checkpoint of that iteration."""
     from tqdm import tqdm
 
     from meshlearn.batched.engine import BatchedSimulation
@@ -36,10 +37,10 @@ def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[st
         else:
             graph, output = check_before_start(config), None
         output = Path(collective.broadcast(str(output)))
-        with tqdm(total=config.iterations, desc="iterations", unit="it", disable=not (progress and shard.main),
+        with tqdm(total=config.iterations, initial=resume or 0, desc="iterations", unit="it", disable=not (progress and shard.main),
                   file=sys.stderr) as bar:
             simulation = BatchedSimulation(config, graph, output / "logs", shard=shard,
-                                           progress=lambda done: bar.update(done - bar.n))
+                                           progress=lambda done: bar.update(done - bar.n), resume=resume)
             summaries = simulation.run()
         if shard.main:
             if not config.batched.step_time and config.batched.step_cost == "measured":  # rerun as measured

@@ -50,6 +50,7 @@ from meshlearn.sim.report import (
     run_config,
     x_axes,
 )
+from meshlearn.sim.resume import resumable
 from meshlearn.sim.run import simulate
 
 RUN_KEYS = {"name", "quick", "seeds", "batched"}
@@ -156,22 +157,27 @@ def check_datasets(experiment: Experiment) -> None:
 
 
 def run_experiment(experiment: Experiment, progress: bool = True, log=print, around_run=None,
-                   resume: bool = False) -> Path:
+                   resume: bool = True) -> Path:
     """Run every run of an experiment in turn, then write the comparison report; returns its folder.
     ``around_run(name, config)``: a context manager each run goes on in (say, a live view of it).
-    ``resume``: a run whose folder holds a finished run of the same configuration is kept, not run again."""
+    ``resume`` (the default): a run whose folder holds a finished run of the same configuration is
+    kept, not run again, and one stopped half-way goes on from its newest checkpoint; else every
+    run starts afresh."""
     check_datasets(experiment)
     for index, (name, config) in enumerate(experiment.runs, start=1):
         if resume and finished_run(config):
             log(f"[{index}/{len(experiment.runs)}] {name}: kept, finished before with this configuration "
                 f"({_result_line(Path(config.output))})")
             continue
+        iteration = resumable(config, lambda why: log(f"[{index}/{len(experiment.runs)}] {name}: {why}")) \
+            if resume else None
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
-            f"{' net ' + config.net.describe() if config.net.active else ''}")
+            f"{' net ' + config.net.describe() if config.net.active else ''}"
+            f"{f', resumed at iteration {iteration} of {config.iterations}' if iteration is not None else ''}")
         started = time.monotonic()
         with around_run(name, config) if around_run else contextlib.nullcontext():
-            result = simulate(config, progress=progress)
+            result = simulate(config, progress=progress, resume=iteration)
         log(f"[{index}/{len(experiment.runs)}] {name}: {_result_line(result.output)}, "
             f"{time.monotonic() - started:.1f} s")
     output = Path(experiment.runs[0][1].output).parent

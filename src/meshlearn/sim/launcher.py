@@ -26,6 +26,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from meshlearn.checkpoint import FOLDER as CHECKPOINTS
+from meshlearn.checkpoint import CheckpointStore
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import partition_dataset
 from meshlearn.errors import ConfigError, MeshlearnError, TransportError
@@ -76,13 +78,15 @@ def default_output() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
-def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _silent) -> tuple[Graph, Path]:
+def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _silent,
+                resume: int | None = None) -> tuple[Graph, Path]:
     """Check everything a user can get wrong before any process starts; write config and graph.
 
     A folder that holds an earlier run's node logs is started clean (they would mix into this
     run's report), unless ``keep_logs``: the nodes of a `meshlearn node` run share the folder and
-    start at different moments (each truncates only its own log). Loading the dataset here also
-    fills the on-disk decode cache the node processes share.
+    start at different moments (each truncates only its own log). A run that ``resume``s keeps
+    its logs and checkpoints. Loading the dataset here also fills the on-disk decode cache the node
+    processes share.
     """
     graph = check_before_start(config)
     check_device(config.device)
@@ -95,7 +99,7 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     check_optimizer(config)
     output = Path(config.output) if config.output else default_output()
     output.mkdir(parents=True, exist_ok=True)
-    if not keep_logs:
+    if not keep_logs and resume is None:
         clear_earlier_run(output)
     (output / "config.yaml").write_text(config.model_copy(update={"output": str(output)}).to_yaml())
     write_graph_file(graph, output / "graph.txt")
@@ -133,6 +137,7 @@ def clear_earlier_run(output: Path) -> None:
     for path in stale:
         path.unlink()
     (output / RUN_TIMES).unlink(missing_ok=True)
+    CheckpointStore(output / CHECKPOINTS).clear()  # a fresh run must not resume from another's
     if stale:
         print(f"{output} held an earlier run: removed its {len(stale)} node log(s) so the runs do not mix",
               file=sys.stderr, flush=True)
@@ -152,7 +157,8 @@ def _exit_with_launcher() -> None:
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
-def _node_process(rank: int, config_values: dict, edges: list, events, book_conn, log_dir: str) -> None:
+def _node_process(rank: int, config_values: dict, edges: list, events, book_conn, log_dir: str,
+                  resume: int | None = None) -> None:
     """Entry point of one node process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher alone handles Ctrl-C
     _exit_with_launcher()
@@ -167,7 +173,7 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
         config = ExperimentConfig(**config_values)
         torch.set_num_threads(config.threads)
         graph = Graph(config.nodes, [tuple(e) for e in edges])
-        node = build_node(config, rank, graph, log_dir)
+        node = build_node(config, rank, graph, log_dir, resume=resume)
         transport = node.transport
         try:
             events.put(("bound", rank, transport.bind()))
@@ -193,8 +199,10 @@ def _node_process(rank: int, config_values: dict, edges: list, events, book_conn
 class _Launcher:
     """Owns the node processes of one simulation and guarantees they are gone at the end."""
 
-    def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool, say: Say = _silent):
+    def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool, say: Say = _silent,
+                 resume: int | None = None):
         self.config = config
+        self.resume = resume
         self.graph = graph
         self.log_dir = output / "logs"
         self.progress = progress
@@ -216,7 +224,7 @@ class _Launcher:
                     parent_end, child_end = self.ctx.Pipe(duplex=False)
                     proc = self.ctx.Process(
                         target=_node_process, name=f"meshlearn-node-{rank}",
-                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir)),
+                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir), self.resume),
                     )
                     proc.start()
                     self.procs[rank], self.pipes[rank] = proc, child_end
@@ -279,9 +287,10 @@ class _Launcher:
         from tqdm import tqdm
 
         iterations = self.config.iterations
-        at = {rank: 0 for rank in self.procs}
+        at = {rank: self.resume or 0 for rank in self.procs}
         summaries: dict[int, dict] = {}
-        with tqdm(total=iterations, desc="iterations", unit="it", disable=not self.progress, file=sys.stderr) as bar:
+        with tqdm(total=iterations, initial=self.resume or 0, desc="iterations", unit="it", disable=not self.progress,
+                  file=sys.stderr) as bar:
             while len(summaries) < len(self.procs):
                 try:
                     kind, rank, detail = self.events.get(timeout=0.5)
@@ -322,22 +331,23 @@ class _Launcher:
 
 
 def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
-                  launched: float | None = None) -> SimulationResult:
+                  launched: float | None = None, resume: int | None = None) -> SimulationResult:
     """The process engine: run ``config`` as ``config.nodes`` local node processes on this machine's
     network as it is (``sim.run.run`` picks this engine, and moves a kernel-loss run into a lossy
     namespace first); write its results folder.
 
     ``say`` hears what start-up is doing (default: stderr with progress, nothing without).
-    ``launched``: when the run began, as ``time.time()`` (default: now)."""
+    ``launched``: when the run began, as ``time.time()`` (default: now); ``resume``: continue the
+    run in ``config.output`` from its checkpoint of that iteration (``sim.resume``)."""
     from meshlearn.sim.report import write_report
 
     launched = time.time() if launched is None else launched
     say = say or default_say(progress)
     start_forkserver(config)  # its imports overlap the checks below
-    graph, output = prepare_run(config, say=say)
+    graph, output = prepare_run(config, say=say, resume=resume)
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
         f"model {config.model})")
-    summaries = _Launcher(config, graph, output, progress, say).run()
+    summaries = _Launcher(config, graph, output, progress, say, resume).run()
     (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
     write_report(output)
     return SimulationResult(output, summaries)

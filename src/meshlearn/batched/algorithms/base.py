@@ -14,6 +14,7 @@ from meshlearn.batched.mixing import Links
 from meshlearn.batched.network import ModelledNetwork, Traffic
 from meshlearn.batched.shards import Collective, HaloPlan, Shard
 from meshlearn.batched.stacked import StackedState
+from meshlearn.checkpoint import Stateful
 from meshlearn.config import ExperimentConfig
 from meshlearn.plugins import Registry
 from meshlearn.topology import Graph
@@ -63,12 +64,12 @@ class AsyncDriver(Protocol):
         """Node ``rank`` finished its last step at modelled time ``now``."""
 
 
-class BatchedAlgorithm(ABC):
+class BatchedAlgorithm(Stateful, ABC):
     """A way of combining every node's model at once. A synchronous one is called by the batched
     engine after each iteration's local steps (``after_local_steps``: per-node columns for the run
     log, numpy arrays of N values, ``comm`` each node's modelled waiting time); an
     ``asynchronous`` one runs the nodes' steps itself, in modelled time (``drive``). Both count
-    their traffic in ``traffic``."""
+    their traffic in ``traffic``. ``state_fields``: what a checkpoint keeps of it (``checkpoint``)."""
 
     name: ClassVar[str]
     asynchronous: ClassVar[bool] = False

@@ -30,6 +30,7 @@ class BatchedDPSGD(BatchedRounds):
 
     name = "dpsgd"
     definition = DpsgdDefinition
+    state_fields = (*BatchedRounds.state_fields, "variant")
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)

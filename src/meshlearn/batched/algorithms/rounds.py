@@ -25,6 +25,7 @@ class BatchedRounds(BatchedAlgorithm):
     the other blocks send. Every process models the whole run's network (the same draws)."""
 
     definition: ClassVar[type[RoundAlgorithm]]
+    state_fields = ("state", "_done_at")
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
         super().__init__(ctx, traffic)
