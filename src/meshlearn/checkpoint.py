@@ -266,6 +266,34 @@ def _unpack(tree: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
     return tree
 
 
+def parse_checkpoint(meta_bytes: bytes, tensor_bytes: bytes, iteration: int,
+                     where: str = "checkpoint") -> tuple[dict[str, Any], dict[str, Any]]:
+    """(meta, tree) of one checkpoint's two files (``where``: what to call it in an error);
+    CheckpointError, in one line, for one that is damaged, of another format or not of
+    ``iteration``. Nothing in it is executed: JSON values and tensors only."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load as load_tensors
+
+    try:
+        meta = json.loads(meta_bytes.decode())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{where}.json is not valid JSON ({exc}): the checkpoint is damaged") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{where}.json is not a checkpoint of format {FORMAT} (this version's)")
+    if meta.get("iteration") != iteration:
+        raise CheckpointError(f"{where}.json says it is of iteration {meta.get('iteration')}, not {iteration}")
+    if hashlib.sha256(tensor_bytes).hexdigest() != meta.get("sha256"):
+        raise CheckpointError(f"{where}.safetensors does not match its checksum: the checkpoint is damaged")
+    try:
+        tensors = load_tensors(tensor_bytes)
+    except (SafetensorError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(f"{where}.safetensors is not a valid safetensors file: {exc}") from None
+    tree = _unpack(meta.pop("state", None), tensors, set())
+    if not isinstance(tree, dict):
+        raise CheckpointError(f"{where}.json holds no state")
+    return meta, tree
+
+
 def _write_atomically(path: Path, data: bytes) -> None:
     """``path`` holds ``data`` or what it held before, never part of it (a rename of a synced file)."""
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -325,33 +353,21 @@ class CheckpointStore:
     def load(self, iteration: int, name: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """(meta, tree) of writer ``name``'s checkpoint of ``iteration``; CheckpointError, in one
         line, for one that is missing, damaged, of another format or not the iteration it says."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load as load_tensors
-
         folder = self.folder(iteration)
         meta_path, tensor_path = folder / f"{name}.json", folder / f"{name}.safetensors"
         if not meta_path.is_file() or not tensor_path.is_file():
             raise CheckpointError(f"checkpoint {folder} has no {name}.json and {name}.safetensors: it is incomplete")
-        try:
-            meta = json.loads(meta_path.read_text())
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{meta_path} is not valid JSON ({exc}): the checkpoint is damaged") from None
-        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-            raise CheckpointError(f"{meta_path} is not a checkpoint of format {FORMAT} (this version's)")
-        if meta.get("iteration") != iteration:
-            raise CheckpointError(f"{meta_path} says it is of iteration {meta.get('iteration')}, not {iteration}")
-        data = tensor_path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
-            raise CheckpointError(f"{tensor_path} does not match its checksum: the checkpoint is damaged")
-        try:
-            tensors = load_tensors(data)
-        except (SafetensorError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"{tensor_path} is not a valid safetensors file: {exc}") from None
-        used: set[str] = set()
-        tree = _unpack(meta.pop("state", None), tensors, used)
-        if not isinstance(tree, dict):
-            raise CheckpointError(f"{meta_path} holds no state")
-        return meta, tree
+        return parse_checkpoint(meta_path.read_bytes(), tensor_path.read_bytes(), iteration, str(folder / name))
+
+    def put(self, iteration: int, name: str, meta: bytes, tensors: bytes) -> None:
+        """Keep writer ``name``'s checkpoint of ``iteration`` as received whole (its two files'
+        bytes), once checked (``parse_checkpoint``: CheckpointError for a bad one, nothing written)."""
+        parse_checkpoint(meta, tensors, iteration, name)
+        folder = self.folder(iteration)
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomically(folder / f"{name}.safetensors", tensors)
+        _write_atomically(folder / f"{name}.json", meta)
+        self._prune(name)
 
     def _prune(self, name: str) -> None:
         mine = [iteration for iteration in self.iterations() if self.has(iteration, name)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -290,6 +291,8 @@ def cmd_request(args: argparse.Namespace) -> int:
     _advertise(args.advertise)
     parse_address(split_pinned(args.bootstrap)[0], "--bootstrap")  # a typo is one line before any work
     secret = _secret(args)
+    if args.resume:
+        return _resume_task(args, secret)
     values = _request_values(args)
     if args.models_module:  # before the data: the module may register the dataset too
         from meshlearn.plugins import load_user_module
@@ -313,6 +316,58 @@ def cmd_request(args: argparse.Namespace) -> int:
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     figures = "confusion.png" + (", predictions.png" if (output / "predictions.png").is_file() else "")
     print(f"results: {output}  (model.safetensors, metrics.json, {figures}, task.yaml)")
+    return 0
+
+
+def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
+    """``request --resume TASK_ID``: the task goes on from the checkpoints its requester kept, with
+    its own settings, on as many providers as it had (its own first, where they came back)."""
+    from meshlearn.errors import CheckpointError
+    from meshlearn.network.requester import Requester, summary_line
+    from meshlearn.network.taskstate import KeptCheckpoints, TaskRecord, find_task, secret_digest
+
+    folder = find_task(args.resume, args.output)
+    record = TaskRecord.read(folder)
+    if record.task_id != args.resume:
+        raise CheckpointError(f"{folder} holds task {record.task_id}, not {args.resume}")
+    if record.secret != secret_digest(secret, record.task_id):
+        raise CheckpointError(f"task {record.task_id} ran on a network with another secret: give that network's "
+                              "--secret or --secret-file")
+    if record.status == "done":
+        raise CheckpointError(f"task {record.task_id} is done: its result is in {folder}")
+    changes = {name: value for name, value in _request_values(args).items() if value is not None}
+    saved = record.request.model_dump()
+    differ = sorted(name for name, value in changes.items() if name != "data" and saved.get(name) != value)
+    if differ or (args.data and args.data != record.request.data):
+        raise CheckpointError("--resume goes on with the task's own settings; these differ from them: "
+                              + ", ".join(differ or ["data"]) + " (leave them out, or request a new task)")
+    count = len(record.providers or [])
+    kept = KeptCheckpoints(folder)
+    cycle = kept.latest(count) if count else None
+    if cycle is None:
+        raise CheckpointError(f"task {record.task_id} has no checkpoint from every one of its providers in {folder}: "
+                              "request it afresh")
+    kept.check(cycle, count, record.fingerprint)
+    request = record.request.model_copy(update={"providers": count})
+    if args.models_module:
+        from meshlearn.plugins import load_user_module
+
+        load_user_module(args.models_module)
+    keys = _identity(_requester_key(args), "requester")
+    bootstrap = _pinned_bootstrap(args, secret, required=True)
+    dataset = None
+    if request.data and not request.data_on_providers:
+        from meshlearn.data import load_dataset
+        from meshlearn.network.task import dataset_spec
+
+        dataset = load_dataset(dataset_spec(request.data), context=request.context, vocabulary=request.vocabulary)
+    print(f"task {record.task_id}: resuming from its providers' checkpoints of cycle {cycle}", file=sys.stderr)
+    requester = Requester(request, bootstrap, secret, folder, args.host, args.port, dataset=dataset,
+                          advertise=args.advertise, keys=keys, tensorboard=args.tensorboard,
+                          record=record, resume=cycle)
+    metrics = requester.run()
+    print(f"task {requester.task_id} done: {summary_line(metrics)}")
+    print(f"results: {folder}  (model.safetensors, metrics.json, task.yaml)")
     return 0
 
 
@@ -365,6 +420,9 @@ def add_network_commands(sub) -> None:
                      "(default: none, the requester serves --data)")
     req.add_argument("--config", help="YAML task file; flags override it (default: none)")
     req.add_argument("--output", help="results folder (default: runs/task-<time>)")
+    req.add_argument("--resume", metavar="TASK_ID", help="go on with a task whose processes all stopped, from the "
+                     "checkpoints its providers sent (its results folder: --output, or the one under runs/ that "
+                     "holds it) (default: a new task)")
     req.add_argument("--host", default="127.0.0.1",
                      help="address to serve the data on, 0.0.0.0 for all (default: 127.0.0.1)")
     req.add_argument("--port", type=int, default=0, help="port to serve the data on (default: 0, a free one)")

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import UserInputError
+from meshlearn.errors import BadMessage, UserInputError
 
 DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}
 CLAIM_GRACE = 300.0
@@ -238,17 +238,30 @@ class Registry:
         """Atomically mark up to ``count`` free providers (as ``select`` chooses them) busy with
         ``task_id`` and record the task, bound to ``requester_key`` (the key that claimed it: the
         only one that may act on it). ``order``: the ids the requester prefers, first first (say,
-        by round-trip time)."""
+        by round-trip time). A task claimed before, and not done, is claimed again by the key that
+        claimed it (a task resumed after its processes died): its providers of then that are still
+        marked busy with it are lost to it, and the claim records the new ones (BadMessage for
+        another key's task, or one that is done)."""
         def take(db):
+            earlier = db.execute("SELECT requester_key, status FROM tasks WHERE id=?", (task_id,)).fetchone()
+            if earlier is not None:
+                if earlier[0] != requester_key:
+                    raise BadMessage(f"task {task_id} was claimed by another key")
+                if earlier[1] == "done":
+                    raise BadMessage(f"task {task_id} is done: it cannot be claimed again")
+                db.execute("UPDATE providers SET status='lost', task=NULL WHERE task=? AND status='busy'", (task_id,))
             taken = self._take_free(db, task_id, (), location,
                                     lambda free: select(free, count, device, min_ram_gb, min_cores, fallback, order))
             if taken:
-                db.execute("INSERT INTO tasks (id,requester,providers,created,status,requester_key) "
-                           "VALUES (?,?,?,?,?,?)", (
-                               task_id, requester,
-                               json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken]),
-                               self.clock.time(), "running", requester_key))
-                self._note(db, "claimed", task_id, f"by {requester}: " + ", ".join(p.id for p in taken))
+                members = json.dumps([{"id": p.id, "address": p.pinned_address} for p in taken])
+                if earlier is None:
+                    db.execute("INSERT INTO tasks (id,requester,providers,created,status,requester_key) "
+                               "VALUES (?,?,?,?,?,?)", (task_id, requester, members, self.clock.time(), "running",
+                                                        requester_key))
+                else:
+                    db.execute("UPDATE tasks SET providers=?, status='running' WHERE id=?", (members, task_id))
+                self._note(db, "claimed" if earlier is None else "claimed again", task_id,
+                           f"by {requester}: " + ", ".join(p.id for p in taken))
             return taken
         return self._run(take)
 

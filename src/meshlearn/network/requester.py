@@ -25,19 +25,23 @@ from meshlearn.errors import (
 )
 from meshlearn.network.addresses import announced_host
 from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
+from meshlearn.network.envelope import Envelope
 from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
 from meshlearn.network.registry import wanted_device
 from meshlearn.network.relay import hold_allocation
 from meshlearn.network.resources import MemoryEstimate, estimate_memory
 from meshlearn.network.results import plot_predictions, write_results
-from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.rpc import DEFAULT_MAX_BYTES, RpcServer, call
 from meshlearn.network.task import (
     WEIGHTS_FILE,
+    Resumed,
     TaskRequest,
     TaskSpec,
     dataset_spec,
     new_task_id,
 )
+from meshlearn.network.taskaccess import TaskAccess
+from meshlearn.network.taskstate import KeptCheckpoints, TaskRecord, secret_digest
 from meshlearn.network.taskwatch import TaskWatch
 from meshlearn.tblog import ScalarLog, run_folder
 from meshlearn.wire.sealed import FrameSeal
@@ -45,6 +49,8 @@ from meshlearn.wire.sealed import FrameSeal
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
+CHECKPOINT_BYTES = 1 << 28  # the largest checkpoint a requester takes when it cannot estimate the model
+CHECKPOINT_WORKERS = 8  # requests the requester's server handles at once (each may hold a checkpoint)
 ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
 ALL_PROVIDERS = 100_000  # a discover's count that lists every free provider
 NEAREST_CANDIDATES = 64  # free providers a requester preferring the nearest pings at most
@@ -59,11 +65,16 @@ __all__ = ["Requester", "TaskFailed", "fetch_results", "results_of_task", "summa
 
 
 class Requester:
-    """Claims providers, serves them the data, starts the task, follows it and collects the result."""
+    """Claims providers, serves them the data, starts the task, follows it and collects the result.
+
+    It keeps the task's state in ``output``: its record (``task.json``) and the checkpoints its
+    providers send (``taskstate``). ``resume``: the task of ``record`` goes on from its providers'
+    checkpoints of that cycle, kept in ``output`` (its providers then are asked for first)."""
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
                  host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
-                 clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None, tensorboard: str = ""):
+                 clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None, tensorboard: str = "",
+                 record: TaskRecord | None = None, resume: int | None = None):
         self.request = request
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.dataset = dataset  # the task's data, if the caller has loaded it already
@@ -73,7 +84,13 @@ class Requester:
         self.host, self.port = host, port
         self.advertise = advertise
         self.say = say
-        self.task_id = new_task_id()
+        self.task_id = record.task_id if record is not None else new_task_id()
+        self.record = record or TaskRecord(self.task_id, request, secret_digest(secret, self.task_id))
+        self.resume = resume
+        self.previous = list(self.record.providers or []) if resume is not None else []
+        self._fingerprint = self.record.fingerprint  # the training a resumed task must go on with
+        self.kept = KeptCheckpoints(output)
+        self._spec_now: TaskSpec | None = None  # the attempt under way (what checkpoints are checked against)
         self.task_key = FrameSeal.new_key()  # seals the providers' engine messages; sent only over CurveZMQ
         self.sender = f"requester-{self.task_id}"
         self.gone: set[str] = set()  # providers out of the task: stopped answering, or revoked
@@ -100,6 +117,7 @@ class Requester:
             dataset = load_dataset(dataset_spec(req.data), context=req.context, vocabulary=req.vocabulary)
         if dataset is not None:
             self._plan(dataset)
+        self.record.write(self.output)  # from now on the task can be resumed (request --resume)
         claimed = self._claim()
         # cleanup unwinds after the except clause: providers are told to cancel while the share
         # still serves them, so one caught mid-download stops cleanly instead of retrying a file that is gone
@@ -109,8 +127,14 @@ class Requester:
                 share = FileShare()
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
-                address = self._serve(share, claimed, cleanup) if dataset is not None or req.weights else ""
+                if self.resume is not None:
+                    for name, path in self.kept.files(self.resume, len(claimed)).items():
+                        share.add(name, path)
+                serves = dataset is not None or req.weights or self.resume is not None or self.keeps_checkpoints
+                address = self._serve(share, claimed, cleanup) if serves else ""
                 spec = self._start_on(claimed, share, address, dataset, share_dir)
+                self.record.providers, self.record.fingerprint = [p.id for p in spec.peers], spec.fingerprint()
+                self.record.write(self.output)
                 metrics = self._follow(spec)
                 self._result_in = True
                 self._settle(spec)
@@ -123,14 +147,36 @@ class Requester:
             plot_predictions(self.output, dataset, req.model, req.eval_samples, f"task {self.task_id}")
         self.watch.finish(metrics)
         self._release("done", lost=set(metrics.get("lost", [])) | set(self.left_out))
+        self.record.status = "done"
+        self.record.write(self.output)
         return metrics
+
+    @property
+    def keeps_checkpoints(self) -> bool:
+        """Whether the task's providers send checkpoints here (``checkpoint_every`` is not 0)."""
+        return self.request.checkpoint_every != 0
+
+    def _take_checkpoint(self, req: Envelope) -> dict:
+        """``task.checkpoint``: keep a provider's checkpoint (``KeptCheckpoints.take``)."""
+        return self.kept.take(req, self._spec_now, self._check_provider)
+
+    def _check_provider(self, req: Envelope, index: int) -> None:
+        """Refuse a request unless its channel proved the key of the running attempt's provider
+        ``index`` (no check in plain mode, loopback tests only)."""
+        if self.keys is None:
+            return
+        key = key_text(req.peer_key) if req.peer_key is not None else ""
+        TaskAccess.of(self._spec_now, "").provider_index(key, req.kind, index)
 
     def _serve(self, share: FileShare, claimed: list[dict], cleanup: contextlib.ExitStack) -> str:
         """Serve ``share`` (files added later are served too) to the claimed providers and the
         bootstrap (its dial-back) only; returns the pinned address providers fetch from."""
         self._admitted.update({split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]})
-        server = RpcServer("requester", self.host, self.port, self.secret, share.handlers(), keys=self.keys,
-                           admit=lambda key: key in self._admitted)
+        handlers = {**share.handlers(), "task.checkpoint": self._take_checkpoint}
+        model_bytes = self.estimate.model if self.estimate is not None else CHECKPOINT_BYTES
+        server = RpcServer("requester", self.host, self.port, self.secret, handlers, keys=self.keys,
+                           admit=lambda key: key in self._admitted, max_bytes=max(DEFAULT_MAX_BYTES, 2 * model_bytes),
+                           workers=CHECKPOINT_WORKERS)
         wanted = server.bind_any()
         if wanted:
             self.say(f"port {wanted} is in use: serving the task's data on {server.port} instead")
@@ -200,7 +246,12 @@ class Requester:
             data, meta = {"mode": "served", "address": address, "files": files}, dataset_meta(dataset)
         if req.weights:
             weights = {"address": address, **share.manifest()[WEIGHTS_FILE]}
-        return TaskSpec(
+        resumed = None
+        if self.resume is not None:
+            manifest = share.manifest()
+            resumed = Resumed(cycle=self.resume, address=address,
+                              files={name: manifest[name] for name in self.kept.files(self.resume, len(plan))})
+        self._spec_now = spec = TaskSpec(
             task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
             momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
             aggregate_every=req.aggregate_every, seed=req.seed,
@@ -209,7 +260,13 @@ class Requester:
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
             fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
-            vocabulary=req.vocabulary, outer=req.outer)
+            vocabulary=req.vocabulary, outer=req.outer, checkpoint_every=req.checkpoint_every,
+            checkpoints_to=address if self.keeps_checkpoints else "", resume=resumed)
+        if self.resume is not None and (len(plan) != len(self.previous) or spec.fingerprint() != self._fingerprint):
+            raise TaskFailed(f"task {self.task_id} resumes on its {len(self.previous)} providers' checkpoints: it "
+                             f"has {len(plan)} provider(s) now, and must train as it did; start more providers, or "
+                             "start the task afresh")
+        return spec
 
     # ---- steps -----------------------------------------------------------------------------
 
@@ -355,6 +412,8 @@ class Requester:
             self._wait_for_providers()
         self._say_skipped()
         order = self.nearest() if req.prefer == "nearest" else []
+        if self.previous:  # a resumed task: its providers of then first, if they came back
+            order = self.previous + [pid for pid in order if pid not in self.previous]
         claimed = self._ask_bootstrap("claim", {"task": self.task_id, **self._wanted(req.providers),
                                                 "order": order})["providers"]
         if wanted_device(req.device):

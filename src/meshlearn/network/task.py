@@ -93,6 +93,9 @@ class TaskRequest(Settings):
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
     outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, gossip, leader "
                                   "with --leader-sync true): " + OUTER_HELP)
+    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000, description="cycles between the checkpoints each "
+                                         "provider sends the requester, which keeps the task's state for request "
+                                         "--resume; 0: none (default: one an epoch)")
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
@@ -221,6 +224,15 @@ class ServedFile(Settings):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
 
 
+class Resumed(Settings):
+    """Where a resumed task goes on from: the cycle of the checkpoints the requester kept, and where
+    it serves them (per provider index, ``provider-I.json`` and ``provider-I.safetensors``)."""
+
+    cycle: int = Field(ge=1)
+    address: str = Field(max_length=256)
+    files: dict[str, dict[str, Any]] = Field(max_length=2 * MAX_TASK_PEERS)
+
+
 def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     """``task`` if its algorithm runs over its transport (by the algorithm's declaration); else
     ValueError in one line."""
@@ -291,6 +303,9 @@ class TaskSpec(Settings):
     context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
     vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
     outer: OuterOptimizer = OuterOptimizer()  # each provider's outer step after each aggregation
+    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)  # cycles; None: one an epoch; 0: none
+    checkpoints_to: str = Field("", max_length=256)  # where providers send their checkpoints (the requester)
+    resume: Resumed | None = None  # a task resumed from the checkpoints the requester kept
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
@@ -300,7 +315,24 @@ class TaskSpec(Settings):
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
-        return self.model_dump(mode="json", exclude={"data", "meta", "weights"})
+        return self.model_dump(mode="json", exclude={"data", "meta", "weights", "checkpoints_to", "resume"})
+
+    def fingerprint(self) -> str:
+        """What makes two attempts of a task the same training (not who runs it, or from where), as
+        a digest each checkpoint records: a task resumes only from its own."""
+        import hashlib
+        import json
+
+        kept = self.model_dump(mode="json", exclude={"data", "weights", "checkpoints_to", "resume", "peers",
+                                                     "requester", "peer_timeout"})
+        kept["providers"] = len(self.peers)
+        return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+    def checkpoint_interval(self, cycles: int) -> int:
+        """Cycles between two checkpoints of a provider running ``cycles`` (0: none)."""
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return max(1, math.ceil(cycles / self.epochs))
 
     @classmethod
     def parse(cls, body: dict) -> "TaskSpec":
@@ -337,7 +369,7 @@ class TaskSpec(Settings):
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
-            outer=self.outer)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
+            outer=self.outer, checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network

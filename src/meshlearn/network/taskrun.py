@@ -32,6 +32,7 @@ from meshlearn.network.resources import machine_cores
 from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
+from meshlearn.network.taskstate import SentCheckpoints, fetch_checkpoint
 from meshlearn.node import Node, make_transport
 from meshlearn.settings import DEFAULT_MAX_MESSAGE_MB, message_bytes
 from meshlearn.topology import build_topology
@@ -222,8 +223,15 @@ class TaskRun:
                              "through the bootstrap's relay, which carries TCP: ask with --transport tcp, or run "
                              "providers that can be dialed")
         seal = FrameSeal(self.task_key)
+        checkpoints, resume = None, None
+        if spec.checkpoints_to or spec.resume is not None:  # kept here, sent to the requester
+            checkpoints = SentCheckpoints(self.folder, self.index, spec, ctx.secret, ctx.id)
+        if spec.resume is not None:  # a task that goes on from the checkpoints its requester kept
+            fetch_checkpoint(spec, self.index, self.folder, ctx.secret, ctx.id, before_chunk=self._check_cancelled)
+            resume = spec.resume.cycle
         self.node = Node(self.index, config, graph, dataset, indices, model,
-                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal))
+                         lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
+                         checkpoints=checkpoints, resume=resume)
         bound = self.node.transport.bind()  # tcp:// or udp://HOST:PORT, HOST possibly 0.0.0.0 ("" when alone)
         scheme, _, where = bound.partition("://")
         port = where.rpartition(":")[2]

@@ -1,0 +1,186 @@
+"""A task's state kept for resuming it: each provider's checkpoints, sent to the requester, and the
+requester's record of the task (``task.json``), so that a task whose every process died goes on
+from its last checkpoint (``meshlearn request --resume TASK_ID``).
+
+A provider keeps its checkpoint in its task folder (``checkpoint``'s safetensors + JSON), then
+sends both files to the requester over the task's encrypted channel (``task.checkpoint``). The
+requester takes a checkpoint only from the provider it names, checks it whole (format, checksum,
+the task's fingerprint) before writing it, and keeps the newest two per provider. A resumed task
+serves them back to the providers it claims, provider I its ``provider-I`` pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints, parse_checkpoint
+from meshlearn.errors import CheckpointError
+from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
+from meshlearn.network.rpc import call
+from meshlearn.network.task import MAX_TASK_PEERS, TaskRequest, TaskSpec
+
+log = logging.getLogger(__name__)
+
+RECORD = "task.json"  # the requester's record of a task, in its results folder
+CHECKPOINT_TIMEOUT = 120.0  # seconds a provider gives the requester to take one checkpoint
+
+
+def checkpoint_name(index: int) -> str:
+    """The name provider ``index``'s checkpoints go by (on the provider and at the requester)."""
+    return f"provider-{index}"
+
+
+class SentCheckpoints(RunCheckpoints):
+    """A provider's checkpoints of its part of a task: kept in its task folder and each sent to the
+    requester at ``spec.checkpoints_to`` (a failed send is logged, and training goes on)."""
+
+    def __init__(self, folder: Path, index: int, spec: TaskSpec, secret: bytes, sender: str):
+        super().__init__(folder, checkpoint_name(index), spec.fingerprint())
+        self.index, self.task, self.address = index, spec.task_id, spec.checkpoints_to
+        self.secret, self.sender = secret, sender
+        self.sent = 0  # checkpoints the requester took
+
+    def save(self, iteration: int, parts: dict[str, Any], **meta: Any) -> None:
+        super().save(iteration, parts, **meta)
+        if not self.address:
+            return
+        folder = self.store.folder(iteration)
+        files = [(folder / f"{self.name}{suffix}").read_bytes() for suffix in (".json", ".safetensors")]
+        try:
+            call(self.address, "task.checkpoint", {"task": self.task, "index": self.index, "cycle": iteration},
+                 self.secret, blobs=files, timeout=CHECKPOINT_TIMEOUT, sender=self.sender,
+                 max_bytes=sum(len(f) for f in files) + (1 << 20))
+            self.sent += 1
+        except NetworkError as exc:
+            log.warning("task %s: the requester did not take the checkpoint of cycle %d: %s", self.task, iteration,
+                        exc)
+
+
+def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender: str,
+                     before_chunk: Callable[[], None] | None = None) -> None:
+    """Download provider ``index``'s checkpoint of the cycle a resumed ``spec`` goes on from into
+    its place in ``folder``'s checkpoints (``download``: resumable, checksummed)."""
+    from meshlearn.network.datashare import download
+
+    resumed = spec.resume
+    name = checkpoint_name(index)
+    target = CheckpointStore(folder / FOLDER).folder(resumed.cycle)
+    for suffix in (".safetensors", ".json"):  # the JSON last: it says the pair is whole
+        file = f"{name}{suffix}"
+        if file not in resumed.files:
+            raise BadMessage(f"the resumed task serves no {file}")
+        download(resumed.address, file, resumed.files[file], target, secret, sender=sender, before_chunk=before_chunk)
+
+
+def secret_digest(secret: bytes, task_id: str) -> str:
+    """What ``task.json`` keeps of the network's secret: a keyed digest, enough to tell that a
+    resume uses the secret the task ran on, and nothing to recover it from."""
+    return hmac.new(secret, f"meshlearn task {task_id}".encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass
+class TaskRecord:
+    """The requester's record of a task: its id, request, secret's digest, providers and status."""
+
+    task_id: str
+    request: TaskRequest
+    secret: str
+    status: str = "running"
+    providers: list[str] | None = None  # those of the attempt that started, in index order
+    fingerprint: str = ""  # the started spec's (TaskSpec.fingerprint)
+
+    def write(self, folder: Path) -> None:
+        """Write ``task.json`` into ``folder`` (whole or not at all)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        data = {"task": self.task_id, "request": self.request.model_dump(mode="json"), "secret": self.secret,
+                "status": self.status, "providers": self.providers, "fingerprint": self.fingerprint}
+        partial = folder / f".{RECORD}.partial"
+        partial.write_text(json.dumps(data, indent=1))
+        os.replace(partial, folder / RECORD)
+
+    @classmethod
+    def read(cls, folder: Path) -> "TaskRecord":
+        """The record in ``folder``; CheckpointError, in one line, if there is none or it is not one."""
+        path = folder / RECORD
+        try:
+            data = json.loads(path.read_text())
+            record = cls(str(data["task"]), TaskRequest(**data["request"]), str(data["secret"]),
+                         str(data["status"]), data.get("providers"), str(data.get("fingerprint", "")))
+        except FileNotFoundError:
+            raise CheckpointError(f"{folder} holds no task ({RECORD} is missing): give the results folder of the "
+                                  "task to resume (--output)") from None
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{path} is not a task record meshlearn wrote ({exc})") from None
+        return record
+
+
+def find_task(task_id: str, output: str | None) -> Path:
+    """The results folder of task ``task_id``: ``output`` if given, else the one under ``runs/``
+    whose record names it; CheckpointError if none does."""
+    if output:
+        return Path(output)
+    for path in sorted(Path("runs").glob(f"*/{RECORD}")):
+        try:
+            if json.loads(path.read_text()).get("task") == task_id:
+                return path.parent
+        except (OSError, ValueError, AttributeError):
+            continue
+    raise CheckpointError(f"no folder under runs/ holds task {task_id}: give its results folder with --output")
+
+
+class KeptCheckpoints:
+    """The checkpoints a requester keeps of its task's providers (``folder``: its results folder),
+    the newest two per provider."""
+
+    def __init__(self, folder: Path):
+        self.store = CheckpointStore(Path(folder) / FOLDER, keep=2)
+
+    def take(self, req: Envelope, spec: TaskSpec | None, caller_index: Callable[[Envelope, int], None]) -> dict:
+        """The ``task.checkpoint`` handler: a provider of the running ``spec`` sends its checkpoint
+        of a cycle (two blobs: the JSON, the tensors). ``caller_index`` refuses a caller that is not
+        the provider the request names. Kept only once whole and of this task."""
+        if spec is None:
+            raise BadMessage("no task is running here to take a checkpoint of")
+        if field_of(req.body, "task", str, max_len=64) != spec.task_id:
+            raise BadMessage(f"this requester runs task {spec.task_id}, not that one")
+        index = field_of(req.body, "index", int, min_value=0)
+        cycle = field_of(req.body, "cycle", int, min_value=1)
+        if index >= len(spec.peers) or index >= MAX_TASK_PEERS:
+            raise BadMessage(f"task {spec.task_id} has no provider {index}")
+        caller_index(req, index)
+        if len(req.blobs) != 2:
+            raise BadMessage("a checkpoint is two blobs: its JSON, its tensors")
+        meta, tensors = bytes(req.blobs[0]), bytes(req.blobs[1])
+        try:
+            fields, _ = parse_checkpoint(meta, tensors, cycle, checkpoint_name(index))
+            if fields.get("fingerprint") != spec.fingerprint():
+                raise CheckpointError("it is of another training (another fingerprint)")
+            self.store.put(cycle, checkpoint_name(index), meta, tensors)
+        except CheckpointError as exc:
+            raise BadMessage(f"checkpoint of provider {index}, cycle {cycle}, refused: {exc}") from None
+        return {"kept": cycle}
+
+    def latest(self, providers: int) -> int | None:
+        """The newest cycle every one of ``providers`` providers has a checkpoint of."""
+        return self.store.latest([checkpoint_name(index) for index in range(providers)])
+
+    def check(self, cycle: int, providers: int, fingerprint: str) -> None:
+        """CheckpointError, in one line, unless every provider's checkpoint of ``cycle`` is whole
+        and of the training ``fingerprint`` names."""
+        for index in range(providers):
+            meta, _ = self.store.load(cycle, checkpoint_name(index))
+            if meta.get("fingerprint") != fingerprint:
+                raise CheckpointError(f"the checkpoint of provider {index} at cycle {cycle} is of another training")
+
+    def files(self, cycle: int, providers: int) -> dict[str, Path]:
+        """The files to serve a resumed task: name -> path, per provider."""
+        folder = self.store.folder(cycle)
+        return {f"{checkpoint_name(index)}{suffix}": folder / f"{checkpoint_name(index)}{suffix}"
+                for index in range(providers) for suffix in (".json", ".safetensors")}

@@ -1,0 +1,84 @@
+"""A network task whose every process died goes on from the checkpoints its providers sent the
+requester (``meshlearn request --resume TASK_ID``), on its own providers once they came back."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+from helpers.netproc import Processes, start_network
+
+from meshlearn.checkpoint import FOLDER, CheckpointStore
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--wait", "0"]
+
+
+def _checkpoints(folder, providers: int) -> int:
+    return CheckpointStore(folder / FOLDER).latest([f"provider-{i}" for i in range(providers)]) or 0
+
+
+def _restart_providers(procs: Processes, bootstrap: str, ids: list[str]) -> None:
+    for pid in ids:
+        procs.start(f"{pid}-again", "provider", "--bootstrap", bootstrap, "--id", pid, "--host", "127.0.0.1",
+                    "--workdir", str(procs.folder / pid))
+    for pid in ids:
+        procs.wait_for(f"{pid}-again", "registered with")
+
+
+def _run_to_the_end(procs: Processes, name: str, *args: str) -> str:
+    proc = procs.start(name, "request", *args)
+    assert proc.wait(timeout=300) == 0, procs.log(name)
+    return procs.log(name)
+
+
+def _refuses_bad_resumes(procs: Processes, bootstrap: str, task_id: str, folder) -> None:
+    """Another secret, changed settings, a damaged checkpoint: one line each, nothing overwritten."""
+    record = (folder / "task.json").read_bytes()
+    resume = ["request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder)]
+    newest = CheckpointStore(folder / FOLDER).folder(_checkpoints(folder, 3))
+    tensors = newest / "provider-1.safetensors"
+    kept = tensors.read_bytes()
+    for name, extra, secret, said in [
+            ("secret", [], "another-secret", "ran on a network with another secret"),
+            ("changed", ["--lr", "0.2"], None, "these differ from them: lr"),
+            ("damaged", [], None, "provider-1.safetensors does not match its checksum")]:
+        if name == "damaged":
+            tensors.write_bytes(kept[:-1] + bytes([kept[-1] ^ 0xFF]))
+        proc = procs.start(f"bad-{name}", *resume, *extra, **({"secret": secret} if secret else {}))
+        assert proc.wait(timeout=60) == 2, (name, procs.log(f"bad-{name}"))
+        lines = procs.log(f"bad-{name}").strip().splitlines()
+        assert said in lines[-1] and not any("Traceback" in line for line in lines), lines
+    tensors.write_bytes(kept)
+    assert (folder / "task.json").read_bytes() == record
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg"])
+def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs, algorithm):
+    bootstrap, ids = start_network(procs, 3, ttl=4.0)
+    task = [*TASK, "--algorithm", algorithm, "--epochs", "8", "--providers", "3"]
+    whole = _run_to_the_end(procs, "whole", "--bootstrap", bootstrap, "--output", str(procs.folder / "whole"), *task)
+    folder = procs.folder / "cut"
+    procs.start("cut", "request", "--bootstrap", bootstrap, "--output", str(folder), *task)
+    deadline = time.monotonic() + 240
+    while _checkpoints(folder, 3) < 4:
+        assert procs.procs["cut"].poll() is None, procs.log("cut")
+        assert time.monotonic() < deadline, procs.log("cut")
+        time.sleep(0.1)
+    for name in ["cut", *ids]:  # every process of the task, at once
+        procs.kill(name)
+    task_id = json.loads((folder / "task.json").read_text())["task"]
+    assert not (folder / "metrics.json").exists()
+    _refuses_bad_resumes(procs, bootstrap, task_id, folder)
+    _restart_providers(procs, bootstrap, ids)
+    out = _run_to_the_end(procs, "resumed", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
+    cycle = int(re.search(r"checkpoints of cycle (\d+)", out).group(1))
+    assert cycle >= 4
+    first, second = (json.loads((procs.folder / run / "metrics.json").read_text()) for run in ("whole", "cut"))
+    assert abs(first["accuracy"] - second["accuracy"]) <= 0.02, (first["accuracy"], second["accuracy"])
+    assert sorted(second["providers"]) == ids  # its own providers, back
+    assert json.loads((folder / "task.json").read_text())["status"] == "done"
+    again = procs.start("again", "request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
+    assert again.wait(timeout=60) == 2 and f"task {task_id} is done" in procs.log("again")
+    assert "done" in whole
