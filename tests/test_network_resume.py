@@ -82,3 +82,68 @@ def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs
     again = procs.start("again", "request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
     assert again.wait(timeout=60) == 2 and f"task {task_id} is done" in procs.log("again")
     assert "done" in whole
+
+
+def test_the_bootstrap_lets_only_the_claiming_key_claim_a_task_again_and_never_a_done_one(tmp_path):
+    from meshlearn.errors import BadMessage
+    from meshlearn.network.registry import ProviderInfo, Registry
+
+    reg = Registry(tmp_path / "r.sqlite").open()
+    for i in range(4):
+        reg.register(ProviderInfo(f"p{i}", f"127.0.0.1:{9000 + i}", 8.0, 2, "cpu", ""))
+    assert len(reg.claim("t1", "req", 2, requester_key="mine")) == 2
+    with pytest.raises(BadMessage, match="claimed by another key"):
+        reg.claim("t1", "req", 2, requester_key="theirs")
+    again = reg.claim("t1", "req", 2, requester_key="mine")  # resumed: its providers of then were lost to it
+    assert len(again) == 2 and {p["id"] for p in reg.task("t1")["providers"]} == {p.id for p in again}
+    reg.release("t1", "done")
+    with pytest.raises(BadMessage, match="is done"):
+        reg.claim("t1", "req", 1, requester_key="mine")
+    reg.close()
+
+
+def test_the_requester_keeps_a_checkpoint_only_whole_of_its_task_and_from_the_provider_it_names(tmp_path):
+    from meshlearn.checkpoint import RunCheckpoints
+    from meshlearn.network.envelope import BadMessage, Envelope
+    from meshlearn.network.task import TaskSpec
+    from meshlearn.network.taskstate import KeptCheckpoints, checkpoint_name
+
+    spec = TaskSpec(task_id="t1", model="mlp", epochs=2, batch_size=8, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
+                    peers=[{"id": "a", "address": "127.0.0.1:1"}, {"id": "b", "address": "127.0.0.1:2"}],
+                    data={"mode": "local", "dataset": "digits"})
+    sent = RunCheckpoints(tmp_path / "provider", checkpoint_name(1), spec.fingerprint())
+    import torch
+
+    sent.save(3, {"model": {"w": torch.ones(4)}})
+    folder = sent.store.folder(3)
+    files = [(folder / f"provider-1{suffix}").read_bytes() for suffix in (".json", ".safetensors")]
+    kept = KeptCheckpoints(tmp_path / "requester")
+    callers = []
+
+    def only_provider_1(req, index):
+        callers.append(index)
+        if req.sender != "b" or index != 1:
+            raise BadMessage("this key is not provider 1")
+
+    def send(body, blobs, sender="b"):
+        return kept.take(Envelope("task.checkpoint", {"task": "t1", "index": 1, "cycle": 3, **body}, blobs, sender),
+                         spec, only_provider_1)
+
+    with pytest.raises(BadMessage, match="not provider 1"):
+        send({}, files, sender="a")  # another provider's key naming provider 1
+    with pytest.raises(BadMessage, match="does not match its checksum"):
+        send({}, [files[0], files[1][:-1] + bytes([files[1][-1] ^ 1])])
+    with pytest.raises(BadMessage, match="says it is of iteration 3, not 4"):
+        send({"cycle": 4}, files)
+    with pytest.raises(BadMessage, match="runs task t1, not that one"):
+        send({"task": "t2"}, files)
+    with pytest.raises(BadMessage, match="has no provider 5"):
+        send({"index": 5}, files)
+    other = spec.model_copy(update={"lr": 0.2})  # another training: another fingerprint
+    with pytest.raises(BadMessage, match="of another training"):
+        kept.take(Envelope("task.checkpoint", {"task": "t1", "index": 1, "cycle": 3}, files, "b"), other,
+                  only_provider_1)
+    assert kept.store.iterations() == []  # nothing kept of any of those
+    assert send({}, files) == {"kept": 3}
+    assert kept.store.has(3, "provider-1") and kept.latest(2) is None  # provider 0 sent none yet

@@ -50,6 +50,7 @@ class AlgorithmContext:
     attack: "Attack | None" = None
     initial: torch.Tensor | None = None
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes
+    joining: bool = False  # a node joining a group that already trains (a network task's newcomer)
 
     def outgoing(self, state: torch.Tensor, iteration: int, neighbours: torch.Tensor | None = None) -> torch.Tensor:
         """The flat model this node sends for ``state``: ``state`` itself, or what its attack forges
@@ -110,6 +111,13 @@ class Algorithm(Stateful, ABC):
     def task_report(self) -> dict:
         """What this algorithm adds to a network task's result (``metrics.json``): none by default."""
         return {}
+
+    joined_at: int | None = None  # a joining node: the iteration it starts at, once ``start`` joined the group
+
+    def add_member(self, rank: int, address: str) -> None:
+        """Take in ``rank``, at ``address``, joining the group while it runs (a network task's
+        newcomer): the algorithms that can say so; the others refuse it (ConfigError)."""
+        raise ConfigError(f"the {self.name} algorithm does not take in nodes while it runs")
 
     def exclude(self, rank: int) -> None:
         """Go on without ``rank`` for good (a network task's provider whose key was revoked: it

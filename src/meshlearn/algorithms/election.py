@@ -55,6 +55,12 @@ class Election:
             self._on_dead(rank)
         return True
 
+    def add(self, rank: int) -> None:
+        """A member that joined the group while it runs (it leads only once every lower rank is gone)."""
+        with self._lock:
+            if rank not in self.members:
+                self.members = sorted([*self.members, rank])
+
     def resolve(self) -> int:
         """Find the leader again: the lowest-ranked member not known dead that answers a ping
         (members found silent are marked dead); this member if none below it answers."""

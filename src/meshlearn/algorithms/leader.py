@@ -12,6 +12,11 @@ out) and members notice a dead leader between pushes. The group is this node and
 was connected to (in a simulation every node of the run, whatever the topology); the peer
 timeout is the transport's ``wait_timeout``.
 
+A member may join while the group trains (asynchronous only: a network task's newcomer): every
+member takes it in (``add_member``), then it asks the leader to ``join``: the leader counts it a
+member from then on and answers with the aggregate of the latest models and the cycle the group
+is at (the slowest member's), and the newcomer trains on from that model at the next cycle.
+
 A push carries its cycle (the member's iteration), and the leader takes one push per member and
 cycle: a push that did not open on the way is refused at once and sent again (shortly after, and
 a little later each time it is refused again), a push whose answer is slow is sent again every
@@ -37,7 +42,7 @@ from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runt
 from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
-from meshlearn.errors import WireError
+from meshlearn.errors import ConfigError, WireError
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
@@ -80,10 +85,41 @@ class Leader(Algorithm):
         self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost)
         if self.election.leader == self.ctx.rank:
             self._lead(start=True)
+        if self.ctx.joining:
+            self._join_group()
         self._watcher = GuardedThread(self.election.watch, f"leader-watch-{self.ctx.rank}",
                                       (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
 
+    def add_member(self, rank: int, address: str) -> None:
+        if self.settings.sync:
+            raise ConfigError("the synchronous leader does not take in members while it runs: its cycles wait "
+                              "for every member")
+        self.hub.add_peer(rank, address)
+        if self.election is not None:
+            self.election.add(rank)
+
+    def _join_group(self) -> None:
+        """A newcomer's start: ask the leader (following fail-over) to count it a member, and take
+        the group's current aggregate and cycle (it starts at the next one)."""
+        ctx = self.ctx
+        while True:
+            leader = self.election.leader
+            if leader == ctx.rank:
+                raise ConfigError("a member joining the group found no other member alive to join")
+            reply = self._caller().call(leader, self.timeout, meta={"op": "join", "samples": ctx.samples},
+                                        patience=lambda: not self.election.is_dead(leader))
+            if reply is None:
+                self.election.mark_dead(leader)
+                self.election.resolve()
+                continue
+            cycle = meta_number(reply.meta, "cycle", None)
+            if reply.meta.get("status") == "ok" and cycle is not None and ctx.flat.check_compatible(reply.tensors) is None:
+                ctx.flat.state.copy_(torch.cat([reply.tensors[name] for name in ctx.flat.ranges]))
+                self.joined_at = int(cycle) + 1
+                return
+            time.sleep(RETRY)  # not the leader (yet), or refused on the way: ask again
+            self.election.resolve()
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
         t0 = time.perf_counter()
@@ -185,12 +221,17 @@ class Leader(Algorithm):
             if self.state is not None:
                 self.state.touch(sender)
             return Answer(meta={"status": "alive"})
-        if op != "push":
+        if op not in ("push", "join"):
             raise WireError(f"unknown leader request {op!r}")
         if election is None or election.leader != self.ctx.rank:
             if election is not None:
                 election.poke()  # a member pushes here: perhaps the leader this one knows is gone
             return Answer(meta={"status": "not-leader"})
+        if op == "join":  # a newcomer: a member from now on, given the group's model and cycle
+            book = self._lead()
+            book.touch(sender)
+            model = book.aggregate() if book.latest else self.ctx.flat.state.detach().to("cpu", copy=True)
+            return Answer(self.ctx.flat.segments_of(model), {"status": "ok", "cycle": book.group_cycle()})
         fields = _push_fields(request.meta)
         problem = self.ctx.flat.check_compatible(request.tensors) or (None if fields else "bad samples, final or cycle")
         if problem:

@@ -211,6 +211,15 @@ class LeaderState:
         with self._cond:
             return self._aggregate()
 
+    def group_cycle(self) -> int:
+        """The cycle the group is at, for a member joining it: the oldest latest cycle of the members
+        still training (members run at their own pace, the leader often ahead; a newcomer that
+        starts where the slowest is trains as long as it), -1 before any push."""
+        with self._cond:
+            self._sweep()
+            training = [c.cycle for c in self.contributions.values() if c.cycle >= 0 and not (c.finished or c.lost)]
+            return min(training, default=max((c.cycle for c in self.contributions.values()), default=-1))
+
     def all_final(self) -> bool:
         """Whether every member has pushed its final model or is lost."""
         with self._cond:

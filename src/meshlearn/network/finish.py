@@ -75,6 +75,14 @@ class Finisher:
         self.election.poke()
         return True
 
+    def add(self, spec: TaskSpec) -> None:
+        """The task's providers with one that joined while it trains (the last of ``spec.peers``):
+        it gives its final model too, and may lead once every provider before it is gone."""
+        with self._lock:
+            self.spec = spec
+            self.ids = [p.id for p in spec.peers]
+        self.election.add(len(self.ids) - 1)
+
     def check_admitted(self) -> None:
         """Raise TaskFailed once another provider refused this one's key: this provider was
         revoked, and leaves the task to the others (it must not lead them, nor be followed)."""

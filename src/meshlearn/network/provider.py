@@ -154,6 +154,7 @@ class Provider:
             "ping": lambda req: {"service": "provider", "id": self.id},
             "task.assign": self._assign,
             "task.start": self._start_task,
+            "task.join": self._join_task,
             "task.status": lambda req: {**self._requesters_run(req).status(), "leaving": self.leaving.is_set()},
             "task.results": self._results,
             "task.cancel": lambda req: (self._requesters_run(req).cancel(), {"cancelled": True})[1],
@@ -467,6 +468,18 @@ class Provider:
         if self.id not in ids or access.providers[ids.index(self.id)] != self.keys.text:
             raise BadMessage(f"task.assign refused: task {spec.task_id} does not list {self.id} with its key")
         return access
+
+    def _join_task(self, req: Envelope) -> dict:
+        """The requester takes another provider into its running task (``TaskRun.add_peer``)."""
+        from meshlearn.network.task import Peer
+
+        run = self._requesters_run(req)
+        try:
+            peer = Peer(**field_of(req.body, "peer", dict, max_len=4))
+        except (UserInputError, TypeError) as exc:
+            raise BadMessage(f"task.join: the peer is not a provider's id and address ({exc})") from None
+        run.add_peer(peer, field_of(req.body, "engine", str, max_len=256))
+        return run.status()
 
     def _start_task(self, req: Envelope) -> dict:
         run = self._requesters_run(req)

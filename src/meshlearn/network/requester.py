@@ -34,6 +34,7 @@ from meshlearn.network.results import plot_predictions, write_results
 from meshlearn.network.rpc import DEFAULT_MAX_BYTES, RpcServer, call
 from meshlearn.network.task import (
     WEIGHTS_FILE,
+    Peer,
     Resumed,
     TaskRequest,
     TaskSpec,
@@ -49,6 +50,8 @@ from meshlearn.wire.sealed import FrameSeal
 log = logging.getLogger(__name__)
 
 READY_TIMEOUT = 600.0
+JOIN_POLL = 1.0  # seconds between looks for a free provider to take into a task with a free slot
+JOIN_UNTIL = 0.8  # no provider joins a task whose slowest provider has done more than this share of its cycles
 CHECKPOINT_BYTES = 1 << 28  # the largest checkpoint a requester takes when it cannot estimate the model
 CHECKPOINT_WORKERS = 8  # requests the requester's server handles at once (each may hold a checkpoint)
 ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
@@ -240,7 +243,7 @@ class Requester:
         data, meta, weights = {"mode": "local", "dataset": req.data_on_providers}, None, None
         if dataset is not None:
             folder.mkdir(parents=True)
-            self._write_shares(share, dataset, len(plan), folder)
+            self._write_shares(share, dataset, max(len(plan), self.slots), folder)
             files = share.manifest()
             files.pop(WEIGHTS_FILE, None)
             data, meta = {"mode": "served", "address": address, "files": files}, dataset_meta(dataset)
@@ -256,7 +259,7 @@ class Requester:
             momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
             aggregate_every=req.aggregate_every, seed=req.seed,
             partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
-            peer_timeout=req.peer_timeout,
+            peer_timeout=req.peer_timeout, slots=self.slots if self.slots > len(plan) else 0,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
             fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
@@ -419,7 +422,11 @@ class Requester:
         if wanted_device(req.device):
             self._say_devices(claimed)
         elif len(claimed) < req.providers:
-            self.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those")
+            if self.slots and len(claimed) < (req.min_providers or 1):
+                raise TaskFailed(f"task {self.task_id}: {len(claimed)} provider(s) free, fewer than --min-providers "
+                                 f"{req.min_providers}: wait for more (--wait) or ask for fewer")
+            self.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those"
+                     + (", taking in more as they come free" if self.slots else ""))
         devices = Counter(p["device"] for p in claimed)
         self.say(f"task {self.task_id}: {len(claimed)} provider(s): " + ", ".join(p["id"] for p in claimed)
                  + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")
@@ -547,10 +554,75 @@ class Requester:
             self._lose(pid, "was revoked: it is out of the task")
         return [(peer, status) for peer, status in states if peer["id"] not in self.gone]
 
+    @property
+    def slots(self) -> int:
+        """The most providers the task takes (its data split as many ways) where more may join it as
+        it runs (``min_providers``); 0: the task keeps the providers it starts with."""
+        req = self.request
+        return req.providers if req.min_providers is not None and req.min_providers < req.providers else 0
+
+    def _take_in(self, spec: TaskSpec, states: list[tuple[dict, dict]]) -> TaskSpec:
+        """While the task has a free slot and is not near its end: claim a free provider and take it
+        in (its spec, with ``joining``; the running providers told of it; started with their
+        engines). Returns the task's spec as it is now."""
+        progress = [s["progress"] for _, s in states if s.get("progress", {}).get("iterations")]
+        if len(spec.peers) >= self.slots or not progress or \
+                min(p.get("iteration", 0) / p["iterations"] for p in progress) > JOIN_UNTIL:
+            return spec
+        fresh = self._ask_bootstrap("claim.replace", {"task": self.task_id, "drop": [], **self._wanted(1),
+                                                      "exclude": sorted(set(self.left_out) | self.gone)})["providers"]
+        if not fresh:
+            return spec
+        peer, index = fresh[0], len(spec.peers)
+        self._admitted.add(split_pinned(peer["address"])[1])
+        joined = spec.model_copy(update={"peers": [*spec.peers, Peer(id=peer["id"], address=peer["address"])],
+                                         "joining": True})
+        started = self.clock.monotonic()
+        try:
+            self._call(peer, "task.assign", {"spec": joined.model_dump(), "key": key_text(self.task_key)},
+                       timeout=ASSIGN_TIMEOUT)
+            engine = self._engine_of(peer)
+            for member in spec.peers:
+                if member.id not in self.gone and member.id not in self.left:
+                    try:
+                        self._call(member.model_dump(), "task.join", {"peer": joined.peers[index].model_dump(),
+                                                                      "engine": engine})
+                    except NetworkError as exc:
+                        self._lose(member.id, f"did not take in {peer['id']} ({exc})")
+            self._call(peer, "task.start", {"engines": self._engines})
+        except NetworkError as exc:
+            self.left_out[peer["id"]] = f"could not join the running task ({exc})"
+            self._cancel([peer])
+            self.say(f"task {self.task_id}: provider {peer['id']} could not join: {exc}")
+            return spec
+        self._engines[str(index)] = engine
+        self._spec_now = spec = joined.model_copy(update={"joining": False})
+        self.record.providers = [p.id for p in spec.peers]
+        self.record.write(self.output)
+        self.say(f"task {self.task_id}: provider {peer['id']} joined as provider {index} "
+                 f"({self.clock.monotonic() - started:.1f} s from its claim)")
+        return spec
+
+    def _engine_of(self, peer: dict) -> str:
+        """The engine address of a provider preparing the task, once it is ready (NetworkError if it
+        fails or takes too long)."""
+        deadline = self.clock.monotonic() + READY_TIMEOUT
+        while self.clock.monotonic() < deadline:
+            status = self._call(peer, "task.status", {}).body
+            if status["state"] in ("failed", "cancelled"):
+                raise NetworkError(f"it could not prepare the task: {status.get('error') or status['state']}")
+            if status["state"] != "preparing":
+                return status["engine"]
+            self.clock.sleep(POLL)
+        raise NetworkError("it did not get ready in time")
+
     def _follow(self, spec: TaskSpec) -> dict:
         last_line = ""
+        last_claim = self.clock.monotonic()
         while True:
             states = self._statuses(spec)
+            if self.slots and self.clock.monotonic() - last_claim > JOIN_POLL:
+                spec, last_claim = self._take_in(spec, states), self.clock.monotonic()
             holders = [peer for peer, status in states if status.get("results")]
             if holders:  # the result: from a provider that is still in the task (asked at this moment)
                 revoked = self._note_revoked(self._ask_revoked())

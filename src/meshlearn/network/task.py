@@ -52,6 +52,10 @@ class TaskRequest(Settings):
                       "CloudMesh report's correction)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum in [0, 1)")
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
+    min_providers: int | None = Field(None, ge=1, le=MAX_TASK_PEERS, description="start with this many, and take "
+                                      "in more as they come free while the task runs, up to --providers (the data "
+                                      "is split for --providers; algorithm leader, asynchronous) (default: "
+                                      "--providers, all at the start)")
     wait: float = Field(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for as many free providers as asked, "
                         "saying what it waits for; then it takes those free (at least one); 0: take them at once")
     device: Literal["any", "gpu", "cuda", "mps", "cpu"] = Field("any", description="only providers of this device "
@@ -103,6 +107,18 @@ class TaskRequest(Settings):
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
+    _valid_joining = model_validator(mode="after")(lambda self: joining_fits(self))
+
+
+def joining_fits(request: "TaskRequest") -> "TaskRequest":
+    """``request`` if providers may join it as it runs (``min_providers``) as its algorithm allows;
+    else ValueError in one line."""
+    if request.min_providers is None or request.min_providers >= request.providers:
+        return request
+    if request.algorithm != "leader" or request.leader.sync:
+        raise ValueError("--min-providers (providers joining a running task) is built for the asynchronous leader: "
+                         "use --algorithm leader without --leader-sync, or leave --min-providers out")
+    return request
 
 
 def dataset_spec(data: str) -> str:
@@ -304,6 +320,9 @@ class TaskSpec(Settings):
     vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
     outer: OuterOptimizer = OuterOptimizer()  # each provider's outer step after each aggregation
     checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)  # cycles; None: one an epoch; 0: none
+    slots: int = Field(0, ge=0, le=MAX_TASK_PEERS)  # the shards the data is split into (0: one per peer); more than
+    # the peers: providers may join while it runs, each taking the next slot
+    joining: bool = False  # the spec a newcomer gets: it joins the task's providers as they train
     checkpoints_to: str = Field("", max_length=256)  # where providers send their checkpoints (the requester)
     resume: Resumed | None = None  # a task resumed from the checkpoints the requester kept
 
@@ -324,9 +343,14 @@ class TaskSpec(Settings):
         import json
 
         kept = self.model_dump(mode="json", exclude={"data", "weights", "checkpoints_to", "resume", "peers",
-                                                     "requester", "peer_timeout"})
-        kept["providers"] = len(self.peers)
+                                                     "requester", "peer_timeout", "slots", "joining"})
+        kept["providers"] = self.shards
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def shards(self) -> int:
+        """The shards the task's data is split into: one per slot (the most providers it takes)."""
+        return max(self.slots, len(self.peers))
 
     def checkpoint_interval(self, cycles: int) -> int:
         """Cycles between two checkpoints of a provider running ``cycles`` (0: none)."""
@@ -355,10 +379,10 @@ class TaskSpec(Settings):
         graph of the task's providers (local training when there is only one), with the peer
         timeout as every deadline's base. FedAvg runs as the synchronous leader (``engine_algorithm``)."""
         rounds, iterations = self.schedule(samples)
-        alone = len(self.peers) == 1  # one provider has no one to exchange with
+        alone = self.shards == 1  # one provider has no one to exchange with
         algorithm, leader = self.engine_algorithm()
         return ExperimentConfig(
-            nodes=max(2, len(self.peers)), algorithm="local" if alone else algorithm, topology="full",
+            nodes=max(2, self.shards), algorithm="local" if alone else algorithm, topology="full",
             rounds=rounds,
             iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
             test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,

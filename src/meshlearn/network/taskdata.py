@@ -35,7 +35,7 @@ def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender
     if mode == "local":
         dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root), context=spec.context,
                                vocabulary=spec.vocabulary)
-        parts = partition_dataset(dataset, len(spec.peers), spec.partition, spec.seed)
+        parts = partition_dataset(dataset, spec.shards, spec.partition, spec.seed)
         return dataset, parts[index]
     raise BadMessage(f"data mode {mode!r} is not served or local")
 

@@ -21,15 +21,16 @@ from typing import Callable
 
 import torch
 
+from meshlearn.checkpoint import FOLDER as CHECKPOINTS
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, NetworkError, TaskCancelled
+from meshlearn.errors import BadMessage, ConfigError, NetworkError, TaskCancelled
 from meshlearn.models import build_model, load_weights
 from meshlearn.netem import NetemSpec
 from meshlearn.network.datashare import download
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.finish import Finisher
 from meshlearn.network.resources import machine_cores
-from meshlearn.network.task import WEIGHTS_FILE, TaskSpec
+from meshlearn.network.task import WEIGHTS_FILE, Peer, TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.network.taskstate import SentCheckpoints, fetch_checkpoint
@@ -185,6 +186,7 @@ class TaskRun:
             self.node = None  # model, data and buffers: the result is on disk (a provider runs many tasks)
             if not self.ctx.keep_data:  # the shard on disk too: a provider would otherwise keep every task's
                 shutil.rmtree(self.folder / "data", ignore_errors=True)
+            shutil.rmtree(self.folder / CHECKPOINTS, ignore_errors=True)  # the requester keeps the task's state
             self._unexpose()
             self.finisher.release()
             self._ended.set()
@@ -231,7 +233,7 @@ class TaskRun:
             resume = spec.resume.cycle
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
-                         checkpoints=checkpoints, resume=resume)
+                         checkpoints=checkpoints, resume=resume, joining=spec.joining)
         bound = self.node.transport.bind()  # tcp:// or udp://HOST:PORT, HOST possibly 0.0.0.0 ("" when alone)
         scheme, _, where = bound.partition("://")
         port = where.rpartition(":")[2]
@@ -277,6 +279,27 @@ class TaskRun:
             node.algorithm.exclude(index)
         if self.finisher.exclude(index):
             log.warning("task %s: provider %s is out of the task: %s", self.spec.task_id, self.ids[index], why)
+
+    def add_peer(self, peer: Peer, engine: str) -> None:
+        """A provider that joins the task while it trains (its next index): taken in by this
+        provider's engine, its final aggregation and its checks of who may act on the task."""
+        index = len(self.spec.peers)
+        if index >= self.spec.shards:
+            raise BadMessage(f"task {self.spec.task_id} takes no more than {self.spec.shards} providers")
+        if self._state not in (RunState.READY, RunState.TRAINING) or self.node is None:
+            raise BadMessage(f"{self.ctx.id} takes no provider into task {self.spec.task_id} now "
+                             f"(state {self._state.value})")
+        try:
+            self.node.algorithm.add_member(index, engine)
+        except ConfigError as exc:
+            raise BadMessage(str(exc)) from None
+        self.spec = self.spec.model_copy(update={"peers": [*self.spec.peers, peer]})
+        self.ids.append(peer.id)
+        self.access = TaskAccess.of(self.spec, self.access.requester)
+        self.access.save(self.folder)
+        self.finisher.add(self.spec)
+        self._book[index] = engine
+        log.info("task %s: provider %s joined as provider %d", self.spec.task_id, peer.id, index)
 
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
         self._check_cancelled()

@@ -33,7 +33,8 @@ class Node:
     per process or many per process. The constructor only builds; ``run()`` connects, trains
     and closes the transport on every exit path. With ``checkpoints`` it keeps its state when
     the configuration says (``checkpoint_due``); with ``resume`` too, it starts from its
-    checkpoint of that iteration (its log cut back to it).
+    checkpoint of that iteration (its log cut back to it). ``joining``: it joins a group already
+    training, at the iteration its algorithm finds (``Algorithm.joined_at``).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class Node:
         shard_sizes: Sequence[int] = (),
         checkpoints: RunCheckpoints | None = None,
         resume: int | None = None,
+        joining: bool = False,
     ):
         self.rank = rank
         self.checkpoints, self.resume = checkpoints, resume
@@ -77,7 +79,7 @@ class Node:
             rule=config.aggregation, sharing=config.sharing,
             sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
-            colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset()))
+            colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)
@@ -182,7 +184,8 @@ class Node:
                 })
             start = time.perf_counter() - float(meta.get("elapsed", 0.0))
             last: Evaluation | None = None
-            for iteration in range(self.resume or 0, config.iterations):
+            first = self.resume if self.resume is not None else (self.algorithm.joined_at or 0)  # a newcomer's
+            for iteration in range(first, config.iterations):
                 if not config.lr_schedule.constant:
                     self.optimizer.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
                 self.algorithm.before_local_steps(iteration)

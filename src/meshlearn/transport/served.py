@@ -134,6 +134,11 @@ class ServedEndpoint(Endpoint):
         if self._server is None:
             self._server = self.start_thread(self._serve, type(self).__name__)
 
+    def add_peer(self, rank: int, address: str) -> None:
+        """A peer that joined the group while it runs: served and callable from now on (safe from
+        any thread: the book is replaced whole, never changed under a reader)."""
+        self.peers = {**self.peers, rank: address}
+
     def caller(self) -> "Caller":
         """A new caller for one thread's requests to the peers (closed with the endpoint)."""
         if self._ctx is None:

@@ -1,0 +1,52 @@
+"""Providers joining a running task: a task that asked for more providers than were free starts
+with those it got and takes in one that frees up later (its own shard, the group's current model),
+which trains to the end with the others."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from helpers.netproc import start_network
+
+TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "8", "--wait", "0"]
+
+
+def _provider(procs, bootstrap: str, name: str) -> None:
+    procs.start(name, "provider", "--bootstrap", bootstrap, "--id", name, "--host", "127.0.0.1",
+                "--workdir", str(procs.folder / name))
+
+
+def test_a_provider_that_frees_up_joins_a_running_leader_task_and_trains_to_its_end(procs):
+    bootstrap, _ = start_network(procs, 0, ttl=4.0)
+    ids = ["p0", "p1", "p2"]
+    for pid in ids:
+        _provider(procs, bootstrap, pid)
+    for pid in ids:
+        procs.wait_for(pid, "registered with")
+    folder = procs.folder / "task"
+    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *TASK,
+                       "--algorithm", "leader", "--epochs", "40", "--aggregate-every", "2", "--providers", "4",
+                       "--min-providers", "3")
+    procs.wait_for("task", r"p\d: training \d+/\d+", timeout=120)  # the task runs (many short cycles: long
+    # enough on loopback for another provider to start and join it)
+    _provider(procs, bootstrap, "late")
+    joined = procs.wait_for("task", r"provider late joined as provider 3 \(([\d.]+) s from its claim\)", timeout=60)
+    assert float(joined.group(1)) < 10
+    assert task.wait(timeout=240) == 0, procs.log("task")
+    out = procs.log("task")
+    assert "taking in more as they come free" in out
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert sorted(metrics["providers"]) == sorted([*ids, "late"]) and metrics["lost"] == []
+    assert metrics["providers"]["late"]["status"] == "finished" and metrics["accuracy"] > 0.8
+    assert json.loads((folder / "task.json").read_text())["providers"] == [*ids, "late"]
+    first = re.search(r"late: training (\d+)/(\d+)", out)  # it trained from the group's cycle to the end
+    assert 0 < int(first.group(1)) < int(first.group(2))
+
+
+def test_joining_is_refused_in_one_line_where_the_algorithm_cannot_take_newcomers(procs):
+    proc = procs.start("refused", "request", "--bootstrap", "127.0.0.1:1", *TASK, "--algorithm", "dpsgd",
+                       "--providers", "4", "--min-providers", "2")
+    assert proc.wait(timeout=60) == 2
+    lines = procs.log("refused").strip().splitlines()
+    assert "--min-providers (providers joining a running task) is built for the asynchronous leader" in lines[-1]
