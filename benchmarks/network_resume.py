@@ -2,12 +2,11 @@
 the same task run uninterrupted (real processes on loopback: a bootstrap, providers, a requester).
 
 Each pair: the task run whole; then run again, and once the requester holds every provider's
-checkpoint of the cycle before ``--kill-at`` (one cycle = one epoch by default) and half an epoch
-later, the requester and every provider are SIGKILLed at once; the providers start again (same ids, same keys) and
+checkpoint of the epoch before ``--kill-at`` (the slowest's) and half an epoch later, the requester and every provider are SIGKILLed at once; the providers start again (same ids, same keys) and
 `meshlearn request --resume TASK_ID` finishes the task. Printed per pair: both accuracies, their
-gap in points, the epoch the resumed task went on from and how many epochs it redid (the furthest
-provider's progress when killed, from the requester's last status line, less that), and the
-seconds of each part.
+gap in points, the epoch each provider went on from and where the requester last saw it before
+the kill (its status lines, every half second: a lower bound), the most epochs any provider
+trained again, and the seconds of each part.
 
     python benchmarks/network_resume.py --algorithm leader --providers 4 --epochs 10 --kill-at 5 --repeats 3
 """
@@ -26,13 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.netproc import Processes, start_network  # noqa: E402
 
-from meshlearn.checkpoint import FOLDER, CheckpointStore  # noqa: E402
+from meshlearn.network.taskstate import KeptCheckpoints  # noqa: E402
 
 
-def _reached(procs: Processes, ids: list[str]) -> int:
-    """The most cycles any provider had finished, from the requester's last status line."""
-    found = [int(m.group(1)) for m in re.finditer(r"p\d+: training (\d+)/\d+", procs.log("cut"))]
-    return max(found, default=0)
+def _reached(procs: Processes, ids: list[str]) -> list[int]:
+    """The cycles each provider had finished when last seen, from the requester's status lines."""
+    found = {pid: 0 for pid in ids}
+    for match in re.finditer(r"(p\d+): training (\d+)/\d+", procs.log("cut")):
+        found[match.group(1)] = max(found[match.group(1)], int(match.group(2)))
+    return [found[pid] for pid in ids]
 
 
 def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
@@ -50,12 +51,12 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
         whole_s = time.monotonic() - started
         started = time.monotonic()
         procs.start("cut", "request", *task, "--output", str(folder / "cut"))
-        names = [f"provider-{i}" for i in range(args.providers)]
-        while (CheckpointStore(folder / "cut" / FOLDER).latest(names) or 0) < (args.kill_at - 1) * per_epoch:
+        kept = KeptCheckpoints(folder / "cut")
+        while min(kept.resume_cycles(args.providers, in_step=False) or [0]) < (args.kill_at - 1) * per_epoch:
             assert procs.procs["cut"].poll() is None, procs.log("cut")
             time.sleep(0.05)
         time.sleep(0.5 * whole_s / args.epochs)  # half-way through the epoch kill_at (about)
-        reached = _reached(procs, ids) / per_epoch
+        reached = _reached(procs, ids)
         for name in ["cut", *ids]:
             procs.kill(name)
         cut_s = time.monotonic() - started
@@ -70,10 +71,12 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
                               "--output", str(folder / "cut"))
         assert resumed.wait(timeout=900) == 0, procs.log("resumed")
         resumed_s = time.monotonic() - started
-        cycle = int(re.search(r"checkpoints of cycle (\d+)", procs.log("resumed")).group(1)) / per_epoch
+        said = re.search(r"checkpoints of cycles? ([\d, ]+)", procs.log("resumed")).group(1)
+        cycles = [int(c) for c in said.split(", ")] * (1 if "," in said else len(ids))
         accuracy = [json.loads((folder / run / "metrics.json").read_text())["accuracy"] for run in ("whole", "cut")]
         return {"seed": seed, "whole": accuracy[0], "resumed": accuracy[1], "gap_points": 100 * (accuracy[1] - accuracy[0]),
-                "from_epoch": cycle, "reached_epoch": reached, "redone_epochs": max(0.0, reached - cycle),
+                "from_epochs": [c / per_epoch for c in cycles], "seen_epochs": [r / per_epoch for r in reached],
+                "redone_epochs": max(max(0, r - c) for r, c in zip(reached, cycles)) / per_epoch,
                 "whole_s": whole_s,
                 "cut_s": cut_s, "resumed_s": resumed_s}
     finally:
@@ -94,7 +97,8 @@ def main() -> None:
     for k in range(args.repeats):
         row = pair(root / f"pair-{k}", args, 90 + k)
         rows.append(row)
-        print(json.dumps({key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}),
+        print(json.dumps({key: round(value, 4) if isinstance(value, float) else
+                      [round(v, 2) for v in value] if isinstance(value, list) else value for key, value in row.items()}),
               flush=True)
     gaps = [abs(row["gap_points"]) for row in rows]
     print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, killed at cycle {args.kill_at}: "

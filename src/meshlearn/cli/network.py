@@ -343,11 +343,14 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
                               + ", ".join(differ or ["data"]) + " (leave them out, or request a new task)")
     count = len(record.providers or [])
     kept = KeptCheckpoints(folder)
-    cycle = kept.latest(count) if count else None
-    if cycle is None:
+    from meshlearn.definitions.base import definition
+
+    in_step = definition(record.request.algorithm).needs.synchronous or record.request.leader.sync
+    cycles = kept.resume_cycles(count, in_step) if count else None
+    if cycles is None:
         raise CheckpointError(f"task {record.task_id} has no checkpoint from every one of its providers in {folder}: "
                               "request it afresh")
-    kept.check(cycle, count, record.fingerprint)
+    kept.check(cycles, record.fingerprint)
     request = record.request.model_copy(update={"providers": count})
     if args.models_module:
         from meshlearn.plugins import load_user_module
@@ -361,10 +364,11 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
         from meshlearn.network.task import dataset_spec
 
         dataset = load_dataset(dataset_spec(request.data), context=request.context, vocabulary=request.vocabulary)
-    print(f"task {record.task_id}: resuming from its providers' checkpoints of cycle {cycle}", file=sys.stderr)
+    said = f"cycle {cycles[0]}" if len(set(cycles)) == 1 else "cycles " + ", ".join(map(str, cycles))
+    print(f"task {record.task_id}: resuming from its providers' checkpoints of {said}", file=sys.stderr)
     requester = Requester(request, bootstrap, secret, folder, args.host, args.port, dataset=dataset,
                           advertise=args.advertise, keys=keys, tensorboard=args.tensorboard,
-                          record=record, resume=cycle)
+                          record=record, resume=cycles)
     metrics = requester.run()
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {folder}  (model.safetensors, metrics.json, task.yaml)")

@@ -72,12 +72,13 @@ class Requester:
 
     It keeps the task's state in ``output``: its record (``task.json``) and the checkpoints its
     providers send (``taskstate``). ``resume``: the task of ``record`` goes on from its providers'
-    checkpoints of that cycle, kept in ``output`` (its providers then are asked for first)."""
+    checkpoints of these cycles (one per provider), kept in ``output`` (its providers then are
+    asked for first)."""
 
     def __init__(self, request: TaskRequest, bootstrap: str, secret: bytes, output: Path,
                  host: str = "127.0.0.1", port: int = 0, say: Say = print, dataset: Dataset | None = None,
                  clock: Clock = SYSTEM, advertise: str = "", keys: KeyPair | None = None, tensorboard: str = "",
-                 record: TaskRecord | None = None, resume: int | None = None):
+                 record: TaskRecord | None = None, resume: list[int] | None = None):
         self.request = request
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.dataset = dataset  # the task's data, if the caller has loaded it already
@@ -131,7 +132,7 @@ class Requester:
                 if req.weights:
                     share.add(WEIGHTS_FILE, Path(req.weights))
                 if self.resume is not None:
-                    for name, path in self.kept.files(self.resume, len(claimed)).items():
+                    for name, path in self.kept.files(self.resume).items():
                         share.add(name, path)
                 serves = dataset is not None or req.weights or self.resume is not None or self.keeps_checkpoints
                 address = self._serve(share, claimed, cleanup) if serves else ""
@@ -252,8 +253,8 @@ class Requester:
         resumed = None
         if self.resume is not None:
             manifest = share.manifest()
-            resumed = Resumed(cycle=self.resume, address=address,
-                              files={name: manifest[name] for name in self.kept.files(self.resume, len(plan))})
+            resumed = Resumed(cycles=self.resume, address=address,
+                              files={name: manifest[name] for name in self.kept.files(self.resume)})
         self._spec_now = spec = TaskSpec(
             task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
             momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,

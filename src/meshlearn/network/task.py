@@ -241,12 +241,19 @@ class ServedFile(Settings):
 
 
 class Resumed(Settings):
-    """Where a resumed task goes on from: the cycle of the checkpoints the requester kept, and where
-    it serves them (per provider index, ``provider-I.json`` and ``provider-I.safetensors``)."""
+    """Where a resumed task goes on from: per provider index, the cycle of its checkpoint the
+    requester kept, and where it serves them (``provider-I.json`` and ``provider-I.safetensors``)."""
 
-    cycle: int = Field(ge=1)
+    cycles: list[int] = Field(min_length=1, max_length=MAX_TASK_PEERS)
     address: str = Field(max_length=256)
     files: dict[str, dict[str, Any]] = Field(max_length=2 * MAX_TASK_PEERS)
+
+    @field_validator("cycles")
+    @classmethod
+    def _positive(cls, cycles: list[int]) -> list[int]:
+        if any(cycle < 1 for cycle in cycles):
+            raise ValueError("a resumed provider's cycle is at least 1")
+        return cycles
 
 
 def transport_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":

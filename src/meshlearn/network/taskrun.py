@@ -230,7 +230,7 @@ class TaskRun:
             checkpoints = SentCheckpoints(self.folder, self.index, spec, ctx.secret, ctx.id)
         if spec.resume is not None:  # a task that goes on from the checkpoints its requester kept
             fetch_checkpoint(spec, self.index, self.folder, ctx.secret, ctx.id, before_chunk=self._check_cancelled)
-            resume = spec.resume.cycle
+            resume = spec.resume.cycles[self.index]
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
                          checkpoints=checkpoints, resume=resume, joining=spec.joining)

@@ -70,8 +70,10 @@ def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, secret: bytes, se
     from meshlearn.network.datashare import download
 
     resumed = spec.resume
+    if index >= len(resumed.cycles):
+        raise BadMessage(f"the resumed task names no checkpoint for provider {index}")
     name = checkpoint_name(index)
-    target = CheckpointStore(folder / FOLDER).folder(resumed.cycle)
+    target = CheckpointStore(folder / FOLDER).folder(resumed.cycles[index])
     for suffix in (".safetensors", ".json"):  # the JSON last: it says the pair is whole
         file = f"{name}{suffix}"
         if file not in resumed.files:
@@ -171,16 +173,32 @@ class KeptCheckpoints:
         """The newest cycle every one of ``providers`` providers has a checkpoint of."""
         return self.store.latest([checkpoint_name(index) for index in range(providers)])
 
-    def check(self, cycle: int, providers: int, fingerprint: str) -> None:
-        """CheckpointError, in one line, unless every provider's checkpoint of ``cycle`` is whole
-        and of the training ``fingerprint`` names."""
+    def resume_cycles(self, providers: int, in_step: bool) -> list[int] | None:
+        """The cycle each provider goes on from: ``in_step`` (a synchronous algorithm), the newest
+        every one has a checkpoint of, where there is one; else each one's newest (asynchronous
+        providers run at their own pace, often more than the two kept checkpoints apart). None
+        where a provider has none."""
+        common = self.latest(providers) if in_step else None
+        if common is not None:
+            return [common] * providers
+        iterations = self.store.iterations()
+        newest = []
         for index in range(providers):
+            own = [cycle for cycle in iterations if self.store.has(cycle, checkpoint_name(index))]
+            if not own:
+                return None
+            newest.append(own[-1])
+        return newest
+
+    def check(self, cycles: list[int], fingerprint: str) -> None:
+        """CheckpointError, in one line, unless each provider's checkpoint of its cycle is whole and
+        of the training ``fingerprint`` names."""
+        for index, cycle in enumerate(cycles):
             meta, _ = self.store.load(cycle, checkpoint_name(index))
             if meta.get("fingerprint") != fingerprint:
                 raise CheckpointError(f"the checkpoint of provider {index} at cycle {cycle} is of another training")
 
-    def files(self, cycle: int, providers: int) -> dict[str, Path]:
-        """The files to serve a resumed task: name -> path, per provider."""
-        folder = self.store.folder(cycle)
-        return {f"{checkpoint_name(index)}{suffix}": folder / f"{checkpoint_name(index)}{suffix}"
-                for index in range(providers) for suffix in (".json", ".safetensors")}
+    def files(self, cycles: list[int]) -> dict[str, Path]:
+        """The files to serve a resumed task: name -> path, each provider's of its cycle."""
+        return {f"{checkpoint_name(index)}{suffix}": self.store.folder(cycle) / f"{checkpoint_name(index)}{suffix}"
+                for index, cycle in enumerate(cycles) for suffix in (".json", ".safetensors")}
