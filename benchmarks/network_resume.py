@@ -1,12 +1,14 @@
 """A network task whose every process is SIGKILLed half-way, resumed with `request --resume`, beside
 the same task run uninterrupted (real processes on loopback: a bootstrap, providers, a requester).
 
-Each pair: the task run whole; then run again, and once the requester holds every provider's
-checkpoint of the epoch before ``--kill-at`` (the slowest's) and half an epoch later, the requester and every provider are SIGKILLed at once; the providers start again (same ids, same keys) and
-`meshlearn request --resume TASK_ID` finishes the task. Printed per pair: both accuracies, their
-gap in points, the epoch each provider went on from and where the requester last saw it before
-the kill (its status lines, every half second: a lower bound), the most epochs any provider
-trained again, and the seconds of each part.
+Each pair: the task run whole, twice (how far apart two uninterrupted runs end: the noise floor);
+then run again, and once the requester holds every provider's checkpoint of the epoch before
+``--kill-at`` (the slowest's) and half an epoch later, the requester and every provider are
+SIGKILLed at once; the providers start again (same ids, same keys) and `meshlearn request
+--resume TASK_ID` finishes the task. Printed per pair: the accuracies, the resumed run's gap in
+points and the two uninterrupted runs', the epoch each provider went on from and where the
+requester last saw it before the kill (its status lines, every half second: a lower bound), the
+most epochs any provider trained again, and the seconds of each part.
 
     python benchmarks/network_resume.py --algorithm leader --providers 4 --epochs 10 --kill-at 5 --repeats 3
 """
@@ -49,6 +51,8 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
         whole = procs.start("whole", "request", *task, "--output", str(folder / "whole"))
         assert whole.wait(timeout=900) == 0, procs.log("whole")
         whole_s = time.monotonic() - started
+        again = procs.start("again", "request", *task, "--output", str(folder / "again"))  # the noise floor
+        assert again.wait(timeout=900) == 0, procs.log("again")
         started = time.monotonic()
         procs.start("cut", "request", *task, "--output", str(folder / "cut"))
         kept = KeptCheckpoints(folder / "cut")
@@ -73,8 +77,10 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
         resumed_s = time.monotonic() - started
         said = re.search(r"checkpoints of cycles? ([\d, ]+)", procs.log("resumed")).group(1)
         cycles = [int(c) for c in said.split(", ")] * (1 if "," in said else len(ids))
-        accuracy = [json.loads((folder / run / "metrics.json").read_text())["accuracy"] for run in ("whole", "cut")]
+        accuracy = [json.loads((folder / run / "metrics.json").read_text())["accuracy"]
+                    for run in ("whole", "cut", "again")]
         return {"seed": seed, "whole": accuracy[0], "resumed": accuracy[1], "gap_points": 100 * (accuracy[1] - accuracy[0]),
+                "whole_again": accuracy[2], "noise_points": 100 * (accuracy[2] - accuracy[0]),
                 "from_epochs": [c / per_epoch for c in cycles], "seen_epochs": [r / per_epoch for r in reached],
                 "redone_epochs": max(max(0, r - c) for r, c in zip(reached, cycles)) / per_epoch,
                 "whole_s": whole_s,
@@ -101,8 +107,10 @@ def main() -> None:
                       [round(v, 2) for v in value] if isinstance(value, list) else value for key, value in row.items()}),
               flush=True)
     gaps = [abs(row["gap_points"]) for row in rows]
-    print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, killed at cycle {args.kill_at}: "
-          f"mean |gap| {statistics.mean(gaps):.2f} points (max {max(gaps):.2f}), cycles redone at most "
+    noise = [abs(row["noise_points"]) for row in rows]
+    print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, killed in epoch {args.kill_at}: "
+          f"mean |gap| {statistics.mean(gaps):.2f} points (max {max(gaps):.2f}); two uninterrupted runs "
+          f"{statistics.mean(noise):.2f} (max {max(noise):.2f}) apart; redone at most "
           f"{max(row['redone_epochs'] for row in rows):.2f} epochs")
 
 

@@ -258,3 +258,17 @@ def test_an_experiment_run_stopped_half_way_goes_on_from_its_checkpoint(tmp_path
     said.clear()
     run_experiment(experiment, progress=False, log=said.append, resume=False)  # --restart: both afresh
     assert not any("kept" in line or "resumed" in line for line in said)
+
+
+def test_asynchronous_nodes_of_the_process_engine_resume_each_from_its_own_newest_checkpoint(tmp_path):
+    """Gossip's nodes run at their own pace, often further apart than the checkpoints kept: each
+    goes on from its own; D-PSGD's restart together, from the newest they all reached."""
+    for algorithm, reached, expected in (("gossip", (20, 30, 10), [20, 30, 10]), ("dpsgd", (20, 25, 20), 20)):
+        folder = tmp_path / algorithm
+        config = make_config({**SMALL, "nodes": 3, "algorithm": algorithm, "output": str(folder)})
+        (folder / "logs").mkdir(parents=True)
+        for rank, newest in enumerate(reached):
+            store = RunCheckpoints(folder, f"node-{rank}", config.fingerprint())
+            for iteration in range(10, newest + 1, 5):
+                store.save(iteration, {"x": torch.zeros(1)})
+        assert resume_point(config) == expected

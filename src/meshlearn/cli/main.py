@@ -113,7 +113,7 @@ def _resolve(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None,
-                    resume: int | None = None) -> dict:
+                    resume: int | list[int] | None = None) -> dict:
     from meshlearn.sim.checks import check_before_start
 
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
@@ -139,7 +139,8 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     return summary
 
 
-def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace, resume: int | None = None):
+def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace,
+                        resume: int | list[int] | None = None):
     """A simulation with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
     from meshlearn.sim import simulate
     from meshlearn.sim.launcher import clear_earlier_run, default_output
@@ -167,8 +168,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         config = with_changes(saved_config(args.resume), values)
         iteration = resume_point(config)
         if not args.quiet:
-            print(f"resuming {config.output} from its checkpoint at iteration {iteration} of {config.iterations}",
-                  file=sys.stderr)
+            at = f"iteration {iteration}" if isinstance(iteration, int) else \
+                f"iterations {min(iteration)} to {max(iteration)} (each node its own)"
+            print(f"resuming {config.output} from its checkpoint at {at} of {config.iterations}", file=sys.stderr)
         _run_simulation(config, args.quiet, args, iteration)
         return 0
     _run_simulation(_resolve(args), args.quiet, args)

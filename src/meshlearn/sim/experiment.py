@@ -174,7 +174,7 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
         log(f"[{index}/{len(experiment.runs)}] {name}: {config.algorithm} over {config.transport}"
             f"{'/' + config.udp.mode if config.transport == 'udp' else ''}"
             f"{' net ' + config.net.describe() if config.net.active else ''}"
-            f"{f', resumed at iteration {iteration} of {config.iterations}' if iteration is not None else ''}")
+            f"{f', resumed at iteration {_first(iteration)} of {config.iterations}' if iteration is not None else ''}")
         started = time.monotonic()
         with around_run(name, config) if around_run else contextlib.nullcontext():
             result = simulate(config, progress=progress, resume=iteration)
@@ -183,6 +183,11 @@ def run_experiment(experiment: Experiment, progress: bool = True, log=print, aro
     output = Path(experiment.runs[0][1].output).parent
     write_comparison(experiment, output)
     return output
+
+
+def _first(iteration: int | list[int]) -> int:
+    """Where a resumed run starts (its slowest node, where each starts from its own)."""
+    return min(iteration) if isinstance(iteration, list) else iteration
 
 
 def finished_run(config: ExperimentConfig) -> bool:

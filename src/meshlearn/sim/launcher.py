@@ -79,7 +79,7 @@ def default_output() -> Path:
 
 
 def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _silent,
-                resume: int | None = None) -> tuple[Graph, Path]:
+                resume: int | list[int] | None = None) -> tuple[Graph, Path]:
     """Check everything a user can get wrong before any process starts; write config and graph.
 
     A folder that holds an earlier run's node logs is started clean (they would mix into this
@@ -200,9 +200,9 @@ class _Launcher:
     """Owns the node processes of one simulation and guarantees they are gone at the end."""
 
     def __init__(self, config: ExperimentConfig, graph: Graph, output: Path, progress: bool, say: Say = _silent,
-                 resume: int | None = None):
+                 resume: int | list[int] | None = None):
         self.config = config
-        self.resume = resume
+        self.resume = resume  # one iteration for every node, or one per rank
         self.graph = graph
         self.log_dir = output / "logs"
         self.progress = progress
@@ -224,7 +224,8 @@ class _Launcher:
                     parent_end, child_end = self.ctx.Pipe(duplex=False)
                     proc = self.ctx.Process(
                         target=_node_process, name=f"meshlearn-node-{rank}",
-                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir), self.resume),
+                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir),
+                              self.resume[rank] if isinstance(self.resume, list) else self.resume),
                     )
                     proc.start()
                     self.procs[rank], self.pipes[rank] = proc, child_end
@@ -287,9 +288,10 @@ class _Launcher:
         from tqdm import tqdm
 
         iterations = self.config.iterations
-        at = {rank: self.resume or 0 for rank in self.procs}
+        first = min(self.resume) if isinstance(self.resume, list) else self.resume or 0
+        at = {rank: first for rank in self.procs}
         summaries: dict[int, dict] = {}
-        with tqdm(total=iterations, initial=self.resume or 0, desc="iterations", unit="it", disable=not self.progress,
+        with tqdm(total=iterations, initial=first, desc="iterations", unit="it", disable=not self.progress,
                   file=sys.stderr) as bar:
             while len(summaries) < len(self.procs):
                 try:
@@ -331,14 +333,15 @@ class _Launcher:
 
 
 def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
-                  launched: float | None = None, resume: int | None = None) -> SimulationResult:
+                  launched: float | None = None, resume: int | list[int] | None = None) -> SimulationResult:
     """The process engine: run ``config`` as ``config.nodes`` local node processes on this machine's
     network as it is (``sim.run.run`` picks this engine, and moves a kernel-loss run into a lossy
     namespace first); write its results folder.
 
     ``say`` hears what start-up is doing (default: stderr with progress, nothing without).
     ``launched``: when the run began, as ``time.time()`` (default: now); ``resume``: continue the
-    run in ``config.output`` from its checkpoint of that iteration (``sim.resume``)."""
+    run in ``config.output`` from its checkpoint of that iteration, or of these, one per rank
+    (``sim.resume``)."""
     from meshlearn.sim.report import write_report
 
     launched = time.time() if launched is None else launched

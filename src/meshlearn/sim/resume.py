@@ -63,10 +63,11 @@ def finished(folder: Path) -> bool:
     return summary.is_file() and bool(logs) and max(f.stat().st_mtime for f in logs) <= summary.stat().st_mtime
 
 
-def resume_point(config: ExperimentConfig) -> int:
+def resume_point(config: ExperimentConfig) -> int | list[int]:
     """The iteration the run in ``config.output`` resumes from: its newest checkpoint every writer
-    finished, each one checked (checksum, configuration, format); CheckpointError, in one line,
-    where there is none or one is bad."""
+    finished; for the process engine's asynchronous algorithms (gossip, the leader), whose nodes
+    run at their own pace, each node's own newest (a list, by rank). Each one is checked
+    (checksum, configuration, format); CheckpointError, in one line, where there is none or one is bad."""
     folder = Path(config.output)
     if finished(folder):
         raise CheckpointError(f"{folder} holds a finished run (its summary.json is newer than its logs): nothing "
@@ -81,6 +82,15 @@ def resume_point(config: ExperimentConfig) -> int:
             f"it stopped before its first, at iteration {every}"
         raise CheckpointError(f"{folder} holds no checkpoint: {why}; start the run again")
     names = writers(config)
+    if config.engine == "process" and not definition(config.algorithm).needs.synchronous:
+        iterations = store.iterations()
+        each = [max((i for i in iterations if store.has(i, name)), default=None) for name in names]
+        if None in each:
+            raise CheckpointError(f"{folder / FOLDER} holds no checkpoint of node {each.index(None)}: start the run "
+                                  "again")
+        for name, iteration in zip(names, each):
+            RunCheckpoints(folder, name, config.fingerprint()).load(iteration)  # raises for a bad one
+        return each[0] if len(set(each)) == 1 else each
     iteration = store.latest(names)
     if iteration is None:
         raise CheckpointError(f"{folder / FOLDER} holds no checkpoint that every one of the {len(names)} "
@@ -90,7 +100,7 @@ def resume_point(config: ExperimentConfig) -> int:
     return iteration
 
 
-def resumable(config: ExperimentConfig, say: Callable[[str], None]) -> int | None:
+def resumable(config: ExperimentConfig, say: Callable[[str], None]) -> int | list[int] | None:
     """The iteration an experiment's run in ``config.output`` goes on from, or None to start it
     afresh: none there, or one that cannot be used (``say`` hears why, and the run starts over)."""
     folder = Path(config.output)

@@ -21,14 +21,14 @@ from meshlearn.sim.launcher import Say, SimulationResult, default_output, defaul
 
 
 def run(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
-        launched: float | None = None, resume: int | None = None) -> SimulationResult:
+        launched: float | None = None, resume: int | list[int] | None = None) -> SimulationResult:
     """Run a whole experiment on the engine ``config`` asks for; write its results folder.
 
     ``say`` hears what start-up is doing (default: stderr with progress, nothing without).
     ``launched``: when the run began, as ``time.time()`` (the command line gives its process's
     start, so the wall-clock it reports counts its own start-up too; default: now). ``resume``:
-    continue the run in ``config.output`` from its checkpoint of that iteration (``sim.resume``
-    finds it and checks it first)."""
+    continue the run in ``config.output`` from its checkpoint of that iteration, or of these, one
+    per rank (``sim.resume`` finds them and checks them first)."""
     from meshlearn.sim.kernelnet import needs_namespace, resolve_loss_mode, run_in_namespace
 
     launched = time.time() if launched is None else launched
