@@ -43,14 +43,15 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
     procs = Processes(folder)
     try:
         bootstrap, ids = start_network(procs, args.providers, ttl=4.0)
-        task = ["--bootstrap", bootstrap, "--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "8",
-                "--aggregate-every", "1", "--wait", "0", "--algorithm", args.algorithm, "--epochs", str(args.epochs),
-                "--providers", str(args.providers), "--seed", str(seed)]
-        per_epoch = -(-1437 // args.providers // 8)  # cycles an epoch: digits' 1,437 training samples, batch 8
+        task = ["--bootstrap", bootstrap, "--data", args.data, "--model", "mlp", "--lr", "0.05",
+                "--batch-size", str(args.batch_size), "--aggregate-every", str(args.aggregate_every), "--wait", "0",
+                "--algorithm", args.algorithm, "--epochs", str(args.epochs), "--providers", str(args.providers),
+                "--seed", str(seed)]
         started = time.monotonic()
         whole = procs.start("whole", "request", *task, "--output", str(folder / "whole"))
         assert whole.wait(timeout=900) == 0, procs.log("whole")
         whole_s = time.monotonic() - started
+        per_epoch = int(re.search(r"training \d+/(\d+)", procs.log("whole")).group(1)) / args.epochs  # cycles
         again = procs.start("again", "request", *task, "--output", str(folder / "again"))  # the noise floor
         assert again.wait(timeout=900) == 0, procs.log("again")
         started = time.monotonic()
@@ -97,6 +98,10 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=5, help="kill half-way through this epoch: once every "
                         "provider's checkpoint of the one before is in, and half an epoch's time later (default 5)")
     parser.add_argument("--repeats", type=int, default=3, help="pairs, seeds 90, 91, ... (default 3)")
+    parser.add_argument("--data", default="digits")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--aggregate-every", type=int, default=1, help="batches per cycle (default 1: epochs of a "
+                        "second or so on digits, long enough to kill one half-way)")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="meshlearn-resume-"))
     rows = []
