@@ -137,8 +137,10 @@ def _same_results(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("extra", [
     {},
     {"algorithm": "fedavg", "fedavg_compress": "int4", "fedavg_fragments": 2, "outer": "nesterov:lr=0.7,momentum=0.9"},
-    {"sharing": "choco:0.3", "transport": "udp", "net": "loss=10%", "momentum": 0.9},
-    {"optimizer": "adam", "lr": 0.01, "lr_schedule": "cosine", "peer_sampling": "epidemic:2"},
+    pytest.param({"sharing": "choco:0.3", "transport": "udp", "net": "loss=10%", "momentum": 0.9},
+                 marks=pytest.mark.slow),
+    pytest.param({"optimizer": "adam", "lr": 0.01, "lr_schedule": "cosine", "peer_sampling": "epidemic:2"},
+                 marks=pytest.mark.slow),
 ], ids=["dpsgd", "fedavg-int4-fragments-outer", "choco-udp-loss", "adam-cosine-epidemic"])
 def test_the_batched_engine_resumes_to_the_models_of_a_run_never_interrupted(tmp_path, extra):
     values = {**SMALL, "engine": "batched", **extra}
@@ -184,6 +186,7 @@ def _logged_iterations(folder: Path, name: str) -> int:
     return sum(1 for e in read_jsonl(path) if e.get("event") == "iteration")
 
 
+@pytest.mark.slow  # its quick sibling: the run stopped in-process above, resumed to the same models
 def test_a_batched_run_killed_at_iteration_50_of_100_resumes_to_the_same_final_models(tmp_path):
     argv = ["--engine", "batched", "--nodes", "8", "--iterations", "100", "--test-after", "10", "--seed", "7",
             "--checkpoint-every", "10"]

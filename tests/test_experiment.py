@@ -288,19 +288,24 @@ def test_the_sharing_experiment_at_quick_scale_runs_every_scheme_over_udp_from_t
         tmp_path, batched):
     """experiments/udp-sharing.yaml, quick: each scheme over TCP without loss and over UDP losing a
     fifth of its 1,424-byte datagrams. Over UDP every share comes in part now and then, and the nodes
-    average what arrived: no share is refused, and the accuracy stays near the same scheme's over TCP."""
+    average what arrived: no share is refused, and the accuracy stays near the same scheme's over TCP
+    (the batched engine runs the whole file; the process engine, whose runs take longer, its UDP runs
+    and TCP's top-k, for the bytes a position costs over each)."""
     from meshlearn.sim.report import load_logs
 
-    output = run_experiment(load_experiment(EXPERIMENTS / "udp-sharing.yaml", quick=True, output=tmp_path / "sh",
-                                            batched=batched), progress=False, log=lambda line: None)
-    rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}
     schemes = ("full", "topk", "subsample", "quantize", "choco")
-    assert set(rows) == {f"{transport}-{scheme}" for transport in ("tcp", "udp") for scheme in schemes}
+    runs = None if batched else [f"udp-{scheme}" for scheme in schemes] + ["tcp-topk"]
+    output = run_experiment(load_experiment(EXPERIMENTS / "udp-sharing.yaml", quick=True, output=tmp_path / "sh",
+                                            batched=batched, only=runs), progress=False, log=lambda line: None)
+    rows = {r["run"]: r for r in csv.DictReader((output / "table.csv").open())}
+    assert set(rows) == set(runs or [f"{transport}-{scheme}" for transport in ("tcp", "udp") for scheme in schemes])
     sent = {run: float(row["bytes_per_iteration"]) for run, row in rows.items()}
     for scheme in schemes:
-        tcp, udp = rows[f"tcp-{scheme}"], rows[f"udp-{scheme}"]
-        assert int(tcp["chunks_lost"]) == 0 and int(udp["chunks_lost"]) > 0, scheme
-        assert float(udp["accuracy"]) > 0.25 and float(udp["accuracy"]) > float(tcp["accuracy"]) - 0.1, scheme
+        udp = rows[f"udp-{scheme}"]
+        assert int(udp["chunks_lost"]) > 0 and float(udp["accuracy"]) > 0.25, scheme
+        if f"tcp-{scheme}" in rows:
+            tcp = rows[f"tcp-{scheme}"]
+            assert int(tcp["chunks_lost"]) == 0 and float(udp["accuracy"]) > float(tcp["accuracy"]) - 0.1, scheme
         if scheme != "full":
             assert sent[f"udp-{scheme}"] < 0.3 * sent["udp-full"], scheme
     # over UDP top-k sends each position beside its value (8 bytes), over TCP the value and a bitmap (4 + 1.25 at 10%)

@@ -79,6 +79,7 @@ def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs
     assert abs(first["accuracy"] - second["accuracy"]) <= 0.02, (first["accuracy"], second["accuracy"])
     assert sorted(second["providers"]) == ids  # its own providers, back
     assert json.loads((folder / "task.json").read_text())["status"] == "done"
+    assert not (folder / FOLDER).exists()  # a task that is done is never resumed: its checkpoints went
     again = procs.start("again", "request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
     assert again.wait(timeout=60) == 2 and f"task {task_id} is done" in procs.log("again")
     assert "done" in whole

@@ -153,6 +153,7 @@ class Requester:
         self._release("done", lost=set(metrics.get("lost", [])) | set(self.left_out))
         self.record.status = "done"
         self.record.write(self.output)
+        self.kept.clear()  # a task that is done is never resumed: its checkpoints go
         return metrics
 
     @property

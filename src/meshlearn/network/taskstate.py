@@ -198,6 +198,10 @@ class KeptCheckpoints:
             if meta.get("fingerprint") != fingerprint:
                 raise CheckpointError(f"the checkpoint of provider {index} at cycle {cycle} is of another training")
 
+    def clear(self) -> None:
+        """Remove every checkpoint kept (the task is done)."""
+        self.store.clear()
+
     def files(self, cycles: list[int]) -> dict[str, Path]:
         """The files to serve a resumed task: name -> path, each provider's of its cycle."""
         return {f"{checkpoint_name(index)}{suffix}": self.store.folder(cycle) / f"{checkpoint_name(index)}{suffix}"
