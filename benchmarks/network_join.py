@@ -18,12 +18,11 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.netproc import Processes, start_network  # noqa: E402
+from helpers.netproc import Processes, repeated_pairs, start_network  # noqa: E402
 
 
 def _slowest(log: str, epochs: int) -> float:
@@ -84,13 +83,7 @@ def main() -> None:
                         "is at this epoch (default 3)")
     parser.add_argument("--repeats", type=int, default=3, help="pairs, seeds 90, 91, ... (default 3)")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="meshlearn-join-"))
-    rows = []
-    for k in range(args.repeats):
-        row = pair(root / f"pair-{k}", args, 90 + k)
-        rows.append(row)
-        print(json.dumps({key: round(value, 4) if isinstance(value, float) else value for key, value in row.items()}),
-              flush=True)
+    rows = repeated_pairs(pair, args, "meshlearn-join-")
     gaps, noise = [row["gap_points"] for row in rows], [row["noise_points"] for row in rows]
     print(f"leader, {args.providers} providers, {args.epochs} epochs, one joining at epoch {args.join_at}: gap "
           f"{statistics.mean(gaps):+.2f} points mean (|max| {max(map(abs, gaps)):.2f}); two runs from the start "

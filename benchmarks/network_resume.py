@@ -20,12 +20,11 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from helpers.netproc import Processes, start_network  # noqa: E402
+from helpers.netproc import Processes, repeated_pairs, start_network  # noqa: E402
 
 from meshlearn.network.taskstate import KeptCheckpoints  # noqa: E402
 
@@ -103,14 +102,7 @@ def main() -> None:
     parser.add_argument("--aggregate-every", type=int, default=1, help="batches per cycle (default 1: epochs of a "
                         "second or so on digits, long enough to kill one half-way)")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="meshlearn-resume-"))
-    rows = []
-    for k in range(args.repeats):
-        row = pair(root / f"pair-{k}", args, 90 + k)
-        rows.append(row)
-        print(json.dumps({key: round(value, 4) if isinstance(value, float) else
-                      [round(v, 2) for v in value] if isinstance(value, list) else value for key, value in row.items()}),
-              flush=True)
+    rows = repeated_pairs(pair, args, "meshlearn-resume-")
     gaps = [abs(row["gap_points"]) for row in rows]
     noise = [abs(row["noise_points"]) for row in rows]
     print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, killed in epoch {args.kill_at}: "

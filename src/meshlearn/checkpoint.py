@@ -252,17 +252,16 @@ def _pack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def _unpack(tree: Any, tensors: dict[str, torch.Tensor], used: set[str]) -> Any:
+def _unpack(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, list):
-        return [_unpack(item, tensors, used) for item in tree]
+        return [_unpack(item, tensors) for item in tree]
     if isinstance(tree, dict):
         if set(tree) == {"$file"}:
             name = tree["$file"]
             if not isinstance(name, str) or name not in tensors:
                 raise CheckpointError(f"the checkpoint names a tensor {name!r} its file does not hold")
-            used.add(name)
             return tensors[name]
-        return {key: _unpack(item, tensors, used) for key, item in tree.items()}
+        return {key: _unpack(item, tensors) for key, item in tree.items()}
     return tree
 
 
@@ -288,7 +287,7 @@ def parse_checkpoint(meta_bytes: bytes, tensor_bytes: bytes, iteration: int,
         tensors = load_tensors(tensor_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{where}.safetensors is not a valid safetensors file: {exc}") from None
-    tree = _unpack(meta.pop("state", None), tensors, set())
+    tree = _unpack(meta.pop("state", None), tensors)
     if not isinstance(tree, dict):
         raise CheckpointError(f"{where}.json holds no state")
     return meta, tree
@@ -359,10 +358,13 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {folder} has no {name}.json and {name}.safetensors: it is incomplete")
         return parse_checkpoint(meta_path.read_bytes(), tensor_path.read_bytes(), iteration, str(folder / name))
 
-    def put(self, iteration: int, name: str, meta: bytes, tensors: bytes) -> None:
+    def put(self, iteration: int, name: str, meta: bytes, tensors: bytes, fingerprint: str | None = None) -> None:
         """Keep writer ``name``'s checkpoint of ``iteration`` as received whole (its two files'
-        bytes), once checked (``parse_checkpoint``: CheckpointError for a bad one, nothing written)."""
-        parse_checkpoint(meta, tensors, iteration, name)
+        bytes), once checked (``parse_checkpoint``; with ``fingerprint``, that it is of that run):
+        CheckpointError for a bad one, nothing written."""
+        fields, _ = parse_checkpoint(meta, tensors, iteration, name)
+        if fingerprint is not None and fields.get("fingerprint") != fingerprint:
+            raise CheckpointError("it is of another training (another fingerprint)")
         folder = self.folder(iteration)
         folder.mkdir(parents=True, exist_ok=True)
         _write_atomically(folder / f"{name}.safetensors", tensors)

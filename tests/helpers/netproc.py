@@ -125,3 +125,20 @@ def start_network(procs: Processes, providers: int, ttl: float = 30.0,
     for pid in ids:
         procs.wait_for(pid, "registered with")
     return address, ids
+
+
+def repeated_pairs(pair: Callable[[Path, object, int], dict], args, prefix: str) -> list[dict]:
+    """A benchmark's ``args.repeats`` pairs of runs, seeds 90, 91, ..., each in a folder of its own
+    under a fresh temporary one (``prefix``); each pair's row printed as one JSON line as it ends."""
+    import json
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    rows = []
+    for k in range(args.repeats):
+        row = pair(root / f"pair-{k}", args, 90 + k)
+        rows.append(row)
+        print(json.dumps({key: round(value, 4) if isinstance(value, float) else
+                          [round(v, 2) for v in value] if isinstance(value, list) else value
+                          for key, value in row.items()}), flush=True)
+    return rows

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints, parse_checkpoint
+from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints
 from meshlearn.errors import CheckpointError
 from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
 from meshlearn.network.rpc import call
@@ -161,10 +161,7 @@ class KeptCheckpoints:
             raise BadMessage("a checkpoint is two blobs: its JSON, its tensors")
         meta, tensors = bytes(req.blobs[0]), bytes(req.blobs[1])
         try:
-            fields, _ = parse_checkpoint(meta, tensors, cycle, checkpoint_name(index))
-            if fields.get("fingerprint") != spec.fingerprint():
-                raise CheckpointError("it is of another training (another fingerprint)")
-            self.store.put(cycle, checkpoint_name(index), meta, tensors)
+            self.store.put(cycle, checkpoint_name(index), meta, tensors, spec.fingerprint())
         except CheckpointError as exc:
             raise BadMessage(f"checkpoint of provider {index}, cycle {cycle}, refused: {exc}") from None
         return {"kept": cycle}

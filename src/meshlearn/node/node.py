@@ -150,8 +150,8 @@ class Node:
         values = self.checkpoints.restore({name: tree[name] for name in tree if name != "algorithm"},
                                           self._parts(outer, algorithm=False), self.device)
         torch.set_rng_state(values["torch_rng"])
-        self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items()
-                                    if name in self.transport.stats.as_dict()})
+        counters = self.transport.stats.as_dict()  # what this transport counts
+        self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items() if name in counters})
         if self.log is not None:
             truncate_log(self.log.path, self.resume)
         return meta, tree
