@@ -420,6 +420,7 @@ def _train_workers(tmp_path, count: int, flags: list[str]) -> list[str]:
     return outs
 
 
+@pytest.mark.slow  # test_readme's tour 2 trains four adapter workers in the default run
 def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
     _train_workers(tmp_path, 4, ["--dataset", "digits", "--model", "mlp", "--epochs", "40", "--batch-size", "16",
                                  "--lr", "0.05"])

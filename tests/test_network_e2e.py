@@ -50,6 +50,7 @@ def test_a_request_waits_for_a_provider_that_joins_later_and_says_what_it_waits_
         procs.stop_all()
 
 
+@pytest.mark.slow  # test_insiders leaves a deaf claimed provider out and names it in the default run
 def test_a_provider_that_cannot_take_the_task_is_replaced_by_a_fresh_claim_and_the_task_completes(tmp_path):
     procs = Processes(tmp_path)
     try:
@@ -283,7 +284,7 @@ def test_a_requester_supplied_weights_file_is_where_training_starts(network, tmp
 
 def test_a_wrong_secret_can_neither_register_nor_read_results(network):
     procs, bootstrap, ids = network
-    intruder = procs.start("intruder", "provider", "--bootstrap", bootstrap, "--id", "intruder",
+    procs.start("intruder", "provider", "--bootstrap", bootstrap, "--id", "intruder",
                            "--workdir", str(procs.folder / "intruder"), secret="not-the-network-secret")
     try:
         found = procs.wait_for("intruder", "cannot use the bootstrap|cannot register", timeout=60)
@@ -373,6 +374,7 @@ def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partition
 
 
 
+@pytest.mark.slow  # test_aggregation refuses and names a poisoning node in the default run
 def test_a_robust_rule_keeps_a_task_with_a_poisoning_provider_on_course_and_names_it(procs):
     """A clean task on four providers; then one leaves and a provider sending sign-flipped models
     (the test-only MESHLEARN_TEST_POISON) takes its place: with the trimmed mean the task scores

@@ -9,6 +9,7 @@ import re
 import threading
 import time
 
+import pytest
 from helpers.netproc import SECRET, Processes, start_network
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--epochs", "1", "--wait", "0"]
@@ -30,6 +31,7 @@ def _provider(procs: Processes, bootstrap: str, pid: str, *args: str, env: dict 
                 "--workdir", str(procs.folder / pid), *args, env=env)
 
 
+@pytest.mark.slow  # test_network_units chooses by device and RAM in the default run
 def test_providers_are_chosen_by_device_and_a_shortage_is_said_in_one_line(procs):
     """Two CPU providers and one declaring cuda (the test-only MESHLEARN_TEST_DEVICE): --device gpu
     takes the cuda one only; too few of it trains on those and says so (and a batch larger than a
@@ -68,6 +70,7 @@ def test_providers_are_chosen_by_device_and_a_shortage_is_said_in_one_line(procs
     assert _providers(procs, "any") == ["p0"]  # cpu: two of the three free providers declare it
 
 
+@pytest.mark.slow  # test_network_units filters by RAM and cores in the default run
 def test_ram_and_cores_filter_providers_and_a_task_too_big_for_all_is_refused(procs):
     """A provider declaring 0.1 GB is skipped (the task needs more) with a line saying why, one
     declaring 1 core is skipped by --min-cores; a task needing more than every free provider
