@@ -1,4 +1,4 @@
-"""A provider joining a running leader task, beside the same task with every provider from the start
+"""A provider joining a running task (leader, fedavg or gossip), beside the same task with every provider from the start
 (real processes on loopback: a bootstrap, providers, a requester).
 
 Each pair, one seed: the task on ``--providers`` providers from the start, twice (how far apart two
@@ -8,7 +8,7 @@ slowest provider reached epoch ``--join-at``. Printed per pair: both accuracies 
 points, the epoch the newcomer joined at, and the seconds from starting its process to its first
 training cycle (process start, registration, claim, shard and model download, join).
 
-    python benchmarks/network_join.py --providers 5 --epochs 10 --join-at 3 --repeats 3
+    python benchmarks/network_join.py --providers 5 --epochs 10 --join-at 3 --repeats 3 [--algorithm fedavg]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
     try:
         bootstrap, ids = start_network(procs, args.providers - 1, ttl=4.0)
         task = ["--bootstrap", bootstrap, "--data", args.data, "--model", "mlp", "--lr", "0.05", "--batch-size", "16",
-                "--aggregate-every", str(args.aggregate_every), "--wait", "0", "--algorithm", "leader",
+                "--aggregate-every", str(args.aggregate_every), "--wait", "0", "--algorithm", args.algorithm,
                 "--epochs", str(args.epochs), "--providers", str(args.providers), "--seed", str(seed)]
         procs.start("extra", "provider", "--bootstrap", bootstrap, "--id", "extra", "--host", "127.0.0.1",
                     "--workdir", str(folder / "extra"))
@@ -74,6 +74,7 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--providers", type=int, default=5)
+    parser.add_argument("--algorithm", default="leader", choices=["leader", "fedavg", "gossip"])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--data", default="fashion-mnist:../shared/datasets/fashion-mnist",
                         help="the task's data (default: Fashion-MNIST, whose epochs last seconds: a digits epoch is "
@@ -85,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = repeated_pairs(pair, args, "meshlearn-join-")
     gaps, noise = [row["gap_points"] for row in rows], [row["noise_points"] for row in rows]
-    print(f"leader, {args.providers} providers, {args.epochs} epochs, one joining at epoch {args.join_at}: gap "
+    print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, one joining at epoch {args.join_at}: gap "
           f"{statistics.mean(gaps):+.2f} points mean (|max| {max(map(abs, gaps)):.2f}); two runs from the start "
           f"{statistics.mean(map(abs, noise)):.2f} apart (|max| {max(map(abs, noise)):.2f}); training "
           f"{max(row['training_after_s'] for row in rows):.1f} s at most after its process started")

@@ -174,10 +174,10 @@ class _Endpoint:
     def publish(self, tensors, meta):
         self.published.append(meta)
 
-    def fetch(self, peer, timeout, wait):
+    def fetch(self, peer, timeout, wait=0.0):
         self.fetches.append((peer, timeout, wait))
         future = Future()
-        future.set_result(self.answer)
+        future.set_result(self.answer(peer) if callable(self.answer) else self.answer)
         return future
 
 
@@ -201,3 +201,30 @@ def test_the_process_engine_averager_drives_the_same_state_machine_on_its_clock(
     assert endpoint.published[-1] == {"clock": 1.0, "loss": 2.0}  # the trained state, before the merge
     averager.update_send(2.0)
     assert endpoint.fetches[-1] == (1, 2.0, pytest.approx(0.3))  # a fresh fetch waits for the timed step
+
+
+def test_a_joining_node_takes_the_first_usable_peer_state_whole_with_its_clock():
+    flat = FlatState(nn.Linear(2, 1))
+    def state(value):
+        return {name: torch.full_like(t, value) for name, t in flat.tensors().items()}
+    answers = {1: None, 2: Message(Kind.REPLY, 2, tensors=state(float("nan")), meta={"clock": 9.0, "loss": 1.0}),
+               3: Message(Kind.REPLY, 3, tensors=state(4.0), meta={"clock": 12.5, "loss": 1.0})}
+    endpoint = _Endpoint(answers.get)
+    averager = GossipAverager(flat, endpoint, [1, 2, 3], GossipSettings(timeout=2.0), time=FakeClock(START))
+    problems = []
+    assert averager.adopt([1, 2, 3], problems) == 12.5 and averager.clock == 12.5
+    assert torch.equal(flat.state, torch.full_like(flat.state, 4.0))  # peer 3's, whole
+    assert [f[0] for f in endpoint.fetches] == [1, 2, 3] and len(problems) == 2
+    assert problems[0] == "1 did not answer" and problems[1].startswith("2: ") and "NaN" in problems[1], problems
+    assert averager.adopt([1], problems) is None
+
+
+def test_peers_that_join_are_picked_and_slots_no_one_holds_are_not():
+    node = _node(peers=(1, 2, 3))
+    node.scores.only([1, 3])
+    node.scores.add(5)
+    picked = set()
+    for _ in range(60):
+        picked.add(node.start_step(0.1).peer)
+        node.judge(Reply(clock=1.0, loss=1.0, tensors=(torch.zeros(4),)), 1.0)
+    assert picked == {1, 3, 5} and node.scores.score.keys() == {1, 3, 5}

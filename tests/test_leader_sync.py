@@ -67,7 +67,7 @@ def test_a_fraction_takes_the_drawn_members_models_each_cycle():
     clock = FakeClock()
     members = list(range(6))
     drawn = {cycle: participants(5, cycle, 6, 0.5) for cycle in range(2)}
-    book = _sync_book(clock, members, drawn=lambda cycle: drawn[cycle])
+    book = _sync_book(clock, members, drawn=lambda cycle, group: drawn[cycle])
     for member in members:
         book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
     assert len(drawn[0]) == 3 and list(book.release(members)) == members  # everyone is waited for and answered
@@ -116,3 +116,30 @@ def test_every_node_gets_the_same_model_each_cycle_and_both_engines_agree(tmp_pa
             runs[engine] = [(float(r["test_acc_mean"]), float(r["test_acc_std"])) for r in csv.DictReader(rows)]
     assert all(std < 1e-12 for run in runs.values() for _, std in run), runs  # equal (the mean of equals rounds)
     assert runs["process"] == pytest.approx(runs["batched"], abs=1e-6)
+
+
+def test_a_member_joining_a_synchronous_group_takes_the_newest_full_cycle_and_is_waited_for_after_it():
+    clock = FakeClock()
+    book = _sync_book(clock)
+    for member, value in ((0, 0.0), (1, 3.0), (2, 6.0)):
+        book.submit(member, _state(value), samples=10, final=False, cycle=0)
+    assert list(book.release([0, 1, 2])) == [0, 1, 2]  # cycle 0: 3.0
+    book.submit(1, _state(10.0), samples=10, final=False, cycle=1)  # one member pushed cycle 1 already
+    model, cycle = book.join(3, samples=10, own=_state(-1.0))
+    assert cycle == 0 and torch.allclose(model, _state(3.0))  # what every member trained cycle 1 from
+    for member, value in ((0, 2.0), (2, 6.0)):
+        book.submit(member, _state(value), samples=10, final=False, cycle=1)
+    assert book.release([0, 1, 2]) == {}  # cycle 1 waits for the newcomer too
+    book.submit(3, _state(2.0), samples=10, final=False, cycle=1)
+    answers = book.release([0, 1, 2, 3])
+    assert list(answers) == [0, 1, 2, 3] and torch.allclose(answers[3], _state(5.0))
+    assert book.rounds[1] == 4
+
+
+def test_a_member_joining_before_any_cycle_starts_from_the_leaders_model_and_is_drawn_after():
+    book = LeaderState.of(LeaderSettings(sync=True, fraction=0.5), [0, 1, 2, 3], 0, seed=3, peer_timeout=10.0)
+    model, cycle = book.join(4, samples=10, own=_state(7.0))
+    assert cycle == -1 and torch.allclose(model, _state(7.0))
+    assert book.group == [0, 1, 2, 3, 4]  # fedavg's draws are among five from now on
+    drawn = [set(book.drawn(c, book.group)) for c in range(40)]
+    assert any(4 in d for d in drawn) and all(len(d) == len(participants(3, 0, 5, 0.5)) for d in drawn)

@@ -44,6 +44,7 @@ class AlgorithmContext:
     samples: int = 0
     shard_sizes: tuple[int, ...] = ()  # every node's training samples (the seeded partition), where known
     iterations: int = 0
+    steps: int = 1  # local steps per iteration
     rule: str = "mean"
     sharing: str = "full"
     sampler: "Rounds | None" = None  # dynamic topologies: each iteration's peers
@@ -51,6 +52,7 @@ class AlgorithmContext:
     initial: torch.Tensor | None = None
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes
     joining: bool = False  # a node joining a group that already trains (a network task's newcomer)
+    members: tuple[int, ...] | None = None  # a group that takes in nodes as it runs: its members now (None: every node)
 
     def outgoing(self, state: torch.Tensor, iteration: int, neighbours: torch.Tensor | None = None) -> torch.Tensor:
         """The flat model this node sends for ``state``: ``state`` itself, or what its attack forges
@@ -113,10 +115,12 @@ class Algorithm(Stateful, ABC):
         return {}
 
     joined_at: int | None = None  # a joining node: the iteration it starts at, once ``start`` joined the group
+    join_round: int | None = None  # a joining node of a round algorithm: the round the group takes it in at
 
-    def add_member(self, rank: int, address: str) -> None:
+    def add_member(self, rank: int, address: str, at: int | None = None) -> None:
         """Take in ``rank``, at ``address``, joining the group while it runs (a network task's
-        newcomer): the algorithms that can say so; the others refuse it (ConfigError)."""
+        newcomer; ``at``: the round it is a member from, for algorithms whose members must all take
+        it in at one round): the algorithms that can say so; the others refuse it (ConfigError)."""
         raise ConfigError(f"the {self.name} algorithm does not take in nodes while it runs")
 
     def exclude(self, rank: int) -> None:

@@ -16,6 +16,7 @@ from meshlearn.algorithms.base import AlgorithmContext, register_runtime
 from meshlearn.algorithms.rounds import RoundRunner
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, DpsgdDefinition, robust_merge
 from meshlearn.definitions.settings import DpsgdSettings
+from meshlearn.errors import ConfigError
 from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.wire import Kind, Message
 
@@ -32,6 +33,10 @@ class DPSGD(RoundRunner):
     With a robust ``aggregation`` rule the node applies it to its own model and those that arrived
     (per chunk of what arrived, over a lossy transport), with the same weights. A model holding
     NaN or Inf, or of another size or dtype, is refused before any rule sees it.
+
+    In a group that takes in members as it runs (a network task's ``GrowingRounds``) every member
+    takes a newcomer in at the round the requester named (``add_member``); the newcomer listens in
+    the round before it (``start``: the members' models, averaged) and trains from that round on.
 
     With a ``sharing`` scheme other than ``full`` the node sends what the scheme makes of its model
     (a share of it, or a quantized copy) and averages each value over the neighbours that sent it,
@@ -55,6 +60,27 @@ class DPSGD(RoundRunner):
     def start(self) -> None:
         if self.sharing is not None:
             self.sharing.start(self.ctx.flat.state)
+        if self.ctx.joining:
+            self._listen()
+
+    def add_member(self, rank: int, address: str, at: int | None = None) -> None:
+        if self.growing is None or at is None or self.sharing is not None or self.rule.robust:
+            raise ConfigError("this D-PSGD run takes in no members as it runs: only a network task with free "
+                              "slots does, at a round it names, with the full model and the mean")
+        self.growing.join(rank, at)
+        self.ctx.transport.add_peer(rank, address)
+
+    def _listen(self) -> None:
+        """A newcomer's start: the exchange of the round before the one the group takes it in at,
+        where it hears every member's model and takes their average (sending nothing)."""
+        at = self.join_round
+        if at is None or self.growing is None or at < 1:
+            raise ConfigError("a node joining a D-PSGD group must be told the round it joins at (1 or later)")
+        self.growing.join(self.ctx.rank, at)
+        heard = self._phases(at - 1)
+        if not heard["received"]:
+            raise ConfigError(f"a node joining at round {at} heard no member's model in round {at - 1}")
+        self.joined_at = at
 
     def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
         ctx = self.ctx

@@ -24,6 +24,11 @@ dpwa exchanges parameters only; meshlearn also interpolates floating-point buffe
 running statistics), as D-PSGD averages them, so a merged model is evaluated with statistics that
 match its weights. ``num_batches_tracked`` stays local.
 
+A node may join a group that trains (a network task's newcomer): every member adds it to the peers
+it picks from (``add_member``; the training thread takes it in at its next step), and the newcomer
+starts from the first peer's state that it can use, whole, with that peer's clock, at the
+iteration that clock has reached.
+
 A node's decisions (fetch or not, whom, judging the answer, the factor, dpwa's clock) are a
 ``GossipState`` (``algorithms.gossipstate``), which the batched engine drives too; ``GossipAverager``
 carries its fetches over a ``PullEndpoint`` from the training thread.
@@ -31,6 +36,7 @@ carries its fetches over a ``PullEndpoint`` from the training thread.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Callable, Iterable
@@ -52,6 +58,7 @@ from meshlearn.algorithms.gossipstate import (
 )
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
+from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import Message
@@ -149,6 +156,22 @@ class GossipAverager:
             self._step_seconds = took if not self._step_seconds else 0.8 * self._step_seconds + 0.2 * took
             self._sent_at = None
 
+    def adopt(self, peers: Iterable[int], problems: list[str]) -> float | None:
+        """Take the state of the first of ``peers`` that answers with one this node can use, whole
+        (a newcomer's start); dpwa's clock then, or None if none could (why, per peer, in ``problems``)."""
+        for peer in peers:
+            reply = self.endpoint.fetch(peer, self.node.settings.timeout).result()
+            if reply is None:
+                problems.append(f"{peer} did not answer")
+                continue
+            judged = self._judged(reply)
+            problem = self.node.adopt(judged)
+            if problem is None:
+                self.flat.state.copy_(torch.cat(list(judged.tensors)))
+                return self.node.clock
+            problems.append(f"{peer}: {problem}")
+        return None
+
     def _judged(self, reply: Message) -> Reply:
         """A fetch's answer as ``GossipState.judge`` reads it: its segments in this state's order."""
         problem = self.flat.check_compatible(reply.tensors)
@@ -171,8 +194,31 @@ class Gossip(Algorithm):
                                        forge=None if ctx.attack is None else ctx.outgoing)
         self._loss: float | None = None
         self._comm = self._average = 0.0
+        self._joined: list[int] = []  # members that joined, for the training thread to take in
+        self._joined_lock = threading.Lock()
+
+    def start(self) -> None:
+        ctx = self.ctx
+        peers = sorted(set(ctx.graph.neighbours(ctx.rank)) & set(ctx.transport.peers))
+        self.averager.node.scores.only(peers)  # a network task's slots that no provider holds yet
+        if ctx.joining:
+            problems: list[str] = []
+            clock = self.averager.adopt(peers, problems)
+            if clock is None:
+                raise ConfigError("a node joining the group could take no member's model: " + "; ".join(problems))
+            self.joined_at = min(ctx.iterations - 1, int(clock // max(1, ctx.steps)))
+
+    def add_member(self, rank: int, address: str, at: int | None = None) -> None:
+        self.ctx.transport.add_peer(rank, address)
+        with self._joined_lock:
+            self._joined.append(rank)
 
     def before_step(self) -> None:
+        if self._joined:
+            with self._joined_lock:
+                joined, self._joined = self._joined, []
+            for rank in joined:
+                self.averager.node.scores.add(rank)
         self.averager.update_send(self._loss)
 
     def after_step(self, loss: float) -> None:

@@ -100,6 +100,18 @@ class PeerScores:
         """A fetch that got an answer that could not be used."""
         self.score[peer] = max(self.LOW, self.score[peer] - self.PENALTY)
 
+    def add(self, peer: int) -> None:
+        """A peer that joined while the node runs: picked from now on, as a fresh peer is."""
+        if peer not in self.score:
+            self.score[peer], self.failures[peer], self.sitting_out[peer] = self.START, 0, 0
+
+    def only(self, peers: Iterable[int]) -> None:
+        """Forget every peer not in ``peers`` (a network task's slots no provider holds yet)."""
+        keep = set(peers)
+        for book in (self.score, self.failures, self.sitting_out):
+            for peer in [q for q in book if q not in keep]:
+                del book[peer]
+
     def no_answer(self, peer: int) -> None:
         """A fetch that got no answer at all (the costly kind: it may have waited a whole timeout)."""
         self.failure(peer)
@@ -259,6 +271,16 @@ class GossipState:
         self.clock = factor * reply.clock + (1 - factor) * self.clock
         self.merged += 1
         return Verdict(peer, MERGED, factor, reply.tensors)
+
+    def adopt(self, reply: Reply) -> str | None:
+        """A node joining a group that trains takes a peer's ``reply`` whole (its model, by the
+        engine, and here dpwa's clock): None, or why it cannot (as ``judge`` refuses)."""
+        problem = reply.problem or (None if reply.clock is not None else "its clock is not a number") or \
+            (None if reply.loss is not None and math.isfinite(reply.loss) else "its loss is not finite") or \
+            next(filter(None, map(refusal, reply.tensors)), None)
+        if problem is None:
+            self.clock = reply.clock
+        return problem
 
     def cancel(self) -> None:
         """Forget the pending fetch without judging it: the engine could not carry it out."""

@@ -12,10 +12,12 @@ out) and members notice a dead leader between pushes. The group is this node and
 was connected to (in a simulation every node of the run, whatever the topology); the peer
 timeout is the transport's ``wait_timeout``.
 
-A member may join while the group trains (asynchronous only: a network task's newcomer): every
-member takes it in (``add_member``), then it asks the leader to ``join``: the leader counts it a
-member from then on and answers with the aggregate of the latest models and the cycle the group
-is at (the slowest member's), and the newcomer trains on from that model at the next cycle.
+A member may join while the group trains (a network task's newcomer): every member takes it in
+(``add_member``), then it asks the leader to ``join``: the leader counts it a member from then on
+and answers with a model and the cycle it is of (``LeaderState.join``: asynchronous, the aggregate
+of the latest models at the slowest member's cycle; synchronous, the aggregate of the newest cycle
+every member pushed, the next cycles waiting for the newcomer too), and the newcomer trains on
+from that model at the next cycle.
 
 A push carries its cycle (the member's iteration), and the leader takes one push per member and
 cycle: a push that did not open on the way is refused at once and sent again (shortly after, and
@@ -91,10 +93,7 @@ class Leader(Algorithm):
                                       (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
 
-    def add_member(self, rank: int, address: str) -> None:
-        if self.settings.sync:
-            raise ConfigError("the synchronous leader does not take in members while it runs: its cycles wait "
-                              "for every member")
+    def add_member(self, rank: int, address: str, at: int | None = None) -> None:
         self.hub.add_peer(rank, address)
         if self.election is not None:
             self.election.add(rank)
@@ -228,10 +227,11 @@ class Leader(Algorithm):
                 election.poke()  # a member pushes here: perhaps the leader this one knows is gone
             return Answer(meta={"status": "not-leader"})
         if op == "join":  # a newcomer: a member from now on, given the group's model and cycle
-            book = self._lead()
-            book.touch(sender)
-            model = book.aggregate() if book.latest else self.ctx.flat.state.detach().to("cpu", copy=True)
-            return Answer(self.ctx.flat.segments_of(model), {"status": "ok", "cycle": book.group_cycle()})
+            samples = meta_number(request.meta, "samples")
+            if samples is None or not samples.is_integer() or samples < 0:
+                raise WireError("a join that does not say its samples")
+            model, cycle = self._lead().join(sender, int(samples), self.ctx.flat.state)
+            return Answer(self.ctx.flat.segments_of(model), {"status": "ok", "cycle": cycle})
         fields = _push_fields(request.meta)
         problem = self.ctx.flat.check_compatible(request.tensors) or (None if fields else "bad samples, final or cycle")
         if problem:

@@ -23,6 +23,12 @@ longer waited for; staleness means nothing there (every model is of the same cyc
 staleness weighting weighs by samples. ``rounds`` records how many models each cycle's aggregate
 took.
 
+A member may join while the group trains (``join``, a network task's newcomer): asynchronous, it
+takes the aggregate of the latest models and the slowest training member's cycle; synchronous, the
+aggregate of the newest cycle every member has pushed, and from the next cycle on every cycle
+waits for it too (with ``drawn``, it is drawn among the members from then on). Either way it
+trains on from the cycle after the one it was given, as the others do.
+
 Nothing here blocks except ``wait``, which only the leader's own training thread calls: pushes
 from other members are recorded by the serving thread of the leader's endpoint, and the ones that
 must wait are held there, not parked in threads.
@@ -101,10 +107,11 @@ class LeaderState:
     def __init__(self, members: list[int], me: int, peer_timeout: float, first_barrier: bool,
                  weighting: Weighting = "staleness", rule: str | AggregationRule = "mean", clock: Clock = SYSTEM,
                  watch: PeerWatch | None = None, sync: bool = False,
-                 drawn: Callable[[int], Collection[int]] | None = None):
+                 drawn: Callable[[int, list[int]], Collection[int]] | None = None):
         self.me = me
         self.sync = sync
-        self.drawn = drawn  # sync: the members whose models make a cycle's aggregate (None: every one)
+        self.drawn = drawn  # sync: (cycle, group) -> those whose models make its aggregate (None: every one)
+        self.group = sorted(members)  # every member, lost or not: whom ``drawn`` draws from
         self.rounds: dict[int, int] = {}  # sync: cycle -> the models its aggregate took
         self._round_answers: dict[int, torch.Tensor] = {}
         self.peer_timeout = peer_timeout
@@ -131,11 +138,12 @@ class LeaderState:
         where ``first_barrier``. With ``fraction`` below 1, each synchronous cycle's aggregate takes
         the models of the members of ``group`` (all of them, sorted; by default ``members``) drawn
         for it from ``seed`` (``fedavg.participants``: every member draws the same)."""
-        group = list(members if group is None else group)
         drawn = None if settings.fraction == 1 else \
-            lambda cycle: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
-        return cls(members, me, peer_timeout, start and settings.first_barrier, settings.weighting, rule=rule,
+            lambda cycle, group: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
+        book = cls(members, me, peer_timeout, start and settings.first_barrier, settings.weighting, rule=rule,
                    clock=clock, watch=watch, sync=settings.sync, drawn=drawn)
+        book.group = sorted(members if group is None else group)
+        return book
 
     # --- what members do ----------------------------------------------------------------------
 
@@ -211,11 +219,34 @@ class LeaderState:
         with self._cond:
             return self._aggregate()
 
+    def join(self, member: int, samples: int, own: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Count ``member`` (with ``samples`` in its shard) a member from now on (see the module):
+        the model it starts from and the cycle that model is of (-1: before any, ``own``, the
+        leader's model, which every member starts from too)."""
+        with self._cond:
+            cycle = self._pushed_by_all() if self.sync else self.group_cycle()
+            contribution = self._member(member)
+            contribution.samples, contribution.lost = samples, False
+            if member not in self.group:
+                self.group = sorted({*self.group, member})
+            if cycle < 0:
+                return own.detach().to("cpu", copy=True), -1
+            if not self.sync:
+                return self._aggregate(), cycle
+            contribution.cycle = max(contribution.cycle, cycle)  # the cycles up to it do not wait for it
+            return self._cycle_answer(cycle), cycle
+
+    def _pushed_by_all(self) -> int:
+        """Sync: the newest cycle every member not lost (nor finished) has pushed, -1 before any."""
+        self._sweep()
+        cycles = [c.cycle for c in self.contributions.values() if not (c.lost or c.finished)]
+        return min(cycles, default=-1)
+
     def group_cycle(self) -> int:
         """The cycle the group is at, for a member joining it: the oldest latest cycle of the members
         still training (members run at their own pace, the leader often ahead; a newcomer that
         starts where the slowest is trains as long as it), -1 before any push."""
-        with self._cond:
+        with self._cond:  # (re-entrant: ``join`` holds it)
             self._sweep()
             training = [c.cycle for c in self.contributions.values() if c.cycle >= 0 and not (c.finished or c.lost)]
             return min(training, default=max((c.cycle for c in self.contributions.values()), default=-1))
@@ -278,7 +309,10 @@ class LeaderState:
         contribution = self.contributions.get(member)
         if not self.sync or contribution is None or contribution.waiting_final:
             return self._aggregate()
-        cycle = contribution.cycle
+        return self._cycle_answer(contribution.cycle)
+
+    def _cycle_answer(self, cycle: int) -> torch.Tensor:
+        """Sync: cycle ``cycle``'s aggregate, made once (while no member has pushed a later cycle)."""
         if cycle not in self._round_answers:
             self._round_answers[cycle] = self._aggregate(cycle)
             for old in sorted(self._round_answers)[:-KEPT_ROUNDS]:
@@ -321,7 +355,7 @@ class LeaderState:
             left_out = self._diverged(members)
             members = [i for i in members if i not in left_out]
         elif cycle is not None and self.drawn is not None:
-            drawn = set(self.drawn(cycle))
+            drawn = set(self.drawn(cycle, self.group))
             members = [i for i in members if i in drawn] or members  # none of them: everyone's
         if cycle is not None:
             self.rounds[cycle] = len(members)

@@ -16,7 +16,7 @@ from meshlearn.definitions.base import RoundAlgorithm
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
 from meshlearn.threads import GuardedThread
-from meshlearn.topology.sampling import Round, StaticRounds
+from meshlearn.topology.sampling import GrowingRounds, Round, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
 
@@ -41,7 +41,9 @@ class RoundRunner(Algorithm):
         self.talks_to = self.definition.talks_to
         if ctx.sampler is not None and self.talks_to == "neighbours":  # peers that change every round
             self.talks_to = "everyone"
-        rounds = ctx.sampler or StaticRounds(ctx.graph)
+        self.growing = GrowingRounds(ctx.graph, ctx.members) if ctx.members is not None and ctx.sampler is None \
+            else None  # a network task's group that takes in members as it runs
+        rounds = ctx.sampler or self.growing or StaticRounds(ctx.graph)
         self.rules = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
                                      ranks=[ctx.rank])
         self.state = self.rules.begin(ctx.flat.state.detach().unsqueeze(0))

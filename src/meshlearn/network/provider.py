@@ -470,7 +470,8 @@ class Provider:
         return access
 
     def _join_task(self, req: Envelope) -> dict:
-        """The requester takes another provider into its running task (``TaskRun.add_peer``)."""
+        """The requester takes another provider into its running task (``TaskRun.add_peer``), or
+        withdraws one it took in (``TaskRun.withdraw``)."""
         from meshlearn.network.task import Peer
 
         run = self._requesters_run(req)
@@ -478,14 +479,18 @@ class Provider:
             peer = Peer(**field_of(req.body, "peer", dict, max_len=4))
         except (UserInputError, TypeError) as exc:
             raise BadMessage(f"task.join: the peer is not a provider's id and address ({exc})") from None
-        run.add_peer(peer, field_of(req.body, "engine", str, max_len=256))
+        if req.body.get("withdraw") is True:  # some member could not take it in at its round: go on without it
+            run.withdraw(peer)
+            return run.status()
+        run.add_peer(peer, field_of(req.body, "engine", str, max_len=256), _round_of(req.body, "at", "task.join"))
         return run.status()
 
     def _start_task(self, req: Envelope) -> dict:
         run = self._requesters_run(req)
         book = field_of(req.body, "engines", dict, max_len=256)
+        at = _round_of(req.body, "joins_at", "task.start")
         try:
-            run.start({int(k): str(v) for k, v in book.items()})
+            run.start({int(k): str(v) for k, v in book.items()}, at)
         except ValueError:
             raise BadMessage("engines must map provider index to address") from None
         return run.status()
@@ -515,3 +520,11 @@ class Provider:
                              "meshlearn leave where it runs, with its --workdir or --key)")
         self.leave()
         return {"leaving": True, "after_task": self.current.spec.task_id if self._busy() else None}
+
+
+def _round_of(body: dict, name: str, call: str) -> int | None:
+    """A round number a requester's ``call`` gives in ``body[name]`` (None where it gives none)."""
+    at = body.get(name)
+    if at is not None and (not isinstance(at, int) or isinstance(at, bool) or not 0 < at < 1 << 31):
+        raise BadMessage(f"{call}: {name} must be a round number")
+    return at

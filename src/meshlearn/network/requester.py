@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 READY_TIMEOUT = 600.0
 JOIN_POLL = 1.0  # seconds between looks for a free provider to take into a task with a free slot
 JOIN_UNTIL = 0.8  # no provider joins a task whose slowest provider has done more than this share of its cycles
+JOIN_LEAD = 2.0  # D-PSGD: seconds of training between naming a newcomer's round and the round's start
 CHECKPOINT_BYTES = 1 << 28  # the largest checkpoint a requester takes when it cannot estimate the model
 CHECKPOINT_WORKERS = 8  # requests the requester's server handles at once (each may hold a checkpoint)
 ASSIGN_TIMEOUT = 15.0  # a provider answers task.assign after one check with the bootstrap
@@ -105,6 +106,7 @@ class Requester:
         self.left_out: dict[str, str] = {}  # providers that could not take the task, and why
         self.replaced: dict[str, str] = {}  # a provider left out -> the one claimed in its place
         self._admitted: set[str] = set()  # the keys the data server answers: the task's providers, the bootstrap
+        self._joins_closed = False  # a D-PSGD newcomer some member could not take in: no other joins
         self._engines: dict[str, str] = {}  # engine address of each ready provider, by index
         self.estimate: MemoryEstimate | None = None  # the task's peak memory per provider (the data is here)
         self.clock = clock
@@ -568,7 +570,7 @@ class Requester:
         in (its spec, with ``joining``; the running providers told of it; started with their
         engines). Returns the task's spec as it is now."""
         progress = [s["progress"] for _, s in states if s.get("progress", {}).get("iterations")]
-        if len(spec.peers) >= self.slots or not progress or \
+        if len(spec.peers) >= self.slots or not progress or self._joins_closed or \
                 min(p.get("iteration", 0) / p["iterations"] for p in progress) > JOIN_UNTIL:
             return spec
         fresh = self._ask_bootstrap("claim.replace", {"task": self.task_id, "drop": [], **self._wanted(1),
@@ -580,18 +582,25 @@ class Requester:
         joined = spec.model_copy(update={"peers": [*spec.peers, Peer(id=peer["id"], address=peer["address"])],
                                          "joining": True})
         started = self.clock.monotonic()
+        seen = (started, max(p.get("iteration", 0) for p in progress))
         try:
             self._call(peer, "task.assign", {"spec": joined.model_dump(), "key": key_text(self.task_key)},
                        timeout=ASSIGN_TIMEOUT)
             engine = self._engine_of(peer)
+            at = self._join_round(spec, seen) if self.request.algorithm == "dpsgd" else None
+            join = {"peer": joined.peers[index].model_dump(), "engine": engine, **({"at": at} if at else {})}
+            took = []
             for member in spec.peers:
                 if member.id not in self.gone and member.id not in self.left:
                     try:
-                        self._call(member.model_dump(), "task.join", {"peer": joined.peers[index].model_dump(),
-                                                                      "engine": engine})
+                        self._call(member.model_dump(), "task.join", join)
+                        took.append(member)
                     except NetworkError as exc:
+                        if at is not None:  # a round already begun there: every member must take it in at one
+                            self._withdraw(took, join)
+                            raise NetworkError(f"{member.id} could not take it in at round {at} ({exc})") from None
                         self._lose(member.id, f"did not take in {peer['id']} ({exc})")
-            self._call(peer, "task.start", {"engines": self._engines})
+            self._call(peer, "task.start", {"engines": self._engines, **({"joins_at": at} if at else {})})
         except NetworkError as exc:
             self.left_out[peer["id"]] = f"could not join the running task ({exc})"
             self._cancel([peer])
@@ -604,6 +613,25 @@ class Requester:
         self.say(f"task {self.task_id}: provider {peer['id']} joined as provider {index} "
                  f"({self.clock.monotonic() - started:.1f} s from its claim)")
         return spec
+
+    def _join_round(self, spec: TaskSpec, seen: tuple[float, int]) -> int:
+        """The round a D-PSGD newcomer joins at: ``JOIN_LEAD`` seconds of training after the round the
+        fastest provider is at now, at the pace seen since ``seen`` (when, and the round it was at)."""
+        now = self.clock.monotonic()
+        rounds = [s.get("progress", {}).get("iteration", 0) for _, s in self._statuses(spec)]
+        latest = max(rounds, default=seen[1])
+        pace = (latest - seen[1]) / max(now - seen[0], 1e-3)
+        return latest + 2 + math.ceil(pace * JOIN_LEAD)
+
+    def _withdraw(self, took: list[Peer], join: dict) -> None:
+        """A newcomer some members could not take in at its round: the members that did go on
+        without it (as without a revoked provider), and no other provider joins the task."""
+        self._joins_closed = True
+        for member in took:
+            try:
+                self._call(member.model_dump(), "task.join", {**join, "withdraw": True})
+            except NetworkError as exc:
+                self._lose(member.id, f"did not let {join['peer']['id']} go ({exc})")
 
     def _engine_of(self, peer: dict) -> str:
         """The engine address of a provider preparing the task, once it is ready (NetworkError if it

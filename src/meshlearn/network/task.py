@@ -54,7 +54,7 @@ class TaskRequest(Settings):
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
     min_providers: int | None = Field(None, ge=1, le=MAX_TASK_PEERS, description="start with this many, and take "
                                       "in more as they come free while the task runs, up to --providers (the data "
-                                      "is split for --providers; algorithm leader, asynchronous) (default: "
+                                      "is split for --providers; algorithms leader, fedavg, gossip, dpsgd) (default: "
                                       "--providers, all at the start)")
     wait: float = Field(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for as many free providers as asked, "
                         "saying what it waits for; then it takes those free (at least one); 0: take them at once")
@@ -110,14 +110,21 @@ class TaskRequest(Settings):
     _valid_joining = model_validator(mode="after")(lambda self: joining_fits(self))
 
 
+JOINABLE = ("leader", "fedavg", "gossip", "dpsgd")  # the algorithms whose groups take in members as they train
+
+
 def joining_fits(request: "TaskRequest") -> "TaskRequest":
     """``request`` if providers may join it as it runs (``min_providers``) as its algorithm allows;
     else ValueError in one line."""
     if request.min_providers is None or request.min_providers >= request.providers:
         return request
-    if request.algorithm != "leader" or request.leader.sync:
-        raise ValueError("--min-providers (providers joining a running task) is built for the asynchronous leader: "
-                         "use --algorithm leader without --leader-sync, or leave --min-providers out")
+    if request.algorithm not in JOINABLE:
+        raise ValueError(f"--min-providers (providers joining a running task) is built for {', '.join(JOINABLE)}, "
+                         f"not {request.algorithm}: use one of those, or leave --min-providers out")
+    if request.algorithm == "dpsgd" and (request.transport != "tcp" or request.aggregation != "mean"):
+        raise ValueError("--min-providers with dpsgd takes --transport tcp and --aggregation mean (every provider "
+                         "takes a newcomer in at one round, over TCP, into the plain average): use those, or leave "
+                         "--min-providers out")
     return request
 
 

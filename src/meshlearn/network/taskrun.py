@@ -23,7 +23,7 @@ import torch
 
 from meshlearn.checkpoint import FOLDER as CHECKPOINTS
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, ConfigError, NetworkError, TaskCancelled
+from meshlearn.errors import BadMessage, ConfigError, NetworkError, TaskCancelled, TopologyError
 from meshlearn.models import build_model, load_weights
 from meshlearn.netem import NetemSpec
 from meshlearn.network.datashare import download
@@ -233,7 +233,7 @@ class TaskRun:
             resume = spec.resume.cycles[self.index]
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
-                         checkpoints=checkpoints, resume=resume, joining=spec.joining)
+                         checkpoints=checkpoints, resume=resume, joining=spec.joining, members=self._members())
         bound = self.node.transport.bind()  # tcp:// or udp://HOST:PORT, HOST possibly 0.0.0.0 ("" when alone)
         scheme, _, where = bound.partition("://")
         port = where.rpartition(":")[2]
@@ -243,6 +243,14 @@ class TaskRun:
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))
+
+    def _members(self) -> list[int] | None:
+        """The providers of a task that takes in more as it runs (every one but this, for a newcomer);
+        None: a task that keeps those it starts with."""
+        spec = self.spec
+        if not spec.joining and spec.shards <= len(spec.peers):
+            return None
+        return [i for i in range(len(spec.peers)) if not (spec.joining and i == self.index)]
 
     def threads(self) -> int | None:
         """The torch threads this part trains with: the declared cores, shared with the task's other
@@ -280,9 +288,10 @@ class TaskRun:
         if self.finisher.exclude(index):
             log.warning("task %s: provider %s is out of the task: %s", self.spec.task_id, self.ids[index], why)
 
-    def add_peer(self, peer: Peer, engine: str) -> None:
+    def add_peer(self, peer: Peer, engine: str, at: int | None = None) -> None:
         """A provider that joins the task while it trains (its next index): taken in by this
-        provider's engine, its final aggregation and its checks of who may act on the task."""
+        provider's engine (``at``: from that round, where the algorithm takes members in at one),
+        its final aggregation and its checks of who may act on the task."""
         index = len(self.spec.peers)
         if index >= self.spec.shards:
             raise BadMessage(f"task {self.spec.task_id} takes no more than {self.spec.shards} providers")
@@ -290,8 +299,8 @@ class TaskRun:
             raise BadMessage(f"{self.ctx.id} takes no provider into task {self.spec.task_id} now "
                              f"(state {self._state.value})")
         try:
-            self.node.algorithm.add_member(index, engine)
-        except ConfigError as exc:
+            self.node.algorithm.add_member(index, engine, at)
+        except (ConfigError, TopologyError) as exc:
             raise BadMessage(str(exc)) from None
         self.spec = self.spec.model_copy(update={"peers": [*self.spec.peers, peer]})
         self.ids.append(peer.id)
@@ -300,6 +309,14 @@ class TaskRun:
         self.finisher.add(self.spec)
         self._book[index] = engine
         log.info("task %s: provider %s joined as provider %d", self.spec.task_id, peer.id, index)
+
+    def withdraw(self, peer: Peer) -> None:
+        """A provider ``add_peer`` took in that will not come after all (some other member could not
+        take it in at its round): gone on without, as a revoked one is."""
+        if peer.id not in self.ids[:-1] and self.ids and self.ids[-1] == peer.id:
+            self.exclude(len(self.ids) - 1, "it could not join the task at its round")
+        else:
+            raise BadMessage(f"task {self.spec.task_id}: {peer.id} is not the provider that joined last")
 
     def _after_iteration(self, node: Node, iteration: int, record: dict) -> None:
         self._check_cancelled()
@@ -314,9 +331,12 @@ class TaskRun:
 
     # ---- answering peers and the requester --------------------------------------------------
 
-    def start(self, book: dict[int, str]) -> None:
-        """The requester's go: every provider is ready; ``book`` holds the engine addresses."""
+    def start(self, book: dict[int, str], joins_at: int | None = None) -> None:
+        """The requester's go: every provider is ready; ``book`` holds the engine addresses
+        (``joins_at``: a newcomer's round, where its algorithm takes members in at one)."""
         self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
+        if joins_at is not None and self.node is not None:
+            self.node.algorithm.join_round = joins_at
         self._start.set()
 
     def on_push(self, req: Envelope) -> dict:

@@ -34,7 +34,8 @@ class Node:
     and closes the transport on every exit path. With ``checkpoints`` it keeps its state when
     the configuration says (``checkpoint_due``); with ``resume`` too, it starts from its
     checkpoint of that iteration (its log cut back to it). ``joining``: it joins a group already
-    training, at the iteration its algorithm finds (``Algorithm.joined_at``).
+    training, at the iteration its algorithm finds (``Algorithm.joined_at``); ``members``: the ranks
+    of a group that takes in nodes as it runs (its other members, for a joining node).
     """
 
     def __init__(
@@ -51,6 +52,7 @@ class Node:
         checkpoints: RunCheckpoints | None = None,
         resume: int | None = None,
         joining: bool = False,
+        members: Sequence[int] | None = None,
     ):
         self.rank = rank
         self.checkpoints, self.resume = checkpoints, resume
@@ -76,10 +78,11 @@ class Node:
         self.algorithm: Algorithm = make_algorithm(config.algorithm, AlgorithmContext(
             rank, self.flat, transport, graph, settings=config.settings_of(config.algorithm), seed=config.seed,
             samples=len(self.loader.indices), shard_sizes=tuple(shard_sizes), iterations=config.iterations,
-            rule=config.aggregation, sharing=config.sharing,
+            steps=self.steps, rule=config.aggregation, sharing=config.sharing,
             sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
-            colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining))
+            colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining,
+            members=None if members is None else tuple(members)))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)
@@ -172,6 +175,8 @@ class Node:
             meta, tree = self._restore(outer) if self.resume is not None else ({}, {})
             self.transport.connect(peers)
             self.algorithm.start()
+            if self.algorithm.joined_at is not None and outer is not None:  # a newcomer: the outer optimizer
+                outer = config.outer.begin(self.flat.params.detach().unsqueeze(0))  # from the group's model
             if self.resume is not None:
                 self.checkpoints.restore({"algorithm": tree["algorithm"]}, {"algorithm": self.algorithm}, self.device)
                 self._write({"event": "resumed", "rank": self.rank, "iteration": self.resume, "time": time.time()})

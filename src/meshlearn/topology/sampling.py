@@ -17,8 +17,9 @@ every node send to one peer per round, 1, 2, 4, ... places after it in turn (``O
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import numpy as np
 
@@ -83,6 +84,66 @@ class StaticRounds:
     def round(self, iteration: int) -> Round:
         """The graph's exchange, whatever the iteration."""
         return self._round
+
+
+class GrowingRounds:
+    """The rounds of a group whose members join as it runs (a network task's newcomers): each round
+    is the graph among that round's members, with its own Metropolis-Hastings weights. A member
+    joining at round ``J`` listens in round ``J - 1``: its neighbours among the members send it their
+    models too, and it takes their plain average (the model a complete graph's members all hold
+    after that round), sending nothing; from round ``J`` on it is a member. ``join`` may be called
+    from any thread, and refuses a round this node has already begun (``round`` was asked for it or
+    a later one): every member must take a newcomer in at the same round."""
+
+    def __init__(self, graph: Graph, members: Iterable[int]):
+        self.graph = graph
+        self.start = frozenset(members)
+        self._joins: dict[int, int] = {}  # newcomer -> the round it is a member from
+        self._asked = -1  # the latest round ``round`` gave
+        self._lock = threading.Lock()
+        self._rounds: dict[tuple[frozenset[int], frozenset[int]], Round] = {}
+
+    def join(self, rank: int, at: int) -> None:
+        """Take ``rank`` in from round ``at`` (TopologyError if that round or the one before, where it
+        listens, has begun here, or it is a member already)."""
+        with self._lock:
+            if rank in self.start or rank in self._joins:
+                raise TopologyError(f"node {rank} is a member already")
+            if at - 1 <= self._asked:
+                raise TopologyError(f"round {at - 1} has begun here (round {self._asked}): too late to take "
+                                    f"in node {rank} at round {at}")
+            self._joins[rank] = at
+
+    def members(self, iteration: int) -> frozenset[int]:
+        """The members of round ``iteration``."""
+        return self.start | {rank for rank, at in self._joins.items() if at <= iteration}
+
+    def round(self, iteration: int) -> Round:
+        """Round ``iteration``'s exchange among its members (and to those listening in it)."""
+        with self._lock:
+            self._asked = max(self._asked, iteration)
+            members = self.members(iteration)
+            listening = frozenset(rank for rank, at in self._joins.items() if at == iteration + 1)
+            key = (members, listening)
+            if key not in self._rounds:
+                self._rounds[key] = self._among(members, listening)
+            return self._rounds[key]
+
+    def _among(self, members: frozenset[int], listening: frozenset[int]) -> Round:
+        graph, n = self.graph, self.graph.n
+        peers = {i: [j for j in graph.neighbours(i) if j in members] for i in members}
+        heard = {k: [j for j in graph.neighbours(k) if j in members] for k in listening}
+        send_to: list[tuple[int, ...]] = [()] * n
+        receive_from: list[tuple[int, ...]] = [()] * n
+        weights: list[dict[int, float]] = [{} for _ in range(n)]
+        for i in members:
+            send_to[i] = tuple(sorted([*peers[i], *(k for k in listening if i in heard[k])]))
+            receive_from[i] = tuple(peers[i])
+            weights[i] = {j: 1.0 / (1 + max(len(peers[i]), len(peers[j]))) for j in peers[i]}
+        for k in listening:
+            receive_from[k] = tuple(heard[k])
+            weights[k] = {j: 1.0 / len(heard[k]) for j in heard[k]}
+        return Round(tuple(send_to), tuple(receive_from), tuple(weights))
 
 
 class OnePeerExponential:

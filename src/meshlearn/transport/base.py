@@ -9,7 +9,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import ClassVar, Iterable, Mapping
 
-from meshlearn.errors import WireError
+from meshlearn.errors import TransportError, WireError
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
@@ -166,6 +166,11 @@ class Transport(Endpoint):
     @abstractmethod
     def connect(self, peers: Mapping[int, str]) -> None:
         """Connect to the neighbours (id -> address) and complete the HELLO handshake."""
+
+    def add_peer(self, peer: int, address: str) -> None:
+        """A neighbour that joined while the run goes on (safe from any thread; the transports that
+        can, take it in before their next send or receive); the others refuse (TransportError)."""
+        raise TransportError(f"the {type(self).__name__} takes in no neighbours while it runs")
 
     @abstractmethod
     def send(self, peer: int, msg: Message) -> None:

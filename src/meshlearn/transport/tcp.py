@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import struct
+import threading
 import time
 from typing import Callable, Iterable, Mapping
 
@@ -65,6 +66,8 @@ class TcpTransport(Transport):
         self._routes: dict[bytes, int] = {}  # connection (ZeroMQ routing id) -> the neighbour it said HELLO as
         self._poller = zmq.Poller()
         self._closed = False
+        self._joining: list[tuple[int, str]] = []  # neighbours that joined, for the next send or receive to take in
+        self._joining_lock = threading.Lock()
 
     def bind(self) -> str:
         tune_allocator()
@@ -89,17 +92,8 @@ class TcpTransport(Transport):
         if self._router is None:
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
-        hello = encode_for(Message(Kind.HELLO, self.node_id), self.secret, self.seal)
         for peer, address in self.peers.items():
-            dealer = self._ctx.socket(zmq.DEALER)
-            # A random routing id: a stranger cannot take over (or squat) a neighbour's connection
-            # by claiming its id, since the id says nothing about who sends (see _accept).
-            dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id) + os.urandom(8))
-            dealer.setsockopt(zmq.LINGER, int(self.linger * 1000))
-            dealer.setsockopt(zmq.SNDHWM, 64)
-            dealer.connect(address)
-            self._dealers[peer] = dealer
-            self._send_frames(peer, hello)
+            self._dial(peer, address)
         greeted: set[int] = set()
         deadline = time.monotonic() + self.handshake_timeout
         while greeted | self.departed != self.peers.keys():
@@ -119,11 +113,40 @@ class TcpTransport(Transport):
             elif msg.kind == Kind.MODEL:
                 self._keep(msg)
 
+    def _dial(self, peer: int, address: str) -> None:
+        """Connect to ``peer`` at ``address`` and say HELLO (the handshake's half this side sends)."""
+        dealer = self._ctx.socket(zmq.DEALER)
+        # A random routing id: a stranger cannot take over (or squat) a neighbour's connection
+        # by claiming its id, since the id says nothing about who sends (see _accept).
+        dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id) + os.urandom(8))
+        dealer.setsockopt(zmq.LINGER, int(self.linger * 1000))
+        dealer.setsockopt(zmq.SNDHWM, 64)
+        dealer.connect(address)
+        self._dealers[peer] = dealer
+        self._send_frames(peer, encode_for(Message(Kind.HELLO, self.node_id), self.secret, self.seal))
+
+    def add_peer(self, peer: int, address: str) -> None:
+        with self._joining_lock:
+            self._joining.append((peer, address))
+
+    def _take_in_joined(self) -> None:
+        """Dial the neighbours that joined since the last send or receive (on the thread that sends
+        and receives: ZeroMQ sockets are not shared between threads), before anything they sent
+        is read."""
+        with self._joining_lock:
+            joined, self._joining = self._joining, []
+        for peer, address in joined:
+            if peer not in self._dealers and self._ctx is not None:
+                self.peers = {**self.peers, peer: address}
+                self._dial(peer, address)
+
     def send(self, peer: int, msg: Message) -> None:
+        self._take_in_joined()
         self._send_frames(peer, encode_for(msg, self.secret, self.seal))
 
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
+        self._take_in_joined()
         frames = encode_for(msg, self.secret, self.seal)
         trackers: list[zmq.MessageTracker] = []
         for peer in peers:
@@ -154,6 +177,8 @@ class TcpTransport(Transport):
         return trackers
 
     def recv(self, timeout: float) -> Message | None:
+        if self._joining:
+            self._take_in_joined()
         deadline = time.monotonic() + timeout
         while True:
             due = self._held.pop_next(self.clock())
@@ -193,6 +218,8 @@ class TcpTransport(Transport):
             self.drop_refused(exc, "a message")
             return None
         route = frames[0].bytes
+        if msg.kind == Kind.HELLO and msg.sender not in self.peers and self._joining:
+            self._take_in_joined()  # a neighbour that joined while this thread waited in recv
         if msg.kind == Kind.HELLO and msg.sender in self.peers:
             # The handshake binds a connection to the neighbour it names (signed, with a secret);
             # every later message must come over a connection bound to its sender.
