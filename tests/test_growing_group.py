@@ -20,9 +20,9 @@ from meshlearn.topology.sampling import GrowingRounds
 
 
 def test_a_newcomer_listens_the_round_before_it_joins_and_every_round_has_its_members_weights():
-    rounds = GrowingRounds(build_topology("full", 5, 0), [0, 1, 2])
+    rounds = GrowingRounds([0, 1, 2])
     before = rounds.round(0)
-    assert before.send_to[:3] == ((1, 2), (0, 2), (0, 1)) and before.send_to[3:] == ((), ())
+    assert before.send_to == ((1, 2), (0, 2), (0, 1))
     assert before.weights[0] == {1: 1 / 3, 2: 1 / 3}  # the complete graph of three: a third each
     rounds.join(3, at=4)
     listening = rounds.round(3)
@@ -37,7 +37,7 @@ def test_a_newcomer_listens_the_round_before_it_joins_and_every_round_has_its_me
 
 
 def test_a_join_at_a_round_already_begun_is_refused():
-    rounds = GrowingRounds(build_topology("full", 4, 0), [0, 1, 2])
+    rounds = GrowingRounds([0, 1, 2])
     rounds.round(5)
     with pytest.raises(TopologyError, match="round 5 has begun here"):
         rounds.join(3, at=6)  # it would have listened in round 5, which was sent without it
@@ -45,6 +45,29 @@ def test_a_join_at_a_round_already_begun_is_refused():
         rounds.join(1, at=9)
     rounds.join(3, at=7)
     assert rounds.members(7) == {0, 1, 2, 3}
+
+
+def test_a_newcomer_in_a_lost_members_place_takes_the_next_rank_and_the_lost_one_weighs_as_a_silent_member():
+    rounds = GrowingRounds([0, 1, 2])  # 2 was lost: every member keeps it (its weight stays with each one's own)
+    rounds.join(3, at=2)
+    joined = rounds.round(2)
+    assert len(joined.send_to) == 4 and joined.receive_from[3] == (0, 1, 2)
+    assert joined.weights[0] == {1: 0.25, 2: 0.25, 3: 0.25}
+
+
+def test_a_provider_in_a_lost_ones_place_trains_on_its_shard():
+    from meshlearn.errors import BadMessage
+    from meshlearn.network.task import Peer, TaskSpec
+
+    peers = [Peer(id=f"p{i}", address=f"tcp://127.0.0.1:{9000 + i}") for i in range(3)]
+    spec = TaskSpec(task_id="t", model="mlp", epochs=1, batch_size=8, lr=0.1, algorithm="dpsgd", aggregate_every=1,
+                    seed=1, partition="iid", eval_samples=0, peer_timeout=5, data={}, slots=3,
+                    peers=[*peers, Peer(id="spare", address="tcp://127.0.0.1:9009", shard=1)])
+    assert [spec.shard_of(i) for i in range(4)] == [0, 1, 2, 1] and spec.shards == 3
+    assert spec.experiment_config(100, "127.0.0.1", "cpu", 64).nodes == 4  # ranks 0..3
+    bad = spec.model_copy(update={"peers": [*peers, Peer(id="x", address="tcp://127.0.0.1:1", shard=5)]})
+    with pytest.raises(BadMessage, match="provider 3 has no shard"):
+        bad.shard_of(3)
 
 
 def test_three_nodes_on_real_sockets_take_in_a_fourth_at_a_round_and_all_end_with_one_model():

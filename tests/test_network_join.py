@@ -55,3 +55,26 @@ def test_joining_is_refused_in_one_line_where_the_algorithm_cannot_take_newcomer
     assert proc.wait(timeout=60) == 2
     lines = procs.log("refused").strip().splitlines()
     assert "--min-providers with dpsgd takes --transport tcp and --aggregation mean" in lines[-1], lines
+
+
+@pytest.mark.parametrize("algorithm", ["leader", *(pytest.param(a, marks=pytest.mark.slow)
+                                                   for a in ("fedavg", "gossip", "dpsgd"))])
+def test_a_provider_that_frees_up_takes_the_place_and_shard_of_one_the_task_lost(procs, algorithm):
+    bootstrap, ids = start_network(procs, 3, ttl=4.0)
+    folder = procs.folder / "task"
+    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *TASK,
+                       "--algorithm", algorithm, "--epochs", "60", "--aggregate-every", "2", "--providers", "3",
+                       "--min-providers", "2", "--peer-timeout", "3")
+    procs.wait_for("task", r"p\d: training \d+/\d+", timeout=120)
+    _provider(procs, bootstrap, "spare")  # free, but the task has no free slot until it loses a provider
+    procs.wait_for("spare", "registered with")
+    procs.kill("p2")
+    procs.wait_for("task", r"provider spare joined as provider 3 in place of p2 \(its shard\)", timeout=60)
+    assert task.wait(timeout=240) == 0, procs.log("task")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    assert metrics["replaced"] == {"p2": "spare"} and metrics["lost"] == ["p2"], metrics
+    providers = metrics["providers"]
+    assert providers["spare"]["status"] == "finished" and providers["p2"]["status"] == "lost"
+    assert abs(providers["spare"]["samples"] - providers["p0"]["samples"]) <= 1  # a third of the data: p2's shard
+    assert metrics["accuracy"] > 0.8
+    assert json.loads((folder / "task.json").read_text())["providers"] == [*ids, "spare"]

@@ -71,15 +71,21 @@ class DPSGD(RoundRunner):
         self.ctx.transport.add_peer(rank, address)
 
     def _listen(self) -> None:
-        """A newcomer's start: the exchange of the round before the one the group takes it in at,
-        where it hears every member's model and takes their average (sending nothing)."""
-        at = self.join_round
+        """A newcomer's start: the round before the one the group takes it in at, where it hears
+        the members' models and takes the plain average of those that came (sending nothing)."""
+        ctx, at = self.ctx, self.join_round
         if at is None or self.growing is None or at < 1:
             raise ConfigError("a node joining a D-PSGD group must be told the round it joins at (1 or later)")
-        self.growing.join(self.ctx.rank, at)
-        heard = self._phases(at - 1)
-        if not heard["received"]:
+        self.growing.join(ctx.rank, at)
+        self._iteration = at - 1
+        senders = list(self.rules.round(at - 1).receive_from[ctx.rank])
+        received = ctx.transport.gather(at - 1, senders)
+        own = ctx.flat.state.detach()
+        usable = self.admit(received, lambda msg: self.payload_problem(msg, own))
+        if not usable:
             raise ConfigError(f"a node joining at round {at} heard no member's model in round {at - 1}")
+        own.copy_(torch.stack([self.vector(received[j], own) for j in usable]).mean(0))
+        ctx.transport.recycle(received.values())
         self.joined_at = at
 
     def _exchange(self, iteration: int, tag: int) -> dict[str, float]:

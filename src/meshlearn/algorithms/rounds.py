@@ -41,8 +41,8 @@ class RoundRunner(Algorithm):
         self.talks_to = self.definition.talks_to
         if ctx.sampler is not None and self.talks_to == "neighbours":  # peers that change every round
             self.talks_to = "everyone"
-        self.growing = GrowingRounds(ctx.graph, ctx.members) if ctx.members is not None and ctx.sampler is None \
-            else None  # a network task's group that takes in members as it runs
+        self.growing = GrowingRounds(ctx.members) if ctx.members is not None and ctx.sampler is None \
+            else None  # a network task's group (a complete graph) that takes in members as it runs
         rounds = ctx.sampler or self.growing or StaticRounds(ctx.graph)
         self.rules = self.definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
                                      ranks=[ctx.rank])

@@ -263,7 +263,7 @@ class Requester:
             momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
             aggregate_every=req.aggregate_every, seed=req.seed,
             partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
-            peer_timeout=req.peer_timeout, slots=self.slots if self.slots > len(plan) else 0,
+            peer_timeout=req.peer_timeout, slots=self.slots,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
             fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
@@ -566,11 +566,13 @@ class Requester:
         return req.providers if req.min_providers is not None and req.min_providers < req.providers else 0
 
     def _take_in(self, spec: TaskSpec, states: list[tuple[dict, dict]]) -> TaskSpec:
-        """While the task has a free slot and is not near its end: claim a free provider and take it
-        in (its spec, with ``joining``; the running providers told of it; started with their
+        """While the task has a free slot (never filled, or its provider lost) and is not near its
+        end: claim a free provider and take it in (its spec, with ``joining``, and the lost one's
+        shard where it takes its place; the running providers told of it; started with their
         engines). Returns the task's spec as it is now."""
         progress = [s["progress"] for _, s in states if s.get("progress", {}).get("iterations")]
-        if len(spec.peers) >= self.slots or not progress or self._joins_closed or \
+        shard = self._free_shard(spec)
+        if shard is None or not progress or self._joins_closed or \
                 min(p.get("iteration", 0) / p["iterations"] for p in progress) > JOIN_UNTIL:
             return spec
         fresh = self._ask_bootstrap("claim.replace", {"task": self.task_id, "drop": [], **self._wanted(1),
@@ -579,8 +581,8 @@ class Requester:
             return spec
         peer, index = fresh[0], len(spec.peers)
         self._admitted.add(split_pinned(peer["address"])[1])
-        joined = spec.model_copy(update={"peers": [*spec.peers, Peer(id=peer["id"], address=peer["address"])],
-                                         "joining": True})
+        newcomer = Peer(id=peer["id"], address=peer["address"], shard=None if shard == index else shard)
+        joined = spec.model_copy(update={"peers": [*spec.peers, newcomer], "joining": True})
         started = self.clock.monotonic()
         seen = (started, max(p.get("iteration", 0) for p in progress))
         try:
@@ -600,7 +602,8 @@ class Requester:
                             self._withdraw(took, join)
                             raise NetworkError(f"{member.id} could not take it in at round {at} ({exc})") from None
                         self._lose(member.id, f"did not take in {peer['id']} ({exc})")
-            self._call(peer, "task.start", {"engines": self._engines, **({"joins_at": at} if at else {})})
+            engines = {i: address for i, address in self._engines.items() if spec.peers[int(i)].id not in self.gone}
+            self._call(peer, "task.start", {"engines": engines, **({"joins_at": at} if at else {})})
         except NetworkError as exc:
             self.left_out[peer["id"]] = f"could not join the running task ({exc})"
             self._cancel([peer])
@@ -610,9 +613,23 @@ class Requester:
         self._spec_now = spec = joined.model_copy(update={"joining": False})
         self.record.providers = [p.id for p in spec.peers]
         self.record.write(self.output)
-        self.say(f"task {self.task_id}: provider {peer['id']} joined as provider {index} "
-                 f"({self.clock.monotonic() - started:.1f} s from its claim)")
+        instead = [p.id for i, p in enumerate(spec.peers[:-1]) if spec.shard_of(i) == shard and p.id in self.gone]
+        if instead:  # the lost provider whose shard it took
+            self.replaced[instead[-1]] = peer["id"]
+        self.say(f"task {self.task_id}: provider {peer['id']} joined as provider {index}"
+                 + (f" in place of {instead[-1]} (its shard)" if instead else "")
+                 + f" ({self.clock.monotonic() - started:.1f} s from its claim)")
         return spec
+
+    def _free_shard(self, spec: TaskSpec) -> int | None:
+        """The shard a provider joining the task now trains on: the next slot's, else that of a
+        provider the task lost (None: every slot is held)."""
+        if not self.slots:
+            return None
+        if len(spec.peers) < self.slots:
+            return len(spec.peers)
+        held = {spec.shard_of(i) for i, p in enumerate(spec.peers) if p.id not in self.gone}
+        return min(set(range(self.slots)) - held, default=None)
 
     def _join_round(self, spec: TaskSpec, seen: tuple[float, int]) -> int:
         """The round a D-PSGD newcomer joins at: ``JOIN_LEAD`` seconds of training after the round the

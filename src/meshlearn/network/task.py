@@ -237,6 +237,8 @@ class Peer(Settings):
 
     id: str = Field(max_length=64)
     address: str = Field(max_length=256)
+    shard: int | None = Field(None, ge=0, lt=MAX_TASK_PEERS)  # the data shard it trains on (None: its index);
+    # another's where it took the place of a provider the task lost
 
 
 class ServedFile(Settings):
@@ -363,8 +365,17 @@ class TaskSpec(Settings):
 
     @property
     def shards(self) -> int:
-        """The shards the task's data is split into: one per slot (the most providers it takes)."""
-        return max(self.slots, len(self.peers))
+        """The shards the task's data is split into: one per slot (the most providers it takes at
+        once; a provider in a lost one's place takes its shard), else one per provider."""
+        return self.slots or len(self.peers)
+
+    def shard_of(self, index: int) -> int:
+        """The data shard provider ``index`` trains on (BadMessage where the spec names none)."""
+        shard = self.peers[index].shard
+        shard = index if shard is None else shard
+        if shard >= self.shards:
+            raise BadMessage(f"task {self.task_id}: provider {index} has no shard (shard {shard} of {self.shards})")
+        return shard
 
     def checkpoint_interval(self, cycles: int) -> int:
         """Cycles between two checkpoints of a provider running ``cycles`` (0: none)."""
@@ -396,7 +407,7 @@ class TaskSpec(Settings):
         alone = self.shards == 1  # one provider has no one to exchange with
         algorithm, leader = self.engine_algorithm()
         return ExperimentConfig(
-            nodes=max(2, self.shards), algorithm="local" if alone else algorithm, topology="full",
+            nodes=max(2, self.shards, len(self.peers)), algorithm="local" if alone else algorithm, topology="full",
             rounds=rounds,
             iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
             test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,

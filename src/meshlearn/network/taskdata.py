@@ -13,16 +13,17 @@ from meshlearn.network.task import TaskSpec
 
 def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender: str, data_root: Path | None,
                  before_chunk: Callable[[], None] | None = None) -> tuple[Dataset, list[int]]:
-    """The dataset provider ``index`` trains on and the indices of its shard in it.
+    """The dataset provider ``index`` trains on and the indices of its shard in it (``spec.shard_of``).
 
     Served data is downloaded into ``folder`` (``before_chunk`` runs before every chunk: what it
     raises ends the download); local data must lie under ``data_root``.
     """
     data = spec.data
     mode = data.get("mode")
+    shard_index = spec.shard_of(index)
     if mode == "served":
         address, files = str(data.get("address", "")), data.get("files")
-        name = f"shard-{index}.safetensors"
+        name = f"shard-{shard_index}.safetensors"
         if not isinstance(files, dict) or name not in files or "test.safetensors" not in files or spec.meta is None:
             raise BadMessage("served data must list this provider's shard and test.safetensors, with meta")
         shard, test = (download(address, file, files[file], folder, secret, sender=sender, before_chunk=before_chunk)
@@ -36,7 +37,7 @@ def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender
         dataset = load_dataset(allowed_local(str(data.get("dataset", "")), data_root), context=spec.context,
                                vocabulary=spec.vocabulary)
         parts = partition_dataset(dataset, spec.shards, spec.partition, spec.seed)
-        return dataset, parts[index]
+        return dataset, parts[shard_index]
     raise BadMessage(f"data mode {mode!r} is not served or local")
 
 

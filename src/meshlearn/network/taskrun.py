@@ -30,7 +30,7 @@ from meshlearn.network.datashare import download
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.finish import Finisher
 from meshlearn.network.resources import machine_cores
-from meshlearn.network.task import WEIGHTS_FILE, Peer, TaskSpec
+from meshlearn.network.task import MAX_TASK_PEERS, WEIGHTS_FILE, Peer, TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.network.taskdata import task_dataset
 from meshlearn.network.taskstate import SentCheckpoints, fetch_checkpoint
@@ -248,7 +248,7 @@ class TaskRun:
         """The providers of a task that takes in more as it runs (every one but this, for a newcomer);
         None: a task that keeps those it starts with."""
         spec = self.spec
-        if not spec.joining and spec.shards <= len(spec.peers):
+        if not spec.joining and not spec.slots:
             return None
         return [i for i in range(len(spec.peers)) if not (spec.joining and i == self.index)]
 
@@ -293,8 +293,9 @@ class TaskRun:
         provider's engine (``at``: from that round, where the algorithm takes members in at one),
         its final aggregation and its checks of who may act on the task."""
         index = len(self.spec.peers)
-        if index >= self.spec.shards:
-            raise BadMessage(f"task {self.spec.task_id} takes no more than {self.spec.shards} providers")
+        if index >= MAX_TASK_PEERS or peer.shard is not None and peer.shard >= self.spec.shards:
+            raise BadMessage(f"task {self.spec.task_id} has no place for another provider (its {index + 1}th, "
+                             f"shard {peer.shard} of {self.spec.shards})")
         if self._state not in (RunState.READY, RunState.TRAINING) or self.node is None:
             raise BadMessage(f"{self.ctx.id} takes no provider into task {self.spec.task_id} now "
                              f"(state {self._state.value})")
@@ -334,6 +335,9 @@ class TaskRun:
     def start(self, book: dict[int, str], joins_at: int | None = None) -> None:
         """The requester's go: every provider is ready; ``book`` holds the engine addresses
         (``joins_at``: a newcomer's round, where its algorithm takes members in at one)."""
+        if self.spec.joining:  # a newcomer: the providers the task lost before it came are none of its peers
+            for index in sorted(set(range(len(self.spec.peers))) - set(book) - {self.index}):
+                self.exclude(index, "it was lost before this provider joined")
         self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
         if joins_at is not None and self.node is not None:
             self.node.algorithm.join_round = joins_at

@@ -87,16 +87,16 @@ class StaticRounds:
 
 
 class GrowingRounds:
-    """The rounds of a group whose members join as it runs (a network task's newcomers): each round
-    is the graph among that round's members, with its own Metropolis-Hastings weights. A member
-    joining at round ``J`` listens in round ``J - 1``: its neighbours among the members send it their
-    models too, and it takes their plain average (the model a complete graph's members all hold
-    after that round), sending nothing; from round ``J`` on it is a member. ``join`` may be called
-    from any thread, and refuses a round this node has already begun (``round`` was asked for it or
-    a later one): every member must take a newcomer in at the same round."""
+    """The rounds of a complete graph whose members join as it runs (a network task's providers,
+    newcomers among them): each round is the complete graph of that round's members, each weighing
+    ``1/m`` (Metropolis-Hastings on it). A member joining at round ``J`` listens in round ``J - 1``:
+    every member sends it its model too, and it takes their plain average (the model each member
+    holds after that round), sending nothing; from round ``J`` on it is a member. Ranks may exceed
+    the run's first size (a newcomer in a lost provider's place takes the next rank). ``join`` may
+    be called from any thread, and refuses a round this node has already begun (``round`` was asked
+    for it or a later one): every member must take a newcomer in at the same round."""
 
-    def __init__(self, graph: Graph, members: Iterable[int]):
-        self.graph = graph
+    def __init__(self, members: Iterable[int]):
         self.start = frozenset(members)
         self._joins: dict[int, int] = {}  # newcomer -> the round it is a member from
         self._asked = -1  # the latest round ``round`` gave
@@ -130,19 +130,17 @@ class GrowingRounds:
             return self._rounds[key]
 
     def _among(self, members: frozenset[int], listening: frozenset[int]) -> Round:
-        graph, n = self.graph, self.graph.n
-        peers = {i: [j for j in graph.neighbours(i) if j in members] for i in members}
-        heard = {k: [j for j in graph.neighbours(k) if j in members] for k in listening}
+        n = max(members | listening | self.start | set(self._joins), default=-1) + 1
         send_to: list[tuple[int, ...]] = [()] * n
         receive_from: list[tuple[int, ...]] = [()] * n
         weights: list[dict[int, float]] = [{} for _ in range(n)]
         for i in members:
-            send_to[i] = tuple(sorted([*peers[i], *(k for k in listening if i in heard[k])]))
-            receive_from[i] = tuple(peers[i])
-            weights[i] = {j: 1.0 / (1 + max(len(peers[i]), len(peers[j]))) for j in peers[i]}
+            peers = tuple(sorted(members - {i}))
+            send_to[i], receive_from[i] = tuple(sorted({*peers, *listening})), peers
+            weights[i] = {j: 1.0 / len(members) for j in peers}
         for k in listening:
-            receive_from[k] = tuple(heard[k])
-            weights[k] = {j: 1.0 / len(heard[k]) for j in heard[k]}
+            receive_from[k] = tuple(sorted(members))
+            weights[k] = {j: 1.0 / len(members) for j in members}
         return Round(tuple(send_to), tuple(receive_from), tuple(weights))
 
 

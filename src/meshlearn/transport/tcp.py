@@ -96,7 +96,7 @@ class TcpTransport(Transport):
             self._dial(peer, address)
         greeted: set[int] = set()
         deadline = time.monotonic() + self.handshake_timeout
-        while greeted | self.departed != self.peers.keys():
+        while self.peers.keys() - greeted - self.departed:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(self.peers.keys() - greeted - self.departed)
@@ -155,11 +155,11 @@ class TcpTransport(Transport):
 
     def _send_frames(self, peer: int, frames: list) -> list[zmq.MessageTracker]:
         """Send one multipart message; frames of 64 KiB and more go zero-copy and are tracked."""
+        if peer not in self.peers and peer in self.departed:  # shut out of the run (``exclude``): it gets nothing
+            return []
         dealer = self._dealers.get(peer)
         if dealer is None:
             raise TransportError(f"node {self.node_id}: {peer} is not a neighbour")
-        if peer not in self.peers:  # shut out of the run (``exclude``): it gets nothing more
-            return []
         trackers = []
         last = len(frames) - 1
         try:
