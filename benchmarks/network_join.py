@@ -1,4 +1,4 @@
-"""A provider joining a running task (leader, fedavg or gossip), beside the same task with every provider from the start
+"""A provider joining a running task (leader, fedavg, gossip or dpsgd), beside the same task with every provider from the start
 (real processes on loopback: a bootstrap, providers, a requester).
 
 Each pair, one seed: the task on ``--providers`` providers from the start, twice (how far apart two
@@ -74,7 +74,7 @@ def pair(folder: Path, args: argparse.Namespace, seed: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--providers", type=int, default=5)
-    parser.add_argument("--algorithm", default="leader", choices=["leader", "fedavg", "gossip"])
+    parser.add_argument("--algorithm", default="leader", choices=["leader", "fedavg", "gossip", "dpsgd"])
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--data", default="fashion-mnist:../shared/datasets/fashion-mnist",
                         help="the task's data (default: Fashion-MNIST, whose epochs last seconds: a digits epoch is "

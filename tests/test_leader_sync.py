@@ -143,3 +143,15 @@ def test_a_member_joining_before_any_cycle_starts_from_the_leaders_model_and_is_
     assert book.group == [0, 1, 2, 3, 4]  # fedavg's draws are among five from now on
     drawn = [set(book.drawn(c, book.group)) for c in range(40)]
     assert any(4 in d for d in drawn) and all(len(d) == len(participants(3, 0, 5, 0.5)) for d in drawn)
+
+
+def test_a_book_taken_over_on_fail_over_lets_a_member_join_once_every_member_pushed_to_it():
+    book = LeaderState.of(LeaderSettings(sync=True), [1, 2], 1, seed=3, peer_timeout=10.0, start=False)
+    assert book.join(3, samples=10, own=_state(0.0)) is None  # it knows no cycle yet: the newcomer asks again
+    book.touch(3)  # the newcomer's pings before it joined: not a member the cycles wait for
+    book.take(1, Push.after(_state(1.0), 10, 40, 100))
+    assert book.join(3, samples=10, own=_state(0.0)) is None  # 2 has not pushed here yet
+    book.take(2, Push.after(_state(2.0), 10, 40, 100))
+    assert list(book.release([1, 2])) == [1, 2]
+    model, cycle = book.join(3, samples=10, own=_state(0.0))
+    assert cycle == 40 and torch.allclose(model, _state(1.5))

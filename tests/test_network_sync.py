@@ -53,7 +53,9 @@ def test_a_fedavg_task_completes_and_learns(network):
 
 
 # about 30 s each: fedavg (the same leader, with its fraction) runs with -m slow
-@pytest.mark.parametrize("algorithm", ["leader", pytest.param("fedavg", marks=pytest.mark.slow)])
+# test_network_join kills a synchronous task's leader (and takes in a provider in its place) in the default run
+@pytest.mark.parametrize("algorithm", [pytest.param("leader", marks=pytest.mark.slow),
+                                       pytest.param("fedavg", marks=pytest.mark.slow)])
 def test_a_synchronous_task_whose_leader_is_killed_completes_under_the_next(tmp_path, algorithm):
     procs = Processes(tmp_path)
     try:

@@ -49,7 +49,7 @@ from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller, is_refusal
-from meshlearn.wire import Message, meta_number
+from meshlearn.wire import Message, meta_number, meta_real
 
 log = logging.getLogger(__name__)
 RETRY = 0.2  # seconds before asking again a member that says it does not lead (yet)
@@ -112,8 +112,9 @@ class Leader(Algorithm):
                 self.election.mark_dead(leader)
                 self.election.resolve()
                 continue
-            cycle = meta_number(reply.meta, "cycle", None)
-            if reply.meta.get("status") == "ok" and cycle is not None and ctx.flat.check_compatible(reply.tensors) is None:
+            cycle = meta_real(reply.meta, "cycle", None)  # -1: the group has made no cycle yet
+            if reply.meta.get("status") == "ok" and cycle is not None and cycle.is_integer() and cycle >= -1 \
+                    and ctx.flat.check_compatible(reply.tensors) is None:
                 ctx.flat.state.copy_(torch.cat([reply.tensors[name] for name in ctx.flat.ranges]))
                 self.joined_at = int(cycle) + 1
                 return
@@ -230,7 +231,10 @@ class Leader(Algorithm):
             samples = meta_number(request.meta, "samples")
             if samples is None or not samples.is_integer() or samples < 0:
                 raise WireError("a join that does not say its samples")
-            model, cycle = self._lead().join(sender, int(samples), self.ctx.flat.state)
+            joined = self._lead().join(sender, int(samples), self.ctx.flat.state)
+            if joined is None:  # a leader that just took over: the members' pushes come first
+                return Answer(meta={"status": "not-yet"})
+            model, cycle = joined
             return Answer(self.ctx.flat.segments_of(model), {"status": "ok", "cycle": cycle})
         fields = _push_fields(request.meta)
         problem = self.ctx.flat.check_compatible(request.tensors) or (None if fields else "bad samples, final or cycle")

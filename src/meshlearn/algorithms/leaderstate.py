@@ -112,6 +112,7 @@ class LeaderState:
         self.sync = sync
         self.drawn = drawn  # sync: (cycle, group) -> those whose models make its aggregate (None: every one)
         self.group = sorted(members)  # every member, lost or not: whom ``drawn`` draws from
+        self.taken_over = False  # a book a new leader took over on fail-over (it starts empty)
         self.rounds: dict[int, int] = {}  # sync: cycle -> the models its aggregate took
         self._round_answers: dict[int, torch.Tensor] = {}
         self.peer_timeout = peer_timeout
@@ -143,14 +144,17 @@ class LeaderState:
         book = cls(members, me, peer_timeout, start and settings.first_barrier, settings.weighting, rule=rule,
                    clock=clock, watch=watch, sync=settings.sync, drawn=drawn)
         book.group = sorted(members if group is None else group)
+        book.taken_over = not start
         return book
 
     # --- what members do ----------------------------------------------------------------------
 
     def touch(self, member: int) -> None:
-        """A sign of life from ``member`` (a push or a ping)."""
+        """A sign of life from ``member`` (a push or a ping); nothing from one the book does not count
+        (a newcomer pinging before it joined is not waited for)."""
         with self._cond:
-            self._member(member).last_seen = self.clock.monotonic()
+            if member in self.contributions:
+                self.contributions[member].last_seen = self.clock.monotonic()
 
     def mark_lost(self, member: int) -> None:
         with self._cond:
@@ -219,11 +223,17 @@ class LeaderState:
         with self._cond:
             return self._aggregate()
 
-    def join(self, member: int, samples: int, own: torch.Tensor) -> tuple[torch.Tensor, int]:
+    def join(self, member: int, samples: int, own: torch.Tensor) -> tuple[torch.Tensor, int] | None:
         """Count ``member`` (with ``samples`` in its shard) a member from now on (see the module):
         the model it starts from and the cycle that model is of (-1: before any, ``own``, the
-        leader's model, which every member starts from too)."""
+        leader's model, which every member starts from too). None: not yet, the book was taken
+        over on fail-over and some member still training has not pushed to it (it does not know
+        where the group is)."""
         with self._cond:
+            self._sweep()
+            if self.taken_over and any(c.cycle < 0 and not (c.lost or c.finished) and m != member
+                                       for m, c in self.contributions.items()):
+                return None
             cycle = self._pushed_by_all() if self.sync else self.group_cycle()
             contribution = self._member(member)
             contribution.samples, contribution.lost = samples, False

@@ -635,10 +635,13 @@ class Requester:
         """The round a D-PSGD newcomer joins at: ``JOIN_LEAD`` seconds of training after the round the
         fastest provider is at now, at the pace seen since ``seen`` (when, and the round it was at)."""
         now = self.clock.monotonic()
-        rounds = [s.get("progress", {}).get("iteration", 0) for _, s in self._statuses(spec)]
-        latest = max(rounds, default=seen[1])
+        progress = [s.get("progress", {}) for _, s in self._statuses(spec)]
+        latest = max((p.get("iteration", 0) for p in progress), default=seen[1])
         pace = (latest - seen[1]) / max(now - seen[0], 1e-3)
-        return latest + 2 + math.ceil(pace * JOIN_LEAD)
+        at = latest + 2 + math.ceil(pace * JOIN_LEAD)
+        if at >= min((p.get("iterations", 0) for p in progress), default=0):
+            raise NetworkError(f"the task ends before round {at}, the first it could join at")
+        return at
 
     def _withdraw(self, took: list[Peer], join: dict) -> None:
         """A newcomer some members could not take in at its round: the members that did go on
