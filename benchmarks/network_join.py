@@ -1,5 +1,5 @@
-"""A provider joining a running task (leader, fedavg, gossip or dpsgd), beside the same task with every provider from the start
-(real processes on loopback: a bootstrap, providers, a requester).
+"""A provider joining a running task (leader, fedavg, gossip or dpsgd), beside the same task with every
+provider from the start (real processes on loopback: a bootstrap, providers, a requester).
 
 Each pair, one seed: the task on ``--providers`` providers from the start, twice (how far apart two
 runs end: the noise floor); then the same task
@@ -86,7 +86,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = repeated_pairs(pair, args, "meshlearn-join-")
     gaps, noise = [row["gap_points"] for row in rows], [row["noise_points"] for row in rows]
-    print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, one joining at epoch {args.join_at}: gap "
+    print(f"{args.algorithm}, {args.providers} providers, {args.epochs} epochs, one joining at epoch {args.join_at}: "
+          "gap "
           f"{statistics.mean(gaps):+.2f} points mean (|max| {max(map(abs, gaps)):.2f}); two runs from the start "
           f"{statistics.mean(map(abs, noise)):.2f} apart (|max| {max(map(abs, noise)):.2f}); training "
           f"{max(row['training_after_s'] for row in rows):.1f} s at most after its process started")

@@ -58,8 +58,11 @@ def test_joining_is_refused_in_one_line_where_the_algorithm_cannot_take_newcomer
 
 
 # the default case kills the leader of a synchronous task (test_network_sync's, slow, kills only that)
-@pytest.mark.parametrize("algorithm, killed", [("fedavg", "p0"), *(pytest.param(a, k, marks=pytest.mark.slow) for a, k in
-                                                                 (("leader", "p0"), ("gossip", "p2"), ("dpsgd", "p2")))])
+SLOW_PLACES = (("leader", "p0"), ("gossip", "p2"), ("dpsgd", "p2"))
+
+
+@pytest.mark.parametrize("algorithm, killed", [("fedavg", "p0"),
+                                               *(pytest.param(a, k, marks=pytest.mark.slow) for a, k in SLOW_PLACES)])
 def test_a_provider_that_frees_up_takes_the_place_and_shard_of_one_the_task_lost(procs, algorithm, killed):
     bootstrap, ids = start_network(procs, 3, ttl=4.0)
     folder = procs.folder / "task"
