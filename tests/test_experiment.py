@@ -267,6 +267,7 @@ def test_a_missing_dataset_is_reported_before_the_first_run_with_where_to_get_it
     assert not (tmp_path / "out").exists()  # no run started
 
 
+@pytest.mark.slow  # test_udp holds each model for its time on an emulated link (TCP and UDP) in the default run
 def test_the_bandwidth_experiment_at_quick_scale_holds_each_model_for_its_time_on_the_link(tmp_path):
     """experiments/udp-bandwidth.yaml, quick: TCP and UDP at 1, 10 and 100 Mbit/s a link. A digits MLP
     (68,904 bytes) needs 0.55 s on a 1 Mbit/s link and 55 ms on a 10 Mbit/s one: no iteration is faster."""

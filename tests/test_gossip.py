@@ -434,6 +434,7 @@ def test_four_workers_with_the_adapter_reach_90_percent_and_converge(tmp_path):
     assert spread(params[:, 1]) < 0.25 * spread(params[:, 0])  # different starts, close at the end
 
 
+@pytest.mark.slow  # test_readme's tour 2 runs adapter workers, test_language_model a quick GPT, in the default run
 def test_two_workers_with_the_adapter_train_a_small_gpt_on_the_standard_library(tmp_path):
     outs = _train_workers(tmp_path, 2, ["--dataset", "pystdlib", "--model", "gpt-tiny", "--context", "32",
                                         "--optimizer", "adamw", "--lr", "0.003", "--steps", "40", "--batch-size", "16"])

@@ -157,6 +157,7 @@ def test_a_quick_gpt_run_on_the_standard_library_learns_and_reports_perplexity(t
     assert (tmp_path / "lm" / "perplexity.png").stat().st_size > 1000
 
 
+@pytest.mark.slow  # a quick GPT run learns and reports its perplexity in the default run
 def test_every_algorithm_trains_a_gpt_on_the_batched_engine(tmp_path):
     from meshlearn.definitions.base import DEFINITIONS
 

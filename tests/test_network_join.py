@@ -18,10 +18,10 @@ def _provider(procs, bootstrap: str, name: str) -> None:
                 "--workdir", str(procs.folder / name))
 
 
-# LeaderState's, gossip's and D-PSGD's joins in test_leader_sync, test_gossip_state and test_topology in the
-# default run
-@pytest.mark.parametrize("algorithm", ["leader", *(pytest.param(a, marks=pytest.mark.slow)
-                                                   for a in ("fedavg", "gossip", "dpsgd"))])
+# slow: the default run takes a provider into a running task below (in a lost one's place), and runs the
+# joins of LeaderState, gossip and D-PSGD in test_leader_sync, test_gossip_state and test_growing_group
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm", ["leader", "fedavg", "gossip", "dpsgd"])
 def test_a_provider_that_frees_up_joins_a_running_task_and_trains_to_its_end(procs, algorithm):
     bootstrap, _ = start_network(procs, 0, ttl=4.0)
     ids = ["p0", "p1", "p2"]
@@ -67,7 +67,7 @@ def test_a_provider_that_frees_up_takes_the_place_and_shard_of_one_the_task_lost
     bootstrap, ids = start_network(procs, 3, ttl=4.0)
     folder = procs.folder / "task"
     task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *TASK,
-                       "--algorithm", algorithm, "--epochs", "30", "--aggregate-every", "2", "--providers", "3",
+                       "--algorithm", algorithm, "--epochs", "20", "--aggregate-every", "2", "--providers", "3",
                        "--min-providers", "2", "--peer-timeout", "10")  # the spare is up: it joins in a second
     procs.wait_for("task", r"p\d: training \d+/\d+", timeout=120)
     _provider(procs, bootstrap, "spare")  # free, but the task has no free slot until it loses a provider

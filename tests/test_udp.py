@@ -464,6 +464,7 @@ def test_net_spec_parsing():
             NetemSpec.parse(bad)
 
 
+@pytest.mark.slow  # the sharing experiment learns over lossy UDP in test_experiment, test_network_udp over real UDP
 def test_six_nodes_udp_with_20_percent_loss_reach_85_percent(tmp_path):
     config = make_config({
         "nodes": 6, "topology": "regular:3", "transport": "udp", "net": "loss=20%", "udp_timeout": 0.2,
