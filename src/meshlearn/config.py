@@ -225,6 +225,18 @@ class ExperimentConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _secure_fits(self) -> "ExperimentConfig":
+        if self.leader.secure:
+            _require("secure_aggregation true", "secure_aggregation false", [
+                (self.algorithm != "leader", "algorithm leader with leader_sync true (FedAvg whose server fails over: "
+                 "leader_fraction F)"),
+                (not self.leader.sync, "leader_sync true (masks cancel only in the sum of one cycle's models)"),
+                (self.engine != "process", "engine process (members agree on masks between real processes)"),
+                (self.nodes < 3, "at least 3 nodes (with 2, the leader would learn the other's model)"),
+                *secure_conflicts(self.aggregation, bool(self.byzantine))])
+        return self
+
+    @model_validator(mode="after")
     def _schedule_fits(self) -> "ExperimentConfig":
         if not self.lr_schedule.constant and self.engine == "batched" and self.algorithm in DEFINITIONS and \
                 not definition(self.algorithm).needs.synchronous:
@@ -399,6 +411,13 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
 def _either(names: list[str]) -> str:
     """``a``, ``a or b``, ``a, b or c``."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def secure_conflicts(aggregation: str, byzantine: bool) -> list[tuple[bool, str]]:
+    """What secure aggregation cannot go with, for ``_require``: rules and attacks that need each model."""
+    return [(aggregation != "mean", f"aggregation mean ({aggregation} needs each member's model, which secure "
+             "aggregation hides from the leader)"),
+            (byzantine, "no byzantine nodes (attacks forge and watch individual models)")]
 
 
 def _require(what: str, otherwise: str, needs: list[tuple[bool, str]]) -> None:

@@ -73,7 +73,7 @@ def run_trial(folder: Path, trial: Trial, timeout: float = 300.0) -> Outcome:
                               "--algorithm", trial.algorithm, "--epochs", str(trial.epochs), "--providers",
                               str(trial.providers), "--seed", str(trial.seed))
         if trial.kill != "none":
-            _kill_mid_training(procs, trial, ids, bootstrap)
+            kill_mid_training(procs, trial, ids, bootstrap)
             if trial.kill == "bootstrap":
                 outcome.restored = _listed(bootstrap, lambda p: True)
         request.wait(timeout=timeout)
@@ -97,7 +97,7 @@ def run_trial(folder: Path, trial: Trial, timeout: float = 300.0) -> Outcome:
     return outcome
 
 
-def _kill_mid_training(procs: Processes, trial: Trial, ids: list[str], bootstrap: str) -> None:
+def kill_mid_training(procs: Processes, trial: Trial, ids: list[str], bootstrap: str) -> None:
     victim = {"leader": ids[0], "follower": trial.victim or ids[-1], "bootstrap": "bootstrap"}[trial.kill]
     watched = ids[1] if victim == ids[0] else ids[0]  # a provider that lives on
     found = procs.wait_for("req", rf"{watched}: training \d+/(\d+)", timeout=120)

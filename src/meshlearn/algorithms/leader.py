@@ -43,6 +43,18 @@ import torch
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState, Push
+from meshlearn.algorithms.secure import (
+    SEALED_BYTES,
+    OPEN_BYTES,
+    SecureAggregationFailed,
+    SecureBook,
+    SecurePusher,
+    pack,
+    pack_keys,
+    read_push,
+    unpack,
+    weighted_mean,
+)
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import ConfigError, WireError
 from meshlearn.sparselog import SparseLog
@@ -78,6 +90,10 @@ class Leader(Algorithm):
         self._callers = threading.local()  # each thread calls through its own sockets
         self._watcher: GuardedThread | None = None
         self._refusals = SparseLog(log)
+        self._secure: SecureBook | None = None  # secure aggregation: the leader's side, while leading
+        self._pusher: SecurePusher | None = None  # secure aggregation: this member's side
+        self._held_ops: dict[int, tuple[str, int]] = {}  # secure: what each held request is (op, cycle)
+        self._secure_lock = threading.RLock()  # a push's record and a cycle's close, one at a time
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------
@@ -124,7 +140,8 @@ class Leader(Algorithm):
         ctx = self.ctx
         t0 = time.perf_counter()
         state = ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True)
-        aggregate = self._exchange(Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss))
+        push = Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss)
+        aggregate = self._secure_exchange(push) if self.settings.secure else self._exchange(push)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -179,6 +196,67 @@ class Leader(Algorithm):
                 time.sleep(RETRY)
                 self.election.resolve()
 
+    def _secure_exchange(self, push: Push) -> torch.Tensor:
+        """Secure aggregation (``algorithms.secure``): this member's contribution masked, pushed, and
+        unmasked with the others' through the leader the session was set up with."""
+        ctx, limit = self.ctx, len(self.election.members) + 1
+        if self._pusher is None:
+            self._pusher = SecurePusher(ctx.rank, ctx.flat.state.numel() + 1, limit)
+        pusher, leader = self._pusher, self.election.leader
+        if pusher.leader is not None and leader != pusher.leader:
+            raise SecureAggregationFailed(f"secure aggregation: the leader, member {pusher.leader}, was lost; a secure "
+                                          "session does not fail over to another leader (the task stops)")
+        call = self._local_call if leader == ctx.rank else self._remote_call(leader)
+        if pusher.leader is None:
+            pusher.set_up(leader, push.cycle, call, sorted(self.election.members))
+        reply = pusher.exchange(push.cycle, self._contribution(push), {
+            "samples": push.samples, "final": push.final,
+            "loss": None if push.loss is None else min(push.loss, 1e30)}, call)
+        if reply.meta.get("keep"):
+            return ctx.flat.state.detach().clone()
+        problem = ctx.flat.check_compatible({k: v for k, v in reply.tensors.items() if not k.startswith("sa.")})
+        if problem:
+            raise WireError(f"a secure aggregate that does not fit this model: {problem}")
+        return torch.cat([reply.tensors[name] for name in ctx.flat.ranges])
+
+    def _contribution(self, push: Push) -> "np.ndarray":
+        """What this member adds to a cycle's sum: its model times its weight (its samples, 1 where the
+        weighting is equal, 0 where a fraction's draw left it out or its model is not finite), then the
+        weight."""
+        import numpy as np
+
+        from meshlearn.definitions.fedavg import participants
+
+        weight = 1.0 if self.settings.weighting == "equal" else float(push.samples)
+        if self.settings.fraction < 1:
+            group = sorted(self.election.members)
+            drawn = {group[i] for i in participants(self.ctx.seed, push.cycle, len(group), self.settings.fraction)}
+            weight = weight if self.ctx.rank in drawn else 0.0
+        state = push.state.to(torch.float64)
+        if not bool(torch.isfinite(state).all()):
+            log.warning("node %d: its model of cycle %d is not finite: it adds nothing to the secure sum",
+                        self.ctx.rank, push.cycle)
+            weight = 0.0
+        return np.append((state * weight).numpy() if weight else np.zeros(state.numel()), weight)
+
+    def _remote_call(self, leader: int):
+        def call(meta: dict, tensors: dict):
+            return self._caller().call(leader, self.timeout, tensors, meta,
+                                       patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
+        return call
+
+    def _local_call(self, meta: dict, tensors: dict):
+        """A request of the leader's own member to its own book, answered as a member's is."""
+        from types import SimpleNamespace
+
+        request = SimpleNamespace(meta=meta, tensors=tensors, sender=self.ctx.rank)
+        answer = self.respond(request)
+        while answer is None:
+            self.check()
+            time.sleep(0.01)
+            answer = self.release([self.ctx.rank]).get(self.ctx.rank)
+        return SimpleNamespace(meta=dict(answer.meta), tensors=dict(answer.tensors))
+
     def _lead(self, start: bool = False) -> LeaderState:
         with self._lock:
             if self.state is None:
@@ -186,6 +264,9 @@ class Leader(Algorithm):
                 self.state = LeaderState.of(self.settings, alive, self.ctx.rank, self.ctx.seed, self.timeout,
                                             start=start, group=self.election.members, rule=self.rule,
                                             watch=self.watch)
+                if self.settings.secure:
+                    self._secure = SecureBook(self.ctx.flat.state.numel() + 1, lambda m: not self.state.is_lost(m),
+                                              len(self.election.members) + 1)
             return self.state
 
     def task_report(self) -> dict:
@@ -221,12 +302,14 @@ class Leader(Algorithm):
             if self.state is not None:
                 self.state.touch(sender)
             return Answer(meta={"status": "alive"})
-        if op not in ("push", "join"):
+        if op not in ("push", "join", "sa-meet", "sa-offer", "reveal"):
             raise WireError(f"unknown leader request {op!r}")
         if election is None or election.leader != self.ctx.rank:
             if election is not None:
                 election.poke()  # a member pushes here: perhaps the leader this one knows is gone
             return Answer(meta={"status": "not-leader"})
+        if self.settings.secure:
+            return self._respond_secure(op, sender, request)
         if op == "join":  # a newcomer: a member from now on, given the group's model and cycle
             samples = meta_number(request.meta, "samples")
             if samples is None or not samples.is_integer() or samples < 0:
@@ -248,8 +331,101 @@ class Leader(Algorithm):
             raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
         return self.release([sender]).get(sender)
 
+    def _respond_secure(self, op: str, sender: int, request) -> Answer | None:
+        """Secure aggregation's requests (``algorithms.secure``): recorded, then answered by ``release``."""
+        book, secure = self._lead(), self._secure
+        if op == "join":
+            raise WireError("a join of a secure session, which takes no newcomers")
+        if sender not in book.contributions:
+            raise WireError(f"a secure request from {sender}, not a member of the session")
+        book.touch(sender)
+        cycle = meta_number(request.meta, "cycle", None)
+        if op != "sa-meet" and (cycle is None or not cycle.is_integer()):
+            raise WireError(f"a secure {op} without its cycle")
+        cycle = -1 if cycle is None else int(cycle)
+        limit = len(self.election.members) + 1
+        try:
+            if op == "sa-meet":
+                identity = request.tensors.get("sa.id")
+                if identity is None or identity.dtype != torch.uint8 or identity.dim() != 1:
+                    raise WireError("a meeting without its identity key")
+                secure.meet(sender, identity.numpy().tobytes())
+            elif op == "sa-offer":
+                offer = read_push(request.tensors, 0, limit).offer
+                secure.offer(sender, cycle, offer)
+            elif op == "push":
+                fields = _push_fields(request.meta)
+                if fields is None:
+                    raise WireError("a secure push without its samples, final flag or cycle")
+                samples, final, cycle = fields
+                masked = read_push(request.tensors, secure.length, limit)
+                with self._secure_lock:  # the cycle closes on the book's word: it must have the masked model first
+                    secure.push(sender, cycle, masked)
+                    if not book.take(sender, Push(torch.zeros(1), samples, cycle, final,
+                                                  meta_number(request.meta, "loss", None)), copy=False):
+                        raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
+
+            else:  # reveal
+                secure.reveal(sender, cycle, unpack(request.tensors, "sa.rb", OPEN_BYTES, limit),
+                              unpack(request.tensors, "sa.rk", OPEN_BYTES, limit))
+        except SecureAggregationFailed as failure:
+            return Answer(meta={"status": "failed", "reason": str(failure)})
+        with self._lock:
+            self._held_ops[sender] = (op, cycle)
+        self.hub.poke()
+        return self._release_secure([sender]).get(sender)
+
+    def _release_secure(self, held: list[int]) -> dict[int, Answer]:
+        """The answers secure aggregation can give now to ``held`` requests (see ``algorithms.secure``)."""
+        book, secure, answers = self.state, self._secure, {}
+        for sender in held:
+            with self._lock:
+                op, cycle = self._held_ops.get(sender, (None, None))
+            try:
+                answer = self._secure_answer(book, secure, sender, op, cycle)
+            except SecureAggregationFailed as failure:
+                answer = Answer(meta={"status": "failed", "reason": str(failure)})
+            if answer is not None:
+                answers[sender] = answer
+                with self._lock:
+                    self._held_ops.pop(sender, None)
+        return answers
+
+    def _secure_answer(self, book: LeaderState, secure: SecureBook, sender: int, op: str | None, cycle: int
+                       ) -> Answer | None:
+        if secure.failure:
+            raise SecureAggregationFailed(secure.failure)
+        if op == "sa-meet":
+            identities = secure.everyone_met(sorted(book.contributions))
+            return None if identities is None else Answer({"sa.ids": pack_keys(identities)}, {"status": "ok"})
+        if op == "sa-offer":
+            setup = secure.setup_done()
+            return None if setup is None else Answer({"sa.pks": pack_keys(setup.next_publics()),
+                                                      "sa.k": pack(setup.offered_to(sender), SEALED_BYTES)},
+                                                     {"status": "ok"})
+        if op not in ("push", "reveal"):
+            return None
+        with self._secure_lock:
+            if not book.ready(sender):
+                return None
+            round_ = secure.close(cycle)
+        if op == "push" and sender in round_.survivors and sender not in round_.revealed:
+            return Answer({"sa.b": pack(round_.sealed_for(sender), SEALED_BYTES)},
+                          {"status": "reveal", "survivors": round_.survivors, "dropped": round_.dropped})
+        known, total = secure.total(cycle)
+        if not known:
+            return None
+        book.rounds[cycle] = len(round_.survivors)
+        tensors = {"sa.pks": pack_keys(round_.next_publics()), "sa.k": pack(round_.offered_to(sender), SEALED_BYTES)}
+        if total is None:
+            return Answer(tensors, {"status": "ok", "keep": True})
+        model = secure.model(cycle, lambda: weighted_mean(total, self.ctx.flat.state.dtype))
+        return Answer({**self.ctx.flat.segments_of(model), **tensors}, {"status": "ok"})
+
     def release(self, held: list[int]) -> dict[int, Answer]:
         """Answers for those of the ``held`` pushes (by member) that the book allows now."""
+        if self.settings.secure:
+            return self._release_secure(held) if self._secure is not None else {}
         book = self.state
         answers = book.release(held) if book is not None else {}
         return {sender: Answer(self.ctx.flat.segments_of(aggregate), {"status": "ok"})

@@ -218,6 +218,18 @@ class LeaderState:
                 self._cond.wait(timeout=poll)
             return self._answer_for(member)
 
+    def ready(self, member: int) -> bool:
+        """Whether ``member``'s latest push may be answered now (secure aggregation answers it itself)."""
+        with self._cond:
+            return self._can_answer(member)
+
+    def is_lost(self, member: int) -> bool:
+        """Whether ``member`` is lost (silent for the peer timeout, or marked so)."""
+        with self._cond:
+            self._sweep()
+            contribution = self.contributions.get(member)
+            return contribution is None or contribution.lost
+
     def aggregate(self) -> torch.Tensor:
         """The aggregate of the latest models of every member not lost."""
         with self._cond:

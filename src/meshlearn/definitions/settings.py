@@ -40,10 +40,11 @@ class GossipSettings(Settings):
 
 class LeaderSettings(Settings):
     """Leader aggregation's settings (flat names: ``leader_first_barrier``, ``leader_weighting``,
-    ``leader_sync``, ``leader_fraction``)."""
+    ``leader_sync``, ``leader_fraction``, ``secure_aggregation``)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"first_barrier": "leader_first_barrier", "weighting": "leader_weighting",
-                                            "sync": "leader_sync", "fraction": "leader_fraction"}
+                                            "sync": "leader_sync", "fraction": "leader_fraction",
+                                            "secure": "secure_aggregation"}
 
     first_barrier: bool = Field(True, description="the first cycle waits (up to the peer timeout) for every "
                                                   "member, so that all start from one model")
@@ -57,6 +58,9 @@ class LeaderSettings(Settings):
     fraction: float = Field(1.0, gt=0, le=1, description="with sync: the share of the members whose models make each "
                             "cycle's aggregate, drawn from the seed per cycle (FedAvg's; the others are still waited "
                             "for and answered)")
+    secure: bool = Field(False, description="secure aggregation (with sync, at least 3 members): each member "
+                         "masks its model with pairwise masks from key agreement, so the leader learns only each "
+                         "cycle's weighted sum (docs/privacy.md)")
 
 
 class FedAvgSettings(Settings):

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
-from meshlearn.config import ExperimentConfig
+from meshlearn.config import ExperimentConfig, secure_conflicts
 from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
@@ -108,6 +108,9 @@ class TaskRequest(Settings):
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
     _valid_joining = model_validator(mode="after")(lambda self: joining_fits(self))
+    _valid_secure = model_validator(mode="after")(lambda self: secure_fits(self, len_peers=self.providers,
+                                                                           joins=self.min_providers is not None
+                                                                           and self.min_providers < self.providers))
 
 
 JOINABLE = ("leader", "fedavg", "gossip", "dpsgd")  # the algorithms whose groups take in members as they train
@@ -295,6 +298,25 @@ def fedavg_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     return task
 
 
+def secure_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) -> "TaskRequest | TaskSpec":
+    """``task`` unless it asks secure aggregation of what cannot have it (an algorithm other than fedavg
+    or the synchronous leader, a robust rule, fewer than 3 providers, providers joining as it runs);
+    else ValueError in one line."""
+    if not task.leader.secure:
+        return task
+    needs = [(task.algorithm not in ("leader", "fedavg"), f"algorithm fedavg or leader (not {task.algorithm})"),
+             (task.algorithm == "leader" and not task.leader.sync, "--leader-sync true (masks cancel only in the "
+              "sum of one cycle's models)"),
+             (len_peers < 3, "at least 3 providers (with 2, the leader would learn the other's model)"),
+             (joins, "every provider from the start (a newcomer has no share of the members' keys): leave "
+              "--min-providers out"),
+             *secure_conflicts(task.aggregation, False)]
+    for lacking, need in needs:
+        if lacking:
+            raise ValueError(f"--secure-aggregation true needs {need}; or leave --secure-aggregation out")
+    return task
+
+
 def network_algorithm(name: str) -> str:
     """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
     naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
@@ -347,6 +369,8 @@ class TaskSpec(Settings):
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
+    _valid_secure = model_validator(mode="after")(lambda self: secure_fits(self, len(self.peers),
+                                                                           self.joining or self.slots > len(self.peers)))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
@@ -428,4 +452,4 @@ class TaskSpec(Settings):
         if self.algorithm != "fedavg":
             return self.algorithm, self.leader
         return "leader", LeaderSettings(first_barrier=True, weighting="samples", sync=True,
-                                        fraction=self.fedavg.fraction)
+                                        fraction=self.fedavg.fraction, secure=self.leader.secure)

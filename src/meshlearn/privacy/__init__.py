@@ -1,0 +1,1 @@
+"""Privacy of the data members train on: secure aggregation (``secagg``) and differential privacy (``dp``)."""
