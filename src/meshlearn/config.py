@@ -31,6 +31,7 @@ from meshlearn.errors import ConfigError, TopologyError
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
 from meshlearn.outer import OUTER_HELP, OuterOptimizer
+from meshlearn.privacy.settings import DP_HELP, DPSettings
 from meshlearn.schedule import SCHEDULE_HELP, LrSchedule
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
@@ -119,6 +120,7 @@ class ExperimentConfig(Settings):
     optimizer: str = Field("sgd", description=OPTIMIZER_HELP)
     lr_schedule: LrSchedule = Field(LrSchedule(), description="learning rate by iteration: " + SCHEDULE_HELP)
     outer: OuterOptimizer = Field(OuterOptimizer(), description=OUTER_HELP)
+    dp: DPSettings = Field(DPSettings(), description=DP_HELP)
     full_epochs: bool = Field(False, description="rounds count passes over the node's shard, not mini-batches "
                               "(DecentralizePy's full_epochs)")
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")

@@ -37,6 +37,7 @@ from meshlearn.batched.memory import keep_freed_memory
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
+from meshlearn.batched.privacy import BatchedPrivacy
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
@@ -179,6 +180,7 @@ class BatchedSimulation:
             finish = run.clocks.now
         reports = run.algorithm.peers_report()
         peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
+        privacy = {} if run.privacy is None else {"privacy": run.collective.gather(run.privacy.reports())}
         if run.log is None:
             return {}
         # the run's final model (node 0's, in the first process), as the process engine's node 0 keeps it
@@ -190,6 +192,7 @@ class BatchedSimulation:
                             "metrics": None if rank not in by_rank else by_rank[rank].as_dict()}
                      for rank in run.ranks}
         run.log.write(columnar_event("final", run.ranks, {
+            **privacy,
             "metrics": [summaries[r]["metrics"] for r in run.ranks],
             "stats": [summaries[r]["stats"] for r in run.ranks],
             "elapsed": [summaries[r]["elapsed"] for r in run.ranks],
@@ -211,7 +214,7 @@ class BatchedSimulation:
             modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
         stacked = self.stacked = StackedState(model, shard.size, device)
         models = NodeModels(stacked, vectorize(config, model), config.batched.chunk, *worker_counts(config),
-                            loss_of=task_of(dataset).loss)
+                            loss_of=task_of(dataset).loss, clip=config.dp.max_grad_norm if config.dp.active else None)
         links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links
@@ -243,6 +246,10 @@ class BatchedSimulation:
             samples=[len(part) for part in parts], outer=outer,
             log=JsonlLog(self.log_path, append=self.resume is not None) if shard.main else None,
             steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1),
+            privacy=None if not config.dp.active else BatchedPrivacy.of(
+                config, [len(part) for part in parts[shard.start:shard.stop]], shard.start, device,
+                config.iterations * config.rounds * (_batches_per_epoch(parts, config.batch_size)
+                                                     if config.full_epochs else 1)),
             skips_idle=steps_rows_apart(config.optimizer))
 
     def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
@@ -346,6 +353,7 @@ class _Run:
     began: float = field(default_factory=time.perf_counter)
     steps: int = 1  # local steps per iteration: rounds, or rounds x the shards' batches (full_epochs)
     skips_idle: bool = True  # nodes an iteration does not ask to train skip it (steps_rows_apart)
+    privacy: BatchedPrivacy | None = None  # DP-SGD: each node's budget and noise
 
     def train(self, rows: list[int] | None = None) -> list[float | None]:
         """This iteration's local steps of every node of the block (or of ``rows`` only: the others
@@ -363,6 +371,8 @@ class _Run:
         the optimizer's update (taken in the workers where it is fused: ``NodeModels.fuse``); the
         ranks that stepped and their losses."""
         ranks, grads, loss = self.models.gradients(self.batches.next(rows))
+        if self.privacy is not None:  # DP-SGD: the clipped sums, noised and over the batch
+            self.privacy.noise(ranks, grads)
         if grads is not None:
             every = len(ranks) == self.shard.size
             if every and not bool((ranks == torch.arange(len(ranks), device=ranks.device)).all()):

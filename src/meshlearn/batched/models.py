@@ -20,6 +20,7 @@ from torch.nn.functional import cross_entropy
 
 from meshlearn.batched.stacked import StackedState
 from meshlearn.batched.workers import WorkerChoice, Workers
+from meshlearn.privacy.dpsgd import PrivateGradients
 from meshlearn.sgd import StackedSGD
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> the batch's mean loss
@@ -44,10 +45,11 @@ class _Replica:
     """One worker thread's copy of the template model, with the vectorized gradient bound to it
     (``functional_call`` rebinds a module's tensors while it runs, so threads may not share one)."""
 
-    def __init__(self, model: nn.Module, loss_of: LossOf):
+    def __init__(self, model: nn.Module, loss_of: LossOf, clip: float | None = None):
         self.model = copy.deepcopy(model).train()
         self.loss_of = loss_of
         self.vgrad = vmap(grad_and_value(self.loss), randomness="different")
+        self.private = None if clip is None else PrivateGradients(self.model, clip, loss_of)  # DP-SGD's
 
     def loss(self, params: dict, rest: dict, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.loss_of(functional_call(self.model, (params, rest), (x,)), y)
@@ -69,18 +71,21 @@ class NodeModels:
     ``vectorized``: one ``vmap`` call per block of at most ``chunk`` nodes (0: all); else a loop
     over nodes. A training pass updates the nodes' buffers (BatchNorm statistics) in their rows.
     Training runs on worker threads of one intra-op thread each (``batched/workers.py``): as many
-    as ``choice`` says, at most ``workers``; the count never changes a node's result.
+    as ``choice`` says, at most ``workers``; the count never changes a node's result. ``clip`` (DP-SGD):
+    each node's gradient is the sum of its examples' gradients clipped to this norm
+    (``privacy.dpsgd``), to which the engine adds the noise.
     """
 
     def __init__(self, stacked: StackedState, vectorized: bool, chunk: int = 0, workers: int = 1,
                  choice: WorkerChoice | None = None, clock: Callable[[], float] = time.perf_counter,
-                 loss_of: LossOf | None = None):
+                 loss_of: LossOf | None = None, clip: float | None = None):
         self.stacked = stacked
         self.model = stacked.template
         self.vectorized = vectorized
         self.chunk = chunk or stacked.nodes
         self.loss_of = loss_of or cross_entropy  # the task's loss of (outputs, targets)
-        self.workers = Workers(workers, lambda: _Replica(self.model, self.loss_of))
+        self.clip = clip
+        self.workers = Workers(workers, lambda: _Replica(self.model, self.loss_of, clip))
         self.choice = choice or WorkerChoice([1])
         self.clock = clock
         self.draws_random: bool | None = None  # whether a training step draws random numbers (known after the first)
@@ -94,7 +99,7 @@ class NodeModels:
         """Take ``optimizer``'s step in the workers, each block's right after its vmapped gradients,
         parameter by parameter: no gradient row is gathered into one buffer and read again. Only
         plain SGD (``StackedSGD.plain``) on the vectorized path; whether it was taken."""
-        if self.vectorized and isinstance(optimizer, StackedSGD) and optimizer.plain:
+        if self.vectorized and isinstance(optimizer, StackedSGD) and optimizer.plain and self.clip is None:
             self.update = optimizer
         return self.update is not None
 
@@ -157,6 +162,9 @@ class NodeModels:
                 self._vectorized(replica, batch.ranks[job.start:job.stop], batch.x[job.start:job.stop],
                                  batch.y[job.start:job.stop], grads[job.at:job.at + count],
                                  losses[job.at:job.at + count])
+            elif replica.private is not None:
+                losses[job.at] = self._private_node(replica, int(batch.ranks[job.start]), batch.x[job.start],
+                                                    batch.y[job.start], grads[job.at])
             else:
                 losses[job.at] = self._node(replica.model, int(batch.ranks[job.start]), batch.x[job.start],
                                             batch.y[job.start], grads[job.at])
@@ -176,6 +184,15 @@ class NodeModels:
         loss.backward()
         return loss.detach()
 
+    def _private_node(self, replica: _Replica, rank: int, x: torch.Tensor, y: torch.Tensor, grad: torch.Tensor
+                      ) -> torch.Tensor:
+        """DP-SGD: node ``rank``'s clipped per-example gradients' sum into ``grad`` [P]; its mean loss."""
+        named = self.stacked.named(self.stacked.row(rank), self.stacked.counters_of(rank))
+        params = {name: named[name] for name in self.stacked.param_names}
+        sums, loss = replica.private.clipped_sum(params, {k: v for k, v in named.items() if k not in params}, x, y)
+        torch.cat([sums[name].reshape(-1) for name in self.stacked.param_names], out=grad)
+        return loss.detach()
+
     def _vectorized(self, replica: _Replica, ranks: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
                     grads: torch.Tensor, losses: torch.Tensor) -> None:
         """The gradients of the nodes ``ranks`` into ``grads`` [n, P] and their losses into
@@ -192,7 +209,8 @@ class NodeModels:
         buffers = {slot.name: named[slot.name].contiguous() for slot in stacked.buffer_slots}
         named.update(buffers)
         params = {name: named[name] for name in stacked.param_names}
-        grad, loss = replica.vgrad(params, {name: v for name, v in named.items() if name not in params}, x, y)
+        vgrad = replica.vgrad if replica.private is None else replica.private.over_nodes  # DP-SGD: clipped sums
+        grad, loss = vgrad(params, {name: v for name, v in named.items() if name not in params}, x, y)
         if self.update is None:
             torch.cat([grad[name].reshape(len(ranks), -1) for name in stacked.param_names], 1, out=grads)
         else:

@@ -17,6 +17,7 @@ from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.runlog import JsonlLog, truncate_log
+from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
@@ -69,6 +70,9 @@ class Node:
                                         config.weight_decay)
         self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
         self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
+        self.privacy = None if not config.dp.active else PrivateTraining.of(
+            config.dp, self.model, config.batch_size, len(indices), config.iterations * self.steps, self.task.loss,
+            noise_generator(config.seed, rank, self.device))
         self.skips_idle = steps_rows_apart(config.optimizer)  # an iteration not asking for its steps is skipped
         self.transport = make_transport(self.flat)
         transport = self.transport
@@ -116,6 +120,8 @@ class Node:
         if self.attack is not None and self.attack.flips_labels:
             y = LabelFlip.flip(y, self.dataset.num_classes)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        if self.privacy is not None:
+            return float(self.privacy.step(self.model, self.optimizer, x, y))
         return float(local_step(self.model, self.parameters, self.optimizer, x, y, self.task.loss).detach())
 
     def evaluate(self, full: bool = False) -> Evaluation:
@@ -220,6 +226,7 @@ class Node:
                         "event": "eval", "iteration": done, "t": time.perf_counter() - start,
                         "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(), **self.evaluate_shard(),
                         **({} if last.perplexity is None else {"test_perplexity": last.perplexity}),
+                        **({} if self.privacy is None else {"epsilon": self.privacy.budget.epsilon(done * self.steps)}),
                         "bytes_sent": self.transport.stats.bytes_sent,  # accuracy against bytes
                     })
                     record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks
@@ -237,6 +244,7 @@ class Node:
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.as_dict(),
                 "peers": self.peers_report(),
+                **({} if self.privacy is None else {"privacy": self.privacy.budget.report(self.privacy.steps)}),
             }
             self._write(summary)
             return summary

@@ -17,6 +17,7 @@ import yaml
 
 from meshlearn.errors import ConfigError, MeshlearnError
 from meshlearn.plots import pyplot
+from meshlearn.privacy.budget import privacy_summary
 from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
 PHASES = ("train", "encode", "comm", "average", "eval")
@@ -226,6 +227,8 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
         if final is not None:
             nodes[rank] = {"metrics": final["metrics"], "stats": final["stats"], "elapsed": final["elapsed"],
                            "samples": start.get("samples")}
+            if final.get("privacy"):
+                nodes[rank]["privacy"] = final["privacy"]
             if final.get("peers"):
                 nodes[rank]["peers"] = final["peers"]
                 for peer in final["peers"].get("suspected", []) if rank not in attackers else []:
@@ -246,6 +249,8 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
         bad = [n["metrics"] for r, n in nodes.items() if n["metrics"] and r in attackers]
         extra["attackers"] = {str(r): b for r, b in sorted(attackers.items())}
         extra["attackers_accuracy"] = _mean_std([m["accuracy"] for m in bad])[0]
+    if any("privacy" in n for n in nodes.values()):
+        extra["privacy"] = privacy_summary([n["privacy"] for n in nodes.values() if "privacy" in n])
     if suspected_by:
         extra["suspected" if robust else "refused_from"] = dict(sorted(suspected_by.items(),
                                                                        key=lambda item: int(item[0])))
@@ -272,6 +277,14 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
 TIME_LABEL = "wall-clock s since training started (start-up not counted)"
 MODELLED_TIME_LABEL = "modelled s since training started (the batched engine's cost model)"
 MIXED_TIME_LABEL = "s since training started (modelled for batched runs, wall-clock for process runs)"
+
+
+def privacy_line(privacy: dict[str, Any]) -> str:
+    """The summary's line on DP-SGD: the epsilon spent (the most of any node) and the noise."""
+    low, high = privacy["noise_multiplier_min"], privacy["noise_multiplier_max"]
+    noise = f"{low:.3g}" if math.isclose(low, high) else f"{low:.3g}-{high:.3g}"
+    return (f"privacy (DP-SGD)    epsilon {privacy['epsilon']:.3g} at delta {privacy['delta']:g} (the most any node "
+            f"spent, {privacy['steps']} steps; noise multiplier {noise}, clipping {privacy['max_grad_norm']:g})")
 
 
 def time_label(output: Path) -> str:
@@ -789,6 +802,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"iteration), {summary['bytes_received'] / 1e6:.1f} MB received",
         f"timeouts / stale    {summary['timeouts']} / {summary['stale_dropped']}",
     ]
+    if "privacy" in summary:
+        lines.append(privacy_line(summary["privacy"]))
     if modelled:
         lines.append(f"modelled time       {summary['elapsed_max']:.3g} s (the batched engine's cost model)")
         if "wall_clock" in summary:
