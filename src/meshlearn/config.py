@@ -239,6 +239,19 @@ class ExperimentConfig(Settings):
         return self
 
     @model_validator(mode="after")
+    def _central_dp_fits(self) -> "ExperimentConfig":
+        if self.leader.central_dp.active:
+            _require("central_dp", "central_dp none", [
+                (self.algorithm != "leader", "algorithm leader with leader_sync true (FedAvg whose server fails over: "
+                 "leader_fraction F)"),
+                (not self.leader.sync, "leader_sync true (every member clips its update over one cycle)"),
+                (self.leader.weighting != "equal", "leader_weighting equal (the noise is sized to one member's "
+                 "clipped update, which counts the same as every other)"),
+                (self.engine != "process", "engine process"),
+                (self.aggregation != "mean", "aggregation mean")])
+        return self
+
+    @model_validator(mode="after")
     def _schedule_fits(self) -> "ExperimentConfig":
         if not self.lr_schedule.constant and self.engine == "batched" and self.algorithm in DEFINITIONS and \
                 not definition(self.algorithm).needs.synchronous:

@@ -114,6 +114,10 @@ class Algorithm(Stateful, ABC):
         """What this algorithm adds to a network task's result (``metrics.json``): none by default."""
         return {}
 
+    def privacy_report(self) -> dict:
+        """What this algorithm says of the privacy it gives (central DP's ``central_privacy``): none by default."""
+        return {}
+
     joined_at: int | None = None  # a joining node: the iteration it starts at, once ``start`` joined the group
     join_round: int | None = None  # a joining node of a round algorithm: the round the group takes it in at
 

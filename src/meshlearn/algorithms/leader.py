@@ -56,6 +56,7 @@ from meshlearn.algorithms.secure import (
     weighted_mean,
 )
 from meshlearn.definitions.settings import LeaderSettings
+from meshlearn.privacy.central import central_report, clip_update, leader_generator, noised
 from meshlearn.errors import ConfigError, WireError
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
@@ -94,6 +95,9 @@ class Leader(Algorithm):
         self._pusher: SecurePusher | None = None  # secure aggregation: this member's side
         self._held_ops: dict[int, tuple[str, int]] = {}  # secure: what each held request is (op, cycle)
         self._secure_lock = threading.RLock()  # a push's record and a cycle's close, one at a time
+        self._cycle_start: torch.Tensor | None = None  # central DP: the model this member's cycle started from
+        self._cycles = 0  # central DP: the aggregates this member took
+        self._noise_generator = leader_generator(ctx.seed)  # central DP: while leading
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------
@@ -105,6 +109,7 @@ class Leader(Algorithm):
             self._lead(start=True)
         if self.ctx.joining:
             self._join_group()
+        self._cycle_start = self.ctx.flat.state.detach().to("cpu", copy=True)  # central DP: the cycle's start
         self._watcher = GuardedThread(self.election.watch, f"leader-watch-{self.ctx.rank}",
                                       (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
@@ -140,10 +145,16 @@ class Leader(Algorithm):
         ctx = self.ctx
         t0 = time.perf_counter()
         state = ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True)
+        central = self.settings.central_dp
+        if central.active:  # DP-FedAvg: this member's update over the cycle clipped
+            clip_update(state, self._cycle_start, ctx.flat.params.numel(), central.clip)
         push = Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss)
         aggregate = self._secure_exchange(push) if self.settings.secure else self._exchange(push)
         t1 = time.perf_counter()
         ctx.flat.state.copy_(aggregate)
+        if central.active:
+            self._cycle_start.copy_(aggregate)
+            self._cycles += 1
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
 
     def check(self) -> None:
@@ -264,17 +275,34 @@ class Leader(Algorithm):
                 self.state = LeaderState.of(self.settings, alive, self.ctx.rank, self.ctx.seed, self.timeout,
                                             start=start, group=self.election.members, rule=self.rule,
                                             watch=self.watch)
+                if self.settings.central_dp.active:
+                    self.state.noise = self._noised
                 if self.settings.secure:
                     self._secure = SecureBook(self.ctx.flat.state.numel() + 1, lambda m: not self.state.is_lost(m),
                                               len(self.election.members) + 1)
             return self.state
 
+    def _noised(self, aggregate: torch.Tensor, count: int) -> torch.Tensor:
+        """Central DP: a cycle's aggregate of ``count`` clipped models with the leader's noise."""
+        central = self.settings.central_dp
+        return noised(aggregate, self.ctx.flat.params.numel(), central.noise_multiplier, central.clip, count,
+                      self._noise_generator)
+
+    def privacy_report(self) -> dict:
+        """Central DP: the epsilon each member spent over the cycles it took (the fraction's draws)."""
+        central = self.settings.central_dp
+        if not central.active:
+            return {}
+        return {"central_privacy": central_report(central.noise_multiplier, central.clip, central.delta,
+                                                  self.settings.fraction, self._cycles)}
+
     def task_report(self) -> dict:
         """Synchronous: how many models each cycle's aggregate took, of the cycles this member led."""
         book = self.state
         if book is None or not book.sync:
-            return {}
-        return {"cycle_models": {str(cycle): count for cycle, count in sorted(book.rounds.items())}}
+            return self.privacy_report()
+        return {"cycle_models": {str(cycle): count for cycle, count in sorted(book.rounds.items())},
+                **self.privacy_report()}
 
     # --- calls to other members (from the training and the watcher thread) ----------------------
 
@@ -419,8 +447,12 @@ class Leader(Algorithm):
         tensors = {"sa.pks": pack_keys(round_.next_publics()), "sa.k": pack(round_.offered_to(sender), SEALED_BYTES)}
         if total is None:
             return Answer(tensors, {"status": "ok", "keep": True})
-        model = secure.model(cycle, lambda: weighted_mean(total, self.ctx.flat.state.dtype))
+        model = secure.model(cycle, lambda: self._secure_aggregate(total, len(round_.survivors)))
         return Answer({**self.ctx.flat.segments_of(model), **tensors}, {"status": "ok"})
+
+    def _secure_aggregate(self, total, count: int) -> torch.Tensor:
+        mean = weighted_mean(total, self.ctx.flat.state.dtype)
+        return self._noised(mean, count) if self.settings.central_dp.active else mean
 
     def release(self, held: list[int]) -> dict[int, Answer]:
         """Answers for those of the ``held`` pushes (by member) that the book allows now."""

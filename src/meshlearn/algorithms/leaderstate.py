@@ -107,8 +107,10 @@ class LeaderState:
     def __init__(self, members: list[int], me: int, peer_timeout: float, first_barrier: bool,
                  weighting: Weighting = "staleness", rule: str | AggregationRule = "mean", clock: Clock = SYSTEM,
                  watch: PeerWatch | None = None, sync: bool = False,
-                 drawn: Callable[[int, list[int]], Collection[int]] | None = None):
+                 drawn: Callable[[int, list[int]], Collection[int]] | None = None,
+                 noise: Callable[[torch.Tensor, int], torch.Tensor] | None = None):
         self.me = me
+        self.noise = noise  # sync: central DP's noise on each cycle's aggregate (of that many models), made once
         self.sync = sync
         self.drawn = drawn  # sync: (cycle, group) -> those whose models make its aggregate (None: every one)
         self.group = sorted(members)  # every member, lost or not: whom ``drawn`` draws from
@@ -329,14 +331,15 @@ class LeaderState:
 
     def _answer_for(self, member: int) -> torch.Tensor:
         contribution = self.contributions.get(member)
-        if not self.sync or contribution is None or contribution.waiting_final:
+        if not self.sync or contribution is None or (contribution.waiting_final and self.noise is None):
             return self._aggregate()
-        return self._cycle_answer(contribution.cycle)
+        return self._cycle_answer(contribution.cycle)  # (noised: the final aggregate too, once)
 
     def _cycle_answer(self, cycle: int) -> torch.Tensor:
         """Sync: cycle ``cycle``'s aggregate, made once (while no member has pushed a later cycle)."""
         if cycle not in self._round_answers:
-            self._round_answers[cycle] = self._aggregate(cycle)
+            aggregate = self._aggregate(cycle)
+            self._round_answers[cycle] = aggregate if self.noise is None else self.noise(aggregate, self.rounds[cycle])
             for old in sorted(self._round_answers)[:-KEPT_ROUNDS]:
                 del self._round_answers[old]
         return self._round_answers[cycle]

@@ -7,6 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from meshlearn.privacy.settings import CENTRAL_DP_HELP, CentralDPSettings
 from meshlearn.settings import Settings
 
 
@@ -40,11 +41,11 @@ class GossipSettings(Settings):
 
 class LeaderSettings(Settings):
     """Leader aggregation's settings (flat names: ``leader_first_barrier``, ``leader_weighting``,
-    ``leader_sync``, ``leader_fraction``, ``secure_aggregation``)."""
+    ``leader_sync``, ``leader_fraction``, ``secure_aggregation``, ``central_dp``)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"first_barrier": "leader_first_barrier", "weighting": "leader_weighting",
                                             "sync": "leader_sync", "fraction": "leader_fraction",
-                                            "secure": "secure_aggregation"}
+                                            "secure": "secure_aggregation", "central_dp": "central_dp"}
 
     first_barrier: bool = Field(True, description="the first cycle waits (up to the peer timeout) for every "
                                                   "member, so that all start from one model")
@@ -61,6 +62,7 @@ class LeaderSettings(Settings):
     secure: bool = Field(False, description="secure aggregation (with sync, at least 3 members): each member "
                          "masks its model with pairwise masks from key agreement, so the leader learns only each "
                          "cycle's weighted sum (docs/privacy.md)")
+    central_dp: CentralDPSettings = Field(CentralDPSettings(), description=CENTRAL_DP_HELP)
 
 
 class FedAvgSettings(Settings):

@@ -204,6 +204,7 @@ class Finisher:
             # under a rule that is not robust one bad model spreads: the peers refused are no attribution
             "suspected" if book.rule.robust else "refused_from": self._suspected(book),
             **node.algorithm.task_report(),  # a synchronous leader's models per cycle
+            **self._privacy(contributions),
         }
         model_bytes = save_safetensors({k: v.detach().cpu().contiguous() for k, v in node.model.state_dict().items()})
         for i in range(len(self.ids)):  # copies first: a provider told "done" then has its copy
@@ -218,6 +219,19 @@ class Finisher:
                 except NetworkError as exc:  # gone, refusing, or its connection dropped mid-handshake
                     log.warning("task %s: result not copied to %s: %s", spec.task_id, self.ids[i], exc)
         self._keep(metrics, model_bytes)
+
+    def _privacy(self, contributions: dict[str, dict]) -> dict:
+        """DP-SGD: the epsilon each provider spent (from its shard's size and the steps of the run), as a
+        simulation's summary says it."""
+        privacy = self.node.privacy
+        if privacy is None:
+            return {}
+        from meshlearn.privacy.budget import PrivacyBudget, privacy_summary
+
+        reports = [PrivacyBudget.of(privacy.budget.settings, privacy.batch_size, c["samples"] or 1,
+                                    privacy.budget.total_steps).report(privacy.steps)
+                   for c in contributions.values() if c.get("samples")]
+        return {"privacy": privacy_summary(reports or [privacy.budget.report(privacy.steps)])}
 
     def _fetch_result(self, leader: int) -> None:
         reply = call(self._address(leader), "task.results", {"task": self.spec.task_id}, self.ctx.secret,

@@ -267,7 +267,7 @@ class Requester:
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
             weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
             fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
-            vocabulary=req.vocabulary, outer=req.outer, checkpoint_every=req.checkpoint_every,
+            vocabulary=req.vocabulary, outer=req.outer, dp=req.dp, checkpoint_every=req.checkpoint_every,
             checkpoints_to=address if self.keeps_checkpoints else "", resume=resumed)
         if self.resume is not None and (len(plan) != len(self.previous) or spec.fingerprint() != self._fingerprint):
             raise TaskFailed(f"task {self.task_id} resumes on its {len(self.previous)} providers' checkpoints: it "
@@ -829,6 +829,8 @@ def summary_line(metrics: dict) -> str:
             + (f"  lost: {', '.join(metrics['lost'])}" if metrics.get("lost") else "")
             + (f"  suspected: {', '.join(metrics['suspected'])}" if metrics.get("suspected") else "")
             + (f"  models refused from: {', '.join(metrics['refused_from'])} (not robust: honest ones too)"
-               if metrics.get("refused_from") else ""))
+               if metrics.get("refused_from") else "")
+            + (f"  DP epsilon {metrics['privacy']['epsilon']:.3g} at delta {metrics['privacy']['delta']:g}"
+               if metrics.get("privacy") else ""))
 
 

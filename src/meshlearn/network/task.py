@@ -16,6 +16,7 @@ from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
 from meshlearn.outer import OUTER_HELP, OuterOptimizer
+from meshlearn.privacy.settings import DP_HELP, DPSettings
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
@@ -97,6 +98,7 @@ class TaskRequest(Settings):
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
     outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, gossip, leader "
                                   "with --leader-sync true): " + OUTER_HELP)
+    dp: DPSettings = Field(DPSettings(), description=DP_HELP)
     checkpoint_every: int | None = Field(None, ge=0, le=1_000_000, description="cycles between the checkpoints each "
                                          "provider sends the requester, which keeps the task's state for request "
                                          "--resume; 0: none (default: one an epoch)")
@@ -302,6 +304,11 @@ def secure_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) -> 
     """``task`` unless it asks secure aggregation of what cannot have it (an algorithm other than fedavg
     or the synchronous leader, a robust rule, fewer than 3 providers, providers joining as it runs);
     else ValueError in one line."""
+    central = task.leader.central_dp
+    if central.active and (task.algorithm not in ("leader", "fedavg") or (task.algorithm == "leader" and (
+            not task.leader.sync or task.leader.weighting != "equal")) or task.aggregation != "mean"):
+        raise ValueError("--central-dp needs algorithm fedavg, or leader with --leader-sync true and --leader-weighting "
+                         "equal, and --aggregation mean; or leave --central-dp out")
     if not task.leader.secure:
         return task
     needs = [(task.algorithm not in ("leader", "fedavg"), f"algorithm fedavg or leader (not {task.algorithm})"),
@@ -357,6 +364,7 @@ class TaskSpec(Settings):
     context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
     vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
     outer: OuterOptimizer = OuterOptimizer()  # each provider's outer step after each aggregation
+    dp: DPSettings = DPSettings()  # DP-SGD in each provider's training
     checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)  # cycles; None: one an epoch; 0: none
     slots: int = Field(0, ge=0, le=MAX_TASK_PEERS)  # the shards the data is split into (0: one per peer); more than
     # the peers: providers may join while it runs, each taking the next slot
@@ -442,7 +450,8 @@ class TaskSpec(Settings):
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
-            outer=self.outer, checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
+            outer=self.outer, dp=self.dp,
+            checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
@@ -451,5 +460,7 @@ class TaskSpec(Settings):
         ``fedavg``, node 0 the server for good, is the simulator's baseline)."""
         if self.algorithm != "fedavg":
             return self.algorithm, self.leader
-        return "leader", LeaderSettings(first_barrier=True, weighting="samples", sync=True,
-                                        fraction=self.fedavg.fraction, secure=self.leader.secure)
+        central = self.leader.central_dp
+        return "leader", LeaderSettings(first_barrier=True, weighting="equal" if central.active else "samples",
+                                        sync=True, fraction=self.fedavg.fraction, secure=self.leader.secure,
+                                        central_dp=central)

@@ -245,6 +245,7 @@ class Node:
                 "metrics": None if final is None else final.as_dict(),
                 "peers": self.peers_report(),
                 **({} if self.privacy is None else {"privacy": self.privacy.budget.report(self.privacy.steps)}),
+                **self.algorithm.privacy_report(),
             }
             self._write(summary)
             return summary

@@ -78,19 +78,63 @@ class DPSettings(Settings):
 
 def parse_dp(text: str) -> dict[str, Any]:
     """``"epsilon=8,delta=1e-5"`` -> DPSettings' fields; ConfigError saying what is wrong."""
+    return parse_keys("dp", text, KEYS, required=("epsilon", "noise_multiplier"))
+
+
+CENTRAL_DP_HELP = ("central differential privacy of the leader's aggregate (DP-FedAvg, with sync): none | "
+                   "noise_multiplier=1.0,clip=1.0[,delta=1e-5]: each member clips its update over the cycle to "
+                   "norm clip, the leader adds Gaussian noise of noise_multiplier * clip / members to their mean; "
+                   "the epsilon spent (per member) is reported (docs/privacy.md)")
+CENTRAL_KEYS = ("noise_multiplier", "clip", "delta")
+
+
+class CentralDPSettings(Settings):
+    """DP-FedAvg's clipping and noise (McMahan et al. 2018, fixed clipping): see ``CENTRAL_DP_HELP``."""
+
+    noise_multiplier: float | None = Field(None, gt=0, description="the noise over the clipping norm")
+    clip: float = Field(1.0, gt=0, description="each member's update over a cycle is clipped to this norm")
+    delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            return parse_keys("central_dp", value, CENTRAL_KEYS, required=("noise_multiplier",))
+        return value
+
+    @model_serializer
+    def _as_string(self) -> str:
+        return self.spec
+
+    @property
+    def active(self) -> bool:
+        """Whether the aggregate is noised."""
+        return self.noise_multiplier is not None
+
+    @property
+    def spec(self) -> str:
+        """The setting as written."""
+        if not self.active:
+            return "none"
+        return f"noise_multiplier={self.noise_multiplier!r},clip={self.clip!r},delta={self.delta!r}"
+
+
+def parse_keys(what: str, text: str, keys: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
+    """``"k=v,k=v"`` with numbers for ``keys`` (one of ``required`` given) -> a dict; ``{}`` for none."""
     text = str(text).strip()
     if text.lower() in ("", "none", "off"):
         return {}
     fields: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = (p.strip() for p in item.partition("="))
-        if not sep or key not in KEYS:
-            raise ConfigError(f"dp {text!r}: {item!r} is not KEY=VALUE with a key of {', '.join(KEYS)} (e.g. "
-                              "epsilon=8,delta=1e-5)")
+        if not sep or key not in keys:
+            raise ConfigError(f"{what} {text!r}: {item!r} is not KEY=VALUE with a key of {', '.join(keys)}")
         try:
             fields[key] = float(value)
         except ValueError:
-            raise ConfigError(f"dp {text!r}: {key} must be a number") from None
-    if "epsilon" not in fields and "noise_multiplier" not in fields:
-        raise ConfigError(f"dp {text!r}: give epsilon=E (a budget) or noise_multiplier=S (a noise)")
+            raise ConfigError(f"{what} {text!r}: {key} must be a number") from None
+    if not any(key in fields for key in required):
+        raise ConfigError(f"{what} {text!r}: give {' or '.join(k + '=...' for k in required)}")
     return fields

@@ -229,6 +229,8 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
                            "samples": start.get("samples")}
             if final.get("privacy"):
                 nodes[rank]["privacy"] = final["privacy"]
+            if final.get("central_privacy"):
+                nodes[rank]["central_privacy"] = final["central_privacy"]
             if final.get("peers"):
                 nodes[rank]["peers"] = final["peers"]
                 for peer in final["peers"].get("suspected", []) if rank not in attackers else []:
@@ -251,6 +253,9 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
         extra["attackers_accuracy"] = _mean_std([m["accuracy"] for m in bad])[0]
     if any("privacy" in n for n in nodes.values()):
         extra["privacy"] = privacy_summary([n["privacy"] for n in nodes.values() if "privacy" in n])
+    central = [n["central_privacy"] for n in nodes.values() if "central_privacy" in n]
+    if central:  # each member's count of cycles: the most
+        extra["central_privacy"] = max(central, key=lambda report: report["cycles"])
     if suspected_by:
         extra["suspected" if robust else "refused_from"] = dict(sorted(suspected_by.items(),
                                                                        key=lambda item: int(item[0])))
@@ -804,6 +809,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if "privacy" in summary:
         lines.append(privacy_line(summary["privacy"]))
+    if "central_privacy" in summary:
+        central = summary["central_privacy"]
+        lines.append(f"central DP          epsilon {central['epsilon']:.3g} at delta {central['delta']:g} per member "
+                     f"({central['cycles']} noised aggregates; noise multiplier {central['noise_multiplier']:g}, "
+                     f"clipping {central['clip']:g}, fraction {central['fraction']:g})")
     if modelled:
         lines.append(f"modelled time       {summary['elapsed_max']:.3g} s (the batched engine's cost model)")
         if "wall_clock" in summary:
