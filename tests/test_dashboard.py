@@ -834,3 +834,24 @@ def test_the_requesters_watch_reports_progress_lost_providers_and_leader_changes
     for body in sent:
         board.report("t", body)  # what the requester sends, the bootstrap takes
     assert board.view("t")["result"] == {"accuracy": 0.9} and len(board.view("t")["faults"]) == 2
+
+
+def test_a_private_runs_page_shows_the_epsilon_spent_in_chromium(browser):
+    """DP-SGD: each evaluation says the epsilon a node spent so far; the page shows the most of any node."""
+    from meshlearn.config import make_config
+    from meshlearn.sim.live import RunBoard
+
+    board = RunBoard(make_config({"nodes": 3, "iterations": 10, "dp": "epsilon=8,delta=1e-5"}), "private")
+    events = _flat_events(3, 10)
+    for event in events:
+        if event["event"] == "eval":
+            event["epsilon"] = 0.5 * event["iteration"] + event["rank"]
+    board.add(events)
+    assert board.snapshot()["privacy"] == {"epsilon": 7.0, "delta": 1e-5}
+    server = _served_board(board)
+    try:
+        browser.get(server.url)
+        wait_until(lambda: "epsilon 7.00 spent at delta 0.00001" in browser.find_element("css selector", ".privacy").text,
+                   10, "the epsilon spent on the page")
+    finally:
+        server.stop()

@@ -22,6 +22,15 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # The first line of each block that is not run here, and why.
 NOT_RUN = {
+    "# four node processes on loopback; the leader learns only each cycle's weighted sum":
+        "test_secure_aggregation runs this run (3 iterations) with the audit on, and a network task with a provider "
+        "killed",
+    "# FedAvg on Fashion-MNIST, every node's training (epsilon 8, delta 1e-5)-DP with respect to its shard":
+        "200 iterations of 10 private nodes (minutes); benchmarks/private_training.py runs it beside the plain run "
+        "and test_dp runs DP-SGD on both engines",
+    "# many members, each (epsilon, delta)-DP with respect to its whole data set":
+        "16 node processes; test_dp checks central DP's clipping and noise by hand and test_secure_aggregation "
+        "runs a leader",
     "# DiLoCo: 50 local AdamW steps, the server's average, Nesterov's outer step":
         "4 x 50 steps of 8 GPTs (minutes); test_outer runs an outer step in a run and by hand, and test_batched "
         "compares both engines with Nesterov and Adam outer steps",

@@ -99,6 +99,8 @@ class RunBoard:
         self._bad_evals: dict[int, list[dict]] = defaultdict(list)
         self._train: dict[int, list[float]] = {}  # step -> [sum of train losses, count]
         self._phases = PhaseTimes()  # as iteration_time.png reads them
+        self._epsilon: dict[int, float] = {}  # DP-SGD: each node's epsilon spent so far
+        self._delta = config.dp.delta if config.dp.active else None
 
     def add(self, events: list[dict[str, Any]]) -> None:
         with self._lock:
@@ -134,6 +136,8 @@ class RunBoard:
                 total[1] += 1
         elif kind == "eval":
             node["test_acc"], node["test_loss"] = event.get("test_acc"), event.get("test_loss")
+            if event.get("epsilon") is not None:  # DP-SGD: the budget spent so far
+                self._epsilon[rank] = event["epsilon"]
             node["test_perplexity"] = event.get("test_perplexity")
             (self._bad_evals if rank in self.attackers else self._evals)[int(event["iteration"])].append(event)
         elif kind == "final":
@@ -141,6 +145,9 @@ class RunBoard:
             node["bytes_sent"] = stats.get("bytes_sent", node["bytes_sent"])
             node["timeouts"] = stats.get("gather_timeouts", node["timeouts"])
             node["chunks_missing"] = stats.get("chunks_lost", node["chunks_missing"])
+            privacy = event.get("privacy") or {}
+            if privacy.get("epsilon") is not None:
+                self._epsilon[rank], self._delta = privacy["epsilon"], privacy.get("delta")
             metrics = event.get("metrics") or {}
             if metrics:
                 node["test_acc"], node["test_loss"] = metrics.get("accuracy"), metrics.get("loss")
@@ -174,6 +181,7 @@ class RunBoard:
             train = sorted(self._train.items())
             nodes = [dict(n) for _, n in sorted(self._nodes.items())]
             per_node, phases = self._phases.per_node(), self._phases.overall()
+            privacy = {"epsilon": max(self._epsilon.values()), "delta": self._delta} if self._epsilon else None
         for node in nodes:
             node["phases"] = per_node.get(node["rank"], {})
         rows = _thin(rows)
@@ -204,6 +212,8 @@ class RunBoard:
                        "chunks_missing": sum(n["chunks_missing"] for n in nodes)},
             "nodes": None if many else [{k: _num(v) for k, v in n.items()} for n in nodes],
         }
+        if privacy:
+            state["privacy"] = privacy
         if many and values:
             state["distribution"] = {"count": len(values), "quantiles": _quantiles(values),
                                      "histogram": value_histogram(values) if perplexity else accuracy_histogram(values)}

@@ -263,6 +263,7 @@ function renderRun(run, main, keep, prefix) {
   const headline = lm ? { name: "test perplexity", mean: e.ppl_mean, std: e.ppl_std, show: (v) => fmt(v, 2), axis: (v) => fmt(v, 2) }
     : { name: "test accuracy", mean: e.acc_mean, std: e.acc_std, show: pct, axis: pctAxis, legend: pct2 };
   section.append(el("p", { class: "muted", text: `traffic ${bytes(t.bytes_sent)} sent · timeouts ${t.timeouts || 0} · lost chunks ${t.chunks_missing || 0}` + (e.iteration.length ? ` · mean ${headline.name} ${headline.show(headline.mean[headline.mean.length - 1])}` : "") }));
+  if (run.privacy) section.append(el("p", { class: "privacy", text: `DP-SGD: epsilon ${Number(run.privacy.epsilon).toPrecision(3)} spent at delta ${run.privacy.delta} (the most of any node)` }));
   const holder = el("div", { class: "charts" });
   section.append(holder);
   keep.add(`${prefix}acc`); keep.add(`${prefix}loss`);
