@@ -52,9 +52,10 @@ def test_the_leader_sees_only_masked_models_and_their_weighted_mean(tmp_path):
 
 
 def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monkeypatch):
-    """A network FedAvg task with secure aggregation (bootstrap, 4 providers, requester on loopback):
-    a follower SIGKILLed mid-training is dropped from the cycle it misses, whose aggregate is the
-    survivors' weighted mean (its masks removed with its shared key), and the task is delivered."""
+    """A network FedAvg task with secure aggregation and DP-SGD (bootstrap, 4 providers, requester on
+    loopback): a follower SIGKILLed mid-training is dropped from the cycle it misses, whose aggregate
+    is the survivors' weighted mean (its masks removed with its shared key), and the task is delivered
+    with the epsilon its providers spent."""
     from helpers.chaos import TASK, Trial, kill_mid_training
     from helpers.netproc import Processes, start_network
 
@@ -65,6 +66,7 @@ def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monk
         bootstrap, ids = start_network(procs, 4)
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
                               "--algorithm", "fedavg", "--secure-aggregation", "true", "--epochs", "12",
+                              "--dp", "noise_multiplier=0.3,max_grad_norm=2",  # DP-SGD too: they combine
                               "--providers", "4", "--seed", "5")
         kill_mid_training(procs, Trial(algorithm="fedavg", kill="follower", at=0.4), ids, bootstrap)
         assert request.wait(timeout=240) == 0, procs.log("req")[-3000:]
@@ -72,6 +74,9 @@ def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monk
         procs.stop_all()
     metrics = json.loads((tmp_path / "req" / "metrics.json").read_text())
     assert metrics["lost"] == [ids[-1]] and metrics["accuracy"] > 0.5
+    privacy = metrics["privacy"]  # every provider's DP-SGD, as the leader counts it from their shards
+    assert privacy["noise_multiplier_min"] == privacy["noise_multiplier_max"] == 0.3 and privacy["epsilon"] > 8
+    assert "DP epsilon" in procs.log("req")
     cycles = sorted({int(path.name.split("-")[1]) for path in audit.glob("aggregate-*.npy")})
     members = {cycle: sorted(int(p.stem.split("-")[2]) for p in audit.glob(f"received-{cycle}-*.npy"))
                for cycle in cycles}
