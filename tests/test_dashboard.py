@@ -851,7 +851,7 @@ def test_a_private_runs_page_shows_the_epsilon_spent_in_chromium(browser):
     server = _served_board(board)
     try:
         browser.get(server.url)
-        wait_until(lambda: "epsilon 7.00 spent at delta 0.00001" in browser.find_element("css selector", ".privacy").text,
-                   10, "the epsilon spent on the page")
+        shown = lambda: browser.find_element("css selector", ".privacy").text  # noqa: E731
+        wait_until(lambda: "epsilon 7.00 spent at delta 0.00001" in shown(), 10, "the epsilon spent on the page")
     finally:
         server.stop()

@@ -38,14 +38,15 @@ import logging
 import threading
 import time
 
+import numpy as np
 import torch
 
 from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
 from meshlearn.algorithms.election import Election
 from meshlearn.algorithms.leaderstate import LeaderState, Push
 from meshlearn.algorithms.secure import (
-    SEALED_BYTES,
     OPEN_BYTES,
+    SEALED_BYTES,
     SecureAggregationFailed,
     SecureBook,
     SecurePusher,
@@ -56,8 +57,8 @@ from meshlearn.algorithms.secure import (
     weighted_mean,
 )
 from meshlearn.definitions.settings import LeaderSettings
-from meshlearn.privacy.central import central_report, clip_update, leader_generator, noised
 from meshlearn.errors import ConfigError, WireError
+from meshlearn.privacy.central import central_report, clip_update, leader_generator, noised
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
@@ -230,12 +231,10 @@ class Leader(Algorithm):
             raise WireError(f"a secure aggregate that does not fit this model: {problem}")
         return torch.cat([reply.tensors[name] for name in ctx.flat.ranges])
 
-    def _contribution(self, push: Push) -> "np.ndarray":
+    def _contribution(self, push: Push) -> np.ndarray:
         """What this member adds to a cycle's sum: its model times its weight (its samples, 1 where the
         weighting is equal, 0 where a fraction's draw left it out or its model is not finite), then the
         weight."""
-        import numpy as np
-
         from meshlearn.definitions.fedavg import participants
 
         weight = 1.0 if self.settings.weighting == "equal" else float(push.samples)

@@ -110,7 +110,7 @@ class TaskRequest(Settings):
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
     _valid_joining = model_validator(mode="after")(lambda self: joining_fits(self))
-    _valid_secure = model_validator(mode="after")(lambda self: secure_fits(self, len_peers=self.providers,
+    _valid_secure = model_validator(mode="after")(lambda self: privacy_fits(self, len_peers=self.providers,
                                                                            joins=self.min_providers is not None
                                                                            and self.min_providers < self.providers))
 
@@ -300,15 +300,15 @@ def fedavg_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     return task
 
 
-def secure_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) -> "TaskRequest | TaskSpec":
-    """``task`` unless it asks secure aggregation of what cannot have it (an algorithm other than fedavg
-    or the synchronous leader, a robust rule, fewer than 3 providers, providers joining as it runs);
-    else ValueError in one line."""
+def privacy_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) -> "TaskRequest | TaskSpec":
+    """``task`` unless it asks secure aggregation or central DP of what cannot have them (an algorithm
+    other than fedavg or the synchronous leader, a robust rule; for secure aggregation also fewer than 3
+    providers, or providers joining as it runs); else ValueError in one line."""
     central = task.leader.central_dp
     if central.active and (task.algorithm not in ("leader", "fedavg") or (task.algorithm == "leader" and (
             not task.leader.sync or task.leader.weighting != "equal")) or task.aggregation != "mean"):
-        raise ValueError("--central-dp needs algorithm fedavg, or leader with --leader-sync true and --leader-weighting "
-                         "equal, and --aggregation mean; or leave --central-dp out")
+        raise ValueError("--central-dp needs algorithm fedavg, or leader with --leader-sync true and "
+                         "--leader-weighting equal, and --aggregation mean; or leave --central-dp out")
     if not task.leader.secure:
         return task
     needs = [(task.algorithm not in ("leader", "fedavg"), f"algorithm fedavg or leader (not {task.algorithm})"),
@@ -377,8 +377,8 @@ class TaskSpec(Settings):
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
-    _valid_secure = model_validator(mode="after")(lambda self: secure_fits(self, len(self.peers),
-                                                                           self.joining or self.slots > len(self.peers)))
+    _valid_secure = model_validator(mode="after")(
+        lambda self: privacy_fits(self, len(self.peers), self.joining or self.slots > len(self.peers)))
 
     def settings(self) -> dict:
         """The task's training settings as plain data (no data or weights addresses): its task.yaml."""
@@ -451,7 +451,8 @@ class TaskSpec(Settings):
                             max_message_mb=max_message_mb),
             gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
             outer=self.outer, dp=self.dp,
-            checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)  # (the vocabulary is the data's: taskdata loads it, from shards or locally)
+            checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)
+        # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network

@@ -16,8 +16,8 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set,
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer, steps_rows_apart
-from meshlearn.runlog import JsonlLog, truncate_log
 from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator
+from meshlearn.runlog import JsonlLog, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
 from meshlearn.topology import Graph

@@ -64,7 +64,8 @@ class DPSettings(Settings):
         """The setting as written (``epsilon=8.0,delta=1e-05,max_grad_norm=1.0``)."""
         if not self.active:
             return "none"
-        first = f"epsilon={self.epsilon!r}" if self.epsilon is not None else f"noise_multiplier={self.noise_multiplier!r}"
+        first = f"epsilon={self.epsilon!r}" if self.epsilon is not None else \
+            f"noise_multiplier={self.noise_multiplier!r}"
         return f"{first},delta={self.delta!r},max_grad_norm={self.max_grad_norm!r}"
 
     def noise_for(self, sample_rate: float, steps: int) -> float:
