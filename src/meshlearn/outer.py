@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Field
 
 from meshlearn.errors import ConfigError
-from meshlearn.settings import Settings
+from meshlearn.settings import SpecSettings
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -42,7 +42,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {  # each kind's defaults (the papers')
 OutState = dict[str, "Tensor"]
 
 
-class OuterOptimizer(Settings):
+class OuterOptimizer(SpecSettings):
     """An outer optimizer and its hyperparameters (see the module docstring)."""
 
     kind: Literal["none", "sgd", "nesterov", "adam", "yogi"] = Field("none", description="none | sgd | nesterov | "
@@ -54,27 +54,22 @@ class OuterOptimizer(Settings):
     beta2: float = Field(0.99, ge=0, lt=1, description="adam, yogi: the second moment's decay")
     eps: float = Field(1e-3, gt=0, description="adam, yogi: added to the second moment's root (Reddi et al.'s tau)")
 
-    @model_validator(mode="before")
     @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            return parse_outer(value)
-        if isinstance(value, dict):  # a YAML map: its kind's defaults, and only its kind's keys
-            kind = str(value.get("kind", "none")).strip().lower()
-            if kind not in KINDS:
-                raise ConfigError(f"outer kind {kind!r}: use one of {', '.join(KINDS)}")
-            extra = sorted(set(value) - set(DEFAULTS[kind]) - {"kind"})
-            if extra:
-                raise ConfigError(f"outer {kind}: {', '.join(extra)} is not one of its options ("
-                                  f"{', '.join(DEFAULTS[kind]) or 'none'})")
-            return {**DEFAULTS[kind], **value, "kind": kind}
-        return value
+    def parse(cls, text: str) -> dict[str, Any]:
+        """``parse_outer``."""
+        return parse_outer(text)
 
-    @model_serializer
-    def _as_string(self) -> str:
-        return self.spec
+    @classmethod
+    def from_mapping(cls, value: dict) -> dict:
+        """A YAML map: its kind's defaults, and only its kind's keys."""
+        kind = str(value.get("kind", "none")).strip().lower()
+        if kind not in KINDS:
+            raise ConfigError(f"outer kind {kind!r}: use one of {', '.join(KINDS)}")
+        extra = sorted(set(value) - set(DEFAULTS[kind]) - {"kind"})
+        if extra:
+            raise ConfigError(f"outer {kind}: {', '.join(extra)} is not one of its options ("
+                              f"{', '.join(DEFAULTS[kind]) or 'none'})")
+        return {**DEFAULTS[kind], **value, "kind": kind}
 
     @property
     def spec(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError
 
@@ -66,6 +66,39 @@ class Settings(BaseModel):
     def flat_names(cls) -> dict[str, str]:
         """Flat name -> field name, for every field."""
         return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}
+
+
+class SpecSettings(Settings):
+    """Settings written as a small language (``nesterov:lr=0.7``, ``epsilon=8,delta=1e-5``): a string
+    is ``parse``d once into the fields, and the settings are written back as their ``spec``."""
+
+    @classmethod
+    def parse(cls, text: str) -> dict[str, Any]:
+        """The fields ``text`` says; ConfigError saying what is wrong."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_mapping(cls, value: dict) -> dict:
+        """The fields of a mapping (a YAML map): as given by default."""
+        return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        if value is None:
+            return {}
+        if isinstance(value, str):
+            return cls.parse(value)
+        return cls.from_mapping(value) if isinstance(value, dict) else value
+
+    @model_serializer
+    def _as_string(self) -> str:
+        return self.spec
+
+    @property
+    def spec(self) -> str:
+        """The settings as written."""
+        raise NotImplementedError
 
 
 MIB = 2 ** 20  # bytes in a MiB

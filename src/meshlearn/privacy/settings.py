@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Field, model_validator
 
 from meshlearn.errors import ConfigError
-from meshlearn.settings import Settings
+from meshlearn.settings import SpecSettings
 
 DP_HELP = ("differential privacy of each node's training (DP-SGD): none | epsilon=8,delta=1e-5[,max_grad_norm=1] "
            "(the noise that spends epsilon over the run) | noise_multiplier=1.1,max_grad_norm=1[,delta=1e-5]; "
@@ -25,7 +25,7 @@ DP_HELP = ("differential privacy of each node's training (DP-SGD): none | epsilo
 KEYS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm")
 
 
-class DPSettings(Settings):
+class DPSettings(SpecSettings):
     """DP-SGD's budget or noise (see the module docstring)."""
 
     epsilon: float | None = Field(None, gt=0, description="the epsilon to spend over the run (sets the noise)")
@@ -34,14 +34,10 @@ class DPSettings(Settings):
                                            "clipping norm")
     max_grad_norm: float = Field(1.0, gt=0, description="each example's gradient is clipped to this norm")
 
-    @model_validator(mode="before")
     @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            return parse_dp(value)
-        return value
+    def parse(cls, text: str) -> dict[str, Any]:
+        """``parse_dp``."""
+        return parse_dp(text)
 
     @model_validator(mode="after")
     def _one_of_budget_or_noise(self) -> "DPSettings":
@@ -49,10 +45,6 @@ class DPSettings(Settings):
             raise ConfigError("dp: give epsilon (the noise follows) or noise_multiplier (the epsilon is reported), "
                               "not both")
         return self
-
-    @model_serializer
-    def _as_string(self) -> str:
-        return self.spec
 
     @property
     def active(self) -> bool:
@@ -89,25 +81,17 @@ CENTRAL_DP_HELP = ("central differential privacy of the leader's aggregate (DP-F
 CENTRAL_KEYS = ("noise_multiplier", "clip", "delta")
 
 
-class CentralDPSettings(Settings):
+class CentralDPSettings(SpecSettings):
     """DP-FedAvg's clipping and noise (McMahan et al. 2018, fixed clipping): see ``CENTRAL_DP_HELP``."""
 
     noise_multiplier: float | None = Field(None, gt=0, description="the noise over the clipping norm")
     clip: float = Field(1.0, gt=0, description="each member's update over a cycle is clipped to this norm")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported")
 
-    @model_validator(mode="before")
     @classmethod
-    def _from_string(cls, value: Any) -> Any:
-        if value is None:
-            return {}
-        if isinstance(value, str):
-            return parse_keys("central_dp", value, CENTRAL_KEYS, required=("noise_multiplier",))
-        return value
-
-    @model_serializer
-    def _as_string(self) -> str:
-        return self.spec
+    def parse(cls, text: str) -> dict[str, Any]:
+        """``noise_multiplier=1,clip=1[,delta=1e-5]`` -> the fields."""
+        return parse_keys("central_dp", text, CENTRAL_KEYS, required=("noise_multiplier",))
 
     @property
     def active(self) -> bool:
