@@ -446,12 +446,14 @@ class Leader(Algorithm):
         tensors = {"sa.pks": pack_keys(round_.next_publics()), "sa.k": pack(round_.offered_to(sender), SEALED_BYTES)}
         if total is None:
             return Answer(tensors, {"status": "ok", "keep": True})
-        model = secure.model(cycle, lambda: self._secure_aggregate(total, len(round_.survivors)))
+        model = secure.model(cycle, lambda: self._secure_aggregate(total))
         return Answer({**self.ctx.flat.segments_of(model), **tensors}, {"status": "ok"})
 
-    def _secure_aggregate(self, total, count: int) -> torch.Tensor:
+    def _secure_aggregate(self, total: np.ndarray) -> torch.Tensor:
+        """The unmasked weighted mean; with central DP, noised for its count of models (equal weighting:
+        the total weight, which leaves out the members a fraction's draw did not take)."""
         mean = weighted_mean(total, self.ctx.flat.state.dtype)
-        return self._noised(mean, count) if self.settings.central_dp.active else mean
+        return self._noised(mean, int(round(total[-1]))) if self.settings.central_dp.active else mean
 
     def release(self, held: list[int]) -> dict[int, Answer]:
         """Answers for those of the ``held`` pushes (by member) that the book allows now."""
