@@ -70,6 +70,12 @@ def pair_sign(me: int, other: int) -> int:
     return 1 if me < other else -1
 
 
+def _enough(shares: dict[int, bytes], threshold: int) -> list[bytes]:
+    """``threshold`` of the shares (by revealer): as many as rebuild the secret (Lagrange's cost grows
+    with the square of the count)."""
+    return [shares[revealer] for revealer in sorted(shares)[:threshold]]
+
+
 def open_record(sender: int, share: bytes) -> bytes:
     """A share in the clear, as a member reveals it to the leader: whose secret it is of, then the share."""
     return _OPEN.pack(sender) + share
@@ -299,10 +305,11 @@ class SecureCycle:
         total = np.zeros(self.length, dtype=np.uint64)
         for member in self.survivors:
             total += self.masked[member]
-            total -= stream(combine(list(self._seed_shares[member].values())), self.length)
+            total -= stream(combine(_enough(self._seed_shares[member], self.threshold)), self.length)
         info = mask_info(self.cycle)
         for member in self.dropped:
-            keys = KeyPair.from_private(combine(list(self._key_shares[member].values())))
+            keys = KeyPair.from_private(combine(_enough(self._key_shares[member],
+                                                        self.key_thresholds.get(member, self.threshold))))
             if keys.public != self.publics.get(member):
                 raise WireError(f"the shares of {member}'s key rebuild another key")
             for survivor in self.survivors:
