@@ -4,6 +4,7 @@ reveals is rebuilt from the others' shares, a member never reveals a seed and a 
 member, tampered shares do not open; and the settings that cannot go with it are refused in one line."""
 
 import numpy as np
+import torch
 import pytest
 
 from meshlearn.config import ExperimentConfig
@@ -183,3 +184,42 @@ def test_a_dropped_member_offers_a_key_and_is_back_the_cycle_after():
     for rank in [0, 1, 3]:  # back, and now member 2 drops: its key, offered in cycle 1, is rebuilt
         third.add(rank, people[rank].mask(2, values[rank], members, third.publics))
     assert np.abs(_unmask(people, third, [0, 1, 3]) - sum(values[m] for m in [0, 1, 3])).max() < 1e-5
+
+
+def test_the_leaders_book_takes_a_session_through_its_cycles_and_sends_a_lagging_member_the_newest_model():
+    """``SecureBook`` (the leader's side): setup, four cycles with every member, then a push of a cycle
+    the book no longer keeps is told so (the leader answers it with the newest aggregate)."""
+    from meshlearn.algorithms.secure import SecureBook, StaleCycle, weighted_mean
+
+    members = [0, 1, 2]
+    people = {rank: SecureMember(rank) for rank in members}
+    book = SecureBook(LENGTH, alive=lambda member: True, limit=4)
+    for rank, person in people.items():
+        book.meet(rank, person.identity.public)
+    identities = book.everyone_met(members)
+    for rank, person in people.items():
+        person.meet(identities)
+        book.offer(rank, 0, person.offer(0, members))
+    setup = book.setup_done()
+    publics = setup.next_publics()
+    for rank, person in people.items():
+        person.accept(0, setup.offered_to(rank))
+    values = _contributions(members, seed=4)
+    for cycle in range(4):
+        for rank in members:
+            book.push(rank, cycle, people[rank].mask(cycle, values[rank], members, publics))
+        closed = book.close(cycle)
+        for rank in members:
+            seeds, keys = people[rank].reveal(cycle, 0, closed.survivors, closed.dropped, closed.sealed_for(rank))
+            book.reveal(rank, cycle, seeds, keys)
+        known, total = book.total(cycle)
+        expected = sum(values.values())
+        assert known and np.abs(total - expected).max() < 1e-5
+        model = book.model(cycle, lambda: weighted_mean(total, torch.float32))
+        assert torch.allclose(model, torch.from_numpy(expected[:-1] / expected[-1]).float(), atol=1e-5)
+        publics = closed.next_publics()
+        for rank in members:
+            people[rank].accept(cycle + 1, closed.offered_to(rank))
+    with pytest.raises(StaleCycle):
+        book.push(1, 0, people[1].observe(0, members))
+    assert book.latest()[1].cycle == 3

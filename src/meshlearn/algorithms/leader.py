@@ -50,6 +50,7 @@ from meshlearn.algorithms.secure import (
     SecureAggregationFailed,
     SecureBook,
     SecurePusher,
+    StaleCycle,
     pack,
     pack_keys,
     read_push,
@@ -387,7 +388,10 @@ class Leader(Algorithm):
                 samples, final, cycle = fields
                 masked = read_push(request.tensors, secure.length, limit)
                 with self._secure_lock:  # the cycle closes on the book's word: it must have the masked model first
-                    secure.push(sender, cycle, masked)
+                    try:
+                        secure.push(sender, cycle, masked)
+                    except StaleCycle:  # a member back after it was lost: the newest aggregate, at once
+                        return self._catch_up(sender)
                     if not book.take(sender, Push(torch.zeros(1), samples, cycle, final,
                                                   meta_number(request.meta, "loss", None)), copy=False):
                         raise WireError(f"a push of {sender}'s cycle {cycle}, older than one the leader has")
@@ -401,6 +405,16 @@ class Leader(Algorithm):
             self._held_ops[sender] = (op, cycle)
         self.hub.poke()
         return self._release_secure([sender]).get(sender)
+
+    def _catch_up(self, sender: int) -> Answer:
+        """The answer to a push of a cycle the group is past: the newest aggregate, not counting it (the
+        member trains on from it, and is one of the members again once it pushes the group's cycle)."""
+        latest = self._secure.latest()
+        if latest is None:
+            raise WireError(f"a secure push from {sender} of a cycle this leader does not keep")
+        model, round_ = latest
+        return Answer({**self.ctx.flat.segments_of(model), "sa.pks": pack_keys(round_.next_publics()),
+                       "sa.k": pack(round_.offered_to(sender), SEALED_BYTES)}, {"status": "ok"})
 
     def _release_secure(self, held: list[int]) -> dict[int, Answer]:
         """The answers secure aggregation can give now to ``held`` requests (see ``algorithms.secure``)."""

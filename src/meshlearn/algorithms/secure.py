@@ -46,6 +46,10 @@ class SecureAggregationFailed(RuntimeError):
     """A cycle that cannot be unmasked (too few survivors, or revealers)."""
 
 
+class StaleCycle(WireError):
+    """A push of a cycle the leader no longer keeps (a member back after it was counted lost)."""
+
+
 # --- packing records into tensors (what travels) --------------------------------------------------
 
 def pack(records: list[bytes] | tuple[bytes, ...], width: int) -> torch.Tensor:
@@ -179,6 +183,8 @@ class SecureBook:
     def cycle(self, cycle: int) -> SecureCycle:
         """Cycle ``cycle``'s book: its members are the survivors of the cycle before."""
         with self._lock:
+            if cycle not in self.cycles and self.cycles and cycle < max(self.cycles):
+                raise StaleCycle(f"cycle {cycle} is behind the group's {max(self.cycles)}")
             if cycle not in self.cycles:
                 before = self.cycles.get(cycle - 1) or (self.setup if self.setup and self.setup.cycle == cycle - 1
                                                         else None)
@@ -242,6 +248,13 @@ class SecureBook:
             for old in [c for c in self.totals if c < cycle - 2]:
                 del self.totals[old]
             return True, self.totals[cycle]
+
+    def latest(self) -> tuple[torch.Tensor, SecureCycle] | None:
+        """The newest aggregate and the cycle it is of (None before any)."""
+        with self._lock:
+            if self._model is None or self._model[0] not in self.cycles:
+                return None
+            return self._model[1], self.cycles[self._model[0]]
 
     def model(self, cycle: int, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """Cycle ``cycle``'s aggregate, ``make``d once."""
