@@ -144,7 +144,7 @@ def _simulate(folder, engine, dp):
 
 
 @pytest.mark.parametrize("dp", [  # DP off: test_batched compares both engines on every algorithm in the default run
-    pytest.param("none", marks=pytest.mark.slow), "noise_multiplier=1.2,max_grad_norm=0.8"])
+    pytest.param("none", marks=pytest.mark.slow), "noise_multiplier=1.2,max_grad_norm=0.8,seeded=true"])
 def test_both_engines_train_alike_with_dp_off_and_on(tmp_path, dp):
     process, batched = (_simulate(tmp_path / engine, engine, dp) for engine in ("process", "batched"))
     assert process["final"]["loss"] == pytest.approx(batched["final"]["loss"], rel=1e-4)

@@ -180,7 +180,7 @@ def test_a_dropped_member_offers_a_key_and_is_back_the_cycle_after():
     assert sorted(second.next_publics()) == [0, 1, 2, 3]
     for rank in members:
         people[rank].accept(2, second.offered_to(rank))
-    third = SecureCycle(2, members, second.next_publics(), LENGTH, key_thresholds=second.next_thresholds())
+    third = SecureCycle(2, members, second.next_publics(), LENGTH, key_holders=second.next_holders())
     for rank in [0, 1, 3]:  # back, and now member 2 drops: its key, offered in cycle 1, is rebuilt
         third.add(rank, people[rank].mask(2, values[rank], members, third.publics))
     assert np.abs(_unmask(people, third, [0, 1, 3]) - sum(values[m] for m in [0, 1, 3])).max() < 1e-5
@@ -223,3 +223,17 @@ def test_the_leaders_book_takes_a_session_through_its_cycles_and_sends_a_lagging
     with pytest.raises(StaleCycle):
         book.push(1, 0, people[1].observe(0, members))
     assert book.latest()[1].cycle == 3
+
+
+def test_a_cycle_whose_dropped_key_has_too_few_holders_left_is_not_enough():
+    """Member 3 shared its key among 6 (a cycle that later lost 4 and 5): with 3 survivors of those
+    6, its key (4 shares needed) cannot be rebuilt, and the cycle says so at once instead of waiting."""
+    book = SecureCycle(1, [0, 1, 2, 3], {}, LENGTH, key_holders={3: [0, 1, 2, 3, 4, 5]})
+    book.masked = {m: np.zeros(LENGTH, dtype=np.uint64) for m in (0, 1, 2)}
+    book.close()
+    assert book.dropped == [3] and not book.enough()
+    shared_among_four = SecureCycle(1, [0, 1, 2, 3], {}, LENGTH, key_holders={3: [0, 1, 2, 3]},
+                                    masked=dict(book.masked))
+    assert not shared_among_four.enough()  # not closed yet
+    shared_among_four.close()
+    assert shared_among_four.enough()  # 3 of its 4 holders survive

@@ -99,7 +99,7 @@ class Leader(Algorithm):
         self._secure_lock = threading.RLock()  # a push's record and a cycle's close, one at a time
         self._cycle_start: torch.Tensor | None = None  # central DP: the model this member's cycle started from
         self._cycles = 0  # central DP: the aggregates this member took
-        self._noise_generator = leader_generator(ctx.seed)  # central DP: while leading
+        self._noise_generator = leader_generator(ctx.seed, self.settings.central_dp.seeded)  # central DP
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------

@@ -192,7 +192,7 @@ class SecureBook:
                     raise WireError(f"a secure push of cycle {cycle}, which this leader cannot start (it has not "
                                     f"closed cycle {cycle - 1})")
                 self.cycles[cycle] = SecureCycle(cycle, sorted(before.next_publics()), before.next_publics(),
-                                                 self.length, key_thresholds=before.next_thresholds())
+                                                 self.length, key_holders=before.next_holders())
                 for old in [c for c in self.cycles if c < cycle - 2]:
                     del self.cycles[old]
             return self.cycles[cycle]
@@ -215,8 +215,8 @@ class SecureBook:
                             "are removed with their shared keys", cycle, ", ".join(map(str, book.dropped)))
             if not book.enough():
                 self._fail(f"secure aggregation: cycle {cycle} kept {len(book.survivors)} of its "
-                           f"{len(book.members)} members, fewer than the {max(3, book.threshold)} it needs to "
-                           "unmask their sum (members were lost)")
+                           f"{len(book.members)} members: too few to unmask their sum (at least 3, a majority, and a "
+                           "majority of those holding each dropped member's key shares; members were lost)")
             return book
 
     def reveal(self, member: int, cycle: int, seeds: list[bytes], keys: list[bytes]) -> None:
@@ -237,11 +237,9 @@ class SecureBook:
             if book is None or not book.closed:
                 return False, None
             if not book.ready():
-                waiting = [m for m in book.survivors if m not in book.revealed and self.alive(m)]
-                if len(book.revealed) + len(waiting) < book.threshold:
-                    self._fail(f"secure aggregation: only {len(book.revealed) + len(waiting)} of cycle {cycle}'s "
-                               f"survivors are left to reveal their shares, fewer than its threshold "
-                               f"{book.threshold}")
+                if not book.enough({m for m in book.survivors if self.alive(m)}):
+                    self._fail(f"secure aggregation: too few of cycle {cycle}'s survivors are left to reveal the "
+                               "shares its sum needs (members were lost)")
                 return False, None
             total = decode(book.total())
             self.totals[cycle] = total if total[-1] > 0 else None

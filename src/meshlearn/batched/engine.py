@@ -38,6 +38,7 @@ from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.privacy import BatchedPrivacy
+from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
@@ -239,7 +240,8 @@ class BatchedSimulation:
             shards=parts[shard.start:shard.stop], stacked=stacked,
             models=models,
             sgd=optimizer,
-            batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size, config.seed, device,
+            batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size,
+                                secret_seed() if config.dp.active and not config.dp.seeded else config.seed, device,
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
@@ -320,6 +322,8 @@ class BatchedSimulation:
         if "cuda_rng" in values:
             torch.cuda.set_rng_state(values["cuda_rng"].cpu(), run.stacked.state.device)
         run.first = self.resume
+        if run.privacy is not None:  # DP-SGD: the epsilon counts the steps before the checkpoint too
+            run.privacy.steps = [self.resume * run.steps] * len(run.privacy.steps)
         self.step_time = float(meta.get("step_time", self.step_time))  # a measured one: the run's first measure
         run.began = time.perf_counter() - float(meta.get("wall", 0.0))
         if run.log is not None:

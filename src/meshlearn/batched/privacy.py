@@ -21,7 +21,8 @@ class BatchedPrivacy:
     def of(cls, config, shard_sizes: list[int], first: int, device: torch.device, total_steps: int) -> BatchedPrivacy:
         """The block's nodes' DP-SGD under ``config.dp``: ``shard_sizes`` examples each, ranks from ``first``."""
         return cls([PrivacyBudget.of(config.dp, config.batch_size, size, total_steps) for size in shard_sizes],
-                   [noise_generator(config.seed, first + row, device) for row in range(len(shard_sizes))],
+                   [noise_generator(config.seed, first + row, device, seeded=config.dp.seeded)
+                    for row in range(len(shard_sizes))],
                    config.batch_size)
 
     def noise(self, rows: torch.Tensor, sums: torch.Tensor) -> None:

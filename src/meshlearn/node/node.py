@@ -16,7 +16,7 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set,
 from meshlearn.evaluation import Evaluation, evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.optim import make_optimizer, steps_rows_apart
-from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator
+from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator, secret_seed
 from meshlearn.runlog import JsonlLog, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
@@ -68,11 +68,13 @@ class Node:
         self.parameters = list(self.model.parameters())  # views into self.flat.params, in its order
         self.optimizer = make_optimizer(config.optimizer, self.flat.params.unsqueeze(0), config.lr, config.momentum,
                                         config.weight_decay)
-        self.loader = ShardLoader(dataset, indices, config.batch_size, seed=loader_seed(config.seed, rank))
+        secret = config.dp.active and not config.dp.seeded  # DP-SGD: batches and noise no one can draw again
+        self.loader = ShardLoader(dataset, indices, config.batch_size,
+                                  seed=secret_seed() if secret else loader_seed(config.seed, rank))
         self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
         self.privacy = None if not config.dp.active else PrivateTraining.of(
             config.dp, self.model, config.batch_size, len(indices), config.iterations * self.steps, self.task.loss,
-            noise_generator(config.seed, rank, self.device))
+            noise_generator(config.seed, rank, self.device, seeded=not secret))
         self.skips_idle = steps_rows_apart(config.optimizer)  # an iteration not asking for its steps is skipped
         self.transport = make_transport(self.flat)
         transport = self.transport
@@ -163,6 +165,8 @@ class Node:
         self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items() if name in counters})
         if self.log is not None:
             truncate_log(self.log.path, self.resume)
+        if self.privacy is not None:  # DP-SGD: the epsilon counts the steps before the checkpoint too
+            self.privacy.steps = self.resume * self.steps
         return meta, tree
 
     def _save(self, done: int, outer: dict | None, elapsed: float) -> None:

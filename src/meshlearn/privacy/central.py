@@ -35,10 +35,13 @@ def noised(aggregate: torch.Tensor, params: int, noise_multiplier: float, clip: 
     return noisy
 
 
-def leader_generator(seed: int) -> torch.Generator:
-    """The leader's noise generator (each cycle's noise follows from the seed and the cycles before)."""
+def leader_generator(seed: int, seeded: bool) -> torch.Generator:
+    """A leader's noise generator: from the operating system's secret randomness, or (``seeded``, for
+    experiments) from the run's seed."""
+    from meshlearn.privacy.dpsgd import secret_seed
+
     generator = torch.Generator()
-    generator.manual_seed((seed * 1_000_003 + CENTRAL_SALT) % (2 ** 63))
+    generator.manual_seed((seed * 1_000_003 + CENTRAL_SALT) % (2 ** 63) if seeded else secret_seed())
     return generator
 
 

@@ -5,6 +5,11 @@ divided by the batch size. A process-engine node calls ``clipped_sum`` on its mo
 engine ``vmap``s it over its nodes' rows. Noise comes from each node's own generator, seeded from
 the run's seed and its rank, so a node draws the same noise in either engine.
 
+Noise and the batches a node samples must be secret: an adversary who can draw them again could
+subtract the noise. Both come from the operating system's randomness unless the ``dp`` setting says
+``seeded=true`` (reproducible runs for experiments, and both engines alike, with no privacy against
+whoever knows the seed).
+
 Per-example gradients need a model whose output for an example depends on that example only:
 BatchNorm (training mode) mixes the batch, so a model holding it is refused (``check_model``).
 """
@@ -35,11 +40,19 @@ def check_model(model: nn.Module, name: str = "the model") -> None:
                           "BatchNorm; use a model without it (mlp, lenet, simplecnn, gpt-tiny), or dp none")
 
 
-def noise_generator(seed: int, rank: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """Node ``rank``'s noise generator (the same in both engines)."""
+def noise_generator(seed: int, rank: int, device: torch.device | str = "cpu", seeded: bool = True) -> torch.Generator:
+    """Node ``rank``'s noise generator: from the run's ``seed`` where ``seeded`` (the same in both
+    engines, and known to whoever knows the seed), else from the operating system's secret randomness."""
     generator = torch.Generator(device=device)
-    generator.manual_seed((seed * 1_000_003 + rank * 7919 + NOISE_SALT) % (2 ** 63))
+    generator.manual_seed((seed * 1_000_003 + rank * 7919 + NOISE_SALT) % (2 ** 63) if seeded else secret_seed())
     return generator
+
+
+def secret_seed() -> int:
+    """A 63-bit seed from the operating system's secret randomness (DP's noise and sampling)."""
+    import secrets
+
+    return secrets.randbits(63)
 
 
 class PrivateGradients:

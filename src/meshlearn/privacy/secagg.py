@@ -76,6 +76,11 @@ def _enough(shares: dict[int, bytes], threshold: int) -> list[bytes]:
     return [shares[revealer] for revealer in sorted(shares)[:threshold]]
 
 
+def _index(share: bytes) -> int:
+    """A Shamir share's index (which holder's it is)."""
+    return struct.unpack_from("<H", share)[0] if len(share) >= 2 else 0
+
+
 def open_record(sender: int, share: bytes) -> bytes:
     """A share in the clear, as a member reveals it to the leader: whose secret it is of, then the share."""
     return _OPEN.pack(sender) + share
@@ -212,8 +217,8 @@ class SecureCycle:
     members: list[int]
     publics: dict[int, bytes]
     length: int  # ring elements in a contribution
-    key_thresholds: dict[int, int] = field(default_factory=dict)  # member -> shares that rebuild its key (default:
-    # ``threshold``; a key offered among other members than this cycle's has its own)
+    key_holders: dict[int, list[int]] = field(default_factory=dict)  # member -> those it shared its key among
+    # (sorted; share i is the i-th one's), where not this cycle's members (a member back from a drop)
     masked: dict[int, np.ndarray] = field(default_factory=dict)
     offers: dict[int, Offer] = field(default_factory=dict)
     survivors: list[int] | None = None
@@ -227,6 +232,13 @@ class SecureCycle:
         self.members = sorted(self.members)
         self.threshold = threshold_of(len(self.members))
 
+    def holders(self, member: int) -> list[int]:
+        """Those who hold shares of ``member``'s key for this cycle (sorted)."""
+        return self.key_holders.get(member, self.members)
+
+    def key_threshold(self, member: int) -> int:
+        """How many shares rebuild ``member``'s key: a majority of its holders."""
+        return threshold_of(len(self.holders(member)))
     def add(self, member: int, push: MaskedPush) -> None:
         """Record ``member``'s push (once; pushes after ``close`` only offer keys). A WireError where
         it does not fit the cycle."""
@@ -239,6 +251,10 @@ class SecureCycle:
         if len(push.offer.public) != KEY_BYTES:
             raise WireError(f"an offered key of {len(push.offer.public)} bytes")
         self._check_sealed(member, push.sealed_seed if contributes else (), contributes)
+        offered_to = sorted(record_parties(record)[1] for record in push.offer.sealed)
+        if any(record_parties(record)[0] != member for record in push.offer.sealed) or \
+                offered_to != sorted({*self.members, member}):
+            raise WireError(f"{member}'s key shares are not one for each member of cycle {self.cycle} (and itself)")
         if self.survivors is not None or member in self.offers:
             return  # late, or again: the first push of a cycle counts
         self.offers[member] = push.offer
@@ -266,9 +282,15 @@ class SecureCycle:
         """Whether ``close`` fixed the survivors."""
         return self.survivors is not None
 
-    def enough(self) -> bool:
-        """Whether the survivors are enough to unmask the cycle (``MIN_MEMBERS`` and ``threshold``)."""
-        return self.survivors is not None and len(self.survivors) >= max(MIN_MEMBERS, self.threshold)
+    def enough(self, alive: set[int] | None = None) -> bool:
+        """Whether the survivors (those of them ``alive``, where given) are enough to unmask the cycle:
+        ``MIN_MEMBERS``, and the threshold of every secret the sum needs among those holding its shares."""
+        if self.survivors is None:
+            return False
+        able = set(self.survivors) if alive is None else set(self.survivors) & alive
+        able |= self.revealed
+        return len(self.survivors) >= MIN_MEMBERS and len(able) >= self.threshold and all(
+            len(able & set(self.holders(d))) >= self.key_threshold(d) for d in self.dropped)
 
     def sealed_for(self, member: int) -> list[bytes]:
         """The survivors' sealed seed shares for ``member`` (what it is asked to open)."""
@@ -279,15 +301,22 @@ class SecureCycle:
         """Record what survivor ``member`` revealed (once)."""
         if self.survivors is None or member not in self.survivors or member in self.revealed:
             return
+        opened_seeds, opened_keys = {}, {}
         for record in seeds:
             owner, share = read_open(record)
-            if owner not in self.survivors:
-                raise WireError(f"{member} revealed a seed share of {owner}, not a survivor")
-            self._seed_shares.setdefault(owner, {})[member] = share
+            if owner not in self.survivors or _index(share) != self.members.index(member) + 1:
+                raise WireError(f"{member} revealed a seed share of {owner} that is not a survivor's, or not its own")
+            opened_seeds[owner] = share
         for record in keys:
             owner, share = read_open(record)
-            if owner not in self.dropped:
-                raise WireError(f"{member} revealed a key share of {owner}, not a dropped member")
+            holders = self.holders(owner)
+            if owner not in self.dropped or member not in holders or _index(share) != holders.index(member) + 1:
+                raise WireError(f"{member} revealed a key share of {owner} that is not a dropped member's, or not "
+                                "its own")
+            opened_keys[owner] = share
+        for owner, share in opened_seeds.items():  # all or nothing: a reveal refused leaves no trace
+            self._seed_shares.setdefault(owner, {})[member] = share
+        for owner, share in opened_keys.items():
             self._key_shares.setdefault(owner, {})[member] = share
         self.revealed.add(member)
 
@@ -295,8 +324,7 @@ class SecureCycle:
         """Whether the shares revealed so far rebuild every secret the sum needs."""
         return self.enough() and len(self.revealed) >= self.threshold \
             and all(len(self._seed_shares.get(m, {})) >= self.threshold for m in self.survivors) \
-            and all(len(self._key_shares.get(m, {})) >= self.key_thresholds.get(m, self.threshold)
-                    for m in self.dropped)
+            and all(len(self._key_shares.get(m, {})) >= self.key_threshold(m) for m in self.dropped)
 
     def total(self) -> np.ndarray:
         """The sum of the survivors' contributions (``uint64``), once ``ready``."""
@@ -308,8 +336,7 @@ class SecureCycle:
             total -= stream(combine(_enough(self._seed_shares[member], self.threshold)), self.length)
         info = mask_info(self.cycle)
         for member in self.dropped:
-            keys = KeyPair.from_private(combine(_enough(self._key_shares[member],
-                                                        self.key_thresholds.get(member, self.threshold))))
+            keys = KeyPair.from_private(combine(_enough(self._key_shares[member], self.key_threshold(member))))
             if keys.public != self.publics.get(member):
                 raise WireError(f"the shares of {member}'s key rebuild another key")
             for survivor in self.survivors:
@@ -325,9 +352,10 @@ class SecureCycle:
         cycle that offered a key in time (one the cycle before dropped: it comes back)."""
         return {m: offer.public for m, offer in sorted(self.offers.items())} if self.closed else {}
 
-    def next_thresholds(self) -> dict[int, int]:
-        """How many shares rebuild each next cycle's member's key (a majority of those it shared it among)."""
-        return {m: threshold_of(len(offer.sealed)) for m, offer in self.offers.items()} if self.closed else {}
+    def next_holders(self) -> dict[int, list[int]]:
+        """Those each next cycle's member shared its key among."""
+        return {m: sorted(record_parties(r)[1] for r in offer.sealed) for m, offer in self.offers.items()} \
+            if self.closed else {}
 
     def offered_to(self, member: int) -> list[bytes]:
         """The next cycle's members' sealed shares of their next keys, for ``member``."""

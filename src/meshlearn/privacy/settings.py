@@ -21,8 +21,9 @@ from meshlearn.settings import SpecSettings
 
 DP_HELP = ("differential privacy of each node's training (DP-SGD): none | epsilon=8,delta=1e-5[,max_grad_norm=1] "
            "(the noise that spends epsilon over the run) | noise_multiplier=1.1,max_grad_norm=1[,delta=1e-5]; "
-           "the epsilon spent is reported (docs/privacy.md)")
-KEYS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm")
+           "noise and batches from secret randomness (,seeded=true: from the seed, for experiments); the epsilon "
+           "spent is reported (docs/privacy.md)")
+KEYS = ("epsilon", "delta", "noise_multiplier", "max_grad_norm", "seeded")
 
 
 class DPSettings(SpecSettings):
@@ -33,6 +34,9 @@ class DPSettings(SpecSettings):
     noise_multiplier: float | None = Field(None, gt=0, description="the noise's standard deviation over the "
                                            "clipping norm")
     max_grad_norm: float = Field(1.0, gt=0, description="each example's gradient is clipped to this norm")
+    seeded: bool = Field(False, description="draw the noise and the batches from the run's seed (reproducible, "
+                         "and both engines alike, but no privacy against anyone who knows the seed: for "
+                         "experiments); false: from the operating system's secret randomness")
 
     @classmethod
     def parse(cls, text: str) -> dict[str, Any]:
@@ -58,7 +62,8 @@ class DPSettings(SpecSettings):
             return "none"
         first = f"epsilon={self.epsilon!r}" if self.epsilon is not None else \
             f"noise_multiplier={self.noise_multiplier!r}"
-        return f"{first},delta={self.delta!r},max_grad_norm={self.max_grad_norm!r}"
+        return f"{first},delta={self.delta!r},max_grad_norm={self.max_grad_norm!r}" + \
+            (",seeded=true" if self.seeded else "")
 
     def noise_for(self, sample_rate: float, steps: int) -> float:
         """The noise multiplier of a node whose steps sample ``sample_rate`` of its shard, ``steps`` of them."""
@@ -75,10 +80,11 @@ def parse_dp(text: str) -> dict[str, Any]:
 
 
 CENTRAL_DP_HELP = ("central differential privacy of the leader's aggregate (DP-FedAvg, with sync): none | "
-                   "noise_multiplier=1.0,clip=1.0[,delta=1e-5]: each member clips its update over the cycle to "
+                   "noise_multiplier=1.0,clip=1.0[,delta=1e-5][,seeded=true]: each member clips its update over the "
+                   "cycle to "
                    "norm clip, the leader adds Gaussian noise of noise_multiplier * clip / members to their mean; "
                    "the epsilon spent (per member) is reported (docs/privacy.md)")
-CENTRAL_KEYS = ("noise_multiplier", "clip", "delta")
+CENTRAL_KEYS = ("noise_multiplier", "clip", "delta", "seeded")
 
 
 class CentralDPSettings(SpecSettings):
@@ -87,6 +93,8 @@ class CentralDPSettings(SpecSettings):
     noise_multiplier: float | None = Field(None, gt=0, description="the noise over the clipping norm")
     clip: float = Field(1.0, gt=0, description="each member's update over a cycle is clipped to this norm")
     delta: float = Field(1e-5, gt=0, lt=1, description="delta of the (epsilon, delta) reported")
+    seeded: bool = Field(False, description="the leader's noise from the run's seed (for experiments; no privacy "
+                         "against anyone who knows it); false: from the operating system's secret randomness")
 
     @classmethod
     def parse(cls, text: str) -> dict[str, Any]:
@@ -103,7 +111,8 @@ class CentralDPSettings(SpecSettings):
         """The setting as written."""
         if not self.active:
             return "none"
-        return f"noise_multiplier={self.noise_multiplier!r},clip={self.clip!r},delta={self.delta!r}"
+        return f"noise_multiplier={self.noise_multiplier!r},clip={self.clip!r},delta={self.delta!r}" + \
+            (",seeded=true" if self.seeded else "")
 
 
 def parse_keys(what: str, text: str, keys: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
@@ -116,6 +125,11 @@ def parse_keys(what: str, text: str, keys: tuple[str, ...], required: tuple[str,
         key, sep, value = (p.strip() for p in item.partition("="))
         if not sep or key not in keys:
             raise ConfigError(f"{what} {text!r}: {item!r} is not KEY=VALUE with a key of {', '.join(keys)}")
+        if key == "seeded":
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"{what} {text!r}: seeded is true or false")
+            fields[key] = value.lower() == "true"
+            continue
         try:
             fields[key] = float(value)
         except ValueError:
