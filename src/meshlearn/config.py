@@ -235,6 +235,8 @@ class ExperimentConfig(Settings):
                 (not self.leader.sync, "leader_sync true (masks cancel only in the sum of one cycle's models)"),
                 (self.engine != "process", "engine process (members agree on masks between real processes)"),
                 (self.nodes < 3, "at least 3 nodes (with 2, the leader would learn the other's model)"),
+                (secure_draw(self.leader.fraction, self.nodes) < 3, f"leader_fraction drawing at least 3 of the "
+                 f"{self.nodes} nodes (fewer, and the leader would learn another's model from the sum)"),
                 *secure_conflicts(self.aggregation, bool(self.byzantine))])
         return self
 
@@ -426,6 +428,13 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
 def _either(names: list[str]) -> str:
     """``a``, ``a or b``, ``a, b or c``."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+
+
+def secure_draw(fraction: float, members: int) -> int:
+    """How many of ``members`` a cycle of the leader takes at ``fraction`` (FedAvg's draw)."""
+    from meshlearn.sharing.base import share_count
+
+    return share_count(fraction, members)
 
 
 def secure_conflicts(aggregation: str, byzantine: bool) -> list[tuple[bool, str]]:

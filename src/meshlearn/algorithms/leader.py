@@ -60,6 +60,7 @@ from meshlearn.algorithms.secure import (
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import ConfigError, WireError
 from meshlearn.privacy.central import central_report, clip_update, leader_generator, noised
+from meshlearn.privacy.masking import RING_LIMIT
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
@@ -153,8 +154,10 @@ class Leader(Algorithm):
         push = Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss)
         aggregate = self._secure_exchange(push) if self.settings.secure else self._exchange(push)
         t1 = time.perf_counter()
-        ctx.flat.state.copy_(aggregate)
-        if central.active:
+        kept = aggregate is None  # secure aggregation: no weight came, each member keeps its own model
+        if not kept:
+            ctx.flat.state.copy_(aggregate)
+        if central.active and not kept:  # (kept: the next update counts from the last aggregate)
             self._cycle_start.copy_(aggregate)
             self._cycles += 1
         return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
@@ -209,7 +212,7 @@ class Leader(Algorithm):
                 time.sleep(RETRY)
                 self.election.resolve()
 
-    def _secure_exchange(self, push: Push) -> torch.Tensor:
+    def _secure_exchange(self, push: Push) -> torch.Tensor | None:
         """Secure aggregation (``algorithms.secure``): this member's contribution masked, pushed, and
         unmasked with the others' through the leader the session was set up with."""
         ctx, limit = self.ctx, len(self.election.members) + 1
@@ -226,7 +229,7 @@ class Leader(Algorithm):
             "samples": push.samples, "final": push.final,
             "loss": None if push.loss is None else min(push.loss, 1e30)}, call)
         if reply.meta.get("keep"):
-            return ctx.flat.state.detach().clone()
+            return None
         problem = ctx.flat.check_compatible({k: v for k, v in reply.tensors.items() if not k.startswith("sa.")})
         if problem:
             raise WireError(f"a secure aggregate that does not fit this model: {problem}")
@@ -244,16 +247,26 @@ class Leader(Algorithm):
             drawn = {group[i] for i in participants(self.ctx.seed, push.cycle, len(group), self.settings.fraction)}
             weight = weight if self.ctx.rank in drawn else 0.0
         state = push.state.to(torch.float64)
-        if not bool(torch.isfinite(state).all()):
-            log.warning("node %d: its model of cycle %d is not finite: it adds nothing to the secure sum",
-                        self.ctx.rank, push.cycle)
+        if not bool(torch.isfinite(state).all()) or float(state.abs().max()) * max(weight, 1.0) * \
+                len(self.election.members) >= RING_LIMIT:
+            log.warning("node %d: its model of cycle %d is not finite, or too large for the secure sum's fixed "
+                        "point: it adds nothing to the sum", self.ctx.rank, push.cycle)
             weight = 0.0
         return np.append((state * weight).numpy() if weight else np.zeros(state.numel()), weight)
 
     def _remote_call(self, leader: int):
+        """Calls to ``leader``, sent again while it says it does not lead yet or a call was refused on the way
+        (every secure request is taken once however often it comes), for up to three peer timeouts."""
         def call(meta: dict, tensors: dict):
-            return self._caller().call(leader, self.timeout, tensors, meta,
-                                       patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
+            deadline = time.monotonic() + 3 * self.timeout
+            while True:
+                reply = self._caller().call(leader, self.timeout, tensors, meta, patience=lambda: not (
+                    self.election.is_dead(leader) or self._stop.is_set()))
+                again = reply is not None and (reply.meta.get("status") in ("not-leader", "not-yet")
+                                               or is_refusal(reply))
+                if not again or time.monotonic() > deadline:
+                    return reply
+                time.sleep(RETRY)
         return call
 
     def _local_call(self, meta: dict, tensors: dict):
@@ -278,7 +291,7 @@ class Leader(Algorithm):
                 if self.settings.central_dp.active:
                     self.state.noise = self._noised
                 if self.settings.secure:
-                    self._secure = SecureBook(self.ctx.flat.state.numel() + 1, lambda m: not self.state.is_lost(m),
+                    self._secure = SecureBook(self.ctx.flat.state.numel() + 1, self.state.heard_lately,
                                               len(self.election.members) + 1)
             return self.state
 
@@ -401,6 +414,9 @@ class Leader(Algorithm):
                               unpack(request.tensors, "sa.rk", OPEN_BYTES, limit))
         except SecureAggregationFailed as failure:
             return Answer(meta={"status": "failed", "reason": str(failure)})
+        except WireError as error:  # said to the member, which stops with it (a secure request never comes again)
+            self.watch.refused(sender, str(error))
+            return Answer(meta={"status": "refused", "reason": str(error)[:500]})
         with self._lock:
             self._held_ops[sender] = (op, cycle)
         self.hub.poke()
@@ -424,8 +440,9 @@ class Leader(Algorithm):
                 op, cycle = self._held_ops.get(sender, (None, None))
             try:
                 answer = self._secure_answer(book, secure, sender, op, cycle)
-            except SecureAggregationFailed as failure:
-                answer = Answer(meta={"status": "failed", "reason": str(failure)})
+            except (SecureAggregationFailed, WireError) as failure:  # WireError: shares that rebuild no secret
+                secure.failure = secure.failure or f"secure aggregation failed: {failure}"
+                answer = Answer(meta={"status": "failed", "reason": secure.failure})
             if answer is not None:
                 answers[sender] = answer
                 with self._lock:

@@ -225,6 +225,14 @@ class LeaderState:
         with self._cond:
             return self._can_answer(member)
 
+    def heard_lately(self, member: int) -> bool:
+        """Whether ``member`` was heard from within the peer timeout and is not lost (a finished member
+        is never counted lost, but one silent that long is gone all the same)."""
+        with self._cond:
+            contribution = self.contributions.get(member)
+            return contribution is not None and not self.is_lost(member) and \
+                self.clock.monotonic() - contribution.last_seen <= self.peer_timeout
+
     def is_lost(self, member: int) -> bool:
         """Whether ``member`` is lost (silent for the peer timeout, or marked so)."""
         with self._cond:
@@ -337,6 +345,9 @@ class LeaderState:
 
     def _cycle_answer(self, cycle: int) -> torch.Tensor:
         """Sync: cycle ``cycle``'s aggregate, made once (while no member has pushed a later cycle)."""
+        if cycle not in self._round_answers and self.noise is not None and self._round_answers \
+                and cycle < max(self._round_answers):  # noised once only: an old cycle gets the newest aggregate
+            return self._round_answers[max(self._round_answers)]
         if cycle not in self._round_answers:
             aggregate = self._aggregate(cycle)
             self._round_answers[cycle] = aggregate if self.noise is None else self.noise(aggregate, self.rounds[cycle])
@@ -376,8 +387,8 @@ class LeaderState:
         cycle's, of those drawn for it where any of them gave a model, recorded in ``rounds``)."""
         self._sweep()
         members = sorted((i for i in self.latest if not self.contributions[i].lost), key=lambda i: (i != self.me, i))
-        if all(c.finished or c.lost for c in self.contributions.values()):  # the final aggregate
-            left_out = self._diverged(members)
+        if all(c.finished or c.lost for c in self.contributions.values()) and self.noise is None:  # the final one
+            left_out = self._diverged(members)  # (not under central DP: it would choose by a member's own loss)
             members = [i for i in members if i not in left_out]
         elif cycle is not None and self.drawn is not None:
             drawn = set(self.drawn(cycle, self.group))

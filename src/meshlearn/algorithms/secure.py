@@ -34,7 +34,7 @@ import torch
 
 from meshlearn.errors import WireError
 from meshlearn.flat import segment_ranges
-from meshlearn.privacy.masking import KEY_BYTES, OPEN_BYTES, SEALED_BYTES, decode
+from meshlearn.privacy.masking import KEY_BYTES, OPEN_BYTES, SEALED_BYTES, check_public, decode
 from meshlearn.privacy.secagg import MaskedPush, Offer, SecureCycle, SecureMember
 
 log = logging.getLogger(__name__)
@@ -145,13 +145,12 @@ class SecureBook:
         self.cycles: dict[int, SecureCycle] = {}
         self.totals: dict[int, np.ndarray | None] = {}  # cycle -> the survivors' sum (None: no weight came)
         self.failure: str | None = None
-        self._model: tuple[int, torch.Tensor] | None = None
+        self._models: dict[int, torch.Tensor] = {}  # cycle -> its aggregate (the newest three)
         self._lock = threading.RLock()
 
     def meet(self, member: int, identity: bytes) -> None:
         """Record ``member``'s long-term public key."""
-        if len(identity) != KEY_BYTES:
-            raise WireError(f"an identity key of {len(identity)} bytes")
+        check_public(identity)
         with self._lock:
             self.identities.setdefault(member, identity)
 
@@ -250,17 +249,18 @@ class SecureBook:
     def latest(self) -> tuple[torch.Tensor, SecureCycle] | None:
         """The newest aggregate and the cycle it is of (None before any)."""
         with self._lock:
-            if self._model is None or self._model[0] not in self.cycles:
-                return None
-            return self._model[1], self.cycles[self._model[0]]
+            made = [cycle for cycle in self._models if cycle in self.cycles]
+            return (self._models[max(made)], self.cycles[max(made)]) if made else None
 
     def model(self, cycle: int, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Cycle ``cycle``'s aggregate, ``make``d once."""
+        """Cycle ``cycle``'s aggregate, ``make``d once (with central DP, noised once)."""
         with self._lock:
-            if self._model is None or self._model[0] != cycle:
-                self._model = (cycle, make())
-                audit("aggregate", cycle, 0, self._model[1].numpy())
-            return self._model[1]
+            if cycle not in self._models:
+                self._models[cycle] = make()
+                audit("aggregate", cycle, 0, self._models[cycle].numpy())
+                for old in [c for c in self._models if c < cycle - 2]:
+                    del self._models[old]
+            return self._models[cycle]
 
     def _fail(self, reason: str) -> None:
         self.failure = reason
@@ -340,6 +340,9 @@ def _answered(reply, what: str):
                                       "does not fail over to another leader)")
     if reply.meta.get("status") == "failed":
         raise SecureAggregationFailed(str(reply.meta.get("reason", "secure aggregation failed at the leader"))[:500])
+    if reply.meta.get("status") == "refused":
+        raise SecureAggregationFailed(f"secure aggregation: the leader refused the {what}: "
+                                      f"{str(reply.meta.get('reason'))[:500]}")
     return reply
 
 

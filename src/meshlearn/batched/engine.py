@@ -38,7 +38,6 @@ from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
 from meshlearn.batched.privacy import BatchedPrivacy
-from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
@@ -59,6 +58,7 @@ from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
+from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
-from meshlearn.config import ExperimentConfig, secure_conflicts
+from meshlearn.config import ExperimentConfig, secure_conflicts, secure_draw
 from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
@@ -315,6 +315,8 @@ def privacy_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) ->
              (task.algorithm == "leader" and not task.leader.sync, "--leader-sync true (masks cancel only in the "
               "sum of one cycle's models)"),
              (len_peers < 3, "at least 3 providers (with 2, the leader would learn the other's model)"),
+             (secure_draw(task.fedavg.fraction if task.algorithm == "fedavg" else task.leader.fraction, len_peers) < 3,
+              "a fraction drawing at least 3 providers each cycle (fewer, and the leader would learn another's model)"),
              (joins, "every provider from the start (a newcomer has no share of the members' keys): leave "
               "--min-providers out"),
              *secure_conflicts(task.aggregation, False)]

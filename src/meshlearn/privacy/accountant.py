@@ -17,6 +17,7 @@ Pure (numpy and math only): node processes use it without importing Opacus (or `
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -61,6 +62,7 @@ def epsilon(noise_multiplier: float, sample_rate: float, steps: int, delta: floa
     return float(max(0.0, np.nanmin(eps)))
 
 
+@functools.lru_cache(maxsize=1024)  # nodes of equal shards ask the same
 def noise_multiplier_for(target: float, delta: float, sample_rate: float, steps: int) -> float:
     """The least noise multiplier (to 0.01 %) whose ``steps`` steps spend at most ``target`` epsilon;
     a ConfigError where even ``MAX_NOISE`` spends more."""

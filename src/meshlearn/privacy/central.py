@@ -2,9 +2,10 @@
 clipping, as Flower's server-side fixed clipping): each member clips its update over a cycle (its
 model minus the model the cycle started from) to norm ``clip``; the leader adds Gaussian noise of
 standard deviation ``noise_multiplier * clip / count`` to the mean of the ``count`` clipped models.
-One member's data changes the mean by at most ``clip / count``, so the noise makes each cycle a
-Gaussian mechanism over members; the accountant (``privacy.accountant``) adds the cycles up, each
-sampling a member with probability the leader's fraction. Only the parameters are clipped and
+Replacing one member's update by none (zero-out adjacency, the count fixed by who takes part)
+changes the mean by at most ``clip / count``, so the noise makes each cycle a Gaussian mechanism
+over members; the accountant (``privacy.accountant``) adds the cycles up, each taking every member
+(the draws are public: no amplification by sampling is claimed). Only the parameters are clipped and
 noised (the first ``params`` values of a state; buffers such as BatchNorm's statistics are not).
 """
 
@@ -46,6 +47,8 @@ def leader_generator(seed: int, seeded: bool) -> torch.Generator:
 
 
 def central_report(noise_multiplier: float, clip: float, delta: float, fraction: float, cycles: int) -> dict:
-    """The epsilon a member spent over ``cycles`` noised aggregates, each taking it with probability ``fraction``."""
-    return {"epsilon": epsilon(noise_multiplier, fraction, cycles, delta), "delta": delta,
+    """The epsilon a member spent over ``cycles`` noised aggregates. Every cycle counts as taking it
+    (sample rate 1): the leader's draws (``fraction``) follow from the run's seed, which is no secret,
+    so no amplification by sampling is claimed."""
+    return {"epsilon": epsilon(noise_multiplier, 1.0, cycles, delta), "delta": delta,
             "noise_multiplier": noise_multiplier, "clip": clip, "cycles": cycles, "fraction": fraction}

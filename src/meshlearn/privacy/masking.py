@@ -28,6 +28,7 @@ from meshlearn.errors import WireError
 
 FRACTION_BITS = 20
 SCALE = float(2 ** FRACTION_BITS)
+RING_LIMIT = 2.0 ** (62 - FRACTION_BITS)  # the largest sum of magnitudes the fixed point holds (with a bit to spare)
 KEY_BYTES = 32  # an X25519 public key, a private key, a seed
 SHARE_BYTES = 2 + 2 * 16  # a Shamir share of a 32-byte secret: its index (u16), then the shares of both halves
 _NONCE = 12
@@ -94,6 +95,13 @@ class KeyPair:
         except ValueError as error:  # a low-order point: an all-zero agreement
             raise WireError(f"a public key that agrees on nothing: {error}") from None
         return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None, info=info).derive(shared)
+
+
+def check_public(public: bytes) -> bytes:
+    """``public`` where it is an X25519 public key anyone can agree with; a WireError where it is not
+    32 bytes or is a low-order point (every agreement with it would be all zeros)."""
+    KeyPair.generate().agree(public, b"meshlearn-check")
+    return public
 
 
 def split(secret: bytes, threshold: int, count: int) -> list[bytes]:

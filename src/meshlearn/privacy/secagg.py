@@ -21,10 +21,12 @@ model, only an offer, this time (``observe``): a member dropped once is back two
 Before the first cycle the members meet (each gives the long-term public key its share keys come
 from) and make one offer.
 
-What it does not protect: a leader that colludes with ``threshold`` members (or one that lies about
-who dropped out: the consistency round of the paper's active-adversary version is not here), and a
-cycle whose survivors are few (the sum of two models and one's own is the other): a cycle is unmasked
-only with at least ``MIN_MEMBERS`` survivors and ``threshold`` of them answering.
+What it does not protect: a leader that colludes with ``threshold`` - 1 other members (it is a member
+too, and holds a share of every secret), or one that lies about who dropped out (the consistency
+round of the paper's active-adversary version is not here), or members that reveal wrong shares (a
+wrong aggregate, or the cycle refused, but nothing hidden is learnt); and a cycle whose survivors are
+few (the sum of two models and one's own is the other): a cycle is unmasked only with at least
+``MIN_MEMBERS`` survivors and ``threshold`` of them answering.
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ import numpy as np
 
 from meshlearn.errors import WireError
 from meshlearn.privacy.masking import (
-    KEY_BYTES,
     OPEN_BYTES,
     KeyPair,
+    check_public,
     combine,
     encode,
     new_seed,
@@ -248,8 +250,7 @@ class SecureCycle:
         if contributes and (push.masked.dtype != np.uint64 or push.masked.shape != (self.length,)):
             raise WireError(f"a masked model of {push.masked.shape} {push.masked.dtype}, expected ({self.length},) "
                             "uint64")
-        if len(push.offer.public) != KEY_BYTES:
-            raise WireError(f"an offered key of {len(push.offer.public)} bytes")
+        check_public(push.offer.public)
         self._check_sealed(member, push.sealed_seed if contributes else (), contributes)
         offered_to = sorted(record_parties(record)[1] for record in push.offer.sealed)
         if any(record_parties(record)[0] != member for record in push.offer.sealed) or \
