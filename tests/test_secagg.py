@@ -4,8 +4,8 @@ reveals is rebuilt from the others' shares, a member never reveals a seed and a 
 member, tampered shares do not open; and the settings that cannot go with it are refused in one line."""
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError, WireError
