@@ -237,3 +237,13 @@ def test_a_cycle_whose_dropped_key_has_too_few_holders_left_is_not_enough():
     assert not shared_among_four.enough()  # not closed yet
     shared_among_four.close()
     assert shared_among_four.enough()  # 3 of its 4 holders survive
+
+
+def test_a_low_order_public_key_is_refused():
+    from meshlearn.privacy.masking import check_public
+
+    good = SecureMember(0).identity.public
+    assert check_public(good) == good
+    for bad in (bytes(32), (1).to_bytes(32, "little"), b"short"):
+        with pytest.raises(WireError):
+            check_public(bad)
