@@ -136,7 +136,7 @@ def test_the_settings_languages_and_their_refusals():
 
 def _simulate(folder, engine, dp):
     done = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--engine", engine, "--nodes", "3",
-                           "--algorithm", "dpsgd", "--dataset", "digits", "--model", "mlp", "--iterations", "3",
+                           "--algorithm", "dpsgd", "--dataset", "digits", "--model", "mlp", "--iterations", "2",
                            "--rounds", "2", "--lr", "0.1", "--seed", "4", "--dp", dp, "--output", str(folder)],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -152,7 +152,7 @@ def test_both_engines_train_alike_with_dp_off_and_on(tmp_path, dp):
         assert "privacy" not in process and "privacy" not in batched
     else:
         assert process["privacy"] == pytest.approx(batched["privacy"])
-        assert process["privacy"]["steps"] == 6 and process["privacy"]["epsilon"] > 0
+        assert process["privacy"]["steps"] == 4 and process["privacy"]["epsilon"] > 0
         evaluations = [json.loads(line) for line in (tmp_path / "process" / "logs" / "node_0.jsonl").open()
                        if '"eval"' in line]
         spent = [e["epsilon"] for e in evaluations if e.get("event") == "eval"]

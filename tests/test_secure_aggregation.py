@@ -14,7 +14,7 @@ import pytest
 
 from meshlearn.algorithms.secure import AUDIT
 
-NODES, ITERATIONS = 4, 3
+NODES, ITERATIONS = 4, 2
 
 
 def _simulate(folder, secure: bool, audit=None, model="simplecnn"):
@@ -65,7 +65,7 @@ def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monk
     try:
         bootstrap, ids = start_network(procs, 4)
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
-                              "--algorithm", "fedavg", "--secure-aggregation", "true", "--epochs", "12",
+                              "--algorithm", "fedavg", "--secure-aggregation", "true", "--epochs", "8",
                               "--dp", "noise_multiplier=0.3,max_grad_norm=2",  # DP-SGD too: they combine
                               "--providers", "4", "--seed", "5")
         kill_mid_training(procs, Trial(algorithm="fedavg", kill="follower", at=0.4), ids, bootstrap)
