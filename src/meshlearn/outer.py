@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import Field
 
 from meshlearn.errors import ConfigError
-from meshlearn.settings import SpecSettings
+from meshlearn.settings import SpecSettings, parse_key_values
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -153,19 +153,7 @@ def parse_outer(text: str) -> dict[str, Any]:
     if kind not in KINDS:
         raise ConfigError(f"outer {text!r}: write one of {', '.join(KINDS)}, optionally with :KEY=VALUE,... "
                           "(e.g. nesterov:lr=0.7,momentum=0.9)")
-    fields: dict[str, Any] = {"kind": kind, **DEFAULTS[kind]}
-    for item in filter(None, (part.strip() for part in rest.split(","))):
-        key, sep, value = (p.strip() for p in item.partition("="))
-        if not sep or key not in DEFAULTS[kind] or (kind == "nesterov" and key == "nesterov"):
-            allowed = ", ".join(k for k in DEFAULTS[kind] if not (kind == "nesterov" and k == "nesterov")) or "none"
-            raise ConfigError(f"outer {text!r}: {item!r} is not one of {kind}'s options (KEY=VALUE; keys: {allowed})")
-        if key == "nesterov":
-            if value.lower() not in ("true", "false"):
-                raise ConfigError(f"outer {text!r}: nesterov is true or false")
-            fields[key] = value.lower() == "true"
-            continue
-        try:
-            fields[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"outer {text!r}: {key} must be a number") from None
-    return fields
+    keys = [key for key in DEFAULTS[kind] if not (kind == "nesterov" and key == "nesterov")]
+    options = parse_key_values(rest, keys, f"outer {text!r}", lambda item: f"{item!r} is not one of {kind}'s options "
+                               f"(KEY=VALUE; keys: {', '.join(keys) or 'none'})", booleans=("nesterov",))
+    return {"kind": kind, **DEFAULTS[kind], **options}

@@ -9,7 +9,7 @@ setting, never a pydantic traceback.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, ClassVar
+from typing import Annotated, Any, Callable, ClassVar, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
@@ -66,6 +66,28 @@ class Settings(BaseModel):
     def flat_names(cls) -> dict[str, str]:
         """Flat name -> field name, for every field."""
         return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}
+
+
+def parse_key_values(items: str, allowed: Sequence[str], prefix: str, unknown: Callable[[str], str],
+                     booleans: Sequence[str] = ()) -> dict[str, float | bool]:
+    """``"k=v,k=v"`` (a small language's options) -> {key: a number, or true/false for ``booleans``};
+    a ConfigError, after ``prefix``, where an item is not ``KEY=VALUE`` with an ``allowed`` key
+    (``unknown(item)`` says so) or its value is not of its kind."""
+    fields: dict[str, float | bool] = {}
+    for item in filter(None, (part.strip() for part in items.split(","))):
+        key, sep, value = (part.strip() for part in item.partition("="))
+        if not sep or key not in allowed:
+            raise ConfigError(f"{prefix}: {unknown(item)}")
+        if key in booleans:
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"{prefix}: {key} is true or false")
+            fields[key] = value.lower() == "true"
+            continue
+        try:
+            fields[key] = float(value)
+        except ValueError:
+            raise ConfigError(f"{prefix}: {key} must be a number") from None
+    return fields
 
 
 class SpecSettings(Settings):

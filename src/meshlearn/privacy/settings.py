@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from meshlearn.errors import ConfigError
-from meshlearn.settings import SpecSettings
+from meshlearn.settings import SpecSettings, parse_key_values
 
 DP_HELP = ("differential privacy of each node's training (DP-SGD): none | epsilon=8,delta=1e-5[,max_grad_norm=1] "
            "(the noise that spends epsilon over the run) | noise_multiplier=1.1,max_grad_norm=1[,delta=1e-5]; "
@@ -120,20 +120,8 @@ def parse_keys(what: str, text: str, keys: tuple[str, ...], required: tuple[str,
     text = str(text).strip()
     if text.lower() in ("", "none", "off"):
         return {}
-    fields: dict[str, Any] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = (p.strip() for p in item.partition("="))
-        if not sep or key not in keys:
-            raise ConfigError(f"{what} {text!r}: {item!r} is not KEY=VALUE with a key of {', '.join(keys)}")
-        if key == "seeded":
-            if value.lower() not in ("true", "false"):
-                raise ConfigError(f"{what} {text!r}: seeded is true or false")
-            fields[key] = value.lower() == "true"
-            continue
-        try:
-            fields[key] = float(value)
-        except ValueError:
-            raise ConfigError(f"{what} {text!r}: {key} must be a number") from None
+    fields = parse_key_values(text, keys, f"{what} {text!r}", lambda item: f"{item!r} is not KEY=VALUE with a key "
+                              f"of {', '.join(keys)}", booleans=("seeded",))
     if not any(key in fields for key in required):
         raise ConfigError(f"{what} {text!r}: give {' or '.join(k + '=...' for k in required)}")
     return fields
