@@ -283,7 +283,7 @@ def cmd_request(args: argparse.Namespace) -> int:
     from meshlearn.network.identity import split_pinned
     from meshlearn.network.requester import Requester, summary_line
     from meshlearn.network.rpc import parse_address
-    from meshlearn.network.task import dataset_spec, validate_request
+    from meshlearn.network.task import check_weights_file, dataset_spec, validate_request
 
     _port(args.port, allow_zero=True)
     if args.tensorboard:
@@ -299,6 +299,10 @@ def cmd_request(args: argparse.Namespace) -> int:
 
         load_user_module(args.models_module)
     _check_model(validate_request(values), None)  # what needs no data is checked first ...
+    if values.get("data") and not values.get("data_on_providers"):
+        dataset_spec(str(values["data"]))  # ... and local files (a missing one is one line, not a network error) ...
+    if values.get("weights"):
+        check_weights_file(str(values["weights"]))
     keys = _identity(_requester_key(args), "requester")
     bootstrap = _pinned_bootstrap(args, secret, required=True)  # ... then a dead bootstrap is known in a second
     dataset = None
