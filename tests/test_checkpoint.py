@@ -203,11 +203,15 @@ def test_a_process_engine_run_killed_whole_resumes_within_noise(tmp_path):
     argv = ["--nodes", "4", "--iterations", "40", "--test-after", "5", "--seed", "4", "--checkpoint-every", "5"]
     whole = _meshlearn("simulate", *argv, "--output", str(tmp_path / "whole"), "--quiet")
     assert whole.returncode == 0, whole.stderr
-    _kill_when(tmp_path / "cut", argv,
-               lambda folder: CheckpointStore(folder / FOLDER).latest([f"node-{r}" for r in range(4)]) == 20)
+    nodes = [f"node-{r}" for r in range(4)]
+    # killed once half-way or later (a window of four checkpoints: waiting for exactly the one at 20 could
+    # miss it between two looks on a busy machine, and the run would end unkilled)
+    _kill_when(tmp_path / "cut", argv, lambda folder: 20 <= (CheckpointStore(folder / FOLDER).latest(nodes) or 0) < 40)
+    at = CheckpointStore(tmp_path / "cut" / FOLDER).latest(nodes)
+    assert 20 <= at < 40
     resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"))
     assert resumed.returncode == 0, resumed.stderr
-    assert "from its checkpoint at iteration 20 of 40" in resumed.stderr
+    assert f"from its checkpoint at iteration {at} of 40" in resumed.stderr
     first, second = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("whole", "cut"))
     assert abs(first["final"]["accuracy"] - second["final"]["accuracy"]) <= 0.01
     for rank in range(4):
