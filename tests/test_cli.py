@@ -218,10 +218,17 @@ def test_a_second_run_into_the_same_folder_starts_clean(tmp_path):
 
 
 def test_simulate_says_what_start_up_does_and_counts_it_in_the_wall_clock(tmp_path):
+    """The wall-clock counts the command's own start-up, training and report, and nothing before the
+    command: a shell that sleeps, then ``exec``s it (the same process, forked before the sleep)."""
     import json
+    import shlex
+    import time
 
-    result = _run("simulate", "--nodes", "2", "--topology", "full", "--iterations", "2", "--test-after", "2",
-                  "--output", str(tmp_path / "run"), timeout=300)
+    command = shlex.join([sys.executable, "-m", "meshlearn", "simulate", "--nodes", "2", "--topology", "full",
+                          "--iterations", "2", "--test-after", "2", "--output", str(tmp_path / "run")])
+    began = time.monotonic()
+    result = subprocess.run(["bash", "-c", f"sleep 3 && exec {command}"], capture_output=True, text=True, timeout=300)
+    after_the_sleep = time.monotonic() - began - 3
     assert result.returncode == 0, result.stderr
     said = result.stderr
     for step in ("loading dataset digits", "starting 2 node processes", "nodes started", "2 nodes up in",
@@ -232,7 +239,10 @@ def test_simulate_says_what_start_up_does_and_counts_it_in_the_wall_clock(tmp_pa
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     # start-up (processes, torch, data) is most of a 2-iteration run, and the wall-clock counts it
     assert summary["wall_clock"] > summary["startup"] > summary["elapsed_max"] > 0
+    assert summary["wall_clock"] > summary["report"] > 0
+    assert summary["wall_clock"] < after_the_sleep  # the sleep before the command is not counted
     assert f"wall-clock          {summary['wall_clock']:.1f} s (start-up" in result.stdout
+    assert f"report {summary['report']:.1f} s)" in result.stdout
 
 
 def test_a_bootstrap_on_a_busy_port_says_so_first_and_creates_nothing(tmp_path):

@@ -48,7 +48,7 @@ NOT_RUN = {
     "meshlearn simulate --engine batched --nodes 8 --dataset pystdlib --model gpt-tiny --context 64 \\":
         "3 minutes on 2 cores; test_language_model runs these flags at a smaller scale (adam, 30 iterations) and "
         "meshlearn sample on a run's results, and checks the perplexity",
-    "python3 -m pip install torch==2.13.0 -e . && python3 -m meshlearn demo":
+    "python3 -m pip install torch==2.13.0 -e . -c constraints.txt && python3 -m meshlearn demo":
         "installs the package and runs this suite (CI runs exactly this); the demo: test_the_demo_runs (slow)",
     "torchrun --standalone --nproc-per-node 2 -m meshlearn simulate --engine batched --nodes 4096 ...":
         "elided flags; test_batched runs the batched engine under torchrun and compares it with one process",

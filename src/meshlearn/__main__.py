@@ -1,5 +1,5 @@
 """`python -m meshlearn` runs the command-line interface."""
 
-from meshlearn.cli.main import main
+from meshlearn.cli.main import entry
 
-raise SystemExit(main())
+entry()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import difflib
 import importlib.metadata
@@ -10,10 +11,13 @@ import json
 import logging
 import os
 import sys
+import threading
+import time
 import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshlearn.cli import COMMAND_STARTED
 from meshlearn.cli.flags import add_flags, given
 from meshlearn.cli.live import add_live_flags, check_live_flags, dashboard, watch_run
 from meshlearn.cli.network import add_network_commands
@@ -113,7 +117,7 @@ def _resolve(args: argparse.Namespace) -> ExperimentConfig:
 
 
 def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace | None = None,
-                    resume: int | list[int] | None = None) -> dict:
+                    resume: int | list[int] | None = None, launched: float | None = None) -> dict:
     from meshlearn.sim.checks import check_before_start
 
     check_before_start(config)  # a wrong name or a taken port: one line before torch even loads
@@ -125,9 +129,9 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     from meshlearn.sim.report import PERPLEXITY_FIGURE
 
     if args is not None and (args.dashboard or args.tensorboard):
-        result = _watched_simulation(config, quiet, args, resume)
+        result = _watched_simulation(config, quiet, args, resume, launched)
     else:
-        result = simulate(config, progress=not quiet, launched=_process_started(), resume=resume)
+        result = simulate(config, progress=not quiet, launched=launched, resume=resume)
     if not result.main:  # one of torchrun's other processes: the first one reports
         return {}
     summary = json.loads((result.output / "summary.json").read_text())  # simulate() wrote the report
@@ -140,7 +144,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
 
 
 def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namespace,
-                        resume: int | list[int] | None = None):
+                        resume: int | list[int] | None = None, launched: float | None = None):
     """A simulation with its live page (--dashboard) and TensorBoard files (--tensorboard)."""
     from meshlearn.sim import simulate
     from meshlearn.sim.launcher import clear_earlier_run, default_output
@@ -153,7 +157,7 @@ def _watched_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Na
     board = RunBoard(config, Path(config.output).name)
     with dashboard(args, board.snapshot), watch_run(args, config, [board] if args.dashboard else []):
         try:
-            return simulate(config, progress=not quiet, resume=resume)
+            return simulate(config, progress=not quiet, launched=launched, resume=resume)
         except BaseException:
             board.finish("failed")
             raise
@@ -171,9 +175,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             at = f"iteration {iteration}" if isinstance(iteration, int) else \
                 f"iterations {min(iteration)} to {max(iteration)} (each node its own)"
             print(f"resuming {config.output} from its checkpoint at {at} of {config.iterations}", file=sys.stderr)
-        _run_simulation(config, args.quiet, args, iteration)
+        _run_simulation(config, args.quiet, args, iteration, args.started)
         return 0
-    _run_simulation(_resolve(args), args.quiet, args)
+    _run_simulation(_resolve(args), args.quiet, args, launched=args.started)
     return 0
 
 
@@ -183,7 +187,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         values["output"] = args.output
     config = make_config(values)
     print(f"meshlearn demo: {config.nodes} nodes, D-PSGD on a 3-regular graph, {config.model} on digits")
-    summary = _run_simulation(config, args.quiet)
+    summary = _run_simulation(config, args.quiet, launched=args.started)
     print(f"final mean test accuracy: {summary['final']['accuracy'] * 100:.1f}%")
     print(f"plots: {Path(config.output) / 'accuracy.png'} and {Path(config.output) / 'loss.png'}")
     return 0
@@ -255,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"meshlearn {_version()}")
     sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
 
-    demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about a minute)")
+    demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about 10 seconds)")
     demo.add_argument("--output", help="results folder (default: runs/demo)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     demo.set_defaults(func=cmd_demo)
@@ -305,17 +309,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _process_started() -> float | None:
-    """When this process started, as ``time.time()`` (Linux: /proc), so a run's wall-clock counts
-    the interpreter's and the command line's own start-up; None where that cannot be read."""
-    try:
-        ticks = int(open("/proc/self/stat").read().rpartition(")")[2].split()[19])  # field 22: starttime
-        boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return None
-
-
 def _version() -> str:
     try:
         return importlib.metadata.version("meshlearn")
@@ -323,8 +316,10 @@ def _version() -> str:
         return "(not installed)"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `meshlearn` console script; returns the exit code."""
+def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
+    """Run one `meshlearn` command (``argv``: its words, default the process's); returns the exit code.
+    ``started``: when the command began, as ``time.time()``, which a run's wall-clock counts from
+    (default: now; the console script gives its process's start, ``cli.COMMAND_STARTED``)."""
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if args.command is None and not unknown:  # bare `meshlearn`: what it can do
@@ -335,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         command.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     try:
+        args.started = time.time() if started is None else started
         return args.func(args)
     except MeshlearnError as exc:
         print(f"meshlearn {args.command}: error: {exc}", file=sys.stderr)
@@ -343,3 +339,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"meshlearn {args.command}: interrupted; every node was stopped", file=sys.stderr)
         return 130
 
+
+def entry() -> None:
+    """The `meshlearn` console script and ``python3 -m meshlearn``: the command, its wall-clock counted
+    from this process's start, then a prompt exit (``exit_now``)."""
+    exit_now(main(started=COMMAND_STARTED))
+
+
+def exit_now(code: int) -> None:
+    """End the process with ``code`` once what ``atexit`` asks is done and the output is flushed, but
+    without Python's unloading of every module (torch's and matplotlib's took most of a second after
+    the demo had printed its last line). Where another non-daemon thread still runs, the ordinary exit,
+    which waits for it."""
+    if any(thread.is_alive() and not thread.daemon and thread is not threading.main_thread()
+           for thread in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.sim.checks import check_before_start
-from meshlearn.sim.report import RUN_TIMES, write_report
+from meshlearn.sim.report import write_launched_report
 
 
 def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[str], None],
@@ -47,8 +45,7 @@ def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[st
                 measured = config.batched.model_copy(update={"step_time": simulation.step_time})
                 (output / "config.yaml").write_text(
                     config.model_copy(update={"output": str(output), "batched": measured}).to_yaml())
-            (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
-            write_report(output)
+            write_launched_report(output, launched)
         collective.barrier()  # nobody leaves before the results are written
         return output, summaries, shard.main
     finally:

@@ -9,7 +9,6 @@ progress and stops every process cleanly when one fails or the user presses Ctrl
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.forkserver
@@ -342,7 +341,7 @@ def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | No
     ``launched``: when the run began, as ``time.time()`` (default: now); ``resume``: continue the
     run in ``config.output`` from its checkpoint of that iteration, or of these, one per rank
     (``sim.resume``)."""
-    from meshlearn.sim.report import write_report
+    from meshlearn.sim.report import write_launched_report
 
     launched = time.time() if launched is None else launched
     say = say or default_say(progress)
@@ -351,8 +350,7 @@ def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | No
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
         f"model {config.model})")
     summaries = _Launcher(config, graph, output, progress, say, resume).run()
-    (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "finished": time.time()}))
-    write_report(output)
+    write_launched_report(output, launched)
     return SimulationResult(output, summaries)
 
 

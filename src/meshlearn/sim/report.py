@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import statistics
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +22,7 @@ from meshlearn.privacy.budget import privacy_summary
 from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
 PHASES = ("train", "encode", "comm", "average", "eval")
-RUN_TIMES = "run.json"  # written by the launcher: when it started and finished (so wall-clock counts start-up)
+RUN_TIMES = "run.json"  # written by the launcher: when it started, trained and finished (so wall-clock counts start-up)
 
 
 def load_logs(output: Path) -> dict[int, list[dict[str, Any]]]:
@@ -416,6 +417,20 @@ def write_report(output: Path) -> dict[str, Any]:
     return summary
 
 
+def write_launched_report(output: Path, launched: float) -> dict[str, Any]:
+    """The launcher's report of the run it just made, started at ``launched`` (``time.time()``): the
+    whole command's wall-clock counts its start-up, the training and this report (the figures), so it
+    is the time the user waited; ``run.json`` keeps the three instants for a report written later."""
+    output, trained = Path(output), time.time()
+    (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "trained": trained, "finished": trained}))
+    summary = write_report(output)
+    finished = time.time()
+    (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "trained": trained, "finished": finished}))
+    summary.update(wall_clock=finished - launched, report=finished - trained)
+    (output / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def median_node(summary: dict[str, Any]) -> tuple[int, dict[str, Any], int] | None:
     """The honest node whose final accuracy is the median of those that kept their shown predictions
     (the lower one of an even count, the lower rank among equals), its final metrics, and how many
@@ -746,15 +761,24 @@ def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = 
 
 
 def start_up_times(output: Path, logs: dict[int, list[dict]]) -> dict[str, float]:
-    """The whole run's wall-clock time and its start-up (launch until the last node began training),
-    from the launcher's run.json; empty where there is none (a `meshlearn node` run)."""
+    """The whole run's wall-clock time, its start-up (launch until the last node began training) and
+    the report's seconds (where the launcher wrote them), from the launcher's run.json; empty where there is none (a `meshlearn node` run)."""
     try:
         times = json.loads((Path(output) / RUN_TIMES).read_text())
         launched, finished = float(times["launched"]), float(times["finished"])
     except (OSError, ValueError, KeyError, TypeError):
         return {}
     starts = [e["time"] for events in logs.values() for e in events if e.get("event") == "start" and "time" in e]
-    return {"wall_clock": finished - launched, "startup": (max(starts) - launched) if starts else float("nan")}
+    times_ = {"wall_clock": finished - launched, "startup": (max(starts) - launched) if starts else float("nan")}
+    trained = times.get("trained")
+    if isinstance(trained, (int, float)) and launched <= trained <= finished:  # the report's own seconds
+        times_["report"] = finished - trained
+    return times_
+
+
+def _report_part(summary: dict[str, Any]) -> str:
+    """The summary line's account of the report's own seconds (figures), where they were measured."""
+    return f", report {summary['report']:.1f} s" if "report" in summary else ""
 
 
 def _by_nodes(counts: dict[str, int]) -> str:
@@ -817,10 +841,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     if modelled:
         lines.append(f"modelled time       {summary['elapsed_max']:.3g} s (the batched engine's cost model)")
         if "wall_clock" in summary:
-            lines.append(f"wall-clock          {summary['wall_clock']:.1f} s (start-up {summary['startup']:.1f} s)")
+            lines.append(f"wall-clock          {summary['wall_clock']:.1f} s (start-up {summary['startup']:.1f} s"
+                         f"{_report_part(summary)})")
     elif "wall_clock" in summary:
         lines.append(f"wall-clock          {summary['wall_clock']:.1f} s (start-up {summary['startup']:.1f} s, "
-                     f"training {summary['elapsed_max']:.1f} s)")
+                     f"training {summary['elapsed_max']:.1f} s{_report_part(summary)})")
     else:
         lines.append(f"training time       {summary['elapsed_max']:.1f} s (start-up not counted)")
     return "\n".join(lines)
