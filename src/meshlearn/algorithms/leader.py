@@ -5,10 +5,15 @@ Asynchronous: the leader keeps every member's latest model (``LeaderState``) and
 push with the aggregate of those, weighted by samples and staleness. Only the first cycle waits
 for everyone (so that all start from one model) and the final push waits for every member's
 final model (so that all end with the same one). The leader is the lowest-ranked member alive
-(``Election``): a member whose push finds no leader marks it dead and pushes to the next, and
+(``Election``): a member whose push finds no leader suspects it and pushes to the next, and
 that member leads from then on. While training, each member pings the leader every quarter of the
 peer timeout, so the leader knows who lives (a member silent for the timeout is lost and left
-out) and members notice a dead leader between pushes. The group is this node and every peer it
+out) and members notice a dead leader between pushes. A leader suspected wrongly (a ping that
+came back late from a busy machine) is taken back: each period a member also pings one member
+it suspects below its leader, and a member that does not lead answers a push with the leader it
+follows, which the pusher pings at once if it suspected that one. A member that leads meanwhile
+steps down as soon as a lower one is taken back: its book is dropped, its own push and the
+pushes it holds go to the lower one. The group is this node and every peer it
 was connected to (in a simulation every node of the run, whatever the topology); the peer
 timeout is the transport's ``wait_timeout``.
 
@@ -72,6 +77,7 @@ RETRY = 0.2  # seconds before asking again a member that says it does not lead (
 REFUSED_BACKOFF = 0.05  # seconds before sending again a push refused on the way, doubled at each refusal in a row ...
 MAX_REFUSED_BACKOFF = 1.0  # ... up to this
 PING_TIMEOUT = 3.0
+LEAD_POLL = 0.01  # seconds between looks at its own book of a leader waiting for its cycle's answer
 
 
 @register_runtime
@@ -107,7 +113,7 @@ class Leader(Algorithm):
 
     def start(self) -> None:
         members = {self.ctx.rank, *self.hub.peers}
-        self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost)
+        self.election = Election(members, self.ctx.rank, self._ping, on_dead=self._lost, on_alive=self._taken_back)
         if self.election.leader == self.ctx.rank:
             self._lead(start=True)
         if self.ctx.joining:
@@ -143,7 +149,7 @@ class Leader(Algorithm):
                 self.joined_at = int(cycle) + 1
                 return
             time.sleep(RETRY)  # not the leader (yet), or refused on the way: ask again
-            self.election.resolve()
+            self._follow(reply)
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
         ctx = self.ctx
         t0 = time.perf_counter()
@@ -168,11 +174,11 @@ class Leader(Algorithm):
             self._watcher.raise_if_failed()
 
     def exclude(self, rank: int) -> None:
-        """Also never follow ``rank`` as leader, nor count its model: the watcher finds the next
-        leader at once if it was this one."""
+        """Also never follow ``rank`` as leader, nor count its model, whatever it answers (unlike a
+        member only suspected): the watcher finds the next leader at once if it was this one."""
         super().exclude(rank)
         if self.election is not None:
-            self.election.mark_dead(rank)
+            self.election.exclude(rank)
             self.election.poke()
 
     def stop(self) -> None:
@@ -190,10 +196,11 @@ class Leader(Algorithm):
         while True:
             leader = self.election.leader
             if leader == ctx.rank:
-                book = self._lead()
-                book.take(ctx.rank, push, copy=False)
-                self.hub.poke()  # held pushes may be answerable now
-                return book.wait(ctx.rank)
+                aggregate = self._lead_cycle(push)
+                if aggregate is not None:
+                    return aggregate
+                continue  # a lower member was taken back: it leads, and gets the push
+            self._step_down()
             reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(push.state),
                                         {"op": "push", "samples": ctx.samples, "final": push.final, "cycle": push.cycle,
                                          "loss": None if push.loss is None else min(push.loss, 1e30)},
@@ -210,7 +217,28 @@ class Leader(Algorithm):
                 time.sleep(min(MAX_REFUSED_BACKOFF, REFUSED_BACKOFF * 2 ** (refused - 1)))
             else:  # it does not lead (yet), or is closing: ask again shortly
                 time.sleep(RETRY)
-                self.election.resolve()
+                self._follow(reply)
+
+    def _lead_cycle(self, push: Push) -> torch.Tensor | None:
+        """Lead this cycle: take this member's own ``push`` and wait for its book's answer; None if a
+        lower member was taken back meanwhile (it leads again, and the push goes to it)."""
+        rank = self.ctx.rank
+        book = self._lead()
+        book.take(rank, push, copy=False)
+        self.hub.poke()  # held pushes may be answerable now
+        while (answer := book.release([rank]).get(rank)) is None:
+            if self.election.leader != rank:
+                return None
+            time.sleep(LEAD_POLL)
+        return answer
+
+    def _follow(self, reply: Message) -> None:
+        """After an answer that was not the aggregate: if it names a leader this member suspected,
+        ping that one (a live peer vouches for it) and follow it if it answers; else find the
+        leader again."""
+        named = _named_leader(reply.meta)
+        if named is None or not self.election.recheck(named):
+            self.election.resolve()
 
     def _secure_exchange(self, push: Push) -> torch.Tensor | None:
         """Secure aggregation (``algorithms.secure``): this member's contribution masked, pushed, and
@@ -219,6 +247,8 @@ class Leader(Algorithm):
         if self._pusher is None:
             self._pusher = SecurePusher(ctx.rank, ctx.flat.state.numel() + 1, limit)
         pusher, leader = self._pusher, self.election.leader
+        if pusher.leader is not None and leader != pusher.leader and self.election.recheck(pusher.leader):
+            leader = self.election.leader  # only suspected: it answers again
         if pusher.leader is not None and leader != pusher.leader:
             raise SecureAggregationFailed(f"secure aggregation: the leader, member {pusher.leader}, was lost; a secure "
                                           "session does not fail over to another leader (the task stops)")
@@ -264,6 +294,7 @@ class Leader(Algorithm):
                     self.election.is_dead(leader) or self._stop.is_set()))
                 again = reply is not None and (reply.meta.get("status") in ("not-leader", "not-yet")
                                                or is_refusal(reply))
+                again = again or (reply is None and self.election.recheck(leader))  # only suspected: it answers
                 if not again or time.monotonic() > deadline:
                     return reply
                 time.sleep(RETRY)
@@ -331,8 +362,31 @@ class Leader(Algorithm):
         return caller
 
     def _lost(self, rank: int) -> None:
-        if self.state is not None:
-            self.state.mark_lost(rank)
+        book = self.state  # (read once: a member that steps down drops it)
+        if book is not None:
+            book.mark_lost(rank)
+
+    def _taken_back(self, rank: int) -> None:
+        """A suspected member answers again: if it leads now, this member steps down, and the pushes
+        it holds are answered with the leader to follow."""
+        log.info("node %d: member %d answers again (it was only slow); the leader is %d", self.ctx.rank, rank,
+                 self.election.leader)
+        self._step_down()
+        self.hub.poke()
+
+    def _step_down(self) -> None:
+        """Drop this member's book if it no longer leads (a lower member was taken back): a later turn
+        to lead starts a fresh book, not one whose members all look silent. Secure aggregation keeps
+        its session's book (a session never changes leader)."""
+        if self.settings.secure:
+            return
+        with self._lock:
+            if self.state is not None and self.election.leader != self.ctx.rank:
+                self.state = None
+
+    def _not_leader(self) -> Answer:
+        """The answer of a member that does not lead: the leader it follows."""
+        return Answer(meta={"status": "not-leader", "leader": self.election.leader})
 
     # --- the hub's serving thread -------------------------------------------------------------
 
@@ -340,15 +394,17 @@ class Leader(Algorithm):
         """A ping is answered at once; a push is recorded, and answered when the book allows."""
         op, sender, election = request.meta.get("op"), request.sender, self.election
         if op == "ping":
-            if self.state is not None:
-                self.state.touch(sender)
+            book = self.state
+            if book is not None:
+                book.touch(sender)
             return Answer(meta={"status": "alive"})
         if op not in ("push", "join", "sa-meet", "sa-offer", "reveal"):
             raise WireError(f"unknown leader request {op!r}")
         if election is None or election.leader != self.ctx.rank:
-            if election is not None:
-                election.poke()  # a member pushes here: perhaps the leader this one knows is gone
-            return Answer(meta={"status": "not-leader"})
+            if election is None:
+                return Answer(meta={"status": "not-leader"})
+            election.poke()  # a member pushes here: perhaps the leader this one knows is gone
+            return self._not_leader()
         if self.settings.secure:
             return self._respond_secure(op, sender, request)
         if op == "join":  # a newcomer: a member from now on, given the group's model and cycle
@@ -490,10 +546,18 @@ class Leader(Algorithm):
         """Answers for those of the ``held`` pushes (by member) that the book allows now."""
         if self.settings.secure:
             return self._release_secure(held) if self._secure is not None else {}
+        if self.election is not None and self.election.leader != self.ctx.rank:  # stepped down
+            return dict.fromkeys(held, self._not_leader())
         book = self.state
         answers = book.release(held) if book is not None else {}
         return {sender: Answer(self.ctx.flat.segments_of(aggregate), {"status": "ok"})
                 for sender, aggregate in answers.items()}
+
+
+def _named_leader(meta: dict) -> int | None:
+    """The rank a "not-leader" answer names as the leader its member follows, if it names one."""
+    rank = meta_number(meta, "leader", None) if meta.get("status") == "not-leader" else None
+    return int(rank) if rank is not None and rank.is_integer() else None
 
 
 def _push_fields(meta: dict) -> tuple[int, bool, int] | None:

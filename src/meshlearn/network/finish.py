@@ -7,6 +7,13 @@ While training, every provider pings the leader every quarter of the peer timeou
 knows who lives and a follower learns of a dead leader early. A follower whose leader dies pushes
 its final model to the next one; one whose leader already holds the result fetches it from there.
 
+A provider that missed a ping is only suspected (a busy machine answers late): the watch pings one
+suspected provider below the leader each period, a provider that does not lead answers a final
+push, and every ping, with the leader it follows, and a follower pings a suspected provider named
+so at once. One that answers is followed again; a provider that led meanwhile steps down (its book
+is dropped, and its final model goes to the one taken back). A provider shut out of the task
+(``exclude``, a revoked key) is never followed again.
+
 RPC handlers (``on_push``, ``on_ping``, ``on_results``) never block: a final push is recorded
 and answered at once, and only the leader's own run thread waits for the others.
 """
@@ -53,7 +60,8 @@ class Finisher:
         self.ctx = context  # the ProviderContext: id, secret, folders, clock
         self.index = index
         self.ids = [p.id for p in spec.peers]
-        self.election = Election(range(len(self.ids)), index, self._alive, on_dead=self._on_dead)
+        self.election = Election(range(len(self.ids)), index, self._alive, on_dead=self._on_dead,
+                                 on_alive=self._on_alive)
         self.results_ready = threading.Event()
         self.book: LeaderState | None = None  # the leader's record of final models
         self.node: Node | None = None
@@ -71,7 +79,7 @@ class Finisher:
             if index in self.excluded or index == self.index:
                 return False
             self.excluded.add(index)
-        self.election.mark_dead(index)
+        self.election.exclude(index)
         self.election.poke()
         return True
 
@@ -109,11 +117,15 @@ class Finisher:
             self.check_admitted()
             leader = self.election.resolve()
             if leader == self.index:
-                self._lead(updates, check_cancelled)
-                return
+                if self._lead(updates, check_cancelled):
+                    return
+                continue  # a provider before this one answers again: it leads
+            self._step_down()
             if self._final_sent_to != leader:
                 try:
-                    self._push_final(leader, updates)
+                    if not self._push_final(leader, updates):  # it does not lead: ask again shortly
+                        self.ctx.clock.sleep(RETRY)
+                        continue
                 except KeyRefused:  # not a dead leader: this provider is shut out
                     self._note_refusal(leader)
                     continue
@@ -126,7 +138,9 @@ class Finisher:
                     continue
             self._await_result(leader, check_cancelled)
 
-    def _push_final(self, leader: int, updates: int) -> None:
+    def _push_final(self, leader: int, updates: int) -> bool:
+        """Give ``leader`` this provider's final model; False if it does not lead (the provider it
+        follows instead, if this one suspected it, is pinged: followed again if it answers)."""
         flat = self.node.flat
         blobs = encode(Message(Kind.MODEL, self.index, 1, 0, flat.segments_of(self._final_model().cpu())))
         reply = call(self._address(leader), "agg.push",
@@ -134,12 +148,19 @@ class Finisher:
                       "loss": self.loss},
                      self.ctx.secret, blobs=blobs, timeout=2 * self.spec.peer_timeout + 5, sender=self.ctx.id,
                      max_bytes=self.ctx.max_message_bytes)
+        if reply.body.get("accepted") is False:
+            log.info("task %s: final model not taken by %s: it does not lead", self.spec.task_id, self.ids[leader])
+            self._follow(reply.body)
+            return False
         self._final_sent_to = leader
         if reply.body.get("results"):  # it finished before this model came: its result is the task's
             self._fetch_result(leader)
+        return True
 
     def _await_result(self, leader: int, check_cancelled) -> None:
-        """Wait for the leader's result, while it answers; fetch it from there once it holds one."""
+        """Wait for the leader's result, while it answers and leads; fetch it from there once it
+        holds one. Return (to find the leader again) when it is gone, when it follows another (which
+        is pinged, if this provider suspected it), or when this provider took back a lower one."""
         while not self.results_ready.wait(RETRY):
             check_cancelled()
             status = self._status_of(leader)
@@ -149,15 +170,40 @@ class Finisher:
             if status.get("results"):
                 self._fetch_result(leader)
                 return
+            if self._follow(status) not in (None, leader) or self.election.leader != leader:
+                return
 
-    def _lead(self, updates: int, check_cancelled) -> None:
+    def _follow(self, body: dict) -> int | None:
+        """The provider a peer's answer names as the leader it follows (None if it names none), pinged
+        if this provider suspected it: a live peer vouches for it, so it is followed again if it answers."""
+        named = body.get("leader")
+        if isinstance(named, bool) or not isinstance(named, int) or not 0 <= named < len(self.ids):
+            return None
+        self.election.recheck(named)
+        return named
+
+    def _lead(self, updates: int, check_cancelled) -> bool:
+        """Lead: wait for every final model (or its provider's loss), then publish the result. False,
+        with nothing published, if a provider before this one answers again meanwhile: it leads, this
+        one steps down (its book dropped: whoever pushed to it pushes again)."""
         book = self._book()
         if not book.has_final(self.index):
             book.submit(self.index, self._final_model(), self.samples, final=True, updates=updates, loss=self.loss)
         while not book.all_final():
             check_cancelled()
+            if self.election.leader != self.index:
+                self._step_down()
+                return False
             self.ctx.clock.sleep(0.05)
         self._publish(book.aggregate(), book)
+        return True
+
+    def _step_down(self) -> None:
+        """Drop the book of a provider that no longer leads (one before it answers again): a later turn
+        to lead starts a fresh one, not one whose providers all look silent."""
+        with self._lock:
+            if self.book is not None and self.election.leader != self.index:
+                self.book = None
 
     def _book(self) -> LeaderState:
         with self._lock:
@@ -254,9 +300,10 @@ class Finisher:
             return {"results": True}
         if self.node is None:
             raise BadMessage(f"{self.ctx.id} is not ready for models yet")
-        if self.election.leader != self.index:
+        leader = self.election.leader
+        if leader != self.index:
             self.election.poke()  # perhaps the leader this provider knows is gone
-            raise BadMessage(f"{self.ctx.id} is not the leader: {self.ids[self.election.leader]} is")
+            return {"accepted": False, "leader": leader}  # (the pusher pings it if it suspected it)
         msg = decode(req.blobs, self.ctx.max_message_bytes)
         problem = self.node.flat.check_compatible(msg.tensors)
         if problem:
@@ -269,10 +316,13 @@ class Finisher:
         return {"accepted": True}
 
     def on_ping(self, req: Envelope) -> dict:
+        """A sign of life from provider ``index``; the answer says whether this one holds the result,
+        and which provider it follows as leader."""
         index = field_of(req.body, "index", int, min_value=0)
-        if self.book is not None and index < len(self.ids):
-            self.book.touch(index)
-        return {"results": self.results_ready.is_set()}
+        book = self.book
+        if book is not None and index < len(self.ids):
+            book.touch(index)
+        return {"results": self.results_ready.is_set(), "leader": self.election.leader}
 
     def release(self) -> None:
         """Drop the model and the leader's book once the run has ended: what peers and the
@@ -326,5 +376,9 @@ class Finisher:
 
     def _on_dead(self, index: int) -> None:
         log.warning("task %s: provider %s is gone", self.spec.task_id, self.ids[index])
-        if self.book is not None:
-            self.book.mark_lost(index)
+        book = self.book
+        if book is not None:
+            book.mark_lost(index)
+
+    def _on_alive(self, index: int) -> None:
+        log.warning("task %s: provider %s answers again: it was only slow", self.spec.task_id, self.ids[index])
