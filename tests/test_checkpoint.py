@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.hold import MODELS, Hold
 from safetensors.torch import load_file
 
 from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints, Stateful, capture, restore
@@ -160,11 +161,12 @@ def _meshlearn(*args: str, **kwargs) -> subprocess.CompletedProcess:
                           **kwargs)
 
 
-def _kill_when(folder: Path, argv: list[str], ready) -> None:
-    """Start ``meshlearn simulate`` in a process group of its own and SIGKILL the whole group (the
-    launcher and every node process) once ``ready(folder)``."""
+def _kill_when(folder: Path, argv: list[str], ready, env: dict | None = None) -> None:
+    """Start ``meshlearn simulate`` (with ``env`` added to its environment) in a process group of its
+    own and SIGKILL the whole group (the launcher and every node process) once ``ready(folder)``."""
     proc = subprocess.Popen([sys.executable, "-m", "meshlearn", "simulate", *argv, "--output", str(folder),
-                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                             "--quiet"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, **(env or {})})
     try:
         deadline = time.monotonic() + 240
         while not ready(folder):
@@ -179,20 +181,16 @@ def _kill_when(folder: Path, argv: list[str], ready) -> None:
         proc.wait()
 
 
-def _logged_iterations(folder: Path, name: str) -> int:
-    path = folder / "logs" / name
-    if not path.is_file():
-        return 0
-    return sum(1 for e in read_jsonl(path) if e.get("event") == "iteration")
-
-
 @pytest.mark.slow  # its quick sibling: the run stopped in-process above, resumed to the same models
 def test_a_batched_run_killed_at_iteration_50_of_100_resumes_to_the_same_final_models(tmp_path):
     argv = ["--engine", "batched", "--nodes", "8", "--iterations", "100", "--test-after", "10", "--seed", "7",
-            "--checkpoint-every", "10"]
+            "--checkpoint-every", "10", "--model", "held-mlp", "--models-module", MODELS]  # mlp, held at a step
     whole = _meshlearn("simulate", *argv, "--output", str(tmp_path / "whole"), "--quiet")
     assert whole.returncode == 0, whole.stderr
-    _kill_when(tmp_path / "cut", argv, lambda folder: _logged_iterations(folder, "nodes.jsonl") >= 50)
+    hold = Hold(tmp_path, 61)  # its 61st forward step (it takes a few before its first iteration): about half-way
+    _kill_when(tmp_path / "cut", argv, lambda folder: hold.held() == 1, env=hold.env)
+    hold.release()
+    assert 0 < (CheckpointStore(tmp_path / "cut" / FOLDER).latest(["nodes"]) or 0) < 100
     assert not (tmp_path / "cut" / "summary.json").exists()
     resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"), "--quiet")
     assert resumed.returncode == 0, resumed.stderr
@@ -200,15 +198,17 @@ def test_a_batched_run_killed_at_iteration_50_of_100_resumes_to_the_same_final_m
 
 
 def test_a_process_engine_run_killed_whole_resumes_within_noise(tmp_path):
-    argv = ["--nodes", "4", "--iterations", "40", "--test-after", "5", "--seed", "4", "--checkpoint-every", "5"]
+    argv = ["--nodes", "4", "--iterations", "40", "--test-after", "5", "--seed", "4", "--checkpoint-every", "5",
+            "--model", "held-mlp", "--models-module", MODELS]  # mlp, held at a step (helpers/hold.py)
     whole = _meshlearn("simulate", *argv, "--output", str(tmp_path / "whole"), "--quiet")
     assert whole.returncode == 0, whole.stderr
     nodes = [f"node-{r}" for r in range(4)]
-    # killed once half-way or later (a window of four checkpoints: waiting for exactly the one at 20 could
-    # miss it between two looks on a busy machine, and the run would end unkilled)
-    _kill_when(tmp_path / "cut", argv, lambda folder: 20 <= (CheckpointStore(folder / FOLDER).latest(nodes) or 0) < 40)
+    # killed half-way: every node waits before its 23rd step (iteration 23 of 40), its checkpoint at 20 written
+    hold = Hold(tmp_path, 23)
+    _kill_when(tmp_path / "cut", argv, lambda folder: hold.held() == 4, env=hold.env)
+    hold.release()  # the resumed run trains straight through
     at = CheckpointStore(tmp_path / "cut" / FOLDER).latest(nodes)
-    assert 20 <= at < 40
+    assert at == 20
     resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"))
     assert resumed.returncode == 0, resumed.stderr
     assert f"from its checkpoint at iteration {at} of 40" in resumed.stderr

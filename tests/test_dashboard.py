@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from helpers.browser import chromium, console_errors, keep_screenshot, wait_until
+from helpers.hold import MODELS, Hold
 from helpers.netproc import free_port, running_in_thread, start_network
 
 from meshlearn.cli.main import main
@@ -282,9 +283,12 @@ def test_the_registry_keeps_its_history_across_a_restart(tmp_path):
 
 @pytest.mark.timeout(280)
 def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium(procs, tmp_path):
+    # the task waits at its providers' 20th and 60th steps (of 600) until the page has shown each point
+    hold = Hold(procs.folder, 20, 60)
     with chromium() as browser:
         page_port = free_port()
-        bootstrap, ids = start_network(procs, 3, bootstrap_args=("--dashboard", str(page_port)))
+        bootstrap, ids = start_network(procs, 3, bootstrap_args=("--dashboard", str(page_port)),
+                                       provider_args=("--models-module", MODELS), provider_env=hold.env)
         procs.wait_for("bootstrap", rf"dashboard: http://127\.0\.0\.1:{page_port}/")
         browser.get(f"http://127.0.0.1:{page_port}/")
         # the page is drawn afresh at each update: read it in one script, never through held elements
@@ -295,6 +299,7 @@ def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium
         wait_until(lambda: _attrs(browser, "#connection", "data-state") == ["live"], 30, "the live event stream")
 
         procs.start("request", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "result"), *DIGITS_TASK,
+                    "--model", "held-mlp", "--models-module", MODELS,
                     "--epochs", "20", "--providers", "3", "--aggregate-every", "1", "--eval-every", "60",
                     "--tensorboard", str(tmp_path / "tb"))
         task_id = procs.wait_for("request", r"task (\w+): 3 provider\(s\)").group(1)
@@ -308,6 +313,11 @@ def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium
                 task, f'[data-chart="loss-{task_id}"]')
 
         seen = []  # the curve's point counts, as the page showed them while the task ran
+        for _ in hold.steps:  # one count while the task waits at each step (it surely runs), a greater one next
+            hold.wait_held(procs, ids)
+            seen.append(wait_until(lambda: (points() or 0) > max(seen, default=0) and points(), 60,
+                                   f"the page to show more than {max(seen, default=0)} points of the running task"))
+            hold.release()
         while procs.procs["request"].poll() is None:
             count = points()
             if count is not None and (not seen or seen[-1] != count):
@@ -604,10 +614,12 @@ def test_a_simulations_page_shows_its_nodes_live_and_its_tensorboard_files_equal
     with chromium() as browser:
         port = free_port()
         output, tb = tmp_path / "run", tmp_path / "tb"
+        hold = Hold(tmp_path, 30, 120)  # the run waits at its nodes' 30th and 120th steps (of 250) for the page
         procs.start("simulate", "simulate", "--nodes", "4", "--topology", "ring", "--dataset", "digits",
+                    "--model", "held-mlp", "--models-module", MODELS,
                     "--iterations", "250", "--test-after", "50", "--byzantine", "3:sign-flip:10",
                     "--aggregation", "trimmed-mean:1", "--output", str(output), "--quiet",
-                    "--dashboard", str(port), "--tensorboard", str(tb))
+                    "--dashboard", str(port), "--tensorboard", str(tb), env=hold.env)
         procs.wait_for("simulate", rf"dashboard: http://127\.0\.0\.1:{port}/")
         browser.get(f"http://127.0.0.1:{port}/")
         wait_until(lambda: len(_attrs(browser, "table.nodes tbody tr", "data-rank")) == 4, 60, "a row per node")
@@ -616,8 +628,15 @@ def test_a_simulations_page_shows_its_nodes_live_and_its_tensorboard_files_equal
         def points() -> int:
             return int((_attrs(browser, '[data-chart="loss"]', "data-points") or ["0"])[0])
 
+        def running() -> bool:
+            return procs.procs["simulate"].poll() is None
+
+        hold.wait_count(4, running)
         first = wait_until(points, 60, "train loss points")
+        hold.release()
+        hold.wait_count(4, running)
         wait_until(lambda: points() > first, 60, "more points while the run goes")
+        hold.release()
         keep_screenshot(browser, "dashboard-simulate")
         assert console_errors(browser) == []
     assert procs.procs["simulate"].wait(timeout=200) == 0, procs.log("simulate")

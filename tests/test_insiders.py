@@ -11,6 +11,7 @@ import signal
 import pytest
 from safetensors.torch import save as save_safetensors
 
+from helpers.hold import MODELS, Hold
 from helpers.netproc import SECRET, requester_keys, start_network
 from helpers.waiting import wait_until
 
@@ -22,11 +23,21 @@ from meshlearn.network.rpc import call
 from meshlearn.wire import Kind, Message, encode
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
+# mlp, held at a step while the test acts on the running task (helpers/hold.py)
+HELD = ["--model", "held-mlp", "--models-module", MODELS]
 REFUSED = r"refused|not one this key|no part in"
 
 
 def _request(procs, name: str, bootstrap: str, *args: str):
     return procs.start(name, "request", "--bootstrap", bootstrap, "--output", str(procs.folder / name), *TASK, *args)
+
+
+def _held_network(procs, providers: int, step: int, **kwargs) -> tuple[Hold, str, list[str]]:
+    """A barrier at training ``step`` and a network whose providers hold there (tasks asking ``HELD``)."""
+    hold = Hold(procs.folder, step)
+    bootstrap, ids = start_network(procs, providers, provider_args=("--models-module", MODELS),
+                                   provider_env=hold.env, **kwargs)
+    return hold, bootstrap, ids
 
 
 def _providers(bootstrap: str) -> dict[str, dict]:
@@ -62,9 +73,10 @@ def _attempts(bootstrap: str, providers: dict, task: str) -> dict[str, tuple]:
 
 
 def test_an_insider_cannot_act_on_a_task_it_has_no_part_in_nor_make_a_provider_leave(procs):
-    bootstrap, ids = start_network(procs, 3)  # p0 and p1 take the task; p2 is an insider provider
-    proc = _request(procs, "req", bootstrap, "--algorithm", "leader", "--epochs", "40", "--providers", "2",
+    hold, bootstrap, _ = _held_network(procs, 3, 12)  # p0 and p1 take the task; p2 is an insider provider
+    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "40", "--providers", "2",
                     "--aggregate-every", "5")
+    hold.wait_held(procs, ["p0", "p1"])  # the task runs (in cycle 3) while the insiders try
     task = procs.wait_for("req", r"task (\w+): p0: training [1-9]", timeout=120).group(1)
     insiders = {"another requester": KeyPair.generate(),
                 "an unclaimed provider": load_or_create_key(procs.folder / "p2" / "provider.key")[0]}
@@ -73,6 +85,7 @@ def test_an_insider_cannot_act_on_a_task_it_has_no_part_in_nor_make_a_provider_l
             with pytest.raises(RemoteError, match=REFUSED):
                 call(address, kind, body, SECRET.encode(), blobs=blobs, timeout=10, keys=keys)
                 pytest.fail(f"{who} could {what}")
+    hold.release()
     assert proc.wait(timeout=240) == 0, procs.log("req")
     out = procs.log("req")
     metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
@@ -120,13 +133,15 @@ def test_only_the_claimer_ends_a_task_and_a_provider_it_lost_keeps_its_id(procs)
 def test_a_revoked_leader_leaves_the_task_to_the_others(procs):
     """Provider p0 leads (the first by id); its key is revoked mid-task with `meshlearn revoke`: it
     stops, the others go on without it, one of them leads, and the result is theirs."""
-    bootstrap, ids = start_network(procs, 3, ttl=3.0)
-    proc = _request(procs, "req", bootstrap, "--algorithm", "leader", "--epochs", "60", "--providers", "3",
+    hold, bootstrap, ids = _held_network(procs, 3, 12, ttl=3.0)
+    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "60", "--providers", "3",
                     "--aggregate-every", "5", "--peer-timeout", "6")
-    procs.wait_for("req", r"p0: training [1-9]", timeout=120)
+    hold.wait_held(procs, ids)  # the task runs (in cycle 3) until p0 knows its key revoked
     key = load_or_create_key(procs.folder / "p0" / "provider.key")[0].text
     revoke = procs.start("revoke", "revoke", "--state", str(procs.folder / "registry.sqlite"), "--", key)
     assert revoke.wait(timeout=30) == 0, procs.log("revoke")
+    procs.wait_for("p0", "refuses this provider's key \\(revoked\\)")
+    hold.release()
     assert proc.wait(timeout=240) == 0, procs.log("req")
     metrics = json.loads((procs.folder / "req" / "metrics.json").read_text())
     assert metrics["leader"] in ("p1", "p2") and metrics["fetched_from"] != "p0", metrics
@@ -135,11 +150,13 @@ def test_a_revoked_leader_leaves_the_task_to_the_others(procs):
 
 
 def test_a_task_whose_providers_were_all_cancelled_ends_with_one_line(procs):
-    bootstrap, ids = start_network(procs, 2)
-    proc = _request(procs, "req", bootstrap, "--algorithm", "leader", "--epochs", "200", "--providers", "2")
+    hold, bootstrap, ids = _held_network(procs, 2, 50)  # in cycle 2 (an epoch, 45 steps, a cycle)
+    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "20", "--providers", "2")
+    hold.wait_held(procs, ids)  # the task runs until both are told to cancel it
     task = procs.wait_for("req", r"task (\w+): p0: training [1-9]", timeout=120).group(1)
     for provider in _providers(bootstrap).values():
         call(provider["address"], "task.cancel", {"task": task}, SECRET.encode(), timeout=10, keys=requester_keys())
+    hold.release()
     assert proc.wait(timeout=60) == 1
     error = [line for line in procs.log("req").splitlines() if "error" in line]
     assert len(error) == 1 and "ended without a result" in error[0] and "cancelled" in error[0], procs.log("req")

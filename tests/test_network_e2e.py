@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from helpers.delayproxy import DelayProxy
+from helpers.hold import MODELS, Hold
 from helpers.netproc import SECRET, Processes, free_port, requester_keys, start_network
 from helpers.scoring import score_result
 from PIL import Image
@@ -404,12 +405,15 @@ def test_a_robust_rule_keeps_a_task_with_a_poisoning_provider_on_course_and_name
 def test_a_provider_that_leaves_after_its_task_is_not_reported_lost(procs):
     """Ctrl-C on a provider during a task: it says it leaves after the task, finishes its part and
     goes; the requester must not call it lost (issue 33 item 5)."""
-    bootstrap, ids = start_network(procs, 2)
+    hold = Hold(procs.folder, 12)  # the task waits at its providers' 12th step (cycle 3) while p1 is told to leave
+    bootstrap, ids = start_network(procs, 2, provider_args=("--models-module", MODELS), provider_env=hold.env)
     proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *TASK,
+                       "--model", "held-mlp", "--models-module", MODELS,
                        "--algorithm", "leader", "--epochs", "20", "--providers", "2", "--aggregate-every", "5")
-    procs.wait_for("req", r"p1: training [1-9]", timeout=120)
+    hold.wait_held(procs, ids)
     procs.procs["p1"].send_signal(signal.SIGINT)
     procs.wait_for("p1", "leaving after task")
+    hold.release()
     assert proc.wait(timeout=240) == 0, procs.log("req")
     assert procs.procs["p1"].wait(timeout=60) == 0
     out = procs.log("req")

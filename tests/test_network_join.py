@@ -8,14 +8,17 @@ import json
 import re
 
 import pytest
+from helpers.hold import MODELS, Hold
 from helpers.netproc import start_network
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "8", "--wait", "0"]
+# mlp held at a step until the test has done what must happen mid-task (helpers/hold.py)
+HELD_TASK = [*TASK[:2], "--model", "held-mlp", "--models-module", MODELS, *TASK[4:]]
 
 
-def _provider(procs, bootstrap: str, name: str) -> None:
+def _provider(procs, bootstrap: str, name: str, *args: str) -> None:
     procs.start(name, "provider", "--bootstrap", bootstrap, "--id", name, "--host", "127.0.0.1",
-                "--workdir", str(procs.folder / name))
+                "--workdir", str(procs.folder / name), *args)
 
 
 # slow: the default run takes a provider into a running task below (in a lost one's place), and runs the
@@ -23,20 +26,18 @@ def _provider(procs, bootstrap: str, name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["leader", "fedavg", "gossip", "dpsgd"])
 def test_a_provider_that_frees_up_joins_a_running_task_and_trains_to_its_end(procs, algorithm):
-    bootstrap, _ = start_network(procs, 0, ttl=4.0)
-    ids = ["p0", "p1", "p2"]
-    for pid in ids:
-        _provider(procs, bootstrap, pid)
-    for pid in ids:
-        procs.wait_for(pid, "registered with")
+    hold = Hold(procs.folder, 7)  # the task waits at its providers' 7th step (cycle 3) until "late" joined
+    bootstrap, ids = start_network(procs, 3, ttl=4.0, provider_args=("--models-module", MODELS),
+                                   provider_env=hold.env)
     folder = procs.folder / "task"
-    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *TASK,
+    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *HELD_TASK,
                        "--algorithm", algorithm, "--epochs", "60", "--aggregate-every", "2", "--providers", "4",
                        "--min-providers", "3")
-    procs.wait_for("task", r"started on 3 provider", timeout=120)  # many short cycles: long enough on
-    # loopback (under a loaded machine's too) for another provider to start and join the task as it runs
-    _provider(procs, bootstrap, "late")
+    hold.wait_held(procs, ids)
+    _provider(procs, bootstrap, "late", "--models-module", MODELS)
     joined = procs.wait_for("task", r"provider late joined as provider 3 \(([\d.]+) s from its claim\)", timeout=60)
+    procs.wait_for("task", r"late: training")  # its engine is up (D-PSGD's at the round it was given)
+    hold.release()
     assert float(joined.group(1)) < 10
     assert task.wait(timeout=240) == 0, procs.log("task")
     out = procs.log("task")
@@ -64,16 +65,28 @@ SLOW_PLACES = (("leader", "p0"), ("gossip", "p2"), ("dpsgd", "p2"))
 @pytest.mark.parametrize("algorithm, killed", [("fedavg", "p0"),
                                                *(pytest.param(a, k, marks=pytest.mark.slow) for a, k in SLOW_PLACES)])
 def test_a_provider_that_frees_up_takes_the_place_and_shard_of_one_the_task_lost(procs, algorithm, killed):
-    bootstrap, ids = start_network(procs, 3, ttl=4.0)
+    # the task's providers hold at their 7th step (cycle 3) while one is killed, and at their 41st (cycle 20 of
+    # 600) until the spare has joined: a fast task cannot end before it joins, a slow machine only waits longer
+    hold = Hold(procs.folder, 7, 41)
+    bootstrap, ids = start_network(procs, 3, ttl=4.0, provider_args=("--models-module", MODELS),
+                                   provider_env=hold.env)
     folder = procs.folder / "task"
-    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *TASK,
+    task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *HELD_TASK,
                        "--algorithm", algorithm, "--epochs", "20", "--aggregate-every", "2", "--providers", "3",
                        "--min-providers", "2", "--peer-timeout", "10")  # the spare is up: it joins in a second
-    procs.wait_for("task", r"p\d: training \d+/\d+", timeout=120)
-    _provider(procs, bootstrap, "spare")  # free, but the task has no free slot until it loses a provider
-    procs.wait_for("spare", "registered with")
+    hold.wait_held(procs, ids)
+    if algorithm != "dpsgd":
+        _provider(procs, bootstrap, "spare", "--models-module", MODELS)  # free, but the task has no free slot
+        procs.wait_for("spare", "registered with")  # until it loses a provider
     procs.kill(killed)
-    procs.wait_for("task", rf"provider spare joined as provider 3 in place of {killed} \(its shard\)", timeout=60)
+    hold.release()
+    if algorithm == "dpsgd":  # a newcomer hears the members' models of the round before its own within one
+        # wait: it comes once they have waited out the lost one (three rounds' deadlines) and hold at step 41
+        hold.wait_held(procs, [pid for pid in ids if pid != killed])
+        _provider(procs, bootstrap, "spare", "--models-module", MODELS)
+    procs.wait_for("task", rf"provider spare joined as provider 3 in place of {killed} \(its shard\)", timeout=120)
+    procs.wait_for("task", r"spare: training")  # its engine is up (D-PSGD's at the round it was given)
+    hold.release_all()
     assert task.wait(timeout=240) == 0, procs.log("task")
     metrics = json.loads((folder / "metrics.json").read_text())
     assert metrics["replaced"] == {killed: "spare"} and metrics["lost"] == [killed], metrics

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
+from helpers.hold import MODELS, Hold
 from helpers.netproc import Processes, start_network
 
 from meshlearn.checkpoint import FOLDER, CheckpointStore
 
-TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--wait", "0"]
+# mlp, held at a step while the test kills the task (helpers/hold.py)
+TASK = ["--data", "digits", "--model", "held-mlp", "--models-module", MODELS, "--lr", "0.05", "--batch-size", "16",
+        "--wait", "0"]
+# mid-way through epoch 5 of 8 (30 batches of 16 an epoch on a third of digits' 1,438 training images): the
+# providers have sent the checkpoints of cycles 1-4 (one an epoch) before they hold there
+HOLD_AT = 4 * 30 + 15
 
 
 def _checkpoints(folder, providers: int) -> int:
@@ -22,7 +27,7 @@ def _checkpoints(folder, providers: int) -> int:
 def _restart_providers(procs: Processes, bootstrap: str, ids: list[str]) -> None:
     for pid in ids:
         procs.start(f"{pid}-again", "provider", "--bootstrap", bootstrap, "--id", pid, "--host", "127.0.0.1",
-                    "--workdir", str(procs.folder / pid))
+                    "--workdir", str(procs.folder / pid), "--models-module", MODELS)
     for pid in ids:
         procs.wait_for(f"{pid}-again", "registered with")
 
@@ -36,7 +41,8 @@ def _run_to_the_end(procs: Processes, name: str, *args: str) -> str:
 def _refuses_bad_resumes(procs: Processes, bootstrap: str, task_id: str, folder) -> None:
     """Another secret, changed settings, a damaged checkpoint: one line each, nothing overwritten."""
     record = (folder / "task.json").read_bytes()
-    resume = ["request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder)]
+    resume = ["request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder), "--models-module",
+              MODELS]
     newest = CheckpointStore(folder / FOLDER).folder(_checkpoints(folder, 3))
     tensors = newest / "provider-1.safetensors"
     kept = tensors.read_bytes()
@@ -56,31 +62,34 @@ def _refuses_bad_resumes(procs: Processes, bootstrap: str, task_id: str, folder)
 
 @pytest.mark.parametrize("algorithm", ["fedavg"])
 def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs, algorithm):
-    bootstrap, ids = start_network(procs, 3, ttl=4.0)
+    hold = Hold(procs.folder, HOLD_AT, armed=False)  # the whole run trains straight through
+    bootstrap, ids = start_network(procs, 3, ttl=4.0, provider_args=("--models-module", MODELS),
+                                   provider_env=hold.env)
     task = [*TASK, "--algorithm", algorithm, "--epochs", "8", "--providers", "3"]
     whole = _run_to_the_end(procs, "whole", "--bootstrap", bootstrap, "--output", str(procs.folder / "whole"), *task)
     folder = procs.folder / "cut"
+    hold.arm()
     procs.start("cut", "request", "--bootstrap", bootstrap, "--output", str(folder), *task)
-    deadline = time.monotonic() + 240
-    while _checkpoints(folder, 3) < 4:
-        assert procs.procs["cut"].poll() is None, procs.log("cut")
-        assert time.monotonic() < deadline, procs.log("cut")
-        time.sleep(0.1)
+    hold.wait_held(procs, ids)  # each has sent its checkpoints of cycles 1-4, and waits in cycle 5
+    at = _checkpoints(folder, 3)
+    assert at >= 4, procs.log("cut")
     for name in ["cut", *ids]:  # every process of the task, at once
         procs.kill(name)
+    hold.release()  # the resumed run trains straight through
     task_id = json.loads((folder / "task.json").read_text())["task"]
     assert not (folder / "metrics.json").exists()
     _refuses_bad_resumes(procs, bootstrap, task_id, folder)
     _restart_providers(procs, bootstrap, ids)
-    out = _run_to_the_end(procs, "resumed", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
-    cycle = int(re.search(r"checkpoints of cycle (\d+)", out).group(1))
-    assert cycle >= 4
+    out = _run_to_the_end(procs, "resumed", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder),
+                          "--models-module", MODELS)
+    assert int(re.search(r"checkpoints of cycle (\d+)", out).group(1)) == at  # the newest, kept before the kill
     first, second = (json.loads((procs.folder / run / "metrics.json").read_text()) for run in ("whole", "cut"))
     assert abs(first["accuracy"] - second["accuracy"]) <= 0.02, (first["accuracy"], second["accuracy"])
     assert sorted(second["providers"]) == ids  # its own providers, back
     assert json.loads((folder / "task.json").read_text())["status"] == "done"
     assert not (folder / FOLDER).exists()  # a task that is done is never resumed: its checkpoints went
-    again = procs.start("again", "request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder))
+    again = procs.start("again", "request", "--bootstrap", bootstrap, "--resume", task_id, "--output", str(folder),
+                        "--models-module", MODELS)
     assert again.wait(timeout=60) == 2 and f"task {task_id} is done" in procs.log("again")
     assert "done" in whole
 

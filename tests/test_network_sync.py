@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.hold import MODELS, Hold
 from helpers.netproc import Processes, start_network
 from helpers.scoring import score_result
 
@@ -58,17 +59,19 @@ def test_a_fedavg_task_completes_and_learns(network):
                                        pytest.param("fedavg", marks=pytest.mark.slow)])
 def test_a_synchronous_task_whose_leader_is_killed_completes_under_the_next(tmp_path, algorithm):
     procs = Processes(tmp_path)
+    hold = Hold(tmp_path, 301)  # a third of the way: cycle 150 of 450 (30 epochs of 30 steps, 2 a cycle)
     try:
-        bootstrap, _ = start_network(procs, 3)
+        bootstrap, ids = start_network(procs, 3, provider_args=("--models-module", MODELS), provider_env=hold.env)
         # the leader with DiLoCo's outer step: each provider keeps its outer state, so the leader's death loses none
         sync = ["--leader-sync", "true", "--outer", "nesterov:lr=0.7,momentum=0.9"] if algorithm == "leader" else []
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
+                              "--model", "held-mlp", "--models-module", MODELS,
                               "--algorithm", algorithm, *sync, "--epochs", "30", "--providers", "3",
                               "--aggregate-every", "2", "--peer-timeout", "6")
+        hold.wait_held(procs, ids)
         total = int(procs.wait_for("req", r"p1: training \d+/(\d+)", timeout=120).group(1))
-        procs.wait_for("req", r"p1: (?:training|finishing) (\d+)/", timeout=120,
-                       accept=lambda match: int(match.group(1)) >= total // 3)
         procs.kill("p0")
+        hold.release()
         assert request.wait(timeout=240) == 0, procs.log("req")
         metrics = json.loads((tmp_path / "req" / "metrics.json").read_text())
         assert metrics["leader"] == "p1" and metrics["leaders_lost"] == ["p0"] and metrics["lost"] == ["p0"]

@@ -56,19 +56,21 @@ def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monk
     loopback): a follower SIGKILLed mid-training is dropped from the cycle it misses, whose aggregate
     is the survivors' weighted mean (its masks removed with its shared key), and the task is delivered
     with the epsilon its providers spent."""
-    from helpers.chaos import TASK, Trial, kill_mid_training
+    from helpers.chaos import HELD, TASK, Trial, kill_mid_training
+    from helpers.hold import MODELS, Hold
     from helpers.netproc import Processes, start_network
 
     audit = tmp_path / "audit"
     monkeypatch.setenv(AUDIT, str(audit))
     procs = Processes(tmp_path)
+    hold = Hold(tmp_path, 74)  # killed at 40 %: 8 epochs of 23 steps (a quarter of digits' 1,438 in batches of 16)
     try:
-        bootstrap, ids = start_network(procs, 4)
+        bootstrap, ids = start_network(procs, 4, provider_args=("--models-module", MODELS), provider_env=hold.env)
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(tmp_path / "req"), *TASK,
-                              "--algorithm", "fedavg", "--secure-aggregation", "true", "--epochs", "8",
+                              *HELD, "--algorithm", "fedavg", "--secure-aggregation", "true", "--epochs", "8",
                               "--dp", "noise_multiplier=0.3,max_grad_norm=2",  # DP-SGD too: they combine
                               "--providers", "4", "--seed", "5")
-        kill_mid_training(procs, Trial(algorithm="fedavg", kill="follower", at=0.4), ids, bootstrap)
+        kill_mid_training(procs, Trial(algorithm="fedavg", kill="follower"), ids, bootstrap, hold)
         assert request.wait(timeout=240) == 0, procs.log("req")[-3000:]
     finally:
         procs.stop_all()

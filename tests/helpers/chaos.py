@@ -4,8 +4,9 @@ about. Used by the CI chaos test (``tests/test_chaos.py``) and the randomized be
 (``benchmarks/chaos.py``).
 
 One trial: start a bootstrap and ``providers`` providers; request a ``digits`` task; once training
-is ``at`` of the way through, SIGKILL the victim (the leader ``p0``, a follower, or the bootstrap,
-which is then restarted on its state file); then check
+is ``at`` of the way through (a test's trial: while every provider holds at training step ``hold``,
+``helpers/hold.py``), SIGKILL the victim (the leader ``p0``, a follower, or the bootstrap, which is
+then restarted on its state file); then check
 
 - delivered: the requester exits 0 with a model and metrics;
 - busy: which providers the bootstrap still shows busy once the requester has exited;
@@ -22,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from helpers.hold import MODELS, Hold
 from helpers.netproc import SECRET, Processes, start_network
 
 from meshlearn.errors import NetworkError
@@ -31,6 +33,7 @@ KILLS = ("none", "follower", "leader", "bootstrap")
 STOP_WAIT = 10.0  # seconds a process gets to stop on SIGTERM
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--aggregate-every", "3",
         "--peer-timeout", "3"]
+HELD = ["--model", "held-mlp", "--models-module", MODELS]  # TASK's mlp, held at a step (helpers/hold.py)
 
 
 @dataclass
@@ -40,7 +43,9 @@ class Trial:
     algorithm: str
     kill: str = "none"
     seed: int = 90
-    at: float = 0.3  # share of the training iterations done when the victim is killed
+    at: float = 0.3  # share of the training iterations done when the victim is killed (without ``hold``)
+    hold: int = 0  # a test's trial: the training step every provider holds at while the victim is killed (0:
+    # none, the victim is killed once the requester says ``at`` is done: a benchmark's point, as it comes)
     epochs: int = 30
     providers: int = 4
     victim: str = ""  # which follower, for kill == "follower" (default: the last provider)
@@ -68,14 +73,19 @@ def run_trial(folder: Path, trial: Trial, timeout: float = 300.0) -> Outcome:
     folder.mkdir(parents=True, exist_ok=True)
     procs = Processes(folder)
     try:
-        bootstrap, ids = start_network(procs, trial.providers)
+        hold = Hold(folder, trial.hold) if trial.hold else None
+        held = ("--models-module", MODELS) if hold else ()
+        bootstrap, ids = start_network(procs, trial.providers, provider_args=held,
+                                       provider_env=hold.env if hold else None)
         request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(folder / "req"), *TASK,
-                              "--algorithm", trial.algorithm, "--epochs", str(trial.epochs), "--providers",
-                              str(trial.providers), "--seed", str(trial.seed))
+                              *(HELD if hold else ()), "--algorithm", trial.algorithm, "--epochs", str(trial.epochs),
+                              "--providers", str(trial.providers), "--seed", str(trial.seed))
         if trial.kill != "none":
-            kill_mid_training(procs, trial, ids, bootstrap)
+            kill_mid_training(procs, trial, ids, bootstrap, hold)
             if trial.kill == "bootstrap":
                 outcome.restored = _listed(bootstrap, lambda p: True)
+        elif hold:
+            hold.release()
         request.wait(timeout=timeout)
         metrics_file = folder / "req" / "metrics.json"
         outcome.delivered = request.returncode == 0 and metrics_file.is_file()
@@ -97,19 +107,28 @@ def run_trial(folder: Path, trial: Trial, timeout: float = 300.0) -> Outcome:
     return outcome
 
 
-def kill_mid_training(procs: Processes, trial: Trial, ids: list[str], bootstrap: str) -> None:
+def kill_mid_training(procs: Processes, trial: Trial, ids: list[str], bootstrap: str,
+                      hold: Hold | None = None) -> None:
+    """SIGKILL the trial's victim in the middle of the task's training: while every provider waits at
+    ``hold``'s step (a test's trial: the task cannot end first), released once the victim is dead (and a
+    killed bootstrap back); without one, once the requester says ``trial.at`` of it is done."""
     victim = {"leader": ids[0], "follower": trial.victim or ids[-1], "bootstrap": "bootstrap"}[trial.kill]
-    watched = ids[1] if victim == ids[0] else ids[0]  # a provider that lives on
-    found = procs.wait_for("req", rf"{watched}: training \d+/(\d+)", timeout=120)
-    target = max(1, int(trial.at * int(found.group(1))))
-    procs.wait_for("req", rf"{watched}: (?:training|finishing) (\d+)/", timeout=120,
-                   accept=lambda match: int(match.group(1)) >= target)
+    if hold is not None:
+        hold.wait_held(procs, ids)
+    else:
+        watched = ids[1] if victim == ids[0] else ids[0]  # a provider that lives on
+        found = procs.wait_for("req", rf"{watched}: training \d+/(\d+)", timeout=120)
+        target = max(1, int(trial.at * int(found.group(1))))
+        procs.wait_for("req", rf"{watched}: (?:training|finishing) (\d+)/", timeout=120,
+                       accept=lambda match: int(match.group(1)) >= target)
     procs.kill(victim)
     if trial.kill == "bootstrap":
         port = bootstrap.split("@")[0].rsplit(":", 1)[1]  # the same port and state folder, so the same key
         procs.start("bootstrap2", "bootstrap", "--port", port, "--state", str(procs.folder / "registry.sqlite"),
                     "--relay-port", "0")
         procs.wait_for("bootstrap2", "bootstrap on")
+    if hold is not None:
+        hold.release()
 
 
 def _listed(bootstrap: str, keep) -> list[str]:

@@ -107,10 +107,12 @@ def running_in_thread(service):
 
 def start_network(procs: Processes, providers: int, ttl: float = 30.0,
                   host: str = "127.0.0.1", bootstrap_args: tuple[str, ...] = (),
-                  verbose: bool = False) -> tuple[str, list[str]]:
-    """A bootstrap (given ``bootstrap_args`` too) and ``providers`` providers, all listening on
-    ``host``; returns the bootstrap address (with host 0.0.0.0, the one the bootstrap tells other
-    machines to use) and provider ids."""
+                  verbose: bool = False, provider_args: tuple[str, ...] = (),
+                  provider_env: dict | None = None) -> tuple[str, list[str]]:
+    """A bootstrap (given ``bootstrap_args`` too) and ``providers`` providers (given ``provider_args``
+    and ``provider_env`` too: say a ``helpers.hold`` barrier's), all listening on ``host``; returns
+    the bootstrap address (with host 0.0.0.0, the one the bootstrap tells other machines to use)
+    and provider ids."""
     port = free_port()
     procs.start("bootstrap", *(["-v"] if verbose else []), "bootstrap", "--port", str(port),
                 "--state", str(procs.folder / "registry.sqlite"),
@@ -120,7 +122,7 @@ def start_network(procs: Processes, providers: int, ttl: float = 30.0,
     for i in range(providers):
         pid = f"p{i}"
         procs.start(pid, "provider", "--bootstrap", address, "--id", pid, "--host", host,
-                    "--workdir", str(procs.folder / pid))
+                    "--workdir", str(procs.folder / pid), *provider_args, env=provider_env)
         ids.append(pid)
     for pid in ids:
         procs.wait_for(pid, "registered with")
