@@ -226,11 +226,7 @@ class Leader(Algorithm):
         book = self._lead()
         book.take(rank, push, copy=False)
         self.hub.poke()  # held pushes may be answerable now
-        while (answer := book.release([rank]).get(rank)) is None:
-            if self.election.leader != rank:
-                return None
-            time.sleep(LEAD_POLL)
-        return answer
+        return book.wait(rank, LEAD_POLL, give_up=lambda: self.election.leader != rank)
 
     def _follow(self, reply: Message) -> None:
         """After an answer that was not the aggregate: if it names a leader this member suspected,

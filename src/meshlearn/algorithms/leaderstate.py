@@ -212,11 +212,14 @@ class LeaderState:
             aggregate = self._aggregate()
             return {m: aggregate for m in ready}
 
-    def wait(self, member: int, poll: float = 0.05) -> torch.Tensor:
+    def wait(self, member: int, poll: float = 0.05,
+             give_up: Callable[[], bool] | None = None) -> torch.Tensor | None:
         """Block until ``member``'s push may be answered, then return the aggregate (the leader's
-        own training thread only)."""
+        own training thread only); None as soon as ``give_up()`` says so (asked every ``poll``)."""
         with self._cond:
             while not self._can_answer(member):
+                if give_up is not None and give_up():
+                    return None
                 self._cond.wait(timeout=poll)
             return self._answer_for(member)
 
