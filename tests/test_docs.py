@@ -1,5 +1,6 @@
 """The documentation stays true: the settings reference is what the settings classes generate,
-every relative link leads to a file, and no page cites this project's internal issue numbers."""
+the security page's table of requests is what their declarations generate, every relative link
+leads to a file, and no page cites this project's internal issue numbers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshlearn.cli.reference import settings_reference
+from meshlearn.network.rpcs import DOC_BEGIN, DOC_END, authorization_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -25,6 +27,15 @@ def test_the_settings_reference_lists_every_setting_with_its_default():
     for row in ["| `nodes` | `--nodes NODES` | `8` |", "| `udp_mode` | `--udp-mode {sync,async}` | `sync` |",
                 "| `--providers PROVIDERS` | `4` |", "| `--ttl TTL` | `30.0` |", "| `timeout_ms` | `2500.0` |"]:
         assert row in text
+
+
+def test_the_security_page_s_table_of_requests_is_what_their_declarations_generate():
+    text = (ROOT / "docs" / "security.md").read_text()
+    assert text.count(DOC_BEGIN) == 1 and text.count(DOC_END) == 1, "docs/security.md lost its table's markers"
+    written = text.split(DOC_BEGIN + "\n")[1].split(DOC_END)[0]
+    assert written == authorization_table(), \
+        "docs/security.md's table of requests is out of date: put the output of python3 -m meshlearn.network.rpcs " \
+        "between its markers"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)

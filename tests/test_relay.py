@@ -217,12 +217,9 @@ def test_insiders_and_strangers_cost_the_relay_no_thread_and_descriptors_within_
     all and holds only what its caps allow; stopping it gives every thread and descriptor back."""
     from meshlearn.errors import NetworkError
     from meshlearn.network.relay import (
-        MAX_ALLOCATIONS,
-        MAX_ALLOCATIONS_PER_ADDRESS,
         MAX_CLIENTS_PER_ADDRESS,
         MAX_GREETING_PER_ADDRESS,
         MAX_PER_OWNER,
-        descriptor_budget,
     )
 
     threads, descriptors = threading.active_count(), _open_descriptors()
@@ -233,10 +230,10 @@ def test_insiders_and_strangers_cost_the_relay_no_thread_and_descriptors_within_
         with pytest.raises(NetworkError, match="this key holds 8 relay allocations"):
             relay.allocate("key-a", "198.51.100.2")
         publics += [relay.allocate(f"key-{i}", "198.51.100.1")[1]
-                    for i in range(MAX_ALLOCATIONS_PER_ADDRESS - MAX_PER_OWNER)]
-        with pytest.raises(NetworkError, match="198.51.100.1 holds 32 relay allocations"):
+                    for i in range(relay.per_address() - MAX_PER_OWNER)]
+        with pytest.raises(NetworkError, match=f"198.51.100.1 holds {relay.per_address()} relay allocations"):
             relay.allocate("key-new", "198.51.100.1")
-        most = min(MAX_ALLOCATIONS, descriptor_budget() // 4)
+        most = relay.pool_size()
         publics += [relay.allocate(f"key-b{i}", f"203.0.113.{i % 200}")[1] for i in range(most - len(publics))]
         with pytest.raises(NetworkError, match=f"the relay holds {most} allocations"):
             relay.allocate("key-last", "192.0.2.1")

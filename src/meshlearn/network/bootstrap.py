@@ -22,9 +22,11 @@ from meshlearn.network.identity import (
     key_text,
     pinned,
 )
+from meshlearn.network.registrants import Registrants
 from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
-from meshlearn.network.relay import Relay
+from meshlearn.network.relay import Holder, Relay
 from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.rpcs import Server, dispatch
 from meshlearn.network.task import MAX_TASK_PEERS
 from meshlearn.network.taskboard import TaskBoard
 from meshlearn.settings import Settings
@@ -33,6 +35,7 @@ from meshlearn.sparselog import SparseLog
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
 MAX_CANDIDATES = 1024  # provider ids a claim may list in its preferred order
+MAX_REGISTERING = 4096  # (key, provider id) pairs remembered as registering through the relay, the oldest forgotten first
 PROBE_TIMEOUT = 3.0  # seconds the bootstrap waits when it dials a participant back
 
 
@@ -89,7 +92,7 @@ class Bootstrap:
         self.clock = clock
         self.registry = Registry(settings.state, clock)
         self.tasks = TaskBoard(clock)
-        self.server = RpcServer("bootstrap", settings.host, settings.port, secret, {
+        self.server = RpcServer("bootstrap", settings.host, settings.port, secret, dispatch(Server.BOOTSTRAP, {
             "ping": lambda req: {"service": "bootstrap"},
             "register": self._register,
             "heartbeat": self._heartbeat,
@@ -103,11 +106,13 @@ class Bootstrap:
             "relay.open": self._relay_open,
             "relay.close": self._relay_close,
             "task.progress": self._task_progress,
-        }, max_bytes=settings.max_request_bytes, keys=keys, admit=self._admit)
+        }), max_bytes=settings.max_request_bytes, keys=keys, admit=self._admit)
         public_host = settings.public_host()
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
         self.relay = Relay(settings.host, relay_port, public_host, keys.text if keys else "",
                            settings.relay_port_range())
+        self.registrants = Registrants()
+        self._registering: dict[tuple[str, str], bool] = {}  # (key, provider id) told to come back through the relay
         self._stop = threading.Event()
         self._warn = SparseLog(log)  # refused revoked keys, by key
 
@@ -134,6 +139,7 @@ class Bootstrap:
                 self.server.check()
                 for gone in self.registry.expire(self.settings.ttl):
                     log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
+                self._release_ended_work()
         finally:
             self.server.stop()
             self.relay.stop()
@@ -209,10 +215,49 @@ class Bootstrap:
             return None
 
     def _relay_open(self, req: Envelope) -> dict:
-        """A relay allocation for the caller (behind NAT): its token and public address."""
-        token, address = self.relay.allocate(self._caller_key(req), req.peer_address)
-        log.info("relay: port %s allocated to key %s", address.rpartition(":")[2], self._caller_key(req))
+        """A relay allocation for the caller (behind NAT), for registered work only: the provider
+        it registers (told to come back through the relay) or a running task it is part of. Its
+        token and public address."""
+        holder, settled = self._relay_holder(req)
+        token, address = self.relay.allocate(self._caller_key(req), req.peer_address, holder, settled)
+        log.info("relay: port %s allocated to key %s for %s", address.rpartition(":")[2], self._caller_key(req),
+                 holder)
         return {"token": token, "address": address, "relay": self.relay.address}
+
+    def _relay_holder(self, req: Envelope) -> tuple[Holder, bool]:
+        """What an allocation asked for in ``req`` serves, and whether that work is registered
+        already; refused (BadMessage) unless the caller registers that provider or is part of that task."""
+        caller = self._caller_key(req)
+        if "task" in req.body:
+            task_id = field_of(req.body, "task", str, max_len=64)
+            record = self.registry.task(task_id)
+            if record is None or record["status"] != "running" or (
+                    caller != record["requester_key"] and caller not in {key_in(p["address"]) for p in record["providers"]}):
+                raise BadMessage(f"task {task_id!r} is not a running task this key requested or was claimed for: "
+                                 "the relay serves registered work only")
+            return Holder("task", task_id), True
+        if "provider" not in req.body:
+            raise BadMessage("relay.open names the provider this key registers or a task it is part of: the relay "
+                             "serves registered work only")
+        provider_id = field_of(req.body, "provider", str, max_len=64)
+        known = self.registry.key_of(provider_id)
+        if known is None and (caller, provider_id) not in self._registering:
+            raise BadMessage(f"provider {provider_id!r} is not registering with this key: register first (the relay "
+                             "serves registered providers and claimed tasks only)")
+        if known is not None and known != caller:
+            raise BadMessage(f"provider {provider_id} is registered with another key")
+        return Holder("provider", provider_id), known is not None
+
+    def _release_ended_work(self) -> None:
+        """Close the relay allocations of providers no longer registered and of tasks no longer running."""
+        for holder in self.relay.holders(settled=True):
+            if holder.kind == "provider":
+                ended = self.registry.key_of(holder.name) is None
+            else:
+                record = self.registry.task(holder.name)
+                ended = record is None or record["status"] != "running"
+            if ended and self.relay.release_holder(holder):
+                log.info("relay: allocations of %s closed (its work ended)", holder)
 
     def _relay_close(self, req: Envelope) -> dict:
         """The caller gives back one of its allocations (a task's engine that ended)."""
@@ -232,19 +277,42 @@ class Bootstrap:
         self._same_key(req, info.id)
         info.key = self._caller_key(req)
         reach = self._reach(info.address, req)
+        if reach == "relayed" and not self.relay.settle(info.address, info.key, Holder("provider", info.id)):
+            reach = None  # an allocation opened for other work: this provider needs its own
         if reach is None:  # not recorded: it comes back with a relay allocation
+            self._registering_through_relay(info.key, info.id)
             return {"registered": None, "reachable": False, "relay": self.relay.address, "ttl": self.settings.ttl}
+        self._make_room_for(info, req.peer_address)
         info.reachable = reach == "direct"
         self.registry.register(info)
+        self._registering.pop((info.key, info.id), None)
         how = "reachable" if info.reachable else "through the relay"
         log.info("provider %s registered at %s, %s (%s, %d cores, %.1f GB, key %s)", info.id, info.address, how,
                  info.device, info.cores, info.ram_gb, info.key or "none")
         return {"registered": info.id, "reachable": True, "ttl": self.settings.ttl}
 
+    def _registering_through_relay(self, key: str, provider_id: str) -> None:
+        """Remember that ``key`` was told to register ``provider_id`` through the relay (what
+        entitles it to one allocation), forgetting the oldest beyond MAX_REGISTERING."""
+        self._registering.pop((key, provider_id), None)
+        self._registering[(key, provider_id)] = True
+        while len(self._registering) > MAX_REGISTERING:
+            del self._registering[next(iter(self._registering))]
+
+    def _make_room_for(self, info: ProviderInfo, source: str) -> None:
+        """Bound registrations per key and per address (``Registrants``): a new provider over a
+        bound evicts that key's or address's oldest silent one, or is refused."""
+        silent_before = self.clock.time() - self.settings.ttl / 2
+        for gone in self.registrants.make_room(info.id, info.key, source, self.registry.providers(), silent_before):
+            self.registry.remove(gone)
+            self.relay.release_holder(Holder("provider", gone))
+            log.info("provider %s dropped: silent, and a new provider of its key or address needed its place", gone)
+
     def _heartbeat(self, req: Envelope) -> dict:
         b = req.body
         provider_id = field_of(b, "id", str, max_len=64)
         self._same_key(req, provider_id)
+        self.registrants.seen(provider_id, req.peer_address)
         known = self.registry.heartbeat(provider_id, _status(field_of(b, "status", str)),
                                         field_of(b, "task", (str, type(None)), None, max_len=64),
                                         field_of(b, "last_task", (str, type(None)), None, max_len=64))

@@ -27,10 +27,11 @@ from meshlearn.netem import NetemSpec
 from meshlearn.network.addresses import announced_host
 from meshlearn.network.envelope import Envelope, field_of
 from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
-from meshlearn.network.relay import Allocation, hold_allocation
+from meshlearn.network.relay import Allocation, Holder, hold_allocation
 from meshlearn.network.resources import machine_cores, machine_ram_gb
 from meshlearn.network.results import read_results
 from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.rpcs import Server, dispatch
 from meshlearn.network.task import TaskSpec
 from meshlearn.network.taskaccess import TaskAccess
 from meshlearn.plugins import load_user_module
@@ -150,7 +151,7 @@ class Provider:
         self.clock = clock
         self.id = settings.provider_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
         self.workdir = Path(settings.workdir or state_home() / f"provider-{self.id}")
-        self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, {
+        self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, dispatch(Server.PROVIDER, {
             "ping": lambda req: {"service": "provider", "id": self.id},
             "task.assign": self._assign,
             "task.start": self._start_task,
@@ -162,7 +163,7 @@ class Provider:
             "agg.ping": lambda req: self._providers_run(req).on_ping(req),
             "agg.results": lambda req: self._providers_run(req).on_results(req),
             "provider.leave": self._leave_request,
-        }, max_bytes=settings.max_message_bytes, workers=HANDLER_THREADS, keys=keys,
+        }), max_bytes=settings.max_message_bytes, workers=HANDLER_THREADS, keys=keys,
             admit=self._admit)
         self.revoked: frozenset[str] = frozenset()  # keys the bootstrap shut out (told with each heartbeat)
         self._front: Allocation | None = None  # its server's relay allocation, if it has one
@@ -257,18 +258,20 @@ class Provider:
             return False
         return True
 
-    def expose(self, port: int) -> tuple[str, Callable[[], None]]:
-        """HOST:PORT where peers reach this machine's ``port`` (a task's engine), and what closes it:
-        this machine's own address, or, behind NAT, a new allocation of the bootstrap's relay."""
+    def expose(self, port: int, task_id: str) -> tuple[str, Callable[[], None]]:
+        """HOST:PORT where peers reach this machine's ``port`` (the engine of task ``task_id``), and
+        what closes it: this machine's own address, or, behind NAT, a new allocation of the
+        bootstrap's relay for that task."""
         if not self.relayed:
             return f"{self.public_host}:{port}", lambda: None
-        allocation = self._allocate(port)
+        allocation = self._allocate(port, Holder("task", task_id))
         return allocation.address, allocation.close
 
-    def _allocate(self, port: int) -> Allocation:
-        """A relay allocation for this machine's ``port``, served by an agent (given back by close)."""
+    def _allocate(self, port: int, holder: Holder) -> Allocation:
+        """A relay allocation for this machine's ``port`` serving ``holder``, served by an agent
+        (given back by close)."""
         allocation = hold_allocation(lambda kind, body: self._ask_bootstrap(kind, body, timeout=10).body,
-                                     self.settings.host, port)
+                                     self.settings.host, port, holder)
         self._allocations.append(allocation)
         close = allocation.close
 
@@ -321,7 +324,7 @@ class Provider:
                 reply = self._ask_bootstrap("register", self._info(), timeout=6)  # a dial-back takes up to 3 s
                 if reply.body.get("reachable") is False:  # not dialable, or its relay allocation is gone
                     self._drop_front()
-                    self._front = self._allocate(self.server.port)
+                    self._front = self._allocate(self.server.port, Holder("provider", self.id))
                     print(f"provider {self.id}: the bootstrap cannot reach {self.public_host}:{self.server.port} "
                           f"(NAT or a firewall): peers reach it through the relay at {self._front.address}", flush=True)
                     continue

@@ -53,10 +53,12 @@ log = logging.getLogger(__name__)
 
 PARKED = 4  # agent connections an allocation keeps waiting at the relay
 # Caps on what anyone who can connect, or any holder of the network secret, makes the relay hold.
-# Allocations (only holders of the secret get one, but a new key costs them nothing):
+# Allocations (the bootstrap gives one only for registered work: a provider registering, a task
+# claimed; keys cost a holder of the secret nothing, so the caps per address bound an insider):
 MAX_PER_OWNER = 8  # live allocations per participant key
-MAX_ALLOCATIONS_PER_ADDRESS = 32  # live allocations per source IP address (a site's providers share one)
-MAX_ALLOCATIONS = 256  # live allocations in all, and at most a quarter of the descriptor budget (--relay-ports too)
+MAX_ALLOCATIONS = 512  # live allocations in all, and at most a quarter of the descriptor budget (--relay-ports too)
+ADDRESS_SHARE = 16  # one source address (a site's providers share one) holds at most 1/16 of the pool
+SETTLE_TIME = 30.0  # seconds an allocation for a provider still registering has to become its registration's
 # The agent port: participants' agents (AGENT token) and anyone asking for the key (KEY):
 MAX_PARKED = 16  # parked agent connections per allocation (more are refused)
 MAX_GREETING = 256  # connections not past their first line: a newcomer evicts the oldest...
@@ -180,15 +182,32 @@ class _Conn:
         return self.splice.last_active if self.splice is not None else self.since
 
 
+@dataclass(frozen=True)
+class Holder:
+    """The registered work an allocation serves: a provider's registration (``kind`` "provider",
+    ``name`` its id) or a claimed task ("task", the task's id). The bootstrap gives allocations
+    only for such work and closes a holder's allocations when the work ends."""
+
+    kind: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}"
+
+
 @dataclass(eq=False)
 class _Allocation:
     """An allocation: its public port's acceptor, the agent connections parked for it, and its
-    clients in their stages."""
+    clients in their stages. ``settled``: its holder's work is registered (a provider's
+    registration completed, a claimed task); an unsettled one may be evicted for a newcomer."""
 
     token: str
     port: int
     owner: str = ""
     source: str = ""
+    holder: Holder | None = None
+    settled: bool = True
+    opened: float = field(default_factory=time.monotonic)
     acceptor: Acceptor | None = None
     parked: dict[socket.socket, bool] = field(default_factory=dict)  # oldest first
     pending: dict[_Conn, bool] = field(default_factory=dict)  # clients that sent nothing yet, oldest first
@@ -260,20 +279,64 @@ class Relay:
             self._stopped = True
         self._loop.stop()
 
-    def allocate(self, owner: str = "", source: str = "") -> tuple[str, str]:
+    def allocate(self, owner: str = "", source: str = "", holder: Holder | None = None,
+                 settled: bool = True) -> tuple[str, str]:
         """A new allocation for ``owner`` (a participant's key) asking from ``source`` (its IP
-        address): (token its agents present, public HOST:PORT clients connect to). Refused
-        (NetworkError) beyond MAX_PER_OWNER live ones per owner, MAX_ALLOCATIONS_PER_ADDRESS per
-        address, or MAX_ALLOCATIONS (or a quarter of the descriptor budget) in all."""
+        address), serving ``holder``: (token its agents present, public HOST:PORT clients connect
+        to). A provider has one: its earlier one is closed. Beyond MAX_PER_OWNER live ones per
+        owner, the address's share of the pool (``per_address``) or the pool itself
+        (``pool_size``), the oldest unsettled allocation in the way is evicted; refused
+        (NetworkError) when none is: what serves registered work is never evicted for a newcomer."""
         with self._lock:
-            self._check_room_for_allocation(owner, source)
+            replaced = self._take_earlier(owner, holder)
+            evicted = self._room_for_allocation(owner, source)
             listener = self._allocation_listener()
-            allocation = _Allocation(secrets.token_hex(16), listener.getsockname()[1], owner, source)
+            allocation = _Allocation(secrets.token_hex(16), listener.getsockname()[1], owner, source, holder, settled)
             allocation.acceptor = Acceptor(self._loop, listener, partial(self._client_connected, allocation),
                                            f"relay port {allocation.port}", self._count_pause)
             self._allocations[allocation.token] = allocation
+        for gone in replaced + evicted:
+            self._close_later(gone)
+        for gone in evicted:
+            self._warn.warning("allocation evicted", "relay: the pool, an address's or a key's share was full: "
+                               "closed the oldest allocation of a provider that never registered (%s)", gone.holder)
         self._loop.call_soon(partial(self._open_allocation, allocation))
         return allocation.token, f"{self.public_host}:{allocation.port}"
+
+    def settle(self, address: str, owner: str, holder: Holder) -> bool:
+        """Mark the allocation at public ``address`` as serving registered work, if ``owner``
+        holds it for ``holder`` (a provider's registration completed); whether it did."""
+        with self._lock:
+            allocation = self._at(address)
+            if allocation is None or allocation.owner != owner or allocation.holder != holder:
+                return False
+            allocation.settled = True
+            return True
+
+    def holders(self, settled: bool = False) -> set[Holder]:
+        """The holders of live allocations (only those whose work is registered, if ``settled``):
+        the bootstrap checks that work is still going on."""
+        with self._lock:
+            return {a.holder for a in self._allocations.values()
+                    if a.holder is not None and (a.settled or not settled)}
+
+    def release_holder(self, holder: Holder) -> int:
+        """Close every allocation serving ``holder`` (its provider left, its task ended); how many."""
+        with self._lock:
+            gone = [a for a in self._allocations.values() if a.holder == holder]
+            for allocation in gone:
+                del self._allocations[allocation.token]
+        for allocation in gone:
+            self._close_later(allocation)
+        return len(gone)
+
+    def pool_size(self) -> int:
+        """Live allocations the relay holds at most: MAX_ALLOCATIONS, within a quarter of the descriptor budget."""
+        return min(MAX_ALLOCATIONS, self._budget // 4)
+
+    def per_address(self) -> int:
+        """Live allocations one source address holds at most: its share of the pool."""
+        return max(2, self.pool_size() // ADDRESS_SHARE)
 
     def release(self, token: str, owner: str = "") -> bool:
         """Close the allocation ``token`` if ``owner`` holds it; whether it did."""
@@ -282,32 +345,69 @@ class Relay:
             if allocation is None or allocation.owner != owner:
                 return False
             del self._allocations[token]
-        if not self._loop.call_soon(partial(self._close_allocation, allocation)):
-            self._close_allocation(allocation)  # the loop is over: nothing else touches it now
+        self._close_later(allocation)
         return True
 
     def owner_of(self, address: str) -> str | None:
         """The owner of the live allocation whose public address is ``address`` (None: no such)."""
         with self._lock:
-            for allocation in self._allocations.values():
-                if f"{self.public_host}:{allocation.port}" == address:
-                    return allocation.owner
+            allocation = self._at(address)
+            return None if allocation is None else allocation.owner
+
+    def holder_of(self, address: str) -> Holder | None:
+        """The holder of the live allocation whose public address is ``address`` (None: no such)."""
+        with self._lock:
+            allocation = self._at(address)
+            return None if allocation is None else allocation.holder
+
+    # --- allocations (callers' threads, under the lock) ---
+
+    def _at(self, address: str) -> _Allocation | None:
+        for allocation in self._allocations.values():
+            if f"{self.public_host}:{allocation.port}" == address:
+                return allocation
         return None
 
-    # --- allocations (callers' threads) ---
+    def _close_later(self, allocation: _Allocation) -> None:
+        """Close an allocation already taken out of the table, in the loop's thread."""
+        if not self._loop.call_soon(partial(self._close_allocation, allocation)):
+            self._close_allocation(allocation)  # the loop is over: nothing else touches it now
 
-    def _check_room_for_allocation(self, owner: str, source: str) -> None:
-        live = self._allocations.values()
+    def _take_earlier(self, owner: str, holder: Holder | None) -> list[_Allocation]:
+        """A provider's earlier allocations (one per registered provider), out of the table."""
+        if holder is None or holder.kind != "provider":
+            return []
+        earlier = [a for a in self._allocations.values() if a.holder == holder and a.owner == owner]
+        for allocation in earlier:
+            del self._allocations[allocation.token]
+        return earlier
+
+    def _room_for_allocation(self, owner: str, source: str) -> list[_Allocation]:
+        """Make room for one more allocation of ``owner`` from ``source`` under every cap, evicting
+        the oldest unsettled allocation in the way (taken out of the table, returned to be
+        closed); NetworkError where a cap is full of settled ones."""
         if self._stopped or self._listener is None:
             raise NetworkError("the relay is not running")
-        if owner and sum(a.owner == owner for a in live) >= MAX_PER_OWNER:
-            raise NetworkError(f"this key holds {MAX_PER_OWNER} relay allocations already: close one first")
-        if source and sum(a.source == source for a in live) >= MAX_ALLOCATIONS_PER_ADDRESS:
-            raise NetworkError(f"{source} holds {MAX_ALLOCATIONS_PER_ADDRESS} relay allocations already: "
-                               "close one first")
-        most = min(MAX_ALLOCATIONS, self._budget // 4)
-        if len(self._allocations) >= most:
-            raise NetworkError(f"the relay holds {most} allocations, its most: try again later")
+        caps = [(lambda a: True, self.pool_size(), f"the relay holds {self.pool_size()} allocations, its most, all "
+                 "serving registered providers and tasks: try again later")]
+        if source:
+            caps.append((lambda a: a.source == source, self.per_address(), f"{source} holds {self.per_address()} "
+                         "relay allocations already, its share: close one first"))
+        if owner:
+            caps.append((lambda a: a.owner == owner, MAX_PER_OWNER, f"this key holds {MAX_PER_OWNER} relay "
+                         "allocations already: close one first"))
+        evicted = []
+        for counts, most, full in caps:
+            group = [a for a in self._allocations.values() if counts(a)]
+            if len(group) < most:
+                continue
+            unsettled = [a for a in group if not a.settled]
+            if not unsettled:
+                raise NetworkError(full)
+            oldest = min(unsettled, key=lambda a: a.opened)
+            del self._allocations[oldest.token]
+            evicted.append(oldest)
+        return evicted
 
     def _allocation_listener(self) -> socket.socket:
         for port in (self.ports or [0]):
@@ -602,19 +702,23 @@ class Relay:
         self._drop(conn)
 
     def _sweep(self) -> None:
-        """Close allocations nobody has served for idle_close."""
+        """Close allocations nobody has served for idle_close, and those of providers that did not
+        register within SETTLE_TIME."""
         now = time.monotonic()
         idle = []
         for allocation in self._live_allocations():
             if allocation.parked or allocation.spliced:
                 allocation.last_used = now
-            elif now - allocation.last_used > self.idle_close:
+            if not allocation.settled and now - allocation.opened > SETTLE_TIME:
+                idle.append(allocation)
+            elif now - allocation.last_used > self.idle_close and not (allocation.parked or allocation.spliced):
                 idle.append(allocation)
         with self._lock:
             for allocation in idle:
                 self._allocations.pop(allocation.token, None)
         for allocation in idle:
-            log.info("relay: allocation on port %d closed (nobody serves it any more)", allocation.port)
+            why = "its provider did not register" if not allocation.settled else "nobody serves it any more"
+            log.info("relay: allocation on port %d closed (%s)", allocation.port, why)
             self._close_allocation(allocation)
 
 
@@ -780,10 +884,11 @@ class Allocation:
     close: Callable[[], None]
 
 
-def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int) -> Allocation:
-    """Ask the bootstrap (``ask(kind, body) -> reply body``) for an allocation, and serve it with
-    an agent for this machine's ``port`` (on ``host``, loopback if that is a wildcard)."""
-    reply = ask("relay.open", {})
+def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int, holder: Holder) -> Allocation:
+    """Ask the bootstrap (``ask(kind, body) -> reply body``) for an allocation serving ``holder``
+    (this provider's registration, or a task this participant is part of), and serve it with an
+    agent for this machine's ``port`` (on ``host``, loopback if that is a wildcard)."""
+    reply = ask("relay.open", {holder.kind: holder.name})
     token = field_of(reply, "token", str, max_len=64)
     address, relay = field_of(reply, "address", str, max_len=256), field_of(reply, "relay", str, max_len=256)
     agent = RelayAgent(relay, token, f"{'127.0.0.1' if is_wildcard(host) else host}:{port}")

@@ -28,10 +28,11 @@ from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
 from meshlearn.network.envelope import Envelope
 from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
 from meshlearn.network.registry import wanted_device
-from meshlearn.network.relay import hold_allocation
+from meshlearn.network.relay import Holder, hold_allocation
 from meshlearn.network.resources import MemoryEstimate, estimate_memory
 from meshlearn.network.results import plot_predictions, write_results
 from meshlearn.network.rpc import DEFAULT_MAX_BYTES, RpcServer, call
+from meshlearn.network.rpcs import Server, dispatch
 from meshlearn.network.task import (
     WEIGHTS_FILE,
     Peer,
@@ -175,11 +176,16 @@ class Requester:
         key = key_text(req.peer_key) if req.peer_key is not None else ""
         TaskAccess.of(self._spec_now, "").provider_index(key, req.kind, index)
 
+    def handlers(self, share: FileShare) -> dict:
+        """The data server's dispatch table (declared in ``network.rpcs``): ``share``'s files, and
+        the checkpoints its providers send."""
+        return dispatch(Server.REQUESTER, {**share.handlers(), "task.checkpoint": self._take_checkpoint})
+
     def _serve(self, share: FileShare, claimed: list[dict], cleanup: contextlib.ExitStack) -> str:
         """Serve ``share`` (files added later are served too) to the claimed providers and the
         bootstrap (its dial-back) only; returns the pinned address providers fetch from."""
         self._admitted.update({split_pinned(p["address"])[1] for p in claimed} | {split_pinned(self.bootstrap)[1]})
-        handlers = {**share.handlers(), "task.checkpoint": self._take_checkpoint}
+        handlers = self.handlers(share)
         model_bytes = self.estimate.model if self.estimate is not None else CHECKPOINT_BYTES
         server = RpcServer("requester", self.host, self.port, self.secret, handlers, keys=self.keys,
                            admit=lambda key: key in self._admitted, max_bytes=max(DEFAULT_MAX_BYTES, 2 * model_bytes),
@@ -447,7 +453,7 @@ class Requester:
             return address
         allocation = hold_allocation(
             lambda kind, body: call(self.bootstrap, kind, body, self.secret, timeout=10, sender=self.sender).body,
-            self.host, port)
+            self.host, port, Holder("task", self.task_id))
         cleanup.callback(allocation.close)
         self.say(f"task {self.task_id}: the bootstrap cannot reach {address} (NAT or a firewall): "
                  f"providers fetch the data through the relay at {allocation.address}")

@@ -88,7 +88,7 @@ class ProviderContext:
     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB  # the provider's cap on a message (ProviderSettings)
     clock: Clock = field(default=SYSTEM)
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
-    expose: Callable[[int], tuple[str, Callable[[], None]]] | None = None  # engine port -> where peers reach it
+    expose: Callable[[int, str], tuple[str, Callable[[], None]]] | None = None  # (engine port, task) -> where peers reach it
     poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
     net: NetemSpec | None = None  # tests only (MESHLEARN_TEST_NET): the emulated network on its engine links
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
@@ -100,10 +100,11 @@ class ProviderContext:
         """The provider's cap on a message in bytes, as the task's engine and RPCs enforce it."""
         return message_bytes(self.max_message_mb)
 
-    def reach(self, port: int) -> tuple[str, Callable[[], None]]:
-        """HOST:PORT where peers reach this machine's ``port``, and what stops that (the relay's agent)."""
+    def reach(self, port: int, task_id: str) -> tuple[str, Callable[[], None]]:
+        """HOST:PORT where peers reach this machine's ``port`` (task ``task_id``'s engine), and what
+        stops that (the relay's agent)."""
         if self.expose is not None:
-            return self.expose(port)
+            return self.expose(port, task_id)
         return f"{self.public_host or self.host}:{port}", lambda: None
 
 
@@ -238,7 +239,7 @@ class TaskRun:
         scheme, _, where = bound.partition("://")
         port = where.rpartition(":")[2]
         if port.isdigit():
-            reached, self._unexpose = ctx.reach(int(port))
+            reached, self._unexpose = ctx.reach(int(port), self.spec.task_id)
             self.engine_address = f"{scheme}://{reached}"
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
