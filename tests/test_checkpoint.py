@@ -192,7 +192,7 @@ def test_a_batched_run_killed_at_iteration_50_of_100_resumes_to_the_same_final_m
     hold.release()
     assert 0 < (CheckpointStore(tmp_path / "cut" / FOLDER).latest(["nodes"]) or 0) < 100
     assert not (tmp_path / "cut" / "summary.json").exists()
-    resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"), "--quiet")
+    resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"), "--quiet", "--models-module", MODELS)
     assert resumed.returncode == 0, resumed.stderr
     _same_results(tmp_path / "whole", tmp_path / "cut")
 
@@ -209,7 +209,7 @@ def test_a_process_engine_run_killed_whole_resumes_within_noise(tmp_path):
     hold.release()  # the resumed run trains straight through
     at = CheckpointStore(tmp_path / "cut" / FOLDER).latest(nodes)
     assert at == 20
-    resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"))
+    resumed = _meshlearn("simulate", "--resume", str(tmp_path / "cut"), "--models-module", MODELS)  # the run's own
     assert resumed.returncode == 0, resumed.stderr
     assert f"from its checkpoint at iteration {at} of 40" in resumed.stderr
     first, second = (json.loads((tmp_path / run / "summary.json").read_text()) for run in ("whole", "cut"))

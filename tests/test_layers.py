@@ -12,7 +12,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
 LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "algorithms": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4, "node": 4, "batched": 4, "sim": 5,
           "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
 SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "evaluation", "sgd", "plots", "runlog", "topology", "data", "models",
-          "threads", "plugins", "tblog", "optim", "sparselog", "layout", "tasks", "schedule", "outer", "checkpoint",
+          "threads", "plugins", "tblog", "accepting", "optim", "sparselog", "layout", "tasks", "schedule", "outer", "checkpoint",
           "privacy"}
 SIBLINGS = {"sim", "network", "adapter", "dashboard"}  # services built on the engine, side by side
 MODEL_CODE = {"torch.nn", "meshlearn.models", "meshlearn.data", "meshlearn.topology", "meshlearn.flat"}

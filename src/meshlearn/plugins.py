@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shlex
 from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
@@ -80,3 +81,26 @@ def load_user_module(path: str | Path) -> None:
         where = f" (line {exc.lineno})" if isinstance(exc, SyntaxError) and exc.lineno else ""
         raise UserInputError(f"models module {file} failed to load{where}: {type(exc).__name__}: {exc}") from None
     _LOADED[key] = module
+
+
+def load_folder_module(config_file: str | Path, asked: str | None, allowed: str | Path | None) -> None:
+    """Run the models module that a configuration read from a results folder (``config_file``)
+    names (``asked``), but only where its user named the same file (``allowed``: their
+    ``--models-module``; the two compared as absolute paths, resolved from the current folder as
+    the import would be): a results folder someone shares must not run code as whoever reads it.
+    Where it names one that is not allowed, UserInputError (exit 2) in one line saying what it
+    asks for and how to allow it; nothing where it names none."""
+    if not asked:
+        return
+    wanted = Path(asked).expanduser().resolve()
+    if allowed is None or Path(allowed).expanduser().resolve() != wanted:
+        other = f" (--models-module {_shown(allowed)} is another file)" if allowed is not None else ""
+        raise UserInputError(f"{_shown(config_file)} asks to import models module {_shown(wanted)}{other} (its code "
+                             f"would run as you): give --models-module {_shown(wanted)} to allow it")
+    load_user_module(wanted)
+
+
+def _shown(path: str | Path) -> str:
+    """A path as a shell would take it back, on one line (whatever a shared file put in it)."""
+    text = shlex.quote(str(path))
+    return text if text.isprintable() else ascii(str(path))

@@ -167,9 +167,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.resume:
         from meshlearn.sim.resume import resume_point, saved_config, with_changes
 
+        saved = saved_config(args.resume, args.models_module)  # refuses a models module the user did not name
         values: dict[str, Any] = read_config_file(args.config) if args.config else {}
         values.update(given(args, [name for name, _ in flat_fields()]))
-        config = with_changes(saved_config(args.resume), values)
+        if saved.models_module and args.models_module:  # the run's own file (allowed above), however spelt
+            values["models_module"] = saved.models_module
+        config = with_changes(saved, values)
         iteration = resume_point(config)
         if not args.quiet:
             at = f"iteration {iteration}" if isinstance(iteration, int) else \
@@ -222,7 +225,7 @@ def cmd_experiment(args: argparse.Namespace) -> int:
 def cmd_sample(args: argparse.Namespace) -> int:
     from meshlearn.sim.sample import continue_text
 
-    text = continue_text(args.results, args.prompt, args.tokens, args.temperature, args.seed)
+    text = continue_text(args.results, args.prompt, args.tokens, args.temperature, args.seed, args.models_module)
     print(args.prompt + text)
     return 0
 
@@ -295,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--temperature", type=float, default=0.8, help="0: the likeliest byte each time; higher: "
                         "more varied (default: 0.8)")
     sample.add_argument("--seed", type=int, default=0, help="seed of the draws (default: 0)")
+    sample.add_argument("--models-module", metavar="FILE", help="allow the results folder's config to import this "
+                        "local .py file, the models module its run named; a folder that names one is refused "
+                        "without it (default: none)")
     sample.set_defaults(func=cmd_sample)
 
     node = sub.add_parser("node", help="run one node of a multi-machine experiment")

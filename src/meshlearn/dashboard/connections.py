@@ -6,11 +6,19 @@ uvicorn holds a connection that never sends a request for as long as the client 
 The protocol here closes one that has sent no request within ``FIRST_REQUEST_TIMEOUT``, and keeps
 at most ``MAX_CONNECTIONS``: a newcomer beyond that evicts the oldest idle connection (no request
 in progress; open pages' event streams are not idle), and is itself turned away only when none is.
+
+Out of descriptors or memory, the listener rests and says so in one line (``accepting``), as the
+relay's ports do: see ``PausingListener``.
 """
 
 from __future__ import annotations
 
+import errno
+import socket
 import time
+from asyncio.constants import ACCEPT_RETRY_DELAY
+
+from meshlearn.accepting import SHORTAGE, say_paused
 
 MAX_CONNECTIONS = 128
 FIRST_REQUEST_TIMEOUT = 10.0  # seconds a new connection has to send its first request
@@ -53,3 +61,38 @@ def _evict_oldest_idle(connections) -> bool:
         return False
     min(idle, key=lambda c: c.opened_at).transport.close()
     return True
+
+
+class PausingListener(socket.socket):
+    """The dashboard's listening socket, for asyncio's selector loop. When accept() fails for want
+    of descriptors or memory, that loop stops watching the socket for ``ACCEPT_RETRY_DELAY`` (1 s)
+    but still calls accept() again, up to the server's backlog (uvicorn: 2,048) times in that
+    wake-up, reporting each failure and arming a resume for each. So after a shortage this socket's
+    next accept() says there is nothing to accept, which ends that wake-up: one failure per pause."""
+
+    _short = False  # the last accept() failed for want of descriptors or memory
+
+    def accept(self):
+        if self._short:
+            self._short = False
+            raise BlockingIOError(errno.EAGAIN, "resting: the last accept() ran out of descriptors or memory")
+        try:
+            return super().accept()
+        except OSError as exc:
+            self._short = exc.errno in SHORTAGE
+            raise
+
+
+def say_accept_pauses(name: str):
+    """An asyncio exception handler (``loop.set_exception_handler``): the loop's report of a
+    listener out of descriptors or memory becomes one line (``say_paused``), not a traceback;
+    anything else goes to the loop's default handler."""
+
+    def handle(loop, context: dict) -> None:
+        exc = context.get("exception")
+        if isinstance(exc, OSError) and exc.errno in SHORTAGE and "accept" in context.get("message", ""):
+            say_paused(name, exc, ACCEPT_RETRY_DELAY)
+        else:
+            loop.default_exception_handler(context)
+
+    return handle

@@ -11,11 +11,16 @@ import math
 import socket
 import threading
 import time
+from collections.abc import Callable
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
 
 from meshlearn.dashboard.access import TokenGate, is_loopback, new_token
-from meshlearn.dashboard.connections import bounded_http_protocol
+from meshlearn.dashboard.connections import (
+    PausingListener,
+    bounded_http_protocol,
+    say_accept_pauses,
+)
 from meshlearn.errors import UserInputError
 
 log = logging.getLogger(__name__)
@@ -63,7 +68,7 @@ class Snapshots:
             if time.monotonic() - self._at >= self.every:
                 try:
                     state = _finite(self.source())
-                except Exception as exc:  # noqa: BLE001 - the page says what broke; the service goes on
+                except Exception as exc:  # the page says what broke; the service goes on
                     log.exception("the dashboard's source failed")
                     state = {"kind": "error", "title": "meshlearn", "message": f"{type(exc).__name__}: {exc}"}
                 self._text = json.dumps(state, separators=(",", ":"), allow_nan=False)
@@ -166,7 +171,7 @@ class DashboardServer:
         import uvicorn
 
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock = PausingListener(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
@@ -178,10 +183,9 @@ class DashboardServer:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(make_app(self.source, self.token, self._stopping), log_level="warning",
                                 access_log=False, lifespan="off", timeout_graceful_shutdown=2,
-                                http=bounded_http_protocol())
+                                http=bounded_http_protocol(), loop="asyncio")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="dashboard", daemon=True)
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(sock),), name="dashboard", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
@@ -191,6 +195,12 @@ class DashboardServer:
             raise UserInputError(f"dashboard: the web server did not start on {self.host}:{self.port}")
         self._sock = sock
         return self.url
+
+    async def _serve(self, sock: socket.socket) -> None:
+        """uvicorn's server on this thread's asyncio loop, whose listener out of descriptors or
+        memory is one line per pause (``PausingListener``, ``say_accept_pauses``)."""
+        asyncio.get_running_loop().set_exception_handler(say_accept_pauses("dashboard"))
+        await self._server.serve(sockets=[sock])
 
     def stop(self) -> None:
         """Stop serving (open pages see the stream end) and wait for the thread."""
@@ -203,7 +213,7 @@ class DashboardServer:
         if sock is not None:
             sock.close()
 
-    def __enter__(self) -> "DashboardServer":
+    def __enter__(self) -> DashboardServer:
         self.start()
         return self
 

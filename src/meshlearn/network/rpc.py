@@ -7,12 +7,17 @@ DEALER per call with a deadline, so a dead peer costs one timeout and leaves not
 With a key pair the server speaks CurveZMQ only: every connection is encrypted, the client
 proves its key in the handshake (the server's ``admit`` decides, per new connection, through
 ZeroMQ's ZAP), and a client calls ``HOST:PORT@KEY`` to talk only to the holder of ``KEY``.
+
+Out of descriptors or memory, a server stops listening for a moment and says so in one line
+(``accepting``): ZeroMQ itself would retry the failed accept() at once, a core spinning for as
+long as the shortage lasts.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import socket
 import threading
 import time
 import uuid
@@ -23,6 +28,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
+from meshlearn.accepting import ACCEPT_PAUSE, SHORTAGE, say_paused
 from meshlearn.errors import (
     AuthError,
     BadMessage,
@@ -58,6 +64,7 @@ Handler = Callable[[Envelope], tuple[dict, list] | dict]
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 _CONNECTION_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+POLL_MS = 100  # the serving loop's longest wait, so that stop() and a paused listener are seen soon
 
 
 class RpcServer:
@@ -80,11 +87,13 @@ class RpcServer:
         self.workers = workers
         self.rejected = 0
         self.failed_handshakes = 0
+        self.paused = 0  # times the server stopped listening for a moment, out of descriptors or memory
+        self._endpoint = ""  # what the socket is bound to, to bind it again after a pause
+        self._listen_at: float | None = None  # when a paused listener binds again (time.monotonic())
         self._replays = ReplayGuard()
         self._warn = SparseLog(log)  # refusals, by peer address or cause
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake_address = f"inproc://rpc-wake-{id(self)}"
-        self._local = threading.local()
+        self._waker: socket.socket | None = None  # handler threads write a byte to it when a reply is ready
         self._stop = threading.Event()
         self._socket: zmq.Socket | None = None
         self._thread: GuardedThread | None = None
@@ -109,6 +118,7 @@ class RpcServer:
             if exc.errno == zmq.EADDRINUSE:
                 raise PortInUseError(f"port {self.port} on {self.host} is in use") from None
             raise NetworkError(f"cannot listen on {self.host}:{self.port}: {exc.strerror}") from None
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._socket = sock
         return self.port
 
@@ -149,27 +159,26 @@ class RpcServer:
         if self._socket is None:
             self.bind()
         sock = self._socket
-        wake = zmq.Context.instance().socket(zmq.PULL)
-        wake.bind(self._wake_address)
+        # one pair made once, not a ZeroMQ socket per handler thread: a thread started while the process
+        # is out of descriptors would fail to open its own, and break the handlers' pool for good
+        wake, self._waker = socket.socketpair()
+        wake.setblocking(False)
+        self._waker.setblocking(False)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        handshakes = None
-        if self.keys is not None:  # failed CurveZMQ handshakes are logged: they never reach _admit
-            handshakes = sock.get_monitor_socket(_HANDSHAKE_FAILED)
-            poller.register(handshakes, zmq.POLLIN)
-        with ThreadPoolExecutor(self.workers, thread_name_prefix=f"{self.name}-h",
-                                initializer=self._open_waker) as pool:
+        # failed CurveZMQ handshakes are logged (they never reach _admit); a failed accept() pauses the listener
+        monitor = sock.get_monitor_socket(zmq.EVENT_ACCEPT_FAILED | (_HANDSHAKE_FAILED if self.keys is not None else 0))
+        poller.register(monitor, zmq.POLLIN)
+        with ThreadPoolExecutor(self.workers, thread_name_prefix=f"{self.name}-h") as pool:
             while not self._stop.is_set():
-                events = dict(poller.poll(100))
+                events = dict(poller.poll(self._poll_ms()))
                 if wake in events:
-                    while True:
-                        try:
-                            wake.recv(zmq.NOBLOCK)
-                        except zmq.Again:
-                            break
-                if handshakes is not None and handshakes in events:
-                    self._log_failed_handshake(recv_monitor_message(handshakes))
+                    _drain(wake)
+                if monitor in events:
+                    self._read_monitor(sock, monitor)
+                if self._listen_at is not None and time.monotonic() >= self._listen_at:
+                    self._listen_again(sock)
                 if sock in events:
                     while True:
                         try:
@@ -188,25 +197,66 @@ class RpcServer:
                         sock.send_multipart([identity, *reply], copy=False)
                     except zmq.ZMQError as exc:
                         log.debug("%s: reply not sent: %s", self.name, exc)
-        wake.close(0)
-        if handshakes is not None:
-            sock.disable_monitor()
-            handshakes.close(0)
+        wake.close()
+        self._waker.close()
+        sock.disable_monitor()
+        monitor.close(0)
         sock.close(0)
         self._socket = None
+
+    def _poll_ms(self) -> int:
+        """How long the serving loop may wait: POLL_MS, or less when a paused listener is due back."""
+        if self._listen_at is None:
+            return POLL_MS
+        return max(0, min(POLL_MS, int((self._listen_at - time.monotonic()) * 1000) + 1))
+
+    def _read_monitor(self, sock: zmq.Socket, monitor: zmq.Socket) -> None:
+        """Every event the monitor holds: a failed handshake is logged (not while paused: the
+        handshakes cut then are the pause's own doing); accept() out of descriptors or memory pauses
+        the listener."""
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self._listen_at is not None:
+                continue
+            if event["event"] != zmq.EVENT_ACCEPT_FAILED:
+                self._log_failed_handshake(event)
+            elif event["value"] in SHORTAGE:
+                self._pause_listening(sock, event["value"])
+
+    def _pause_listening(self, sock: zmq.Socket, error: int) -> None:
+        """Close the listening socket for ACCEPT_PAUSE: libzmq retries a failed accept() at once
+        for as long as the connection waits in the kernel's queue, a core spinning. The connections
+        accepted through it close too (ZeroMQ's listener owns them), which gives their descriptors
+        back; their callers see the call fail, newcomers are refused until it listens again."""
+        try:
+            sock.unbind(self._endpoint)
+        except zmq.ZMQError as exc:
+            log.debug("%s: cannot stop listening on %s: %s", self.name, self._endpoint, exc)
+            return
+        self.paused += 1
+        say_paused(self.name, error, ACCEPT_PAUSE)
+        self._listen_at = time.monotonic() + ACCEPT_PAUSE
+
+    def _listen_again(self, sock: zmq.Socket) -> None:
+        """Bind the paused listener again; still short (or the port not yet given back), another pause."""
+        try:
+            sock.bind(self._endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno not in SHORTAGE:
+                self._warn.warning("listen again", "%s: cannot listen on %s again (%s): trying again in %g s",
+                                   self.name, self._endpoint, exc.strerror, ACCEPT_PAUSE)
+            self._listen_at = time.monotonic() + ACCEPT_PAUSE
+            return
+        self._listen_at = None
 
     def _log_failed_handshake(self, event: dict) -> None:
         self.failed_handshakes += 1
         why = ("its key is refused (revoked)" if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
                "it expected another server key, or replayed, truncated or garbled the handshake")
         self._warn.warning(f"handshake {why}", "%s: refused a connection: %s", self.name, why)
-
-    def _open_waker(self) -> None:
-        """Each handler thread gets its own socket to wake the serving loop when a reply is ready."""
-        waker = zmq.Context.instance().socket(zmq.PUSH)
-        waker.setsockopt(zmq.LINGER, 0)
-        waker.connect(self._wake_address)
-        self._local.waker = waker
 
     def _admit(self, sock: zmq.Socket, identity: bytes, frames: list, peer: str) -> Envelope | None:
         """The request, if it is signed, well formed and not a replay (checked here, in the serving
@@ -251,7 +301,10 @@ class RpcServer:
 
     def _reply(self, identity: bytes, reply: Envelope) -> None:
         self._replies.put((identity, seal(reply, self.secret, self.keys is not None)))
-        self._local.waker.send(b"", zmq.NOBLOCK)
+        try:
+            self._waker.send(b"\0")
+        except BlockingIOError:  # bytes the serving loop has not read yet wake it anyway
+            pass
 
     def stop(self) -> None:
         """Stop serving and close the socket (joins the serving thread if there is one)."""
@@ -399,6 +452,15 @@ def parse_address(text: str, what: str = "address") -> str:
     if not 1 <= number <= 65535:
         raise UserInputError(f"{what} {text!r}: port {number} is outside 1..65535")
     return f"{host}:{number}"
+
+
+def _drain(wake: socket.socket) -> None:
+    """Read every byte waiting on the serving loop's wake-up socket."""
+    try:
+        while wake.recv(4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _peer_address(frame: zmq.Frame) -> str:

@@ -29,10 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
+from meshlearn.accepting import ACCEPT_PAUSE, say_paused
 from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
-_accept_warnings = SparseLog(log)  # shared by every Acceptor: one shortage is not a line per port
+_accept_warnings = SparseLog(log)  # shared by every Acceptor: a bug with new connections is not a line per port
 
 READ, WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 ZERO_COPY = hasattr(os, "splice")  # Linux: socket -> pipe -> socket inside the kernel
@@ -42,10 +43,8 @@ ROUNDS = 8  # steps one direction takes per wake-up before the loop serves the o
 SPARE_PIPES = 8  # empty pipes kept for the next chunk instead of closed and made again
 PIPE_RETRY = 0.05  # seconds a direction waits when no pipe can be had (descriptors short, or all lent)
 ACCEPT_BATCH = 32  # connections taken per wake-up of a listener: one busy port cannot starve the others
-ACCEPT_PAUSE = 0.25  # seconds a listener rests after accept() failed (out of descriptors or memory)
 DIAL_TIME = 10.0  # seconds dial() waits for a connection
 STEP_RETRY = 0.01  # seconds the loop rests after a wake-up failed as a whole (a bug: logged)
-SHORTAGE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # accept() errors about that one connection (Linux passes a new connection's network errors on): take the next
 ONE_CONNECTION = {getattr(errno, name) for name in ("ECONNABORTED", "EPROTO", "EPERM", "ENETDOWN", "ENOPROTOOPT",
                                                     "EHOSTDOWN", "ENONET", "EHOSTUNREACH", "EOPNOTSUPP",
@@ -276,8 +275,7 @@ class Acceptor:
                 _accept_warnings.warning("handler", "%s: serving a new connection failed: %r", self.name, exc)
 
     def _pause(self, exc: OSError) -> None:
-        why = "out of descriptors or memory" if exc.errno in SHORTAGE else "accept failed"
-        _accept_warnings.warning(why, "%s: %s (%s): not accepting for %g s", self.name, why, exc, ACCEPT_PAUSE)
+        say_paused(self.name, exc, ACCEPT_PAUSE)
         self.on_pause()
         self.loop.unwatch(self.listener)
         self._resume = self.loop.call_later(ACCEPT_PAUSE, self.start)

@@ -45,7 +45,7 @@ def simulate_batched(config: ExperimentConfig, progress: bool, say: Callable[[st
                 measured = config.batched.model_copy(update={"step_time": simulation.step_time})
                 (output / "config.yaml").write_text(
                     config.model_copy(update={"output": str(output), "batched": measured}).to_yaml())
-            write_launched_report(output, launched)
+            write_launched_report(output, launched, config.models_module)  # the run its user named
         collective.barrier()  # nobody leaves before the results are written
         return output, summaries, shard.main
     finally:

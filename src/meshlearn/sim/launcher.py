@@ -350,7 +350,7 @@ def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | No
     say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
         f"model {config.model})")
     summaries = _Launcher(config, graph, output, progress, say, resume).run()
-    write_launched_report(output, launched)
+    write_launched_report(output, launched, config.models_module)  # the run its user named
     return SimulationResult(output, summaries)
 
 

@@ -83,6 +83,6 @@ def run_node(config: ExperimentConfig, address_file: str | Path, rank: int, say:
     summary = node.run(node.contacts({j: f"{scheme}://{host}:{port}" for j, (host, port) in book.items()}))
     if rank == 0:  # the run's final model, as a simulation keeps it
         save_weights(node.model.state_dict(), output / MODEL_FILE, model_metadata(node.dataset))
-    write_report(output)
+    write_report(output, config.models_module)  # the run its user named
     say(f"node {rank}: finished in {time.monotonic() - launched:.1f} s with start-up; results in {output}")
     return summary

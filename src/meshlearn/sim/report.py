@@ -385,10 +385,12 @@ def _plot(rows: list[dict], key: str, label: str, title: str, path: Path, time_a
     plt.close(fig)
 
 
-def write_report(output: Path) -> dict[str, Any]:
+def write_report(output: Path, models_module: str | Path | None = None) -> dict[str, Any]:
     """Write summary.csv, summary.json and the figures (accuracy.png, loss.png, topology.png,
     iteration_time.png, predictions.png for image data, perplexity.png for a language model) into a
-    run folder."""
+    run folder. ``models_module``: the file its caller allows the folder's config to import (the
+    run's own, for the report at the end of a run); a folder that names another, or one not
+    allowed, gets every figure but predictions.png, and nothing of it runs."""
     output = Path(output)
     logs, records = read_run_logs(output)
     rows = evaluation_table(logs, records)
@@ -413,17 +415,18 @@ def write_report(output: Path) -> dict[str, Any]:
     _save(topology_figure(output, summary, title, colour), output / TOPOLOGY_FIGURE)
     _save(time_split_figure(logs, title, modelled=summary.get("clock") == "modelled", records=records),
           output / TIME_FIGURE)
-    write_run_predictions(output, summary, title)
+    write_run_predictions(output, summary, title, models_module)
     return summary
 
 
-def write_launched_report(output: Path, launched: float) -> dict[str, Any]:
+def write_launched_report(output: Path, launched: float, models_module: str | None = None) -> dict[str, Any]:
     """The launcher's report of the run it just made, started at ``launched`` (``time.time()``): the
     whole command's wall-clock counts its start-up, the training and this report (the figures), so it
-    is the time the user waited; ``run.json`` keeps the three instants for a report written later."""
+    is the time the user waited; ``run.json`` keeps the three instants for a report written later.
+    ``models_module``: the run's own (which its user named), as ``write_report`` takes it."""
     output, trained = Path(output), time.time()
     (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "trained": trained, "finished": trained}))
-    summary = write_report(output)
+    summary = write_report(output, models_module)
     finished = time.time()
     (output / RUN_TIMES).write_text(json.dumps({"launched": launched, "trained": trained, "finished": finished}))
     summary.update(wall_clock=finished - launched, report=finished - trained)
@@ -445,16 +448,18 @@ def median_node(summary: dict[str, Any]) -> tuple[int, dict[str, Any], int] | No
     return rank, metrics, len(nodes)
 
 
-def write_run_predictions(output: Path, summary: dict[str, Any], title: str) -> bool:
+def write_run_predictions(output: Path, summary: dict[str, Any], title: str,
+                          models_module: str | Path | None = None) -> bool:
     """predictions.png: the test images every final evaluation predicted (``evaluation.shown_samples``),
     labelled by the final model of the node with the median accuracy (``median_node``). False,
-    writing nothing, for a dataset that is not images, a run whose nodes kept no predictions, or a
-    dataset this process cannot load again (a report of a folder copied elsewhere)."""
+    writing nothing, for a dataset that is not images, a run whose nodes kept no predictions, a
+    dataset this process cannot load again (a report of a folder copied elsewhere), or a run whose
+    config names a models module other than ``models_module`` (``plugins.load_folder_module``)."""
     from meshlearn.config import ExperimentConfig
     from meshlearn.data import split_validation
     from meshlearn.evaluation import PREDICTIONS_FIGURE, write_predictions
     from meshlearn.node import load_run_dataset
-    from meshlearn.plugins import load_user_module
+    from meshlearn.plugins import load_folder_module
 
     chosen = median_node(summary)
     if chosen is None:
@@ -462,8 +467,7 @@ def write_run_predictions(output: Path, summary: dict[str, Any], title: str) -> 
     rank, metrics, count = chosen
     try:
         config = ExperimentConfig(**run_config(output))
-        if config.models_module:
-            load_user_module(config.models_module)
+        load_folder_module(output / "config.yaml", config.models_module, models_module)
         dataset, _ = split_validation(load_run_dataset(config), config.validation, config.seed)
     except (MeshlearnError, ValueError):
         return False

@@ -20,6 +20,7 @@ from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.definitions.base import definition
 from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.node.factory import checkpoint_name
+from meshlearn.plugins import load_folder_module
 from meshlearn.sim.report import run_config
 
 
@@ -28,8 +29,10 @@ def writers(config: ExperimentConfig) -> list[str]:
     return ["nodes"] if config.engine == "batched" else [checkpoint_name(rank) for rank in range(config.nodes)]
 
 
-def saved_config(folder: str | Path) -> ExperimentConfig:
-    """The configuration a results folder's run started with; CheckpointError if it holds none."""
+def saved_config(folder: str | Path, models_module: str | Path | None = None) -> ExperimentConfig:
+    """The configuration a results folder's run started with; CheckpointError if it holds none. A
+    run whose config names a models module is read only where ``models_module`` (the user's
+    ``--models-module``) is that file, which it then loads (``plugins.load_folder_module``)."""
     folder = Path(folder)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is not a folder: give the results folder of the run to resume")
@@ -38,9 +41,11 @@ def saved_config(folder: str | Path) -> ExperimentConfig:
         raise CheckpointError(f"{folder} holds no run (no readable config.yaml): give the results folder of the "
                               "run to resume")
     try:
-        return make_config({**values, "output": str(folder)})
+        config = make_config({**values, "output": str(folder)})
     except ConfigError as exc:
         raise CheckpointError(f"{folder}/config.yaml is not a configuration this version runs: {exc}") from None
+    load_folder_module(folder / "config.yaml", config.models_module, models_module)
+    return config
 
 
 def with_changes(config: ExperimentConfig, changes: dict[str, Any]) -> ExperimentConfig:

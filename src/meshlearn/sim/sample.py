@@ -8,17 +8,18 @@ from pathlib import Path
 from meshlearn.config import make_config, read_config_file
 from meshlearn.errors import UserInputError
 from meshlearn.models import MODEL_FILE, build_model, load_weights
-from meshlearn.plugins import load_user_module
+from meshlearn.plugins import load_folder_module
 
 TEXT_DATASETS = ("pystdlib", "text")  # runs whose model file may predate its vocabulary record: bytes
 
 
 def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperature: float = 0.8,
-                  seed: int = 0) -> str:
+                  seed: int = 0, models_module: str | Path | None = None) -> str:
     """``tokens`` tokens the run's model writes after ``prompt``, one at a time, each drawn from its
     next-token distribution at ``temperature`` (below 0.001: always the likeliest), seeded by ``seed``;
     decoded with the vocabulary its model file records (bytes as UTF-8, a broken character shown as
-    U+FFFD)."""
+    U+FFFD). A run whose config names a models module is read only where ``models_module`` (the
+    user's ``--models-module``) is that file (``plugins.load_folder_module``)."""
     import torch
     from safetensors import safe_open
 
@@ -42,8 +43,7 @@ def continue_text(results: str | Path, prompt: str, tokens: int = 200, temperatu
     vocabulary = Vocabulary.from_metadata(metadata)
     if tokens < 1 or temperature < 0:
         raise UserInputError("give --tokens of at least 1 and a --temperature of 0 or more")
-    if config.models_module:
-        load_user_module(config.models_module)
+    load_folder_module(config_file, config.models_module, models_module)
     torch.manual_seed(config.seed)
     model = build_model(config.model, (config.context,), vocabulary.size)
     load_weights(model, str(weights))
