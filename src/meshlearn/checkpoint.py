@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 FORMAT = 1  # the version of the layout below; a checkpoint of another is refused
 FOLDER = "checkpoints"  # in a run's results folder
+MAX_DEPTH = 64  # nesting a saved tree may have: a run's deepest (an engine's optimizer states) has about 14
+_PCG64_KEYS = {"bit_generator", "state", "has_uint32", "uinteger"}  # numpy's PCG64 state, exactly
+_PY_RNG_WORDS = 625  # Python's Mersenne Twister state: 624 words and an index (random.Random.VERSION 3)
 _TENSOR, _ARRAY, _NUMPY_RNG, _TORCH_RNG, _PY_RNG, _OPTIMIZER, _OBJECT, _TUPLE, _PAIRS = (
     "$tensor", "$array", "$numpy_rng", "$torch_rng", "$python_rng", "$optimizer", "$object", "$tuple", "$pairs")
 
@@ -163,60 +166,122 @@ def _same_kind(current: Any, value: Any) -> bool:
 
 
 def decode(saved: Any, device: torch.device | str = "cpu", where: str = "state") -> Any:
-    """A captured tree as values of their own (tensors on ``device``, arrays, generators)."""
+    """A captured tree as values of their own (tensors on ``device``, arrays, generators);
+    CheckpointError, and nothing else, for a tree that is not one ``capture`` could have made."""
+    _check_depth(saved, f"the checkpoint's {where}")
+    return _decode(saved, device, where)
+
+
+def _check_depth(tree: Any, what: str) -> None:
+    """CheckpointError where ``tree`` (``what``, in the error) nests deeper than ``MAX_DEPTH``
+    (walked without recursion, so that the walks after it, which recurse, cannot exhaust the stack)."""
+    level = [tree]
+    for _ in range(MAX_DEPTH + 1):
+        level = [child for node in level if isinstance(node, (dict, list))
+                 for child in (node.values() if isinstance(node, dict) else node)]
+        if not level:
+            return
+    raise CheckpointError(f"{what} nests deeper than {MAX_DEPTH} levels: the checkpoint is damaged")
+
+
+def _decode(saved: Any, device: torch.device | str, where: str) -> Any:
     import numpy as np
     import torch
 
     if saved is None or isinstance(saved, (bool, int, float, str)):
         return saved
     if isinstance(saved, list):
-        return [decode(item, device, where) for item in saved]
+        return [_decode(item, device, where) for item in saved]
     if not isinstance(saved, dict):
         raise CheckpointError(f"the checkpoint's {where} is a {type(saved).__name__}")
     if _TENSOR in saved:
         return _tensor(saved[_TENSOR], where).to(device)
     if _ARRAY in saved:
         try:
-            return _tensor(saved[_ARRAY], where).numpy().astype(np.dtype(saved["dtype"]), copy=True)
-        except (TypeError, KeyError, ValueError) as exc:
+            return _tensor(saved[_ARRAY], where).numpy().astype(_array_dtype(saved.get("dtype"), where), copy=True)
+        except (TypeError, ValueError) as exc:
             raise CheckpointError(f"the checkpoint's array at {where} is damaged: {exc}") from None
     if _NUMPY_RNG in saved:
-        state = saved[_NUMPY_RNG]
-        if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
-            raise CheckpointError(f"the checkpoint's generator at {where} is not numpy's PCG64")
         generator = np.random.default_rng()
-        try:
-            generator.bit_generator.state = state
-        except (TypeError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"the checkpoint's generator at {where} is damaged: {exc}") from None
+        generator.bit_generator.state = _pcg64_state(saved[_NUMPY_RNG], where)
         return generator
     if _TORCH_RNG in saved:
+        state = _tensor(saved[_TORCH_RNG], where)
+        if state.dtype != torch.uint8 or state.dim() != 1:
+            raise CheckpointError(f"the checkpoint's generator at {where} is {state.dtype} {list(state.shape)}, "
+                                  "not a torch generator's state (a vector of bytes)")
         generator = torch.Generator()
         try:
-            generator.set_state(_tensor(saved[_TORCH_RNG], where))
+            generator.set_state(state)
         except RuntimeError as exc:
             raise CheckpointError(f"the checkpoint's generator at {where} is damaged: {exc}") from None
         return generator
     if _PY_RNG in saved:
         generator = random.Random()
         try:
-            version, internal, gauss = saved[_PY_RNG]
-            generator.setstate((version, tuple(internal), gauss))
-        except (TypeError, ValueError) as exc:
+            generator.setstate(_python_rng_state(saved[_PY_RNG], where))
+        except ValueError as exc:
             raise CheckpointError(f"the checkpoint's generator at {where} is damaged: {exc}") from None
         return generator
     if _OBJECT in saved:
         raise CheckpointError(f"the checkpoint holds a component at {where} the run does not have")
     if _OPTIMIZER in saved:
-        return decode(saved[_OPTIMIZER], device, where)
+        return _decode(saved[_OPTIMIZER], device, where)
     if _TUPLE in saved:
-        return tuple(decode(item, device, where) for item in saved[_TUPLE])
+        if not isinstance(saved[_TUPLE], list):
+            raise CheckpointError(f"the checkpoint's tuple at {where} is damaged")
+        return tuple(_decode(item, device, where) for item in saved[_TUPLE])
     if _PAIRS in saved:
         pairs = saved[_PAIRS]
         if not isinstance(pairs, list) or not all(isinstance(pair, list) and len(pair) == 2 for pair in pairs):
             raise CheckpointError(f"the checkpoint's mapping at {where} is damaged")
-        return {_key(decode(key, device, where), where): decode(item, device, where) for key, item in pairs}
-    return {key: decode(item, device, f"{where}.{key}") for key, item in saved.items()}
+        return {_key(_decode(key, device, where), where): _decode(item, device, where) for key, item in pairs}
+    return {key: _decode(item, device, f"{where}.{key}") for key, item in saved.items()}
+
+
+def _is_whole(value: Any, bits: int) -> bool:
+    """Whether ``value`` is an int (not a bool) of ``bits`` unsigned bits."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << bits
+
+
+def _array_dtype(name: Any, where: str) -> Any:
+    """The numpy dtype a saved array names: one of numbers or booleans, as ``capture`` records
+    (from a tensor), never objects, strings or records (which would not be numbers, or be huge)."""
+    import numpy as np
+
+    if not isinstance(name, str):
+        raise CheckpointError(f"the checkpoint's array at {where} names no dtype")
+    dtype = np.dtype(name)  # TypeError for a name numpy does not know (the caller says so)
+    if dtype.kind not in "biufc" or dtype.shape or dtype.names is not None:
+        raise CheckpointError(f"the checkpoint's array at {where} is of dtype {name!r}, not of numbers")
+    return dtype
+
+
+def _pcg64_state(state: Any, where: str) -> dict:
+    """``state`` if it is numpy's PCG64 state (its fields, of their types and ranges, which numpy
+    itself would turn into OverflowError or take as they come); CheckpointError otherwise."""
+    if not isinstance(state, dict) or state.get("bit_generator") != "PCG64":
+        raise CheckpointError(f"the checkpoint's generator at {where} is not numpy's PCG64")
+    inner = state.get("state")
+    if set(state) != _PCG64_KEYS or not isinstance(inner, dict) or set(inner) != {"state", "inc"} \
+            or not all(_is_whole(value, 128) for value in inner.values()) \
+            or not _is_whole(state["has_uint32"], 1) or not _is_whole(state["uinteger"], 32):
+        raise CheckpointError(f"the checkpoint's generator at {where} is damaged: not a PCG64 state (a 128-bit "
+                              "state and increment, a 32-bit spare word)")
+    return state
+
+
+def _python_rng_state(saved: Any, where: str) -> tuple:
+    """``saved`` (what ``capture`` made of a ``random.Random``) as the state ``setstate`` takes,
+    once its version, its words and their ranges are checked; CheckpointError otherwise."""
+    if not (isinstance(saved, list) and len(saved) == 3
+            and _is_whole(saved[0], 8) and saved[0] == random.Random.VERSION and isinstance(saved[1], list) and len(saved[1]) == _PY_RNG_WORDS
+            and all(_is_whole(word, 32) for word in saved[1])
+            and (saved[2] is None or isinstance(saved[2], float))):
+        raise CheckpointError(f"the checkpoint's generator at {where} is damaged: not a Python generator's state "
+                              f"(version {random.Random.VERSION}, {_PY_RNG_WORDS} 32-bit words)")
+    version, internal, gauss = saved
+    return version, tuple(internal), gauss
 
 
 def _key(key: Any, where: str) -> Any:
@@ -275,7 +340,7 @@ def parse_checkpoint(meta_bytes: bytes, tensor_bytes: bytes, iteration: int,
 
     try:
         meta = json.loads(meta_bytes.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: UnicodeDecodeError, JSONDecodeError, a huge number
         raise CheckpointError(f"{where}.json is not valid JSON ({exc}): the checkpoint is damaged") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where}.json is not a checkpoint of format {FORMAT} (this version's)")
@@ -287,6 +352,7 @@ def parse_checkpoint(meta_bytes: bytes, tensor_bytes: bytes, iteration: int,
         tensors = load_tensors(tensor_bytes)
     except (SafetensorError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"{where}.safetensors is not a valid safetensors file: {exc}") from None
+    _check_depth(meta, f"{where}.json")
     tree = _unpack(meta.pop("state", None), tensors)
     if not isinstance(tree, dict):
         raise CheckpointError(f"{where}.json holds no state")

@@ -109,7 +109,7 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
     ``before_chunk`` runs before every request; what it raises ends the download (a cancelled task).
     """
     name = check_name(name)
-    size, sha = int(expected["size"]), str(expected["sha256"])
+    size, sha = _manifest_entry(name, expected)
     folder.mkdir(parents=True, exist_ok=True)
     final, part = folder / name, folder / f"{name}.part"
     if final.exists() and final.stat().st_size == size and sha256_of(final) == sha:
@@ -148,6 +148,14 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
         raise NetworkError(f"download of {name}: SHA-256 does not match the manifest; the partial file was deleted")
     part.replace(final)
     return final
+
+
+def _manifest_entry(name: str, expected: object) -> tuple[int, str]:
+    """(size, sha256) of a manifest entry that came over the network; BadMessage where it is not one."""
+    size, sha = (expected.get("size"), expected.get("sha256")) if isinstance(expected, dict) else (None, None)
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str):
+        raise BadMessage(f"the manifest's entry for {name} is not a size in bytes and a SHA-256")
+    return size, sha
 
 
 def write_shard(path: Path, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -189,7 +197,7 @@ def dataset_from_shards(meta: dict, train: tuple[torch.Tensor, torch.Tensor],
         class_names = tuple(str(c) for c in meta["class_names"])
         mean, std = tuple(float(m) for m in meta["mean"]), tuple(float(s) for s in meta["std"])
         task = str(meta.get("task", "classification"))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(inf), float(10**400)
         raise NetworkError("the task's data description lacks or garbles its name, num_classes, class_names, mean "
                            "or std") from None
     if task not in ("classification", "language-model"):

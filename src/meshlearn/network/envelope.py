@@ -24,6 +24,7 @@ VERSION = 1
 MAX_HEADER_BYTES = 1024 * 1024
 MAX_BLOBS = 4096
 MAX_CLOCK_SKEW = 600.0
+MAX_FIELD_INT = 2**63 - 1  # the largest integer (either sign) a field holds: an int64's, a float's without overflow
 SECRET_ENV = "MESHLEARN_SECRET"
 __all__ = ["AuthError", "BadMessage", "Envelope", "NetworkError", "field_of", "resolve_secret", "seal", "unseal"]
 
@@ -88,7 +89,7 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int, header_only: bo
         raise BadMessage(f"header of {len(views[0])} bytes is over the {MAX_HEADER_BYTES}-byte cap")
     try:
         header = json.loads(bytes(views[0]))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError: UnicodeDecodeError, JSONDecodeError, a number of 4,300 digits
         raise BadMessage("header is not valid JSON") from None
     if not isinstance(header, dict):
         raise BadMessage("header is not a JSON object")
@@ -99,12 +100,21 @@ def unseal(frames: Sequence[Any], secret: bytes, max_bytes: int, header_only: bo
     if not isinstance(kind, str) or not isinstance(body, dict) or not isinstance(sender, str) \
             or not isinstance(msg_id, str) or not isinstance(sent_at, (int, float)) or not isinstance(sizes, list):
         raise BadMessage("header lacks kind, body, from, id, ts or blobs, or has them of the wrong type")
-    if isinstance(sent_at, bool) or not math.isfinite(sent_at) or abs(time.time() - sent_at) > MAX_CLOCK_SKEW:
+    sent_at = math.nan if isinstance(sent_at, bool) else _as_float(sent_at)
+    if not math.isfinite(sent_at) or abs(time.time() - sent_at) > MAX_CLOCK_SKEW:
         raise BadMessage(f"message timestamp is {time.time() - sent_at:.0f} s off: replayed, or clocks far apart")
     blobs = views[1:-1]
     if sizes != [len(b) for b in blobs]:
         raise BadMessage("blob sizes in the header do not match the frames received")
-    return Envelope(kind, body, list(blobs), sender, msg_id, float(sent_at))
+    return Envelope(kind, body, list(blobs), sender, msg_id, sent_at)
+
+
+def _as_float(number: float) -> float:
+    """``number`` as a float; infinity for a JSON integer too large for one (of its sign)."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf if number > 0 else -math.inf
 
 
 class ReplayGuard:
@@ -143,7 +153,9 @@ def field_of(body: dict, key: str, kind: type | tuple[type, ...], default: Any =
         raise BadMessage(f"field {key!r} must be {kind}, not a boolean")
     if not isinstance(value, kind):
         raise BadMessage(f"field {key!r} has the wrong type ({type(value).__name__})")
-    if min_value is not None and isinstance(value, (int, float)) and value < min_value:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_FIELD_INT:
+        raise BadMessage(f"field {key!r} is out of range (at most {MAX_FIELD_INT} either way)")
+    if min_value is not None and isinstance(value, (int, float)) and not value >= min_value:  # NaN is not
         raise BadMessage(f"field {key!r} must be at least {min_value}")
     if isinstance(value, (str, list, dict)) and len(value) > max_len:
         raise BadMessage(f"field {key!r} is too long ({len(value)} > {max_len})")

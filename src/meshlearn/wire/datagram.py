@@ -94,6 +94,8 @@ def parse_header(head: memoryview, max_total: int) -> tuple[ChunkHeader, int]:
     The payload is not checked yet (``check_payload`` does): a receiver may read the header and
     the payload into different buffers.
     """
+    if len(head) < HEADER_SIZE:
+        raise WireError(f"datagram header of {len(head)} bytes is shorter than {HEADER_SIZE} bytes")
     (magic, version, kind, flags, reserved, sender, iteration, index, count, chunk_bytes, degree, total,
      checksum) = HEADER.unpack_from(head, 0)
     if magic != MAGIC:
