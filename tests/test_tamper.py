@@ -45,12 +45,13 @@ class Outcome:
     seconds: float
     malformed: int  # messages the providers refused, in all: they did not open ...
     replayed: int  # ... or they opened, but had been taken before
-    tampered: int = 0  # what the proxy did
+    tampered: int = 0  # what the proxies did
     injected: int = 0
+    resent: int = 0  # models sent again at once because their receiver refused them (D-PSGD over TCP)
 
 
-def _spec(algorithm: str) -> TaskSpec:
-    settings, _ = SETTINGS[algorithm]
+def _spec(algorithm: str, **overrides) -> TaskSpec:
+    settings = {**SETTINGS[algorithm][0], **overrides}
     return TaskSpec(task_id="tampered", model="mlp", batch_size=16, lr=0.05, algorithm=algorithm, seed=11,
                     partition="iid", eval_samples=0, data={"mode": "local", "dataset": "digits"},
                     peers=[Peer(id=f"p{i}", address=f"{HOST}:{9000 + i}") for i in range(PROVIDERS)], **settings)
@@ -72,14 +73,17 @@ def _providers(spec: TaskSpec) -> list[Node]:
     return nodes
 
 
-def _run(algorithm: str, kind: str | None = None) -> Outcome:
-    """Run the task, with ``kind`` of tampering on the way to and from provider ``TAMPERED``."""
-    nodes = _providers(_spec(algorithm))
+def _run(algorithm: str, kind: str | None = None, behind: tuple[int, ...] = (TAMPERED,),
+         tampering: dict | None = None, **settings) -> Outcome:
+    """Run the task, with ``kind`` of tampering on the way to and from the providers ``behind``
+    proxies (as ``tampering`` says, else as ``SETTINGS``), with the task's ``settings`` changed."""
+    nodes = _providers(_spec(algorithm, **settings))
     proxies: list[TamperProxy] = []
 
     def through_a_proxy(book: dict[int, str]) -> None:
-        proxies.append(TamperProxy(book[TAMPERED], kind, seed=3, **SETTINGS[algorithm][1]))
-        book[TAMPERED] = proxies[0].address  # every other provider reaches it through the proxy
+        for rank in behind:
+            proxies.append(TamperProxy(book[rank], kind, seed=3 + rank, **(tampering or SETTINGS[algorithm][1])))
+            book[rank] = proxies[-1].address  # every other provider reaches it through the proxy
 
     started = time.monotonic()
     try:
@@ -91,9 +95,11 @@ def _run(algorithm: str, kind: str | None = None) -> Outcome:
     accuracy = sum(node.evaluate().accuracy for node in nodes) / len(nodes)
     stats = [node.transport.stats for node in nodes]
     outcome = Outcome(nodes, accuracy, seconds, sum(s.malformed_dropped for s in stats),
-                      sum(s.replay_dropped for s in stats))
+                      sum(s.replay_dropped for s in stats), resent=sum(node.transport.extra_stats().get("resent", 0)
+                                                                      for node in nodes))
     for proxy in proxies:
-        outcome.tampered, outcome.injected = proxy.tampered, proxy.injected
+        outcome.tampered += proxy.tampered
+        outcome.injected += proxy.injected
     return outcome
 
 
@@ -135,13 +141,17 @@ def _leader_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
 
 
 def _dpsgd_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
-    """A damaged model is waited for until the deadline, then the iteration goes on without it;
-    copies played again change nothing: D-PSGD is deterministic, so every model ends bit for bit
-    as in the clean run."""
+    """A damaged model whose seal header still names it is refused at once and sent again, so no
+    one waits for a deadline; one too damaged to be named (its header changed) is waited for until
+    the deadline, then the iteration goes on without it. Copies played again change nothing:
+    D-PSGD is deterministic, so every model ends bit for bit as in the clean run."""
     if kind == "replay":
         assert all(torch.equal(node.flat.state, twin.flat.state) for node, twin in zip(run.nodes, clean_run.nodes))
+    elif kind in ("flip", "truncate", "swap"):  # the chunks damaged, the header whole
+        assert run.resent == run.tampered
+        assert run.nodes[TAMPERED].transport.stats.gather_timeouts == 0
     else:
-        assert run.nodes[TAMPERED].transport.stats.gather_timeouts >= 1
+        assert run.resent + run.nodes[TAMPERED].transport.stats.gather_timeouts >= 1
 
 
 def _gossip_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
@@ -169,6 +179,26 @@ def test_a_task_tampered_with_on_the_path_ends_as_the_clean_one(clean, algorithm
 @pytest.mark.parametrize("algorithm, kind", SLOW)
 def test_every_kind_of_tampering_in_every_algorithm(clean, algorithm, kind):
     _check(clean(algorithm), algorithm, kind)
+
+
+FLIPPED = {"every": 2, "limit": 10**6}  # every second model on the way to each provider, as the audit did
+PATIENT = 120.0  # seconds a D-PSGD node waits for a model: a damaged one waited for would stall the run
+
+
+def test_a_dpsgd_task_with_every_second_model_damaged_sends_each_again_at_once(clean):
+    """Every provider behind a proxy that flips a bit of every second model sent to it, and a wait
+    for a model far longer than the run's limit: each damaged model is refused at once and sent
+    again (never waited for), so the run ends, with every model bit for bit the clean run's."""
+    run = _run("dpsgd", "flip", behind=tuple(range(PROVIDERS)), tampering=FLIPPED, peer_timeout=PATIENT)
+    twin = clean("dpsgd")
+    stats = [node.transport.stats for node in run.nodes]
+    print(f"dpsgd, every second model flipped: {run.seconds:.1f} s (clean {twin.seconds:.1f} s), tampered "
+          f"{run.tampered}, resent {run.resent}")
+    assert run.tampered >= run.nodes[0].config.iterations  # about half of each provider's 3 models a round
+    assert run.malformed == run.tampered and run.resent == run.tampered  # each refused, and sent again, once
+    assert sum(s.gather_timeouts for s in stats) == 0
+    assert sum(node.transport.extra_stats()["resends_declined"] for node in run.nodes) == 0
+    assert all(torch.equal(node.flat.state, other.flat.state) for node, other in zip(run.nodes, twin.nodes))
 
 
 def test_a_provider_shut_out_of_a_leader_task_is_neither_followed_nor_counted():

@@ -26,7 +26,7 @@ from meshlearn.node import build_node
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
-from meshlearn.transport.base import TransportStats
+from meshlearn.transport.base import MAX_PENDING_PER_SENDER, TransportStats
 from meshlearn.transport.udp import DatagramSender, Reassembler, UdpSettings, UdpTransport
 from meshlearn.wire import Chunks, Kind, Message
 from meshlearn.wire.datagram import (
@@ -36,6 +36,7 @@ from meshlearn.wire.datagram import (
     pack_header,
     parse_datagram,
 )
+from meshlearn.wire.sealed_datagram import DatagramSeal
 
 
 def _datagram(index=1, count=3, chunk=8, total=20, payload=None, kind=Kind.MODEL):
@@ -133,8 +134,10 @@ def test_datagrams_read_into_a_guessed_slot_never_corrupt_the_model(lenet_state)
 
         corrupted = bytearray(chunk(1))
         corrupted[-1] ^= 0xFF
+        # (whole copies of the refused chunks 1 and 2 come before the last chunk: once every chunk is
+        # in or refused, a gather waits no more)
         order = [chunk(0), bytes(corrupted), chunk(3), chunk(2) + b"extra", chunk(2, iteration=1)]
-        order += [chunk(i) for i in range(4, count)] + [chunk(2), chunk(1)]
+        order += [chunk(2), chunk(1)] + [chunk(i) for i in range(4, count)]
         for datagram in order:
             raw.sendto(datagram, target)
         got = b.gather(0, [0], timeout=10)
@@ -529,6 +532,67 @@ def test_a_reassembler_marks_lost_chunks_fills_them_late_and_drops_stale_ones():
     assert reassembler.stats.stale_dropped == 1
     with pytest.raises(WireError, match="does not match"):
         reassembler.add(ChunkHeader(Kind.MODEL, 1, 2, 0, 1, 16, 2, 16), memoryview(bytes(16)))
+
+
+def test_a_reassembler_waits_no_more_for_a_refused_chunk_and_keeps_what_refusals_name_bounded():
+    layout = TensorLayout.uniform({"all": (0, 12)}, torch.float32)  # 3 chunks of 16 bytes
+    reassembler = Reassembler(layout, chunk_bytes=16)
+    chunks = list(_chunks_of(torch.arange(12.0), sender=1, iteration=0))
+    for header, payload in chunks[:2]:
+        reassembler.add(header, payload)
+    assert not reassembler.settled(1, 0)
+    assert reassembler.refuse(chunks[2][0])  # the last chunk came damaged: nothing more to wait for
+    assert reassembler.settled(1, 0) and not reassembler.complete(1, 0) and reassembler.chunks_refused == 1
+    got, _ = reassembler.assemble(reassembler.take(0, [1]))
+    assert got[1].chunks.present.tolist() == [True, True, False] and reassembler.chunks_lost == 1
+    whole = list(_chunks_of(torch.arange(12.0), sender=1, iteration=1))
+    assert reassembler.refuse(whole[0][0]) and reassembler.refuse(whole[0][0])  # one mark a chunk
+    reassembler.add(*whole[0])  # a whole copy came after all: it is taken, and waited for no more
+    assert not reassembler.settled(1, 1) and reassembler.chunks_refused == 2
+    assert reassembler.settled(2, 5) is False and reassembler.refuse(ChunkHeader(Kind.MODEL, 2, 5, 0, 3, 16, 2, 48))
+    assert not reassembler.refuse(ChunkHeader(Kind.MODEL, 2, 0, 0, 3, 16, 2, 48))  # an iteration taken already
+    assert not reassembler.refuse(ChunkHeader(Kind.MODEL, 2, 6, 0, 1, 48, 2, 48))  # another geometry
+    for iteration in range(7, 7 + 2 * MAX_PENDING_PER_SENDER):  # a flood of refusals: a few kept per sender
+        reassembler.refuse(ChunkHeader(Kind.MODEL, 3, iteration, 0, 3, 16, 2, 48))
+    assert sum(sender == 3 for sender, _ in reassembler.refused) == MAX_PENDING_PER_SENDER
+    reassembler.take(100, [1, 2, 3])
+    assert reassembler.refused == {}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sealed", [False, True])
+def test_a_damaged_chunk_is_missing_at_once_not_waited_for(lenet_state, sealed):
+    """A sync gather with a long wait: the model's third datagram is damaged on the way (a bit of
+    its payload flipped: its checksum, or its seal, fails), and the gather returns once the others
+    are in, with that chunk missing, not at its deadline."""
+    flat, layout = lenet_state
+    wait = UdpSettings(timeout=600.0, chunk_bytes=4000)
+    a, b = connected(*(UdpTransport(rank, layout=layout, settings=wait,
+                                    seal=DatagramSeal(bytes(range(32))) if sealed else None) for rank in (0, 1)))
+    models = []
+    send = a.sender._send
+
+    def damaging_the_third(pieces, addr):
+        datagram = bytearray(b"".join(bytes(p) for p in pieces))
+        if datagram[5] == Kind.MODEL:
+            models.append(len(models))
+            if len(models) == 3:
+                datagram[-1] ^= 1
+        send([datagram], addr)
+
+    a.sender._send = damaging_the_third
+    try:
+        a.broadcast([1], Message(Kind.MODEL, 0, 0, 1, flat.snapshot()))
+        got = b.gather(0, [0])[0]
+        assert got.chunks.present.logical_not().nonzero().flatten().tolist() == [2]
+        assert b.stats.gather_timeouts == 0 and b.stats.malformed_dropped == 1
+        assert b.extra_stats()["chunks_refused"] == 1
+        chunk = 4000 // 4
+        assert torch.equal(got.chunks.vector[:2 * chunk], flat.state[:2 * chunk])
+        assert torch.equal(got.chunks.vector[3 * chunk:], flat.state[3 * chunk:])
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_sender_paces_to_its_rate_with_the_clock_it_is_given():

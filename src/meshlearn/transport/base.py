@@ -215,7 +215,7 @@ class Transport(Endpoint):
         deadline = time.monotonic() + timeout
         listen = bool(wanted & self.silent)  # read what silent peers sent, even with no one to wait for
         while True:
-            waiting = wanted - got.keys() - self.departed - self.silent
+            waiting = wanted - got.keys() - self.finished() - self.silent
             if not waiting and not listen:
                 break
             remaining = deadline - time.monotonic() if waiting else 0.0
@@ -246,6 +246,11 @@ class Transport(Endpoint):
         for peer in got:
             self._missed.pop(peer, None)
         return got
+
+    def finished(self) -> set[int]:
+        """The neighbours nothing more is to come from: those that said goodbye (less any a transport
+        still awaits a message from, sent again after the goodbye: see ``tcp``)."""
+        return self.departed
 
     def _keep(self, msg: Message) -> None:
         slot = self._pending.get(msg.iteration, {})

@@ -1,28 +1,72 @@
-"""TCP transport over ZeroMQ: one ROUTER socket to receive, one DEALER per neighbour to send."""
+"""TCP transport over ZeroMQ: one ROUTER socket to receive, one DEALER per neighbour to send.
+
+A sealed message (a network task's) that does not open on the way, damaged, is refused at once:
+the receiver answers over the connection it came by (bound to a neighbour by the handshake) with
+a refusal (``transport.served.refusal``) naming the seal counter its header claims, and the
+sender sends that message again from the frames it keeps of its last ``KEEP_SENT`` models, at
+most ``MAX_RESENDS`` times to each neighbour, or answers that it will not (a *decline*: a REPLY
+saying so). A damaged model thus costs one round trip, not the receiver's whole wait. The copy
+sent again carries the same seal counter: the damaged one never opened, so the receiver's replay
+window takes it, once. Until the answer comes the receiver waits for that neighbour even if it
+said goodbye meanwhile (it refuses a model of its last round and leaves). A refusal is sealed
+like any message, so none can be forged, and one played again is refused as a replay; a message
+whose header is too damaged to name it is not refused, and costs the wait as before.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 import zmq
 
 from meshlearn.errors import TransportError, WireError
 from meshlearn.netem import DelayLine, Emulator, LinkRate, NetemSpec
+from meshlearn.sparselog import SparseLog
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Receipt, Transport
+from meshlearn.transport.served import is_refusal, refusal
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
 from meshlearn.wire import Kind, Message
-from meshlearn.wire.sealed import FrameSeal, decode_for, encode_for
+from meshlearn.wire.sealed import (
+    FrameSeal,
+    ReplayedMessage,
+    claimed_stamp,
+    decode_for,
+    encode_for,
+)
 
+log = logging.getLogger(__name__)
 _IDENTITY = struct.Struct("<I")
 # Whole messages ZeroMQ holds per connection before it stops reading that socket (the sender then
 # waits, or drops and counts): a neighbour is at most a few iterations ahead, a stranger gets no more.
 RECEIVE_QUEUE = 16
+# Sealed models whose frames a sender keeps to send again: this round's, and the one before (a
+# neighbour still gathering the round before may refuse that one after this node sent the next).
+KEEP_SENT = 2
+# Times one kept model is sent again to one neighbour that refuses it: a path that damages every
+# copy costs the receiver its wait, as before, and cannot have it sent without end. High enough that
+# chance does not reach it: with every second model damaged on the way (each copy sent again is
+# damaged again about half the time) a copy needed six goes in about 1,400 (benchmarks/RESULTS.md).
+MAX_RESENDS = 16
+REFUSAL_BYTES = 64 * 1024  # the most a refusal may take (it carries a reason only): a sender reads no more
+AWAITED = 2 * KEEP_SENT  # refusals a receiver awaits the answer to, per neighbour (the oldest forgotten)
+DECLINED = "declined"  # a sender's answer to a refusal of a model it will not send again
+
+
+@dataclass
+class _Kept:
+    """A sealed model sent, kept to be sent again: its frames, and the times each neighbour it
+    went to has had it again."""
+
+    frames: list
+    resends: dict[int, int]
 
 
 class _Trackers(Receipt):
@@ -68,6 +112,12 @@ class TcpTransport(Transport):
         self._closed = False
         self._joining: list[tuple[int, str]] = []  # neighbours that joined, for the next send or receive to take in
         self._joining_lock = threading.Lock()
+        self._kept: dict[int, _Kept] = {}  # seal counter -> a sealed model sent, oldest first (KEEP_SENT)
+        self.refusals_sent = 0  # sealed messages from neighbours that did not open, refused back at once
+        self.resent = 0  # models sent again because a neighbour refused them (damaged on the way)
+        self.resends_declined = 0  # refusals naming a model not kept, or sent again MAX_RESENDS times already
+        self._declines = SparseLog(log)
+        self._awaited: dict[int, list[int]] = {}  # neighbour -> counters it was refused, not answered yet
 
     def bind(self) -> str:
         tune_allocator()
@@ -121,8 +171,11 @@ class TcpTransport(Transport):
         dealer.setsockopt(zmq.ROUTING_ID, _IDENTITY.pack(self.node_id) + os.urandom(8))
         dealer.setsockopt(zmq.LINGER, int(self.linger * 1000))
         dealer.setsockopt(zmq.SNDHWM, 64)
+        dealer.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)  # what comes back is refusals: few, and small
+        dealer.setsockopt(zmq.MAXMSGSIZE, REFUSAL_BYTES)
         dealer.connect(address)
         self._dealers[peer] = dealer
+        self._poller.register(dealer, zmq.POLLIN)  # refusals of what this node sent
         self._send_frames(peer, encode_for(Message(Kind.HELLO, self.node_id), self.secret, self.seal))
 
     def add_peer(self, peer: int, address: str) -> None:
@@ -141,17 +194,65 @@ class TcpTransport(Transport):
                 self._dial(peer, address)
 
     def send(self, peer: int, msg: Message) -> None:
-        self._take_in_joined()
-        self._send_frames(peer, encode_for(msg, self.secret, self.seal))
+        self.broadcast([peer], msg)
 
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
         self._take_in_joined()
+        self._take_refusals()  # a model of the round before, refused, goes again before this one
         frames = encode_for(msg, self.secret, self.seal)
+        peers = list(peers)
         trackers: list[zmq.MessageTracker] = []
         for peer in peers:
             trackers += self._send_frames(peer, frames)
+        self._keep_sent(msg, frames, peers)
         return _Trackers(trackers)
+
+    def _keep_sent(self, msg: Message, frames: list, peers: list[int]) -> None:
+        """Keep a sealed model's frames (a copy of its own: sealing wrote them) to send again to a
+        neighbour that refuses it; the newest ``KEEP_SENT`` only."""
+        stamp = claimed_stamp(frames[0]) if self.seal is not None and msg.kind == Kind.MODEL else None
+        if stamp is None:
+            return
+        self._kept[stamp.counter] = _Kept(frames, dict.fromkeys(peers, 0))
+        while len(self._kept) > KEEP_SENT:
+            del self._kept[next(iter(self._kept))]
+
+    def _take_refusals(self) -> None:
+        """Read what the neighbours sent back over this node's connections to them (refusals), and
+        send again each model they refused."""
+        for peer, dealer in list(self._dealers.items()):
+            while True:
+                try:
+                    frames = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._on_refusal(peer, frames)
+
+    def _on_refusal(self, peer: int, frames: list) -> None:
+        """Send again the kept model ``peer``'s refusal names, if it still may be (``MAX_RESENDS``)."""
+        self.stats.bytes_received += sum(len(f) for f in frames)
+        try:
+            answer = decode_for(frames, REFUSAL_BYTES, self.secret, self.seal, self.window)
+        except WireError as exc:  # damaged, forged, or a refusal played again: it sends nothing again
+            self.drop_refused(exc, f"an answer from {peer}")
+            return
+        if answer.kind != Kind.REPLY or answer.sender != peer or not is_refusal(answer):
+            self.stats.unknown_sender_dropped += 1
+            return
+        kept = self._kept.get(answer.iteration)
+        if kept is None or kept.resends.get(peer, MAX_RESENDS) >= MAX_RESENDS:
+            self.resends_declined += 1
+            self._declines.warning("declined", "node %d: %d refused message %d, which is not kept or was sent again "
+                                   "%d times already: it is not sent again", self.node_id, peer, answer.iteration,
+                                   MAX_RESENDS)
+            decline = Message(Kind.REPLY, self.node_id, answer.iteration, 0, {}, {"status": DECLINED})
+            self._send_frames(peer, encode_for(decline, self.secret, self.seal))  # so it waits for it no more
+            return
+        kept.resends[peer] += 1
+        dropped = self.stats.send_dropped
+        self._send_frames(peer, kept.frames)
+        self.resent += self.stats.send_dropped == dropped
 
     def _send_frames(self, peer: int, frames: list) -> list[zmq.MessageTracker]:
         """Send one multipart message; frames of 64 KiB and more go zero-copy and are tracked."""
@@ -187,9 +288,14 @@ class TcpTransport(Transport):
             remaining = deadline - time.monotonic()
             if self._held:
                 remaining = min(remaining, self._held.next_due() - self.clock())
-            if not self._poller.poll(max(0, int(remaining * 1000))):
+            ready = dict(self._poller.poll(max(0, int(remaining * 1000))))
+            if not ready:
                 if time.monotonic() >= deadline and not (self._held and self._held.next_due() <= self.clock()):
                     return None
+                continue
+            if len(ready) > (self._router in ready):  # a neighbour refused something this node sent
+                self._take_refusals()
+            if self._router not in ready:
                 continue
             frames = self._router.recv_multipart(copy=False)
             msg = self._accept(frames)
@@ -212,12 +318,14 @@ class TcpTransport(Transport):
     def _accept(self, frames: list) -> Message | None:
         """Decode one received multipart message; count and drop anything invalid."""
         self.stats.bytes_received += sum(len(f) for f in frames)
+        route = frames[0].bytes
         try:
             msg = decode_for(frames[1:], self.max_message_bytes, self.secret, self.seal, self.window)
         except WireError as exc:
             self.drop_refused(exc, "a message")
+            if not isinstance(exc, ReplayedMessage):  # a copy played again has had its answer: its original
+                self._refuse(route, frames[1:2], exc)
             return None
-        route = frames[0].bytes
         if msg.kind == Kind.HELLO and msg.sender not in self.peers and self._joining:
             self._take_in_joined()  # a neighbour that joined while this thread waited in recv
         if msg.kind == Kind.HELLO and msg.sender in self.peers:
@@ -228,7 +336,43 @@ class TcpTransport(Transport):
             self.stats.unknown_sender_dropped += 1
             return None
         self.stats.messages_received += 1
+        if self._awaited.get(msg.sender):  # a model sent again, or a decline (delivered: a gather looks again), answers
+            declined = msg.kind == Kind.REPLY and msg.meta.get("status") == DECLINED
+            self._answered(msg.sender, msg.iteration if declined else claimed_stamp(frames[1]).counter)
         return msg
+
+    def _answered(self, peer: int, counter: int) -> None:
+        """The refusal of ``peer``'s message ``counter`` is answered (sent again, or declined)."""
+        awaited = self._awaited.get(peer, [])
+        if counter in awaited:
+            awaited.remove(counter)
+
+    def finished(self) -> set[int]:
+        """Those that said goodbye, less those this node refused a message of and awaits the answer from."""
+        return {peer for peer in self.departed if not self._awaited.get(peer)}
+
+    def _refuse(self, route: bytes, header: list, error: WireError) -> None:
+        """Tell the neighbour a sealed message came from (by the connection it came over, which its
+        HELLO bound) that it did not open, naming the counter its ``header`` claims, so it is sent
+        again at once. A stranger is told nothing, nor is anyone where no counter can be read."""
+        peer = self._routes.get(route)
+        stamp = claimed_stamp(header[0]) if self.seal is not None and header else None
+        if stamp is None or peer not in self.peers:
+            return
+        answer = encode_for(refusal(self.node_id, stamp.counter, str(error)), self.secret, self.seal)
+        try:
+            self._router.send_multipart([route, *answer], zmq.NOBLOCK)
+        except zmq.ZMQError:  # its connection is gone or full: the message costs the wait
+            return
+        self.refusals_sent += 1
+        awaited = self._awaited.setdefault(peer, [])
+        if stamp.counter not in awaited:
+            awaited.append(stamp.counter)
+            del awaited[:-AWAITED]
+
+    def extra_stats(self) -> dict[str, int]:
+        """Refusals of damaged messages, both ways: those sent, the models sent again, those declined."""
+        return {"refusals_sent": self.refusals_sent, "resent": self.resent, "resends_declined": self.resends_declined}
 
     def close(self) -> None:
         if self._closed or self._ctx is None:

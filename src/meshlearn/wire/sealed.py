@@ -105,6 +105,17 @@ class ReplayWindow:
             return None
 
 
+def claimed_stamp(header: Any) -> Stamp | None:
+    """The stamp a sealed message's header (frame 0) claims, read without checking anything but its
+    layout; None where it has none. For naming a message that did not open, so its sender can send
+    it again: never for trusting it (only ``FrameSeal.open`` authenticates a stamp)."""
+    view = _view(header)
+    if view.nbytes < _HEAD.size:
+        return None
+    magic, version, _, sender, counter, _ = _HEAD.unpack_from(view)
+    return Stamp(sender, counter) if magic == MAGIC and version == VERSION else None
+
+
 class FrameSeal:
     """Seals and opens the frames of engine messages with one task's key (AES-256-GCM)."""
 
@@ -173,6 +184,10 @@ class FrameSeal:
             raise WireError(f"sealed message of {sum(sizes)} bytes exceeds the size cap of {max_bytes} bytes")
         if len(frames) - 1 != sum(len(_chunks(size)) for size in sizes):
             raise WireError("sealed message has the wrong number of chunks for its frame sizes")
+        lengths = [min(CHUNK, size - start) for size in sizes for start in _chunks(size)]
+        for index, (frame, length) in enumerate(zip(frames[1:], lengths), start=1):  # before any buffer is made
+            if _view(frame).nbytes != length + TAG:
+                raise WireError(f"chunk {index} holds {_view(frame).nbytes} bytes, the header says {length + TAG}")
         opened: list[Any] = []
         index = 1
         try:
@@ -182,8 +197,6 @@ class FrameSeal:
                 for start in _chunks(size):
                     chunk = _view(frames[index])
                     length = min(CHUNK, size - start)
-                    if chunk.nbytes != length + TAG:
-                        raise WireError(f"chunk {index} holds {chunk.nbytes} bytes, the header says {length + TAG}")
                     self._aead.decrypt_into(prefix + index.to_bytes(4, "big"), chunk, header,
                                             out[start:start + length])
                     index += 1

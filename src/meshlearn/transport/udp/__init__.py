@@ -14,11 +14,13 @@ Three parts, each with one job:
 ``gather`` differs by mode:
 
 - ``sync``: wait until every neighbour's model for this iteration is complete, or the timeout;
-  returns the moment the last chunk is in. Chunks that miss their deadline are not thrown away
-  (unless ``late_chunks: drop``, the study's behaviour): they stand in for the same sender's
-  chunks missing at the next iteration. Once the timeout cuts every iteration (any loss at all),
-  nodes that started a little apart stay apart, and a neighbour's chunks can land just after each
-  deadline, iteration after iteration; one iteration late, they are still news.
+  returns the moment the last chunk is in (or came damaged: a chunk that fails its checksum or
+  seal is not sent again, so it is missing at once, not waited for). Chunks that miss their
+  deadline are not thrown away (unless ``late_chunks: drop``, the study's behaviour): they stand
+  in for the same sender's chunks missing at the next iteration. Once the timeout cuts every
+  iteration (any loss at all), nodes that started a little apart stay apart, and a neighbour's
+  chunks can land just after each deadline, iteration after iteration; one iteration late, they
+  are still news.
 - ``async``: no waiting; take, per neighbour, the newest model received so far (the study's
   "UDP_threading", kept to reproduce it).
 

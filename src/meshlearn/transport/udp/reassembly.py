@@ -10,7 +10,12 @@ Rules (see ``transport.udp`` for why):
 - a chunk for an iteration older than the last one taken is stale, except that with ``late``
   the one just before it is kept: its chunks fill the same sender's gaps at the next take;
 - in ``newest`` mode (UDP's async gather) a take gets each sender's newest model so far;
-- reassembly buffers are pooled (two per neighbour), since fresh ones cost page faults.
+- reassembly buffers are pooled (two per neighbour), since fresh ones cost page faults;
+- a chunk that arrived damaged (it did not open, or failed its checksum) is *refused*: UDP sends
+  nothing again, so a sync gather waits for it no more (``settled``), and it reads as missing
+  unless a whole copy of it comes before the take. Its header is unauthenticated, so a wrong one
+  can only end a wait early, as a lost chunk does; refusals are kept for iterations not yet taken,
+  ``MAX_PENDING_PER_SENDER`` a sender, one mark a chunk at most.
 """
 
 from __future__ import annotations
@@ -115,6 +120,8 @@ class Reassembler:
         self.floor = 0  # iterations below this were taken (or given up)
         self.chunks_lost = 0
         self.late_chunks_used = 0
+        self.chunks_refused = 0  # damaged chunks noted, so not waited for
+        self.refused: dict[tuple[int, int], set[int]] = {}  # (sender, iteration) -> chunks that came damaged
         self._free: list[torch.Tensor] = []
 
     # --- feeding -----------------------------------------------------------------------------
@@ -145,9 +152,36 @@ class Reassembler:
             return False, None
         return False, (part, following, part.slot(following))
 
+    def refuse(self, header: ChunkHeader) -> bool:
+        """Note a model chunk that came damaged, so it is not waited for (see the module docstring);
+        returns whether it was noted (a chunk of this layout's geometry, of an iteration not taken yet)."""
+        if header.kind != Kind.MODEL or header.total != self.layout.nbytes or header.count != self.expected_chunks \
+                or header.iteration < self.floor:
+            return False
+        key = (header.sender, header.iteration)
+        refused = self.refused.get(key)
+        if refused is None:
+            if sum(sender == header.sender for sender, _ in self.refused) >= MAX_PENDING_PER_SENDER:
+                return False
+            refused = self.refused[key] = set()
+        if header.index not in refused:
+            refused.add(header.index)
+            self.chunks_refused += 1
+        return True
+
     def complete(self, sender: int, iteration: int) -> bool:
         part = self.parts.get((sender, iteration))
         return part is not None and part.complete
+
+    def settled(self, sender: int, iteration: int) -> bool:
+        """Whether nothing more is to come of ``sender``'s model for ``iteration``: every chunk is in,
+        or came damaged (refused)."""
+        key = (sender, iteration)
+        part, refused = self.parts.get(key), self.refused.get(key, ())
+        if part is None:
+            return len(refused) >= self.expected_chunks
+        return part.received + sum(index < len(part.present) and not part.present[index]
+                                   for index in refused) >= part.header.count
 
     # --- taking ------------------------------------------------------------------------------
 
@@ -166,6 +200,7 @@ class Reassembler:
         for key in [k for k in self.parts if k[1] < self.floor]:
             self.stats.stale_dropped += 1
             self._free.append(self.parts.pop(key).buffer)
+        self.refused = {key: chunks for key, chunks in self.refused.items() if key[1] >= self.floor}
         return Taken(parts, late)
 
     def assemble(self, taken: Taken, departed: set[int] = frozenset()) -> tuple[dict[int, Message], list[torch.Tensor]]:

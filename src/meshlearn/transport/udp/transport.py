@@ -180,11 +180,15 @@ class UdpTransport(Transport):
                 if size < HEADER_SIZE:
                     raise WireError(f"datagram of {size} bytes is shorter than the {HEADER_SIZE}-byte header")
                 header, checksum = parse_header(reader.head, self.max_message_bytes)
-                if self.seal is not None:
-                    payload = self._open(reader.head, header, payload, plain)
-                    if payload is None:
-                        continue
-                check_payload(reader.head, header, checksum, payload)
+                try:
+                    if self.seal is not None:
+                        payload = self._open(reader.head, header, payload, plain)
+                        if payload is None:
+                            continue
+                    check_payload(reader.head, header, checksum, payload)
+                except WireError:
+                    self._refuse(header)  # damaged on the way: UDP sends nothing again, so it is not waited for
+                    raise
                 in_place = filled and armed[0].header.sender == header.sender and \
                     armed[0].header.iteration == header.iteration and armed[1] == header.index
                 self._accept(header, payload, in_place)
@@ -207,6 +211,14 @@ class UdpTransport(Transport):
             return None
         return out
 
+    def _refuse(self, header: ChunkHeader) -> None:
+        """A neighbour's model chunk that came damaged: a sync gather waits for it no more."""
+        if header.sender not in self.peers:
+            return
+        with self._cond:
+            if self.reassembler.refuse(header):
+                self._cond.notify_all()
+
     def _disarm(self) -> None:
         with self._cond:
             self._armed = None
@@ -227,7 +239,9 @@ class UdpTransport(Transport):
                     self.stats.messages_received += 1
                 elif not self._taking and self.seal is None:  # sealed: opened into a buffer of its own
                     self._armed = following
-                if complete or self._taking:  # wake a waiting gather only when a model completes
+                settled = complete or (bool(self.reassembler.refused) and
+                                       self.reassembler.settled(header.sender, header.iteration))
+                if settled or self._taking:  # wake a waiting gather only when a model is complete (or settled)
                     self._cond.notify_all()
                 return
             if header.kind == Kind.HELLO:
@@ -257,7 +271,7 @@ class UdpTransport(Transport):
         with self._cond:
             if self.mode == "sync":
                 deadline = time.monotonic() + timeout
-                while not all(self.reassembler.complete(p, iteration) or p in self.departed for p in wanted):
+                while not all(self.reassembler.settled(p, iteration) or p in self.departed for p in wanted):
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
                         self.stats.gather_timeouts += 1
@@ -288,6 +302,7 @@ class UdpTransport(Transport):
         return {
             "datagrams_sent": self.sender.datagrams_sent, "datagrams_received": self.datagrams_received,
             "chunks_lost": self.reassembler.chunks_lost, "late_chunks_used": self.reassembler.late_chunks_used,
+            "chunks_refused": self.reassembler.chunks_refused,
             "emulated_drops": self.sender.emulated_drops, "rcvbuf_drops": self.rcvbuf_drops,
         }
 
