@@ -56,12 +56,18 @@ def supervise(workers: dict[str, subprocess.Popen]) -> int:
         time.sleep(0.2)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """This script's own flags; any other goes to every worker (the README's test parses its
+    commands with it, and the rest with gossip_train.py's)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      epilog="Any other flag is passed to every worker (see gossip_train.py --help).")
     parser.add_argument("--config", required=True, help="dpwa or meshlearn gossip YAML naming the workers")
     parser.add_argument("--results", help="folder for each worker's result (NAME.json, NAME.json.npy)")
-    args, worker_flags = parser.parse_known_args()
+    return parser
+
+
+def main() -> int:
+    args, worker_flags = parser().parse_known_args()
     try:
         names = [node.name for node in load_gossip_config(args.config).nodes]
     except MeshlearnError as exc:

@@ -31,11 +31,16 @@ from meshlearn.evaluation import evaluate_model
 from meshlearn.models import build_model
 from meshlearn.tasks import task_of
 
+CLUSTER = "python3 examples/gossip_cluster.py --config examples/gossip-4.yaml"  # every worker, this machine
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True, help="dpwa or meshlearn gossip YAML")
-    parser.add_argument("--name", required=True, help="this worker's name in the config")
+
+def parser() -> argparse.ArgumentParser:
+    """This script's command line."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=f"To start every worker of a config on this machine: {CLUSTER} [these flags]")
+    parser.add_argument("--config", help="dpwa or meshlearn gossip YAML (required)")
+    parser.add_argument("--name", help="this worker's name in the config (required)")
     parser.add_argument("--dataset", default="digits", help="dataset spec, as meshlearn simulate's (default: digits)")
     parser.add_argument("--model", default="mlp", help="registered model name (default: mlp)")
     parser.add_argument("--epochs", type=int, default=10, help="passes over this worker's share (default: 10)")
@@ -46,7 +51,23 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="text data: tokens a window (default: 128)")
     parser.add_argument("--seed", type=int, default=1, help="seed of the partition and initial models (default: 1)")
     parser.add_argument("--result", help="write final metrics (JSON) here, and parameters to RESULT.npy")
-    args = parser.parse_args()
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line ``argv`` (default: sys.argv) as flags; exit 2 with one line saying what to
+    run instead when --config or --name is missing (the README's test parses its commands with it)."""
+    command = parser()
+    args = command.parse_args(argv)
+    missing = [flag for flag, value in (("--config", args.config), ("--name", args.name)) if not value]
+    if missing:
+        command.error(f"{' and '.join(missing)} required: this script is one worker of a gossip config; "
+                      f"to start them all on this machine, run {CLUSTER} with the same flags")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # unwind: the adapter closes
 
     torch.set_num_threads(1)

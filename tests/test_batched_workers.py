@@ -5,6 +5,7 @@ import threading
 import pytest
 import torch
 from helpers.engines import BASE
+from helpers.waiting import wait_until
 
 from meshlearn.batched import BatchedSimulation
 from meshlearn.batched.workers import WorkerChoice, Workers
@@ -99,7 +100,7 @@ def test_workers_split_jobs_in_order_use_their_own_state_and_one_intra_op_thread
 
     def work(own, part):
         with lock:
-            done.append((own, part, torch.get_num_threads(), threading.current_thread().name))
+            done.append((own, list(part), torch.get_num_threads(), threading.current_thread().name))
     try:
         workers.run(work, list(range(7)), 3)
         assert sorted(part for _, part, _, _ in done) == [[0, 1], [2, 3], [4, 5, 6]]
@@ -117,6 +118,7 @@ def test_a_failing_job_is_raised_after_every_worker_is_done():
     finished = []
 
     def work(_own, part):
+        part = list(part)
         if part == [0]:
             raise RuntimeError("job 0 broke")
         finished.append(part)
@@ -126,3 +128,34 @@ def test_a_failing_job_is_raised_after_every_worker_is_done():
         assert finished == [[1]]
     finally:
         workers.close()
+
+
+def test_closing_stops_a_part_after_its_current_job():
+    """Ctrl-C in the middle of a step: the step is left (its caller interrupted) and the workers
+    closed; each stops after the job in hand instead of doing the rest of its part (a language
+    model's step took seconds more)."""
+    workers = Workers(1, object)
+    in_job, release = threading.Event(), threading.Event()
+    done: list[int] = []
+
+    def work(_own, part):
+        for job in part:
+            in_job.set()
+            assert release.wait(30)
+            done.append(job)
+
+    step = threading.Thread(target=workers.run, args=(work, [0, 1, 2], 1), daemon=True)
+    step.start()
+    assert in_job.wait(30)  # the worker is in job 0
+    stopping = workers._stopping
+    closing = threading.Thread(target=workers.close, daemon=True)
+    closing.start()
+    assert wait_until(stopping.is_set, 10)  # closing, and waiting for the worker
+    release.set()
+    closing.join(30)
+    step.join(30)
+    assert not closing.is_alive() and not step.is_alive()
+    assert done == [0]
+    workers.run(work, [3, 4], 1)  # closed workers start again, and a new run's parts are not stopped
+    assert done == [0, 3, 4]
+    workers.close()

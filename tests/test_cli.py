@@ -25,7 +25,7 @@ def _one_line_error(result, code, *fragments):
 def test_bad_flag(tmp_path):
     _one_line_error(_run("simulate", "--nodez", "4"), 2, "meshlearn simulate: error: unrecognized arguments: --nodez",
                     "did you mean --nodes?", "see meshlearn simulate --help")
-    _one_line_error(_run("simulate", "--nodes", "four"), 2, "invalid int value")
+    _one_line_error(_run("simulate", "--nodes", "four"), 2, "--nodes four: not a whole number")
     _one_line_error(_run("simulate", "--topolgy", "ring"), 2, "did you mean --topology?")
     _one_line_error(_run("simulate", "--node", "4"), 2, "unrecognized arguments: --node 4")  # no abbreviations
     _one_line_error(_run("node", "--config", "c.yaml", "--addresses", "a.yaml", "--rank", "0", "--engine", "batched"),
@@ -39,8 +39,8 @@ def test_bare_meshlearn_prints_its_help_and_version_is_known():
     assert version.returncode == 0 and version.stdout.startswith("meshlearn 0."), version.stdout
 
 
-def test_simulate_help_groups_its_flags():
-    out = _run("simulate", "--help").stdout
+def test_simulate_help_all_groups_its_flags():
+    out = _run("simulate", "--help-all").stdout
     titles = [line.split(" (flags")[0] for line in out.splitlines() if line.endswith("(flags override the config file):")]
     assert titles[:7] == ["core", "data and model", "training", "evaluation", "transport and emulated network",
                           "what nodes share, robust aggregation, attacks", "outputs"]
@@ -49,8 +49,9 @@ def test_simulate_help_groups_its_flags():
 
 
 def test_bad_value(tmp_path):
-    _one_line_error(_run("simulate", "--nodes", "1", "--output", str(tmp_path)), 2, "'nodes'", "greater than or equal to 2")
-    _one_line_error(_run("simulate", "--lr", "-1", "--output", str(tmp_path)), 2, "'lr'")
+    _one_line_error(_run("simulate", "--nodes", "1", "--output", str(tmp_path)), 2,
+                    "meshlearn simulate: error: --nodes 1: ", "greater than or equal to 2")
+    _one_line_error(_run("simulate", "--lr=-1", "--output", str(tmp_path)), 2, "error: --lr -1: ")
 
 
 def test_missing_dataset_path(tmp_path):
@@ -108,8 +109,8 @@ def _run_env(*args, env_extra=None, timeout=120):
 
 @pytest.mark.parametrize("args, fragments", [
     (["--model", "nope"], ["unknown model 'nope'", "--models-module"]),
-    (["--seed", str(2**64 + 1)], ["'seed'", "less than or equal to"]),
-    (["--peer-timeout", "5000"], ["'peer_timeout'"]),
+    (["--seed", str(2**64 + 1)], [f"--seed {2**64 + 1}: ", "less than or equal to"]),
+    (["--peer-timeout", "5000"], ["--peer-timeout 5000: "]),
 ])
 def test_a_request_that_cannot_run_is_refused_before_any_provider_is_claimed(args, fragments):
     # the bootstrap address answers nothing: these errors must come before it is ever asked
@@ -146,6 +147,93 @@ def test_a_dead_bootstrap_or_a_taken_dashboard_port_is_said_before_any_work(tmp_
         result = _run("simulate", "--dashboard", str(port), "--output", str(tmp_path / "run"))
         _one_line_error(result, 2, f"--dashboard {port}: port {port} on 127.0.0.1 is in use")
     assert "starting" not in result.stdout and not (tmp_path / "run" / "logs").exists()  # no node started
+
+
+def _in_own_home(tmp_path, *args):
+    """``meshlearn ARGS`` with a $MESHLEARN_HOME of its own: no bootstrap known, so an address
+    without @KEY takes the first-use path (its key asked of the relay port)."""
+    return _run_env(*args, env_extra={**SECRET_ENV, "MESHLEARN_HOME": str(tmp_path / "home")}, timeout=60)
+
+
+NETWORK_COMMANDS = {"request": ["request", "--data", "digits"], "provider": ["provider"],
+                    "results": ["results", "some-task"]}  # every command that takes --bootstrap
+
+
+@pytest.mark.parametrize("command", sorted(NETWORK_COMMANDS))
+def test_a_bootstrap_address_where_nothing_runs_says_so_not_that_a_key_is_missing(tmp_path, command):
+    dead = f"127.0.0.1:{free_port()}"  # nothing there, nor at its relay port (+ 1)
+    result = _in_own_home(tmp_path, *NETWORK_COMMANDS[command], "--bootstrap", dead)
+    _one_line_error(result, 2, f"no bootstrap answers at {dead} (connection refused)", "is it running",
+                    "correct --bootstrap")
+    assert "@KEY" not in result.stderr and "cannot learn the key" not in result.stderr
+    assert not (tmp_path / "home" / "known_bootstraps").exists()
+
+
+@pytest.mark.parametrize("command", ["request", "provider"])
+def test_a_bootstrap_address_that_answers_without_a_relay_asks_for_its_key(tmp_path, command):
+    with socket.socket() as something:  # takes connections (the kernel's queue), announces no key
+        something.bind(("127.0.0.1", free_port()))  # its port + 1 free: no relay there
+        something.listen(8)
+        address = f"127.0.0.1:{something.getsockname()[1]}"
+        result = _in_own_home(tmp_path, *NETWORK_COMMANDS[command], "--bootstrap", address)
+    _one_line_error(result, 2, f"cannot learn the key of the bootstrap at {address} (something answers there",
+                    f"give it with --bootstrap {address}@KEY")
+
+
+class _Listening:
+    """A bootstrap's port and its relay's (port + 1) taken by sockets that never accept: a
+    connection to either, even one closed at once, stays in its queue for ``contacted`` to see."""
+
+    def __enter__(self):
+        self.sockets = []
+        port = free_port()
+        for offset in (0, 1):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port + offset))
+            sock.listen(8)
+            sock.setblocking(False)
+            self.sockets.append(sock)
+        self.address = f"127.0.0.1:{port}"
+        return self
+
+    def contacted(self) -> bool:
+        for sock in self.sockets:
+            try:
+                sock.accept()[0].close()
+                return True
+            except BlockingIOError:
+                pass
+        return False
+
+    def __exit__(self, *exc) -> None:
+        for sock in self.sockets:
+            sock.close()
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["request", "--data", "fashion-mnist:{tmp}/missing"], ["dataset path {tmp}/missing does not exist"]),
+    (["request", "--data", "{tmp}/missing"], ["data path {tmp}/missing does not exist"]),
+    (["request", "--data", "fashion-mnist:{tmp}"], ["{tmp} has no train-images-idx3-ubyte.gz"]),  # read, not only seen
+    (["request", "--data", "digits", "--weights", "{tmp}/w.safetensors"],
+     ["weights file {tmp}/w.safetensors does not exist"]),
+    (["request", "--data", "digits", "--output", "{tmp}/a-file/out"],
+     ["--output {tmp}/a-file/out: {tmp}/a-file is a file, not a folder"]),
+    (["request", "--data", "digits", "--models-module", "{tmp}/missing.py"], ["{tmp}/missing.py"]),
+    (["provider", "--workdir", "{tmp}/a-file/work"], ["--workdir {tmp}/a-file/work: {tmp}/a-file is a file"]),
+    (["provider", "--data-root", "{tmp}/missing"], ["--data-root {tmp}/missing is not a folder"]),
+    (["provider", "--models-module", "{tmp}/missing.py"], ["{tmp}/missing.py"]),
+    (["results", "some-task", "--output", "{tmp}/a-file"], ["--output {tmp}/a-file: {tmp}/a-file is a file"]),
+])
+def test_every_local_check_comes_before_the_first_network_step(tmp_path, args, fragments):
+    """A bad path or value is said first: its line is about it, not the bootstrap, and neither the
+    bootstrap's port nor its relay's was ever connected to (nor its key recorded)."""
+    (tmp_path / "a-file").write_text("x")
+    with _Listening() as bootstrap:
+        result = _in_own_home(tmp_path, *[arg.format(tmp=tmp_path) for arg in args], "--bootstrap", bootstrap.address)
+        assert not bootstrap.contacted(), result.stderr
+    _one_line_error(result, 2, *[fragment.format(tmp=tmp_path) for fragment in fragments])
+    assert "bootstrap" not in result.stderr
+    assert not (tmp_path / "home" / "known_bootstraps").exists()
 
 
 def test_a_provider_models_module_with_a_syntax_error_is_one_line(tmp_path):
@@ -191,7 +279,7 @@ def test_the_zoo_registers_exactly_the_built_in_model_names():
     assert set(MODELS._items) >= built_in and set(MODELS.names()) == built_in | set(MODELS._items)
 
 
-@pytest.mark.parametrize("flag, value, fragment", [("--ram", "-5", "'ram_gb'"), ("--cores", "0", "'cores'")])
+@pytest.mark.parametrize("flag, value, fragment", [("--ram", "-5", "--ram -5: "), ("--cores", "0", "--cores 0: ")])
 def test_provider_resources_that_make_no_sense_are_one_line_not_retried_or_replaced(flag, value, fragment):
     result = _run_env("provider", "--bootstrap", f"127.0.0.1:{free_port()}", flag, value, timeout=60)
     _one_line_error(result, 2, fragment)
@@ -378,3 +466,112 @@ def test_every_flag_says_what_it_does_its_choices_and_its_default_once(command):
 def test_a_global_flag_after_the_command_says_where_it_goes():
     result = _run("simulate", "-v")
     _one_line_error(result, 2, "-v goes before the command")
+
+
+# --- suggestions, a short --help, and value errors that name the flag ------------------------
+
+def _said(capsys, *words) -> str:
+    """The one line `meshlearn WORDS` answers with on stderr, in this process, and its exit code 2."""
+    from meshlearn.cli.main import main
+
+    try:
+        code = main(list(words))
+    except SystemExit as exit:
+        code = exit.code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1, (code, lines)
+    return lines[0]
+
+
+@pytest.mark.parametrize("words, meant", [
+    (["simulate", "--iter", "3"], "did you mean --iterations?"),  # a prefix finds the flag, not --outer
+    (["simulate", "--out", "x"], "did you mean --output?"),  # --outer starts so too: the common flag wins
+    (["simulate", "--algo", "gossip"], "did you mean --algorithm?"),
+    (["simulate", "--nodez", "4"], "did you mean --nodes?"),
+    (["simulate", "--port", "7000"], "did you mean --base-port?"),
+    (["simulate", "--epochs"], "did you mean --full-epochs?"),  # no value given: the yes/no flag may be meant
+    (["simulte"], "'simulte' is not a command: did you mean simulate?"),
+    (["sim"], "did you mean simulate?"),
+    (["simulate", "--engine", "batch"], "--engine batch: did you mean batched? choose from process, batched"),
+    (["simulate", "--algorithm", "gosip"], ("--algorithm gosip: unknown algorithm 'gosip': did you mean gossip? "
+                                            "choose one of dpsgd, fedavg, gossip")),
+    (["simulate", "--model", "lenett"], ("--model lenett: unknown model 'lenett': did you mean lenet? choose one of "
+                                         "gpt-small, gpt-tiny, lenet, mlp")),
+    (["simulate", "--dataset", "digts"], "did you mean digits?"),
+    (["simulate", "--optimizer", "adm"], "did you mean adam?"),
+    (["simulate", "--net", "los=20%"], "(did you mean loss?)"),
+])
+def test_a_typo_is_answered_with_what_it_meant(capsys, tmp_path, words, meant):
+    line = _said(capsys, *words, *(["--output", str(tmp_path)] if words[0] == "simulate" else []))
+    assert meant in line, line
+    assert "Traceback" not in line
+
+
+@pytest.mark.parametrize("words", [["--epochs", "3"], ["--epochs=3"], ["--verbos", "2"]])
+def test_a_flag_given_a_value_is_never_answered_with_a_yes_no_flag_or_a_switch(capsys, words):
+    line = _said(capsys, "simulate", *words)
+    assert "--full-epochs" not in line and "--verbose" not in line and "--quiet" not in line, line
+    assert line.endswith("(see meshlearn simulate --help-all)"), line  # nothing close: where every flag is
+
+
+def test_one_ranking_serves_flags_commands_and_values():
+    from meshlearn.suggest import closest, did_you_mean, edit_distance
+
+    assert edit_distance("gosip", "gossip") == 1 and edit_distance("lenet", "lneet") == 1  # a swap is one typo
+    assert closest("--iter", ["--outer", "--iterations"]) == "--iterations"  # a prefix beats a near word
+    assert closest("--out", ["--output", "--outer"]) == "--output"  # both start so: the earlier, likelier one
+    assert closest("--out", ["--outer", "--output"]) == "--outer"
+    assert closest("simulte", ["demo", "simulate", "sample"]) == "simulate"
+    assert closest("--port", ["--partition", "--base-port"]) == "--base-port"  # a whole last part beats a typo
+    assert closest("--Nodes", ["--nodes"]) == "--nodes" and did_you_mean("nodes", ["nodes"]) == ""  # it is one
+    assert closest("zebra", ["dpsgd", "gossip", "leader"]) is None and did_you_mean("zebra", ["gossip"]) == ""
+    assert closest("x", ["xy", "xz"]) is None  # one letter is the start of too much
+
+
+def test_simulate_help_is_short_and_says_where_every_flag_is():
+    import os
+
+    from meshlearn.cli.main import COMMON_FLAGS, build_parser
+
+    env = {**os.environ, "COLUMNS": "80"}
+    short = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--help"], capture_output=True,
+                           text=True, timeout=120, env=env, check=False)
+    assert short.returncode == 0, short.stderr
+    lines = short.stdout.splitlines()
+    assert len(lines) < 80 and lines[0] == "usage: meshlearn simulate [options]", short.stdout
+    assert "meshlearn simulate --help-all lists every one" in short.stdout.replace("\n", " ")
+    assert "docs/settings.md" in short.stdout
+    assert all(f"--{dest.replace('_', '-')} " in short.stdout for dests in COMMON_FLAGS.values() for dest in dests)
+    assert "--udp-mode" not in short.stdout and "--byzantine" not in short.stdout
+    full = subprocess.run([sys.executable, "-m", "meshlearn", "simulate", "--help-all"], capture_output=True,
+                          text=True, timeout=120, env=env, check=False)
+    assert full.returncode == 0 and full.stdout.startswith("usage: meshlearn simulate [options]\n"), full.stderr
+    every = [option for action in build_parser().commands.choices["simulate"]._actions
+             for option in action.option_strings if option.startswith("--")]
+    assert len(every) > 60 and all(option in full.stdout for option in every)
+
+
+@pytest.mark.parametrize("words, line", [
+    (["--partition", "shards:abc"], "--partition shards:abc: K must be a whole number >= 1"),
+    (["--partition", "dirichlet:0"], "--partition dirichlet:0: ALPHA must be a number > 0"),
+    (["--lr", "-1"], "--lr -1: Input should be greater than 0"),
+    (["--net", "loss=120%"], "--net loss=120%: '120%' must be a share like 20% (0..100%)"),
+    (["--optimizer", "adam:eps=small"], "--optimizer adam:eps=small: 'small' is not a number"),
+    (["--dp", "epsilon=x"], "--dp epsilon=x: epsilon must be a number"),
+    (["--sharing", "topk:2"], "--sharing topk:2: ALPHA must be in (0, 1]"),
+    (["--topology", "regular:x"], "--topology regular:x: 'x' is not a number"),
+    (["--udp-mode", "fast"], "--udp-mode fast: choose from sync, async"),
+    (["--nodes", "four"], "--nodes four: not a whole number"),
+])
+def test_a_value_error_names_the_flag_and_the_value_typed(capsys, tmp_path, words, line):
+    said = _said(capsys, "simulate", *words, "--output", str(tmp_path))
+    assert said.startswith(f"meshlearn simulate: error: {line}"), said
+
+
+def test_a_value_from_a_config_file_is_named_by_its_key_and_one_from_a_flag_by_the_flag(tmp_path):
+    config = tmp_path / "exp.yaml"
+    config.write_text("partition: shards:abc\n")
+    _one_line_error(_run("simulate", "--config", str(config), "--output", str(tmp_path / "o")), 2,
+                    "meshlearn simulate: error: partition 'shards:abc': K must be a whole number >= 1")
+    _one_line_error(_run("simulate", "--config", str(config), "--partition", "kshard:0", "--output",
+                         str(tmp_path / "o")), 2, "meshlearn simulate: error: --partition kshard:0: K must be")

@@ -3,26 +3,15 @@
 import json
 import logging
 import subprocess
-import sys
 
 import pytest
+from helpers.namespaces import KERNEL
 
 from meshlearn.config import make_config
 from meshlearn.errors import ConfigError
 from meshlearn.netem import RTO_MIN, Emulator, NetemSpec
 from meshlearn.sim import simulate
 from meshlearn.sim import kernelnet
-
-
-def _namespaces_work() -> bool:
-    if kernelnet.kernel_loss_unavailable():
-        return False
-    probe = subprocess.run([sys.executable, "-c", "import ctypes; assert ctypes.CDLL(None).unshare(0x40000000) == 0"],
-                           capture_output=True)
-    return probe.returncode == 0
-
-
-KERNEL = pytest.mark.skipif(not _namespaces_work(), reason="needs root, nftables and network namespaces")
 
 
 def test_retransmit_delay_model():

@@ -13,7 +13,7 @@ LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "algorithms": 3, "aggrega
           "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
 SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "evaluation", "sgd", "plots", "runlog", "topology", "data", "models",
           "threads", "plugins", "tblog", "accepting", "optim", "sparselog", "layout", "tasks", "schedule", "outer", "checkpoint",
-          "privacy"}
+          "privacy", "suggest", "exiting"}
 SIBLINGS = {"sim", "network", "adapter", "dashboard"}  # services built on the engine, side by side
 MODEL_CODE = {"torch.nn", "meshlearn.models", "meshlearn.data", "meshlearn.topology", "meshlearn.flat"}
 MODULES = sorted(SRC.rglob("*.py"))

@@ -631,7 +631,7 @@ def test_the_confusion_plot_names_its_task_and_labels_every_axis(tmp_path):
     fig = results.confusion_figure([[5, 1], [0, 4]], ["cat", "dog"], "task t7")
     try:
         ax, bar = fig.axes
-        assert ax.get_title() == "task t7"
+        assert fig._suptitle.get_text() == "task t7"
         assert (ax.get_xlabel(), ax.get_ylabel()) == ("predicted class", "true class")
         assert bar.get_ylabel() == "test samples"
         assert [t.get_text() for t in ax.get_xticklabels()] == ["cat", "dog"]

@@ -5,9 +5,11 @@ the other)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -224,3 +226,134 @@ def test_the_demo_runs(tmp_path):
     result = _run_block("python3 -m meshlearn demo --quiet", tmp_path, timeout=600)
     assert result.returncode == 0, result.stdout
     assert float(re.search(r"final mean test accuracy: ([\d.]+)%", result.stdout).group(1)) > 85
+
+
+# The examples' own commands, wherever the README and the docs give one (a shell block's line or an
+# inline `python3 examples/X.py ...`): each parses with its script's own command line, so a missing
+# required flag or an unknown one fails here, and each file under examples/ it names exists.
+EXAMPLE_COMMAND = re.compile(r"^(?:python3? )?examples/[\w-]+\.py(?: .*)?$")
+# files a command names that the reader writes; the parse check reads this one in its place
+READERS_FILES = {"gossip.yaml": "examples/gossip-4.yaml"}  # the tour's config with the reader's addresses
+
+
+def example_commands() -> list[tuple[str, str]]:
+    """(document, command) for every command of the README and the docs that runs an example
+    script, its whitespace (line breaks inside an inline span, a block's continued lines) made single spaces."""
+    found = []
+    for doc in DOCS:
+        text = doc.read_text()
+        blocks = re.findall(r"```\w*\n(.*?)```", text, re.DOTALL)
+        spans = re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL))
+        lines = [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+        for candidate in [*spans, *lines]:
+            command = " ".join(candidate.split("#")[0].split())
+            if EXAMPLE_COMMAND.match(command) and " " in command:  # a script's bare name is no command
+                found.append((doc.name, command))
+    return found
+
+
+def _example(name: str):
+    """examples/NAME.py as a module (its command line, without running it)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _worker_names(config: str) -> list[str]:
+    from meshlearn.adapter import load_gossip_config
+
+    return [node.name for node in load_gossip_config(str(ROOT / config)).nodes]
+
+
+def _parse_gossip_train(args: list[str]) -> None:
+    parsed = _example("gossip_train").parse_args(args)
+    names = _worker_names(parsed.config)
+    assert parsed.name in names, f"--name {parsed.name} is not a worker of {parsed.config} ({names})"
+
+
+def _parse_gossip_cluster(args: list[str]) -> None:
+    """The cluster's own flags, then what it passes on, as its first worker gets them."""
+    parsed, worker_flags = _example("gossip_cluster").parser().parse_known_args(args)
+    names = _worker_names(parsed.config)
+    _example("gossip_train").parse_args(["--config", parsed.config, "--name", names[0], *worker_flags])
+
+
+EXAMPLE_PARSERS = {"examples/gossip_train.py": _parse_gossip_train, "examples/gossip_cluster.py": _parse_gossip_cluster}
+
+
+def _command_problem(command: str, capsys) -> str:
+    """Why ``command`` would not start as written ("" if it would): not run with python3, a script
+    or file under examples/ that is missing, or its flags refused by the script's command line."""
+    words = shlex.split(command)
+    if words[0] not in ("python3", "python"):
+        return "an example script is run with python3: write `python3 examples/...`"
+    script, args = words[1], [READERS_FILES.get(word, word) for word in words[2:]]
+    missing = [path for path in [script, *args] if path.startswith("examples/") and not (ROOT / path).exists()]
+    if missing:
+        return f"no such file: {', '.join(missing)}"
+    if script not in EXAMPLE_PARSERS:
+        return f"{script} has no parse check: add one to EXAMPLE_PARSERS in tests/test_readme.py"
+    try:
+        EXAMPLE_PARSERS[script](args)
+    except SystemExit:  # argparse's refusal: its last line says why
+        return capsys.readouterr().err.strip().splitlines()[-1]
+    return ""
+
+
+def test_every_example_command_in_the_readme_and_docs_parses_as_written(capsys):
+    commands = example_commands()
+    readme = [command for doc, command in commands if doc == "README.md"]
+    assert any("gossip_cluster.py" in c and "--model gpt-tiny" in c for c in readme), readme  # the adapter's LM
+    assert any(c.startswith("python3 examples/gossip_train.py --config") for c in readme), readme  # many machines
+    problems = {command: problem for _, command in commands if (problem := _command_problem(command, capsys))}
+    assert not problems, problems
+
+
+def test_the_parse_check_refuses_a_command_that_would_stop_on_its_arguments(capsys):
+    """The command the README once gave (one worker, without its config and name), a flag no script
+    knows, a file that is not there, a script run without python3: each is refused, saying why."""
+    one_worker = "python3 examples/gossip_train.py --dataset pystdlib --model gpt-tiny --context 64 --steps 200"
+    assert "--config and --name required" in _command_problem(one_worker, capsys)
+    assert "gossip_cluster.py" in _command_problem(one_worker, capsys)  # and what to run instead
+    unknown = "python3 examples/gossip_cluster.py --config examples/gossip-4.yaml --stepz 3"
+    assert "unrecognized arguments: --stepz 3" in _command_problem(unknown, capsys)
+    assert "no such file: examples/gossip-9.yaml" in _command_problem(
+        "python3 examples/gossip_cluster.py --config examples/gossip-9.yaml", capsys)
+    assert "python3" in _command_problem("examples/gossip_train.py --config examples/gossip-4.yaml --name w1", capsys)
+    with pytest.raises(AssertionError, match="--name w9 is not a worker"):
+        _command_problem("python3 examples/gossip_train.py --config examples/gossip-4.yaml --name w9", capsys)
+
+
+def test_the_gossip_worker_without_its_config_says_what_to_run_instead(tmp_path):
+    """Run as a new user would: one line naming the missing flags and the cluster command, exit 2."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "gossip_train.py"), "--dataset", "pystdlib"],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("gossip_train.py: error: --config and --name required") and "gossip_cluster.py" in last
+    assert "Traceback" not in result.stderr
+
+
+LM_STEPS = 20  # the README's 200 steps take over 5 minutes on 2 cores; its flags are parsed as printed above
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_adapters_language_model_command_runs_as_printed(tmp_path):
+    """The README's inline command (the adapter training gpt-tiny on four workers), run as printed
+    but for its step count: four workers each report a perplexity below a uniform guess's."""
+    (command,) = [c for doc, c in example_commands() if doc == "README.md" and "--model gpt-tiny" in c]
+    assert "--steps 200" in command, command
+    command = command.replace("--steps 200", f"--steps {LM_STEPS}")
+    config = (ROOT / "examples" / "gossip-4.yaml").read_text()
+    ports = [int(p) for p in re.findall(r"port: (\d+)", config)]
+    if not all(_ports_free(port) for port in ports):  # the printed ports, unless a connection holds one now
+        for port in ports:
+            config = config.replace(f"port: {port}", f"port: {free_port_pair()}")
+        (tmp_path / "gossip-free.yaml").write_text(config)
+        command = command.replace("examples/gossip-4.yaml", "gossip-free.yaml")
+    result = _run_block(command, tmp_path, timeout=540)
+    assert result.returncode == 0, result.stdout
+    perplexities = [float(p) for p in re.findall(r"w\d: test accuracy [\d.]+, perplexity ([\d.]+)", result.stdout)]
+    assert len(perplexities) == 4 and max(perplexities) < 256, result.stdout  # below a uniform guess's

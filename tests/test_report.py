@@ -55,7 +55,7 @@ def test_topology_png_of_a_small_graph_still_draws_every_edge(tmp_path):
     summary, graph = _run_folder(tmp_path, "regular:3", DRAWN, bad=(1,))
     fig = topology_figure(tmp_path, summary, "small")
     assert _edge_segments(fig) == len(graph.edges()) == 96
-    assert "topology, nodes by final accuracy" in fig.axes[0].get_title()
+    assert "topology, nodes by final test accuracy" in fig._suptitle.get_text()
 
 
 @pytest.mark.parametrize("nodes", [12, DRAWN + 36])  # the circle, and the summary's grid beyond DRAWN
@@ -75,7 +75,7 @@ def test_topology_png_colours_nodes_by_their_finish_time_lag_where_asked(tmp_pat
     if nodes <= DRAWN:
         dots = next(c for c in fig.axes[0].collections if isinstance(c, PathCollection) and c.get_array() is not None)
         assert np.allclose(dots.get_array(), [v for v in expected if v is not None])
-        assert "nodes by finish-time lag" in fig.axes[0].get_title()
+        assert "nodes by finish-time lag" in fig._suptitle.get_text()
     else:
         cells = fig.axes[0].images[0].get_array()
         assert np.allclose(cells.ravel()[:nodes].filled(np.nan), [np.nan if v is None else v for v in expected],

@@ -27,7 +27,7 @@ from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition,
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.definitions.pushsum import PushSumSettings
 from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
-from meshlearn.errors import ConfigError, TopologyError
+from meshlearn.errors import ConfigError, TopologyError, about
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
 from meshlearn.outer import OUTER_HELP, OuterOptimizer
@@ -35,6 +35,7 @@ from meshlearn.privacy.settings import DP_HELP, DPSettings
 from meshlearn.schedule import SCHEDULE_HELP, LrSchedule
 from meshlearn.settings import MAX_SEED, Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
+from meshlearn.suggest import did_you_mean
 from meshlearn.tasks.spec import TASK_HELP, TASKS
 from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
@@ -193,12 +194,14 @@ class ExperimentConfig(Settings):
     def _valid_rule(cls, value: str) -> str:
         # a built-in rule's arguments are checked here; whether a name is registered, once the
         # user's --models-module has loaded (sim.checks, or the node when it builds its rule)
-        return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
+        with about("aggregation", value):
+            return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
 
     @field_validator("optimizer")
     @classmethod
     def _valid_optimizer(cls, value: str) -> str:
-        parse_optimizer(value)
+        with about("optimizer", value):
+            parse_optimizer(value)
         return value.strip()
 
     @field_validator("algorithm")
@@ -206,8 +209,7 @@ class ExperimentConfig(Settings):
     def _known_algorithm(cls, value: str, info: ValidationInfo) -> str:
         value = value.strip()
         if value not in DEFINITIONS and not info.data.get("models_module"):  # else checked once it has loaded
-            raise ValueError(f"unknown algorithm {value!r}: choose one of {', '.join(DEFINITIONS.names())}, or "
-                             "register your own in a --models-module file")
+            raise ValueError(f"{DEFINITIONS.unknown(value)}, or register your own in a --models-module file")
         return value
 
     @model_validator(mode="after")
@@ -267,14 +269,15 @@ class ExperimentConfig(Settings):
     def _known_task(cls, value: str, info: ValidationInfo) -> str:
         value = value.strip()
         if value != "auto" and value not in TASKS and not info.data.get("models_module"):  # else checked once loaded
-            raise ValueError(f"unknown task {value!r}: choose auto, {', '.join(TASKS.names())}, or register your own "
-                             "in a --models-module file")
+            raise ValueError(f"unknown task {value!r}: {did_you_mean(value, ['auto', *TASKS.names()])}choose auto, "
+                             f"{', '.join(TASKS.names())}, or register your own in a --models-module file")
         return value
 
     @field_validator("sharing")
     @classmethod
     def _valid_sharing(cls, value: str) -> str:
-        return str(parse_sharing(value))
+        with about("sharing", value):
+            return str(parse_sharing(value))
 
     @model_validator(mode="after")
     def _sharing_fits(self) -> "ExperimentConfig":
@@ -296,7 +299,7 @@ class ExperimentConfig(Settings):
         try:
             return check_sampling(value, info.data["topology"], info.data["nodes"])
         except TopologyError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(exc.problem) from None  # named with its setting and value, as every field's error
 
     @model_validator(mode="after")
     def _sampling_fits(self) -> "ExperimentConfig":

@@ -6,7 +6,17 @@
     ├── NetworkError: AuthError, BadMessage, RemoteError, Unreachable, TaskFailed
     ├── TaskCancelled
     └── NodeFailure
+
+A UserInputError about one setting carries its name and the value given (``setting``, ``value``), so
+the command line can name the flag as it was typed (``--partition shards:abc: K must be ...``): the
+one place that writes that prefix.
 """
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 
 class MeshlearnError(Exception):
@@ -16,9 +26,31 @@ class MeshlearnError(Exception):
 
 
 class UserInputError(MeshlearnError):
-    """Bad input from the user (flag, config file, path): exit code 2."""
+    """Bad input from the user (flag, config file, path): exit code 2.
+
+    ``problem``: what is wrong. Where it is about one setting, ``setting`` names it (as a file, or a
+    flag's destination, writes it) and ``value`` is what was given: the error reads ``setting 'value':
+    problem``, and the command line writes ``--setting value: problem``."""
 
     exit_code = 2
+
+    def __init__(self, problem: str = "", setting: str | None = None, value: Any = None):
+        shown = "" if value is None or isinstance(value, (dict, list)) else f" {value!r}"
+        super().__init__(f"{setting}{shown}: {problem}" if setting else problem)
+        self.problem, self.setting, self.value = problem, setting, value
+
+
+@contextlib.contextmanager
+def about(setting: str, value: Any) -> Iterator[None]:
+    """Name ``setting`` and its ``value`` in a UserInputError raised inside that names no setting of
+    its own (a check that knows what is wrong with a value, not which setting it came from), for the
+    command line to name the flag; its message stays as it was."""
+    try:
+        yield
+    except UserInputError as exc:
+        if not exc.setting:
+            exc.setting, exc.value = setting, value
+        raise
 
 
 class ConfigError(UserInputError):

@@ -11,7 +11,7 @@ from torch import nn
 
 from meshlearn.data import Dataset, test_samples
 from meshlearn.metrics import classification_report, confusion_matrix
-from meshlearn.plots import pyplot
+from meshlearn.plots import fit_title, pyplot
 
 EVAL_BATCH = 128  # test samples per forward pass: bounds a node's activations (LeNet: 17 MB a layer)
 
@@ -145,7 +145,7 @@ def predictions_figure(dataset: Dataset, images: torch.Tensor, labels, predicted
             spine.set_edgecolor(colour)
             spine.set_linewidth(3 if wrong else 1)
     errors = sum(y != p for y, p in zip(labels, predicted))
-    fig.suptitle(f"{title}\n{errors} of {len(labels)} test images predicted wrongly (red)", fontsize=9)
+    fit_title(fig, f"{title}\n{errors} of {len(labels)} test images predicted wrongly (red)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -24,6 +24,7 @@ from pydantic import Field, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError
 from meshlearn.settings import Settings
+from meshlearn.suggest import closest
 
 _UNITS = {"ms": 1e-3, "s": 1.0, "us": 1e-6}
 RTO_MIN = 0.2  # seconds: Linux's minimum TCP retransmission timeout
@@ -69,7 +70,7 @@ class NetemSpec(Settings):
         try:
             fields = cls._parse_fields(text or "")
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            raise ConfigError(str(exc), setting="net", value=text) from None
         return cls(**fields)
 
     @staticmethod
@@ -78,10 +79,11 @@ class NetemSpec(Settings):
         for item in filter(None, (part.strip() for part in text.split(","))):
             key, sep, raw = item.partition("=")
             if not sep or key.strip() not in _KEYS:
-                raise ValueError(f"network emulation {text!r}: {item!r} is not one of {_SYNTAX}")
+                meant = None if key.strip() in _KEYS else closest(key.strip(), _KEYS)
+                raise ValueError(f"{item!r} is not one of {_SYNTAX}" + (f" (did you mean {meant}?)" if meant else ""))
             key = key.strip()
             parse = _percent if key in ("loss", "corr") else _rate if key == "rate" else _duration
-            values[key] = parse(raw, text)
+            values[key] = parse(raw)
         return values
 
     def describe(self) -> str:
@@ -91,26 +93,26 @@ class NetemSpec(Settings):
         return text + (f",rate={_bandwidth(self.rate)}" if self.rate else "")
 
 
-def _percent(raw: str, text: str) -> float:
+def _percent(raw: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*(%?)\s*", raw)
     value = float(match.group(1)) / (100 if match.group(2) else 1) if match else -1
     if not 0 <= value <= 1:
-        raise ValueError(f"network emulation {text!r}: {raw!r} must be a share like 20% (0..100%)")
+        raise ValueError(f"{raw!r} must be a share like 20% (0..100%)")
     return value
 
 
-def _duration(raw: str, text: str) -> float:
+def _duration(raw: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*(ms|s|us)?\s*", raw)
     if not match:
-        raise ValueError(f"network emulation {text!r}: {raw!r} must be a duration like 200ms")
+        raise ValueError(f"{raw!r} must be a duration like 200ms")
     return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
 
 
-def _rate(raw: str, text: str) -> float:
+def _rate(raw: str) -> float:
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?bit)\s*", raw.lower())
     value = float(match.group(1)) * _RATE_UNITS[match.group(2)] if match else 0.0
     if value <= 0:
-        raise ValueError(f"network emulation {text!r}: {raw!r} must be a bandwidth like 10mbit "
+        raise ValueError(f"{raw!r} must be a bandwidth like 10mbit "
                          "(bit, kbit, mbit or gbit a second)")
     return value
 

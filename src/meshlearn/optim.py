@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshlearn.checkpoint import Stateful
 from meshlearn.errors import ConfigError
+from meshlearn.suggest import did_you_mean
 
 if TYPE_CHECKING:
     import torch
@@ -34,14 +35,16 @@ def parse_optimizer(text: str) -> tuple[str, dict[str, Any]]:
     name, _, rest = str(text).strip().partition(":")
     cls = OPTIMIZERS.get(name.strip().lower())
     if cls is None:
-        raise ConfigError(f"unknown optimizer {name!r}: use one of {', '.join(OPTIMIZERS)}")
+        raise ConfigError(f"unknown optimizer {name!r}: {did_you_mean(name.strip(), list(OPTIMIZERS))}use one of "
+                          f"{', '.join(OPTIMIZERS)}")
     args: dict[str, Any] = {}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = (p.strip() for p in item.partition("="))
         if key in ("lr", "params"):
-            raise ConfigError(f"optimizer {text!r}: {key} comes from the run's own setting (lr), not from here")
+            raise ConfigError(f"{key} comes from the run's own setting (lr), not from here", setting="optimizer",
+                              value=text)
         if not sep or not _KEY.fullmatch(key):
-            raise ConfigError(f"optimizer {text!r}: {item!r} is not KEY=VALUE")
+            raise ConfigError(f"{item!r} is not KEY=VALUE", setting="optimizer", value=text)
         args[key] = _value(value, text)
     return cls, args
 
@@ -52,9 +55,10 @@ def _value(text: str, spec: str) -> Any:
     try:
         numbers = [float(part) for part in text.split()]
     except ValueError:
-        raise ConfigError(f"optimizer {spec!r}: {text!r} is not a number, true/false, or numbers") from None
+        raise ConfigError(f"{text!r} is not a number, true/false, or numbers", setting="optimizer",
+                          value=spec) from None
     if not numbers:
-        raise ConfigError(f"optimizer {spec!r}: a value is missing")
+        raise ConfigError("a value is missing", setting="optimizer", value=spec)
     numbers = [int(n) if n.is_integer() and "." not in text and "e" not in text.lower() else n for n in numbers]
     return numbers[0] if len(numbers) == 1 else tuple(numbers)
 
@@ -105,4 +109,4 @@ def make_optimizer(spec: str, params: "torch.Tensor", lr: float, momentum: float
     try:
         return TorchRows(params, getattr(torch.optim, name)([params], **settings))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"optimizer {spec!r}: torch.optim.{name} says: {exc}") from None
+        raise ConfigError(f"torch.optim.{name} says: {exc}", setting="optimizer", value=spec) from None

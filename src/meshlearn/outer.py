@@ -26,6 +26,7 @@ from pydantic import Field
 
 from meshlearn.errors import ConfigError
 from meshlearn.settings import SpecSettings, parse_key_values
+from meshlearn.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -151,9 +152,9 @@ def parse_outer(text: str) -> dict[str, Any]:
     kind, _, rest = str(text).strip().partition(":")
     kind = kind.strip().lower()
     if kind not in KINDS:
-        raise ConfigError(f"outer {text!r}: write one of {', '.join(KINDS)}, optionally with :KEY=VALUE,... "
-                          "(e.g. nesterov:lr=0.7,momentum=0.9)")
+        raise ConfigError(f"{did_you_mean(kind, KINDS)}write one of {', '.join(KINDS)}, optionally with "
+                          ":KEY=VALUE,... (e.g. nesterov:lr=0.7,momentum=0.9)", setting="outer", value=text)
     keys = [key for key in DEFAULTS[kind] if not (kind == "nesterov" and key == "nesterov")]
-    options = parse_key_values(rest, keys, f"outer {text!r}", lambda item: f"{item!r} is not one of {kind}'s options "
+    options = parse_key_values(rest, keys, "outer", text, lambda item: f"{item!r} is not one of {kind}'s options "
                                f"(KEY=VALUE; keys: {', '.join(keys) or 'none'})", booleans=("nesterov",))
     return {"kind": kind, **DEFAULTS[kind], **options}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable, Generic, Mapping, TypeVar
 
 from meshlearn.errors import ConfigError, MeshlearnError, UserInputError
+from meshlearn.suggest import did_you_mean
 
 T = TypeVar("T")
 
@@ -43,7 +44,11 @@ class Registry(Generic[T]):
     def check(self, name: str) -> None:
         """Raise the registry's error if ``name`` is unknown (imports nothing)."""
         if name not in self:
-            raise self.error(f"unknown {self.kind} {name!r}: choose one of {', '.join(self.names())}")
+            raise self.error(self.unknown(name))
+
+    def unknown(self, name: str) -> str:
+        """What to say of a ``name`` not registered: the known one it may have meant, and the rest."""
+        return f"unknown {self.kind} {name!r}: {did_you_mean(name, self.names())}choose one of {', '.join(self.names())}"
 
     def get(self, name: str) -> T:
         """The extension named ``name``."""

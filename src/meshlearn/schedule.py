@@ -16,7 +16,9 @@ from pydantic import Field, model_serializer, model_validator
 
 from meshlearn.errors import ConfigError
 from meshlearn.settings import Settings
+from meshlearn.suggest import did_you_mean
 
+SCHEDULES = ("constant", "cosine")  # the kinds of schedule
 SCHEDULE_HELP = ("constant | cosine (decays to MIN x lr at the last iteration along a cosine), either with "
                  ":warmup=N (a linear warm-up over the first N iterations) and cosine with min=MIN (0.1 if left out): "
                  "e.g. cosine:warmup=20,min=0.1")
@@ -60,18 +62,18 @@ def parse_schedule(text: str) -> dict[str, Any]:
     """``"cosine:warmup=20"`` -> the fields of an LrSchedule; ConfigError saying what is wrong."""
     kind, _, rest = str(text).strip().partition(":")
     kind = kind.strip().lower()
-    if kind not in ("constant", "cosine"):
-        raise ConfigError(f"lr_schedule {text!r}: write constant or cosine, optionally with :warmup=N "
-                          "(and min=F for cosine)")
+    if kind not in SCHEDULES:
+        raise ConfigError(f"{did_you_mean(kind, SCHEDULES)}write constant or cosine, optionally with :warmup=N "
+                          "(and min=F for cosine)", setting="lr_schedule", value=text)
     fields: dict[str, Any] = {"kind": kind}
     for item in filter(None, (part.strip() for part in rest.split(","))):
         key, sep, value = (p.strip() for p in item.partition("="))
         if not sep or key not in ("warmup", "min") or (key == "min" and kind != "cosine"):
-            raise ConfigError(f"lr_schedule {text!r}: {item!r} is not warmup=N" + (" or min=F" if kind == "cosine"
-                                                                                    else ""))
+            raise ConfigError(f"{item!r} is not warmup=N" + (" or min=F" if kind == "cosine" else ""),
+                              setting="lr_schedule", value=text)
         try:
             fields[key] = int(value) if key == "warmup" else float(value)
         except ValueError:
-            raise ConfigError(f"lr_schedule {text!r}: {key} must be a " + ("whole number" if key == "warmup" else
-                                                                           "number")) from None
+            raise ConfigError(f"{key} must be a " + ("whole number" if key == "warmup" else "number"),
+                              setting="lr_schedule", value=text) from None
     return fields

@@ -16,8 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serial
 from meshlearn.errors import ConfigError
 
 
-def describe_error(exc: ValidationError, rename: Callable[[tuple], str] | None = None) -> str:
-    """One line naming the first invalid setting, what is wrong, and what was given.
+def setting_error(exc: ValidationError, rename: Callable[[tuple], str] | None = None) -> ConfigError:
+    """One line naming the first invalid setting, what is wrong, and what was given: a ConfigError
+    whose ``setting`` and ``value`` say which (``udp_mode 'fast': Input should be ...``).
 
     ``rename`` turns an error location into the name the user wrote (e.g. ``udp.mode`` ->
     ``udp_mode`` when settings were given flat); by default the location is dotted.
@@ -25,16 +26,13 @@ def describe_error(exc: ValidationError, rename: Callable[[tuple], str] | None =
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not isinstance(p, int) or len(err["loc"]) == 1)
     where = (rename(loc) if rename and loc else ".".join(str(p) for p in loc)) or "config"
-    got = err.get("input")
-    shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
     extra = "" if len(exc.errors()) == 1 else f" (and {len(exc.errors()) - 1} more problem(s))"
     if err["type"] == "extra_forbidden":
-        return f"unknown setting {where!r}: remove it or check its spelling{extra}"
+        return ConfigError(f"unknown setting {where!r}: remove it or check its spelling{extra}")
     message = err["msg"].removeprefix("Value error, ")
     if not loc:  # a rule across settings
-        return message + extra
-    return f"setting {where!r}: {message}{shown}{extra}"
-
+        return ConfigError(message + extra)
+    return ConfigError(message + extra, setting=where, value=err.get("input"))
 
 
 MAX_SEED = 2**32 - 1  # every seed a run takes: fits numpy's, torch's and Python's generators with room for offsets
@@ -51,7 +49,7 @@ class Settings(BaseModel):
         try:
             super().__init__(**values)
         except ValidationError as exc:
-            raise ConfigError(describe_error(exc, rename=self.setting_name)) from None
+            raise setting_error(exc, rename=self.setting_name) from None
 
     # Tell pydantic this __init__ only wraps BaseModel's: settings nested in other settings are then
     # validated as part of their parent, so one error names the whole path (udp.mode), not a part.
@@ -68,25 +66,25 @@ class Settings(BaseModel):
         return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}
 
 
-def parse_key_values(items: str, allowed: Sequence[str], prefix: str, unknown: Callable[[str], str],
+def parse_key_values(items: str, allowed: Sequence[str], setting: str, value: str, unknown: Callable[[str], str],
                      booleans: Sequence[str] = ()) -> dict[str, float | bool]:
     """``"k=v,k=v"`` (a small language's options) -> {key: a number, or true/false for ``booleans``};
-    a ConfigError, after ``prefix``, where an item is not ``KEY=VALUE`` with an ``allowed`` key
-    (``unknown(item)`` says so) or its value is not of its kind."""
+    a ConfigError about ``setting``, given as ``value``, where an item is not ``KEY=VALUE`` with an
+    ``allowed`` key (``unknown(item)`` says so) or its value is not of its kind."""
     fields: dict[str, float | bool] = {}
     for item in filter(None, (part.strip() for part in items.split(","))):
-        key, sep, value = (part.strip() for part in item.partition("="))
+        key, sep, text = (part.strip() for part in item.partition("="))
         if not sep or key not in allowed:
-            raise ConfigError(f"{prefix}: {unknown(item)}")
+            raise ConfigError(unknown(item), setting=setting, value=value)
         if key in booleans:
-            if value.lower() not in ("true", "false"):
-                raise ConfigError(f"{prefix}: {key} is true or false")
-            fields[key] = value.lower() == "true"
+            if text.lower() not in ("true", "false"):
+                raise ConfigError(f"{key} is true or false", setting=setting, value=value)
+            fields[key] = text.lower() == "true"
             continue
         try:
-            fields[key] = float(value)
+            fields[key] = float(text)
         except ValueError:
-            raise ConfigError(f"{prefix}: {key} must be a number") from None
+            raise ConfigError(f"{key} must be a number", setting=setting, value=value) from None
     return fields
 
 

@@ -51,20 +51,21 @@ def parse_rule(text: str) -> RuleSpec:
     names, optional, kind = BUILT_IN_RULES[name]
     usage = ":".join([name, *names])
     if not len(names) - optional <= len(raw) <= len(names):
-        raise ConfigError(f"aggregation rule {text!r}: write it {usage}" + (" or " + name if optional else ""))
+        raise ConfigError(f"write it {usage}" + (" or " + name if optional else ""), setting="aggregation",
+                          value=text)
     if name == "clip" and raw == [NEAREST]:
         return RuleSpec(name, (NEAREST,))
     try:
         args = tuple(kind(a) for a in raw)
     except ValueError:
-        raise ConfigError(f"aggregation rule {text!r}: {', '.join(names)} must be "
-                          f"{'whole numbers' if kind is int else 'numbers'} ({usage}"
-                          f"{' or clip:nearest' if name == 'clip' else ''})") from None
+        raise ConfigError(f"{', '.join(names)} must be {'whole numbers' if kind is int else 'numbers'} ({usage}"
+                          f"{' or clip:nearest' if name == 'clip' else ''})", setting="aggregation", value=text) from None
     if any(not math.isfinite(a) or a < 0 for a in args) or (name == "multi-krum" and args[1] < 1) or \
             (name == "clip" and args and args[0] <= 0):
-        raise ConfigError(f"aggregation rule {text!r}: its arguments must be positive numbers ({usage})")
+        raise ConfigError(f"its arguments must be positive numbers ({usage})", setting="aggregation", value=text)
     if name == "filter" and args and args[0] < 1:
-        raise ConfigError(f"aggregation rule {text!r}: C must be at least 1 (the nearest neighbour always counts)")
+        raise ConfigError("C must be at least 1 (the nearest neighbour always counts)", setting="aggregation",
+                          value=text)
     return RuleSpec(name, args)
 
 

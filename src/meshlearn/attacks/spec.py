@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshlearn.errors import ConfigError
+from meshlearn.suggest import did_you_mean
 
 # behaviour -> (its argument's name, default; None: it takes none)
 BEHAVIOURS: dict[str, tuple[str, float] | None] = {
@@ -35,21 +36,27 @@ def parse_byzantine(text: str, nodes: int | None = None) -> dict[int, ByzantineS
         rank_text, _, rest = item.partition(":")
         behaviour, _, arg_text = rest.partition(":")
         if not rank_text.strip().isdigit() or behaviour not in BEHAVIOURS:
-            raise ConfigError(f"byzantine {item!r}: write RANK:BEHAVIOUR[:ARG] with BEHAVIOUR one of "
-                              f"{', '.join(BEHAVIOURS)} (e.g. 3:sign-flip:10)")
+            raise _refused(text, item, f"{did_you_mean(behaviour, list(BEHAVIOURS))}write RANK:BEHAVIOUR[:ARG] with "
+                           f"BEHAVIOUR one of {', '.join(BEHAVIOURS)} (e.g. 3:sign-flip:10)")
         rank = int(rank_text)
         if rank in found or (nodes is not None and rank >= nodes):
-            raise ConfigError(f"byzantine {item!r}: node {rank} " + ("is named twice" if rank in found else
-                                                                        f"does not exist (nodes 0..{nodes - 1})"))
+            raise _refused(text, item, f"node {rank} " + ("is named twice" if rank in found else
+                                                          f"does not exist (nodes 0..{nodes - 1})"))
         takes = BEHAVIOURS[behaviour]
         if takes is None:
             if arg_text:
-                raise ConfigError(f"byzantine {item!r}: {behaviour} takes no argument")
+                raise _refused(text, item, f"{behaviour} takes no argument")
             found[rank] = ByzantineSpec(behaviour)
             continue
         try:
             arg = float(arg_text) if arg_text else takes[1]
         except ValueError:
-            raise ConfigError(f"byzantine {item!r}: {takes[0]} must be a number") from None
+            raise _refused(text, item, f"{takes[0]} must be a number") from None
         found[rank] = ByzantineSpec(behaviour, arg)
     return found
+
+
+def _refused(text: str, item: str, problem: str) -> ConfigError:
+    """The error for one bad ``item`` of the setting ``text`` (the item named where there are others)."""
+    text = str(text).strip()
+    return ConfigError(problem if item == text else f"{item!r}: {problem}", setting="byzantine", value=text)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -155,7 +155,7 @@ class NodeModels:
                 at += stop - start
         return jobs
 
-    def _work(self, replica: _Replica, jobs: list[_Job], grads: torch.Tensor, losses: torch.Tensor) -> None:
+    def _work(self, replica: _Replica, jobs: Iterable[_Job], grads: torch.Tensor, losses: torch.Tensor) -> None:
         for job in jobs:
             batch, count = job.batch, job.stop - job.start
             if self.vectorized:

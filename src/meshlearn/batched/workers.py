@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -71,16 +73,19 @@ class Workers:
     """Up to ``count`` threads with one intra-op thread each, started on first use. ``run`` splits
     a step's jobs into contiguous parts, one per worker, each done with that worker's own copy of
     some per-thread state (``make``: e.g. a model, which ``functional_call`` rebinds, so threads
-    may not share one)."""
+    may not share one). ``close`` stops a part in progress after its current job: Ctrl-C in the
+    middle of a step waits for one job (a block of nodes), not for the rest of the step."""
 
     def __init__(self, count: int, make: Callable[[], object]):
         self.count = count
         self._make = make
         self._own: list[object] = []
         self._pool: ThreadPoolExecutor | None = None
+        self._stopping = threading.Event()  # set by close: the parts of the run in progress stop
 
-    def run(self, work: Callable[[object, list[Job]], None], jobs: list[Job], workers: int) -> None:
-        """Do ``jobs`` on ``workers`` threads (at most ``count``), in order within each part; wait
+    def run(self, work: Callable[[object, Iterable[Job]], None], jobs: list[Job], workers: int) -> None:
+        """Do ``jobs`` on ``workers`` threads (at most ``count``), in order within each part (``work``
+        is given a worker's state and its part, which ends early once ``close`` is called); wait
         for all, then raise the first failure."""
         if not jobs:
             return
@@ -93,13 +98,23 @@ class Workers:
         futures: list[Future] = []
         for index in range(workers):
             part = jobs[len(jobs) * index // workers:len(jobs) * (index + 1) // workers]
-            futures.append(self._pool.submit(work, self._own[index], part))
+            futures.append(self._pool.submit(work, self._own[index], _until(self._stopping, part)))
         wait(futures)
         for future in futures:
             future.result()
 
     def close(self) -> None:
-        """Stop the threads (a later ``run`` starts them again)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Stop the threads, each once its current job is done (a later ``run`` starts them again)."""
+        stopping, self._stopping = self._stopping, threading.Event()  # a later run's parts do not stop
+        stopping.set()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _until(stopping: threading.Event, part: list[Job]) -> Iterator[Job]:
+    """The jobs of ``part``, one by one, until ``stopping`` is set."""
+    for job in part:
+        if stopping.is_set():
+            return
+        yield job

@@ -4,12 +4,17 @@ the model's fields, so a default lives in one place and every flag's help says w
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import types
 import typing
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
+
+DEFAULT = re.compile(r"\s*\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)\s*$")  # how a flag's help ends
+BRIEF_CHARS = 240  # a common flag's help longer than this shows without its asides in a short --help
 
 
 def _kind(annotation: Any) -> tuple[type, list[str] | None]:
@@ -57,3 +62,44 @@ def add_flags(group: argparse._ActionsContainer, fields: Iterable[tuple[str, Fie
 def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
     """The flags among ``names`` that were given on the command line."""
     return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+def brief(text: str) -> str:
+    """A flag's help as a short --help shows it: where longer than ``BRIEF_CHARS``, without its
+    asides (what it says in parentheses), but with its default."""
+    if len(text) <= BRIEF_CHARS:
+        return text
+    found = DEFAULT.search(text)
+    meaning, default = (text[:found.start()], found.group(0)) if found else (text, "")
+    kept, depth = [], 0
+    for char in meaning:
+        depth += char == "("
+        if not depth:
+            kept.append(char)
+        depth -= char == ")" and depth > 0
+    return re.sub(r"\s+([;,])", r"\1", " ".join("".join(kept).split())) + default
+
+
+def as_typed(exc: Exception, parser: argparse.ArgumentParser, words: Sequence[str]) -> str:
+    """The line that says ``exc``: an error about a setting the user gave as one of ``parser``'s flags
+    opens with that flag and its value as typed (``--partition shards:abc: K must be ...``), the one
+    place that prefix is written; any other error as it reads (a setting from a config file is named
+    by its key)."""
+    setting = getattr(exc, "setting", None)
+    flags = next((action.option_strings for action in parser._actions
+                  if setting and action.dest == setting and action.option_strings), [])
+    typed = typed_value(flags, words)
+    return str(exc) if typed is None else f"{flags[-1]} {shlex.quote(typed)}: {exc.problem}"
+
+
+def typed_value(flags: Sequence[str], words: Sequence[str]) -> str | None:
+    """The value last given to any of ``flags`` among the command line's ``words`` (``--lr 0.1`` or
+    ``--lr=0.1``: argparse keeps the last), or None where none was."""
+    found = None
+    for index, word in enumerate(words):
+        if word == "--":
+            break
+        name, eq, value = word.partition("=")
+        if name in flags:
+            found = value if eq else (words[index + 1] if index + 1 < len(words) else None)
+    return found

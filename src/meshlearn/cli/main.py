@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
-import difflib
+import copy
 import importlib.metadata
 import json
 import logging
-import os
 import sys
-import threading
 import time
 import typing
 from pathlib import Path
 from typing import Any, Sequence
 
 from meshlearn.cli import COMMAND_STARTED
-from meshlearn.cli.flags import add_flags, given
+from meshlearn.cli.flags import add_flags, as_typed, brief, given
 from meshlearn.cli.live import add_live_flags, check_live_flags, dashboard, watch_run
 from meshlearn.cli.network import add_network_commands
 from meshlearn.config import (
@@ -30,6 +27,8 @@ from meshlearn.config import (
     read_config_file,
 )
 from meshlearn.errors import MeshlearnError
+from meshlearn.exiting import exit_now
+from meshlearn.suggest import closest, did_you_mean
 
 DEMO = {
     "nodes": 8,
@@ -47,31 +46,160 @@ DEMO = {
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag as one line (exit 2) instead of usage plus error, suggests
-    the flag a typo meant, and takes no abbreviations (``--node 4`` is not ``--nodes 4``)."""
+    """argparse that reports a bad flag or value as one line (exit 2) instead of usage plus error,
+    suggests the flag, command or choice a typo meant (``suggest.closest``), takes no abbreviations
+    (``--node 4`` is not ``--nodes 4``), and keeps its usage to one line. A command given its
+    ``common`` flags (``show_common``) lists only those with --help, and every one with --help-all."""
 
     def __init__(self, *args, **kwargs):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self.common: dict[str, list[str]] = {}
+
+    def show_common(self, groups: dict[str, list[str]]) -> None:
+        """--help lists only these flags (group title -> flag destinations) and says how to see the
+        rest; --help-all lists every flag. Their order also ranks suggestions for a mistyped flag."""
+        self.common = groups
+        self.add_argument("--help-all", action=_HelpAll, help="show every flag, not only the common ones, and exit")
+
+    @property
+    def usage(self) -> str | None:
+        """The usage line: the one given, else ``_short_usage``."""
+        return self._usage or self._short_usage()
+
+    @usage.setter
+    def usage(self, value: str | None) -> None:
+        self._usage = value
+
+    def format_help(self) -> str:
+        if not self.common:
+            return super().format_help()
+        formatter = self._get_formatter()
+        formatter.add_usage(self.usage, self._actions, self._mutually_exclusive_groups)
+        formatter.add_text(self.description)
+        by_dest = {action.dest: action for action in self._actions}
+        for title, dests in self.common.items():
+            formatter.start_section(title)
+            formatter.add_arguments([_briefly(by_dest[dest]) for dest in dests])
+            formatter.end_section()
+        shown = {dest for dests in self.common.values() for dest in dests}
+        rest = [action for action in self._actions if action.option_strings and action.dest not in shown
+                and not isinstance(action, (argparse._HelpAction, _HelpAll))]
+        formatter.add_text(f"These are the common flags: {self.prog} --help-all lists every one ({len(rest)} more: "
+                           "each algorithm's and transport's settings, privacy, attacks, checkpoints, ...), as "
+                           "does docs/settings.md.")
+        return formatter.format_help()
+
+    def format_help_all(self) -> str:
+        """The help of every flag, by group."""
+        return super().format_help()
+
+    def _short_usage(self) -> str | None:
+        """A command's synopsis in one line, ``meshlearn node --config CONFIG ... [options]``: what it
+        requires, then ``[options]`` for the flags its help lists (argparse's lists every flag)."""
+        if self._subparsers is not None:  # `meshlearn` itself: argparse's is short
+            return None
+        words = [f"{action.option_strings[-1]} {action.metavar or action.dest.upper()}" if action.option_strings
+                 else str(action.metavar or action.dest) for action in self._actions
+                 if action.required or not action.option_strings]
+        return " ".join(["%(prog)s", *words, "[options]"])
 
     def error(self, message: str) -> typing.NoReturn:
-        hint = f"see {self.prog} --help"
+        hint = f"see {self.prog} {'--help-all' if self.common else '--help'}"
         if message.startswith("unrecognized arguments") and {"-v", "--verbose"} & set(message.split()):
             hint = "-v goes before the command: meshlearn -v COMMAND ..."
         elif message.startswith("unrecognized arguments"):
             hint = self._did_you_mean(message.partition(":")[2].split()) or hint
         elif "required: KEY" in message:  # a printed key may start with '-', which argparse takes for a flag
             hint = f"a KEY that starts with '-' goes after '--': {self.prog} -- KEY"
+        elif CHOICES in message:  # the choices are listed: nothing to look up
+            self.exit(2, f"{self.prog}: error: {message}\n")
         self.exit(2, f"{self.prog}: error: {message} ({hint})\n")
 
     def _did_you_mean(self, words: list[str]) -> str:
-        """"did you mean --topology" for the first unknown flag that is close to one of this command's."""
-        flags = [flag for flag in self._option_string_actions if flag.startswith("--")]
-        for word in words:
-            close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.75)
-            if word.startswith("--") and close:
-                return f"did you mean {close[0]}? see {self.prog} --help"
+        """"did you mean --iterations? ..." for the first unknown flag that is close to one of this
+        command's (the common ones first); a flag given a value is answered only with flags that take
+        one (``--epochs 3`` is never ``--full-epochs``, a yes/no flag)."""
+        for index, word in enumerate(words):
+            flag, eq, value = word.partition("=")
+            if not flag.startswith("--"):
+                continue
+            if not eq and index + 1 < len(words) and not _looks_like_flag(words[index + 1]):
+                value = words[index + 1]
+            given = bool(eq) or bool(value)
+            found = closest(flag, [option for action in self._by_likelihood() if not given or _takes(action, value)
+                                   for option in action.option_strings if option.startswith("--")])
+            if found:
+                return f"did you mean {found}? see {self.prog} {self._help_showing(found)}"
         return ""
+
+    def _help_showing(self, flag: str) -> str:
+        """The help flag whose list holds ``flag``: --help, or --help-all for one it leaves out."""
+        dest = self._option_string_actions[flag].dest
+        return "--help" if not self.common or any(dest in dests for dests in self.common.values()) else "--help-all"
+
+    def _by_likelihood(self) -> list[argparse.Action]:
+        """This command's flags, the common ones first."""
+        common = [dest for dests in self.common.values() for dest in dests]
+        rank = {dest: order for order, dest in enumerate(common)}
+        return sorted((a for a in self._actions if a.option_strings), key=lambda a: rank.get(a.dest, len(rank)))
+
+    def _check_value(self, action: argparse.Action, value: Any) -> None:
+        """A value not among a flag's (or the commands') choices: which it may have meant, and all."""
+        if action.choices is None or value in action.choices:
+            return
+        choices = [str(choice) for choice in action.choices]
+        hint = did_you_mean(str(value), choices)
+        what = f"{action.option_strings[-1]} {value}:" if action.option_strings else f"{value!r} is not a command:"
+        raise argparse.ArgumentError(None, f"{what} {hint}{CHOICES} {', '.join(choices)}")
+
+    def _get_value(self, action: argparse.Action, text: str) -> Any:
+        """A flag's value of its type, or one line naming the flag and the value typed."""
+        try:
+            return super()._get_value(action, text)
+        except argparse.ArgumentError:
+            if not action.option_strings or action.type not in (int, float):
+                raise
+            kind = "a whole number" if action.type is int else "a number"
+            raise argparse.ArgumentError(None, f"{action.option_strings[-1]} {text}: not {kind}") from None
+
+
+CHOICES = "choose from"  # how a refused choice lists the others
+
+
+class _HelpAll(argparse.Action):
+    """--help-all: every flag of the command, then exit."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None):
+        super().__init__(option_strings, dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser._print_message(parser.format_help_all(), sys.stdout)
+        parser.exit()
+
+
+def _briefly(action: argparse.Action) -> argparse.Action:
+    """``action`` with its help as a short --help shows it (``flags.brief``)."""
+    shown = copy.copy(action)
+    shown.help = brief(action.help or "")
+    return shown
+
+
+def _looks_like_flag(word: str) -> bool:
+    """Whether a word is a flag rather than a value (``-5`` is a value)."""
+    try:
+        float(word)
+        return False
+    except ValueError:
+        return word.startswith("-")
+
+
+def _takes(action: argparse.Action, value: str) -> bool:
+    """Whether ``action``'s flag takes ``value``: a yes/no flag only true or false, a switch none."""
+    if action.nargs == 0:
+        return False
+    yes_no = action.choices is not None and set(action.choices) == {"true", "false"}
+    return not yes_no or value.lower() in ("true", "false")
 
 
 # How the experiment settings' flags are grouped in --help (a setting not listed lands in the last group)
@@ -86,6 +214,16 @@ FLAG_GROUPS = {
     "outputs": ["output", "checkpoint_every", "checkpoint_keep"],
 }
 CONFIG_GROUP = " (flags override the config file)"  # the end of each experiment settings group's title
+# What `simulate --help` shows (flag destinations by what they are for): the flags a first run changes;
+# --help-all and docs/settings.md list every one. The order also ranks suggestions for a mistyped flag.
+COMMON_FLAGS = {
+    "what to run": ["config", "nodes", "engine", "algorithm", "topology", "iterations", "seed"],
+    "data and model": ["dataset", "partition", "model"],
+    "training": ["rounds", "batch_size", "lr", "optimizer"],
+    "network and results": ["transport", "net", "test_after", "output", "resume", "dashboard", "quiet"],
+}
+NODE_FLAGS = {"this node": ["config", "addresses", "rank"],
+              "often changed": ["host", "base_port", "output", "threads", "device"]}  # `node --help`'s
 SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
                   "leader": "leader aggregation", "fedavg": "FedAvg", "pushsum": "push-sum",
                   "batched": "the batched engine"}
@@ -267,14 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     demo.set_defaults(func=cmd_demo)
 
-    simulate = sub.add_parser("simulate", help="run N nodes on this machine (a process each, or all in one "
-                              "process with --engine batched)")
+    about_simulate = "run N nodes on this machine (a process each, or all in one process with --engine batched)"
+    simulate = sub.add_parser("simulate", help=about_simulate, description=about_simulate[:1].upper() +
+                              about_simulate[1:] + ".")
     simulate.add_argument("--config", help="YAML experiment file; flags override its settings (default: none)")
     simulate.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     simulate.add_argument("--resume", metavar="FOLDER", help="continue the interrupted run in this results folder "
                           "from its newest checkpoint, with its own settings (default: a new run)")
     add_live_flags(simulate)
     _add_config_flags(simulate)
+    simulate.show_common(COMMON_FLAGS)
     simulate.set_defaults(func=cmd_simulate)
 
     experiment = sub.add_parser("experiment", help="run the runs of an experiment file and compare them")
@@ -303,13 +443,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it (default: none)")
     sample.set_defaults(func=cmd_sample)
 
-    node = sub.add_parser("node", help="run one node of a multi-machine experiment")
+    node = sub.add_parser("node", help="run one node of a multi-machine experiment",
+                          description="Run one node of a multi-machine experiment.")
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")
     node.add_argument("--addresses", required=True, help="YAML file mapping rank -> host or host:port")
     node.add_argument("--rank", required=True, type=int, help="this node's rank")
     # --output (from the config flags) defaults to runs/<addresses file name> for `node`: all ranks share it;
     # a node is one process of the process engine, so it takes no --engine
     _add_config_flags(node, leave_out=("engine",))
+    node.show_common(NODE_FLAGS)
     node.set_defaults(func=cmd_node)
     add_network_commands(sub)
     return parser
@@ -327,7 +469,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
     ``started``: when the command began, as ``time.time()``, which a run's wall-clock counts from
     (default: now; the console script gives its process's start, ``cli.COMMAND_STARTED``)."""
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(words)
     if args.command is None and not unknown:  # bare `meshlearn`: what it can do
         parser.print_help()
         return 0
@@ -339,7 +482,8 @@ def main(argv: Sequence[str] | None = None, started: float | None = None) -> int
         args.started = time.time() if started is None else started
         return args.func(args)
     except MeshlearnError as exc:
-        print(f"meshlearn {args.command}: error: {exc}", file=sys.stderr)
+        command = parser.commands.choices.get(args.command, parser)
+        print(f"meshlearn {args.command}: error: {as_typed(exc, command, words)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"meshlearn {args.command}: interrupted; every node was stopped", file=sys.stderr)
@@ -350,17 +494,3 @@ def entry() -> None:
     """The `meshlearn` console script and ``python3 -m meshlearn``: the command, its wall-clock counted
     from this process's start, then a prompt exit (``exit_now``)."""
     exit_now(main(started=COMMAND_STARTED))
-
-
-def exit_now(code: int) -> None:
-    """End the process with ``code`` once what ``atexit`` asks is done and the output is flushed, but
-    without Python's unloading of every module (torch's and matplotlib's took most of a second after
-    the demo had printed its last line). Where another non-daemon thread still runs, the ordinary exit,
-    which waits for it."""
-    if any(thread.is_alive() and not thread.daemon and thread is not threading.main_thread()
-           for thread in threading.enumerate()):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -103,6 +104,21 @@ def _advertise(host: str) -> str:
     return host
 
 
+def _writable_folder(path: Path, flag: str) -> Path:
+    """``path`` if it is a folder this process may write into, or one it may make (its nearest
+    existing parent such a folder); else UserInputError in one line. Nothing is made here: a check
+    before the first network step, whose failure must leave nothing behind."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserInputError(f"{flag} {path}: {existing} is a file, not a folder: give a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserInputError(f"{flag} {path}: cannot write in {existing} (permission denied): give a folder you "
+                             "can write")
+    return path
+
+
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from meshlearn.network.bootstrap import Bootstrap
     from meshlearn.transport.ports import ensure_port_free
@@ -170,12 +186,11 @@ def cmd_provider(args: argparse.Namespace) -> int:
         raise UserInputError(f"--device {settings.device!r} is not auto, cpu, cuda, cuda:N or mps")
     if settings.data_root and not Path(settings.data_root).is_dir():
         raise UserInputError(f"--data-root {settings.data_root} is not a folder")
+    if settings.workdir:
+        _writable_folder(Path(settings.workdir).expanduser(), "--workdir")
     secret = _secret(args)
     _check_declared(settings)
-    if settings.models_module:  # a broken module is one line before the bootstrap is asked anything
-        from meshlearn.plugins import load_user_module
-
-        load_user_module(settings.models_module)
+    _load_models_module(settings.models_module)  # a broken module is one line before the bootstrap is asked anything
     keys = _identity(settings.key_file(), "provider")
     _hold_key_file(settings.key_file())
     settings = settings.model_copy(update={"bootstrap": _pinned_bootstrap(args, secret)})
@@ -283,37 +298,29 @@ def cmd_request(args: argparse.Namespace) -> int:
     from meshlearn.network.identity import split_pinned
     from meshlearn.network.requester import Requester, summary_line
     from meshlearn.network.rpc import parse_address
-    from meshlearn.network.task import check_weights_file, dataset_spec, validate_request
+    from meshlearn.network.task import validate_request
 
     _port(args.port, allow_zero=True)
     if args.tensorboard:
         require_tensorboard()
+        _writable_folder(Path(args.tensorboard), "--tensorboard")
     _advertise(args.advertise)
     parse_address(split_pinned(args.bootstrap)[0], "--bootstrap")  # a typo is one line before any work
     secret = _secret(args)
     if args.resume:
         return _resume_task(args, secret)
     values = _request_values(args)
-    if args.models_module:  # before the data: the module may register the dataset too
-        from meshlearn.plugins import load_user_module
-
-        load_user_module(args.models_module)
-    _check_model(validate_request(values), None)  # what needs no data is checked first ...
-    if values.get("data") and not values.get("data_on_providers"):
-        dataset_spec(str(values["data"]))  # ... and local files (a missing one is one line, not a network error) ...
-    if values.get("weights"):
-        check_weights_file(str(values["weights"]))
-    keys = _identity(_requester_key(args), "requester")
-    bootstrap = _pinned_bootstrap(args, secret, required=True)  # ... then a dead bootstrap is known in a second
+    _load_models_module(args.models_module)  # before the data: the module may register the dataset too
+    _check_model(validate_request(values), None)  # what needs no data is checked first (a second) ...
     dataset = None
-    if values.get("data") and not values.get("data_on_providers"):
-        from meshlearn.data import load_dataset
-
-        dataset = load_dataset(dataset_spec(str(values["data"])), context=int(values.get("context") or 128),
-                               vocabulary=values.get("vocabulary") or "bytes")
+    if values.get("data") and not values.get("data_on_providers"):  # ... then the data, read here ...
+        dataset = _load_data(str(values["data"]), int(values.get("context") or 128),
+                             values.get("vocabulary") or "bytes")
     request = validate_request(values, len(dataset.train_y) if dataset is not None else None)
-    _check_model(request, dataset)
-    output = Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    _check_model(request, dataset)  # ... the model on it and the weights ...
+    output = _writable_folder(Path(args.output or f"runs/task-{datetime.datetime.now():%Y%m%d-%H%M%S}"), "--output")
+    keys = _identity(_requester_key(args), "requester")
+    bootstrap = _pinned_bootstrap(args, secret, required=True)  # ... and only then the first network step
     requester = Requester(request, bootstrap, secret, output, args.host, args.port, dataset=dataset,
                           advertise=args.advertise, keys=keys, tensorboard=args.tensorboard)
     metrics = requester.run()
@@ -356,18 +363,12 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
                               "request it afresh")
     kept.check(cycles, record.fingerprint)
     request = record.request.model_copy(update={"providers": count})
-    if args.models_module:
-        from meshlearn.plugins import load_user_module
-
-        load_user_module(args.models_module)
-    keys = _identity(_requester_key(args), "requester")
-    bootstrap = _pinned_bootstrap(args, secret, required=True)
+    _load_models_module(args.models_module)
     dataset = None
     if request.data and not request.data_on_providers:
-        from meshlearn.data import load_dataset
-        from meshlearn.network.task import dataset_spec
-
-        dataset = load_dataset(dataset_spec(request.data), context=request.context, vocabulary=request.vocabulary)
+        dataset = _load_data(request.data, request.context, request.vocabulary)
+    keys = _identity(_requester_key(args), "requester")
+    bootstrap = _pinned_bootstrap(args, secret, required=True)  # every local check done: the first network step
     said = f"cycle {cycles[0]}" if len(set(cycles)) == 1 else "cycles " + ", ".join(map(str, cycles))
     print(f"task {record.task_id}: resuming from its providers' checkpoints of {said}", file=sys.stderr)
     requester = Requester(request, bootstrap, secret, folder, args.host, args.port, dataset=dataset,
@@ -377,6 +378,24 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
     print(f"task {requester.task_id} done: {summary_line(metrics)}")
     print(f"results: {folder}  (model.safetensors, metrics.json, task.yaml)")
     return 0
+
+
+def _load_models_module(path: str | None) -> None:
+    """Load the user's module of models (and datasets) the task names, if one is given: a broken
+    one is one line."""
+    if path:
+        from meshlearn.plugins import load_user_module
+
+        load_user_module(path)
+
+
+def _load_data(data: str, context: int, vocabulary: str):
+    """The dataset ``--data`` names, read here before any network step: a path that holds no
+    dataset is one line before the bootstrap is asked anything."""
+    from meshlearn.data import load_dataset
+    from meshlearn.network.task import dataset_spec
+
+    return load_dataset(dataset_spec(data), context=context, vocabulary=vocabulary)
 
 
 def _check_model(request, dataset) -> None:
@@ -395,7 +414,7 @@ def _check_model(request, dataset) -> None:
 def cmd_results(args: argparse.Namespace) -> int:
     from meshlearn.network.requester import results_of_task, summary_line
 
-    output = Path(args.output or f"runs/task-{args.task_id}")
+    output = _writable_folder(Path(args.output or f"runs/task-{args.task_id}"), "--output")
     secret = _secret(args)
     _identity(_requester_key(args), "requester", say=None)
     metrics = results_of_task(args.task_id, _pinned_bootstrap(args, secret, required=True), secret, output)

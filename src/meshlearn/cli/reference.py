@@ -8,10 +8,10 @@ reference cannot drift from it (a test compares the file with this output).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from meshlearn.adapter.config import DPWA_NAMES
+from meshlearn.cli.flags import DEFAULT
 from meshlearn.cli.main import CONFIG_GROUP, build_parser
 from meshlearn.config import flat_fields
 from meshlearn.definitions.settings import GossipSettings
@@ -29,8 +29,7 @@ A component's settings may instead be written as its section (`udp: {mode: async
 which is how the resolved `config.yaml` of every run shows them. `meshlearn request --config
 task.yaml` takes its flags' names as keys the same way.
 """
-OWN_FLAGS = ("help", "version")  # argparse's own, said once, not per command
-DEFAULT = re.compile(r"\s*\(default: ([^()]*(?:\([^()]*\)[^()]*)*)\)\s*$")
+OWN_FLAGS = ("help", "help_all", "version")  # the help's own, said once, not per command
 
 
 def _cell(text: str) -> str:
@@ -114,7 +113,8 @@ def settings_reference() -> str:
     lines = [HEADER]
     lines += ["## meshlearn (every command)", "", *_table(
         [a for a in parser._actions if a.option_strings and a.dest not in OWN_FLAGS and a.dest != "command"], None),
-        "", "Every command also takes `-h`/`--help`.", ""]
+        "", ("Every command also takes `-h`/`--help`; `simulate` and `node` list their common flags with it, "
+             "and every flag with `--help-all`."), ""]
     for name, sub in commands.choices.items():
         lines += _command(name, sub, summaries.get(name, ""))
     lines += _adapter()

@@ -7,8 +7,30 @@ import random
 import numpy as np
 
 from meshlearn.errors import DatasetError
+from meshlearn.suggest import did_you_mean
 
 SPECS = "iid, shards:K, kshard:K, dirichlet:ALPHA, writers"
+# each partition's name and its argument: (the kind of number, what it must be), or None where it takes none
+ARGUMENTS = {"iid": None, "shards": (int, "K must be a whole number >= 1"), "kshard": (int, "K must be a whole number >= 1"),
+             "dirichlet": (float, "ALPHA must be a number > 0"), "writers": None}
+
+
+def parse_partition(spec: str) -> tuple[str, int | float | None]:
+    """``"shards:2"`` -> ("shards", 2): the partition ``spec`` names and its argument (None where it
+    takes none); a DatasetError saying what is wrong, before any data loads."""
+    name, _, arg = spec.strip().partition(":")
+    if name not in ARGUMENTS or bool(arg) != (ARGUMENTS[name] is not None):
+        raise DatasetError(f"unknown partition {spec!r}: {did_you_mean(name, list(ARGUMENTS))}use one of {SPECS}")
+    if ARGUMENTS[name] is None:
+        return name, None
+    kind, rule = ARGUMENTS[name]
+    try:
+        number = kind(arg)
+    except ValueError:
+        number = 0
+    if not number > 0:
+        raise DatasetError(rule, setting="partition", value=spec)
+    return name, number
 
 
 def _iid(labels: np.ndarray, n_parts: int, rng: np.random.Generator) -> list[np.ndarray]:
@@ -84,33 +106,19 @@ def partition(labels: np.ndarray, n_parts: int, spec: str, seed: int, groups=Non
     if n_parts < 1 or n_parts > len(labels):
         raise DatasetError(f"cannot split {len(labels)} samples among {n_parts} nodes")
     rng = np.random.default_rng(seed)
-    name, _, arg = spec.partition(":")
-    try:
-        if name == "iid" and not arg:
-            parts = _iid(labels, n_parts, rng)
-        elif name == "shards" and arg:
-            k = int(arg)
-            if k < 1:
-                raise ValueError
-            parts = _shards(labels, n_parts, k, rng)
-        elif name == "kshard" and arg:
-            k = int(arg)
-            if k < 1:
-                raise ValueError
-            parts = _kshard(labels, n_parts, k, seed)
-        elif name == "writers" and not arg:
-            if groups is None:
-                raise DatasetError("partition writers needs a dataset of writers (leaf:DIR); this one has none")
-            parts = _writers(np.asarray(groups), n_parts)
-        elif name == "dirichlet" and arg:
-            alpha = float(arg)
-            if not alpha > 0:
-                raise ValueError
-            parts = _dirichlet(labels, n_parts, alpha, rng)
-        else:
-            raise DatasetError(f"unknown partition {spec!r}: use one of {SPECS}")
-    except ValueError:
-        raise DatasetError(f"partition {spec!r}: K must be a whole number >= 1 and ALPHA a number > 0") from None
+    name, arg = parse_partition(spec)
+    if name == "iid":
+        parts = _iid(labels, n_parts, rng)
+    elif name == "shards":
+        parts = _shards(labels, n_parts, int(arg), rng)
+    elif name == "kshard":
+        parts = _kshard(labels, n_parts, int(arg), seed)
+    elif name == "writers":
+        if groups is None:
+            raise DatasetError("partition writers needs a dataset of writers (leaf:DIR); this one has none")
+        parts = _writers(np.asarray(groups), n_parts)
+    else:
+        parts = _dirichlet(labels, n_parts, float(arg), rng)
     return [np.sort(p).astype(np.int64) for p in parts]
 
 

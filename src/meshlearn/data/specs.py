@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Literal
 
 from meshlearn.errors import DatasetError
 from meshlearn.plugins import Registry
+from meshlearn.suggest import did_you_mean
 
 if TYPE_CHECKING:
     from meshlearn.data.datasets import Dataset
@@ -64,7 +65,8 @@ def parse_spec(spec: str) -> tuple[str, Path | None]:
     if kind is None:
         custom = f"; registered: {', '.join(DATASETS.names())}" if DATASETS.names() else \
             " (or register your own: --models-module FILE)"
-        raise DatasetError(f"unknown dataset {spec!r}: use one of {SPECS}{custom}")
+        raise DatasetError(f"unknown dataset {spec!r}: {did_you_mean(name, [*KINDS, *DATASETS.names()])}use one of "
+                           f"{SPECS}{custom}")
     if kind[1] and not path:
         raise DatasetError(f"{name} needs a folder: {name}:DIR ({WHAT[kind[0]]})")
     if path and not kind[1]:

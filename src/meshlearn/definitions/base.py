@@ -40,6 +40,12 @@ class Definition:
     needs: ClassVar[Needs] = Needs()
     settings: ClassVar[type[Settings] | None] = None
 
+    @classmethod
+    def uses_graph(cls) -> bool:
+        """Whether its nodes exchange with their topology's neighbours, so that a run's graph is
+        what it used (not a server, a leader, everyone, or no one): what topology.png draws."""
+        return cls.needs.endpoint in ("transport", "pull") and getattr(cls, "talks_to", "neighbours") == "neighbours"
+
 
 class RoundAlgorithm(Definition):
     """A synchronous algorithm given as rules over stacks (see the module), run by both engines.

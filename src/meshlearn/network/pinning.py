@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from meshlearn.errors import AuthError, KeyMismatch, KeyRefused, NetworkError, UserInputError
+from meshlearn.errors import AuthError, KeyMismatch, KeyRefused, NetworkError, Unreachable, UserInputError
 from meshlearn.network.identity import (
     fingerprint,
     key_from_text,
@@ -15,8 +15,10 @@ from meshlearn.network.identity import (
     split_pinned,
     state_home,
 )
-from meshlearn.network.relay import fetch_key_line
+from meshlearn.network.relay import fetch_key_line, refusal
 from meshlearn.network.rpc import call, parse_address
+
+PROBE_TIMEOUT = 3.0  # seconds to wait for a TCP connection to a bootstrap's port, to learn whether anything runs there
 
 
 class KnownBootstraps:
@@ -75,8 +77,7 @@ def resolve_bootstrap(text: str, secret: bytes, known: KnownBootstraps, say: Cal
                                  "machine the network's --secret, --secret-file or MESHLEARN_SECRET") from None
         except NetworkError:
             if required:
-                raise UserInputError(f"no bootstrap answers at {address}: check --bootstrap and that it runs") \
-                    from None
+                raise nothing_answers(address) from None
             if first_use:  # nothing proved: use the key this once, record nothing
                 say(f"warning: using the key the bootstrap at {address} announced, {key_text(key)}, unchecked (it did "
                     f"not answer); pin it: --bootstrap {address}@KEY")
@@ -89,13 +90,28 @@ def resolve_bootstrap(text: str, secret: bytes, known: KnownBootstraps, say: Cal
     return where
 
 
+def nothing_answers(address: str, why: str = "") -> UserInputError:
+    """The one line for a bootstrap address where nothing answers (``why``: what was seen there):
+    it is not running, or the address is wrong; a key would not help."""
+    return UserInputError(f"no bootstrap answers at {address}{f' ({why})' if why else ''}: is it running, on this "
+                          "host and port? Start it, or correct --bootstrap")
+
+
 def _announced_key(address: str) -> bytes:
-    """The key the bootstrap's relay port (its port + 1) announces, unauthenticated."""
+    """The key the bootstrap's relay port (its port + 1) announces, unauthenticated. Where none is
+    learnt, the one line says why: nothing runs at ``address`` (a key would not help), or something
+    does but announces no key on the relay port (then the key must be given)."""
     host, _, port = address.rpartition(":")
     relay = f"{host}:{int(port) + 1}"
     try:
         return key_from_text(fetch_key_line(relay), "the key the bootstrap announced")
+    except Unreachable as exc:
+        down = refusal(address, PROBE_TIMEOUT)
+        if down is not None:
+            raise nothing_answers(address, down) from None
+        why = f"something answers there, but its relay port does not: {exc}"
     except (NetworkError, UserInputError) as exc:
-        raise UserInputError(f"cannot learn the key of the bootstrap at {address} ({exc}): give it with "
-                             f"--bootstrap {address}@KEY (the key the bootstrap printed at start; trust on first "
-                             "use needs its relay on the default port, --port + 1)") from None
+        why = str(exc)
+    raise UserInputError(f"cannot learn the key of the bootstrap at {address} ({why}): give it with "
+                         f"--bootstrap {address}@KEY (the key the bootstrap printed at start; trust on first "
+                         "use needs its relay on the default port, --port + 1)")

@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from functools import partial
 
-from meshlearn.errors import NetworkError, PortInUseError
+from meshlearn.errors import NetworkError, PortInUseError, Unreachable
 from meshlearn.network.addresses import is_wildcard
 from meshlearn.network.envelope import field_of
 from meshlearn.network.splicer import (
@@ -904,9 +904,11 @@ def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int, hold
 
 
 def fetch_key_line(relay: str, timeout: float = 5.0) -> str:
-    """The bootstrap's public key as its relay port announces it (unauthenticated: trust on first use)."""
+    """The bootstrap's public key as its relay port announces it (unauthenticated: trust on first use).
+    Unreachable where nothing takes the connection; NetworkError where something does but announces no key."""
+    sock = _connect(relay, timeout)
     try:
-        with socket.create_connection(_host_port(relay), timeout=timeout) as sock:
+        with sock:
             sock.sendall(KEY_REQUEST + b"\n")
             line = read_line(sock, timeout)
     except OSError as exc:
@@ -914,6 +916,30 @@ def fetch_key_line(relay: str, timeout: float = 5.0) -> str:
     if not line.startswith(KEY_REPLY):
         raise NetworkError(f"{relay} did not announce a bootstrap key")
     return line[len(KEY_REPLY):].decode(errors="replace").strip()
+
+
+def refusal(address: str, timeout: float = 5.0) -> str | None:
+    """Why nothing at ``HOST:PORT`` takes a TCP connection ("connection refused", "timed out"), or
+    None where something does (the connection closed at once, nothing sent): tells a service that
+    is not running from one that answers in a way the caller did not expect."""
+    try:
+        socket.create_connection(_host_port(address), timeout=timeout).close()
+    except OSError as exc:
+        return _reason(exc)
+    return None
+
+
+def _connect(address: str, timeout: float) -> socket.socket:
+    """A TCP connection to ``HOST:PORT``; Unreachable, saying why, where none is made."""
+    try:
+        return socket.create_connection(_host_port(address), timeout=timeout)
+    except OSError as exc:
+        raise Unreachable(f"cannot connect to {address}: {_reason(exc)}") from None
+
+
+def _reason(exc: OSError) -> str:
+    """What a failed connection met, in words: "connection refused", "timed out"."""
+    return (exc.strerror or str(exc) or type(exc).__name__).lower()
 
 
 def _host_port(address: str) -> tuple[str, int]:

@@ -683,7 +683,8 @@ class Requester:
             if holders:  # the result: from a provider that is still in the task (asked at this moment)
                 revoked = self._note_revoked(self._ask_revoked())
                 trusted = [peer for peer in holders if peer["id"] not in revoked]
-                metrics = fetch_results(self.task_id, trusted, self.secret, self.output, extra=self._extra())
+                metrics = fetch_results(self.task_id, trusted, self.secret, self.output, extra=self._extra(),
+                                        name=self._result_name(spec))
                 if metrics is not None:
                     return metrics
             if not states:
@@ -749,6 +750,12 @@ class Requester:
             self.revoked.update(p for p in revoked if isinstance(p, str))
         return self.revoked
 
+    def _result_name(self, spec: TaskSpec) -> str:
+        """The task as its confusion.png names it: its id, model, data and algorithm."""
+        req = self.request
+        return (f"task {self.task_id} ({req.model} on {req.data or req.data_on_providers}, {spec.algorithm}, "
+                f"{len(spec.peers)} providers)")
+
     def _extra(self) -> dict:
         """What the requester adds to the result's metrics: providers left out before the start,
         and those claimed in their place."""
@@ -765,9 +772,9 @@ class Requester:
 
 
 def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path,
-                  extra: dict | None = None) -> dict | None:
+                  extra: dict | None = None, name: str = "") -> dict | None:
     """Get a task's result from the first provider that holds it; write it, with ``extra``
-    metrics, into ``output``."""
+    metrics, into ``output``, its figure naming it ``name`` (by default ``task TASK_ID``)."""
     for peer in peers:
         try:
             reply = call(peer["address"], "task.results", {"task": task_id}, secret, timeout=30,
@@ -786,7 +793,7 @@ def fetch_results(task_id: str, peers: list[dict], secret: bytes, output: Path,
         metrics["fetched_from"] = peer["id"]
         settings = reply.body.get("task")
         task = {"task": settings if _is_task_settings(settings) else None, "fetched_from": peer["id"]}
-        write_results(output, metrics, model, title=f"task {task_id}", task=task)
+        write_results(output, metrics, model, title=name or f"task {task_id}", task=task)
         return metrics
     return None
 

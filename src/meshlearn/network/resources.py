@@ -64,27 +64,15 @@ def estimate_memory(model, input_shape: tuple, batch_size: int, shard_samples: i
     model-sized tensors an outer optimizer keeps (``OuterOptimizer.copies``)."""
     import torch
 
+    from meshlearn.models.cost import saved_activation_bytes
+
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     # weights, gradients, momentum, aggregation, the outer optimizer's state
     copies = 2 + (1 if momentum > 0 else 0) + AGGREGATION_COPIES + outer_copies
-    weights = {p.data_ptr() for p in model.parameters()}
-    saved: dict[tuple[int, int], int] = {}  # each tensor the backward pass keeps, once: (address, bytes) -> bytes
-
-    def keep(tensor):
-        if tensor.data_ptr() not in weights:
-            size = tensor.numel() * tensor.element_size()
-            saved[(tensor.data_ptr(), size)] = size
-        return tensor
-    was_training = model.training
-    try:
-        model.eval()  # one sample: batch norm's training mode needs two
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-            model(torch.zeros(1, *input_shape, dtype=torch.int64 if tokens else torch.float32))
-    finally:
-        model.train(was_training)
+    saved = saved_activation_bytes(model, torch.zeros(1, *input_shape, dtype=torch.int64 if tokens else torch.float32))
     # float32 pixels and an int64 label, or a window of byte tokens and the next byte of each
     sample = 2 * math.prod(input_shape) if tokens else 4 * math.prod(input_shape) + 8
-    return MemoryEstimate(runtime=RUNTIME_BYTES, model=copies * params, activations=2 * batch_size * sum(saved.values()),
+    return MemoryEstimate(runtime=RUNTIME_BYTES, model=copies * params, activations=2 * batch_size * saved,
                           data=sample * (shard_samples + test_samples))
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import yaml
 
 from meshlearn.errors import MeshlearnError
-from meshlearn.plots import pyplot
+from meshlearn.plots import fit_title, pyplot, text_colour_on
 
 if TYPE_CHECKING:
     from meshlearn.data import Dataset
@@ -28,8 +28,9 @@ TASK_FILE = "task.yaml"
 def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = True, title: str = "",
                   task: dict | None = None) -> None:
     """Write the model, the metrics, the task's settings (``task``, if given) and (``plot``) the
-    confusion matrix, titled ``title`` (by default the folder's name); the model atomically so a
-    reader never sees half of it. Providers keep no plot: the requester draws its own."""
+    confusion matrix, titled by what it shows (``confusion_title`` of ``title``, by default the
+    folder's name); the model atomically so a reader never sees half of it. Providers keep no
+    plot: the requester draws its own."""
     folder.mkdir(parents=True, exist_ok=True)
     if task is not None:
         (folder / TASK_FILE).write_text(yaml.safe_dump(task, sort_keys=False))
@@ -39,7 +40,16 @@ def write_results(folder: Path, metrics: dict, model_bytes: bytes, plot: bool = 
     (folder / METRICS_FILE).write_text(json.dumps(metrics, indent=2))
     if plot and metrics.get("confusion"):
         plot_confusion(metrics["confusion"], metrics.get("class_names") or [], folder / CONFUSION_FILE,
-                       title or folder.resolve().name)
+                       confusion_title(title or folder.resolve().name, metrics))
+
+
+def confusion_title(name: str, metrics: dict) -> str:
+    """What confusion.png shows, as its title: whose result (``name``: the task, and its model and
+    data where known), the confusion matrix of how many test samples, and their accuracy."""
+    samples = sum(sum(row) for row in metrics.get("confusion") or [])
+    accuracy = metrics.get("accuracy")
+    score = f", accuracy {accuracy:.3f}" if isinstance(accuracy, (int, float)) else ""
+    return f"{name}: confusion matrix of the result model on {samples:,} test samples{score}"
 
 
 def read_results(folder: Path) -> tuple[dict, bytes, dict | None] | None:
@@ -58,20 +68,18 @@ def confusion_figure(confusion: list[list[int]], class_names: list[str], title: 
 
     n = len(confusion)
     labels = [str(c) for c in class_names] if len(class_names) == n else [str(i) for i in range(n)]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.55 * n), max(3.5, 1.2 + 0.5 * n)))
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.5 + 0.55 * n), max(3.5, 1.2 + 0.5 * n)), layout="constrained")
     image = ax.imshow(confusion, cmap="Blues")
     ax.set_xticks(range(n), labels, rotation=45, ha="right")
     ax.set_yticks(range(n), labels)
     ax.set_xlabel("predicted class")
     ax.set_ylabel("true class")
-    ax.set_title(title)
-    top = max(max(row) for row in confusion) or 1
     for i, row in enumerate(confusion):
         for j, value in enumerate(row):
             ax.text(j, i, str(value), ha="center", va="center", fontsize=7,
-                    color="white" if value > top / 2 else "black")
+                    color=text_colour_on(image.cmap(image.norm(value))))
     fig.colorbar(image, ax=ax, label="test samples")
-    fig.tight_layout()
+    fit_title(fig, title, fontsize=10)
     return fig
 
 

@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 
 from meshlearn.aggregation.spec import RULE_HELP, check_rule
 from meshlearn.config import ExperimentConfig, secure_conflicts, secure_draw
-from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
+from meshlearn.data.specs import DATASETS, KINDS, VOCABULARY_HELP, VocabularyKind, parse_spec
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
@@ -28,7 +28,6 @@ MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
 UDP_TIMEOUT = 2.0  # seconds a UDP task's provider waits for an iteration's datagrams (internet round trips)
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
-DATASET_PREFIXES = ("digits", "fashion-mnist:", "mnist:", "cifar10:", "imagefolder:", "text:", "leaf:")
 BUILT_IN_DATA = ("digits", "pystdlib")  # dataset specs without a path
 
 
@@ -134,8 +133,11 @@ def joining_fits(request: "TaskRequest") -> "TaskRequest":
 
 
 def dataset_spec(data: str) -> str:
-    """A dataset spec from ``--data``: a spec meshlearn knows, a folder with train/ and test/, or CIFAR's archive."""
-    if data in BUILT_IN_DATA or data.startswith(DATASET_PREFIXES[1:]):
+    """A dataset spec from ``--data``: a spec meshlearn knows (its path checked: a missing one is one
+    line, before any network step), a folder with train/ and test/, or CIFAR's archive."""
+    name, colon, _ = data.partition(":")
+    if data in BUILT_IN_DATA or (colon and (name.strip().lower() in KINDS or name in DATASETS)):
+        parse_spec(data)
         return data
     path = Path(data)
     if path.is_dir() and (path / "train").is_dir() and (path / "test").is_dir():

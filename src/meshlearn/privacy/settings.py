@@ -120,8 +120,8 @@ def parse_keys(what: str, text: str, keys: tuple[str, ...], required: tuple[str,
     text = str(text).strip()
     if text.lower() in ("", "none", "off"):
         return {}
-    fields = parse_key_values(text, keys, f"{what} {text!r}", lambda item: f"{item!r} is not KEY=VALUE with a key "
+    fields = parse_key_values(text, keys, what, text, lambda item: f"{item!r} is not KEY=VALUE with a key "
                               f"of {', '.join(keys)}", booleans=("seeded",))
     if not any(key in fields for key in required):
-        raise ConfigError(f"{what} {text!r}: give {' or '.join(k + '=...' for k in required)}")
+        raise ConfigError(f"give {' or '.join(k + '=...' for k in required)}", setting=what, value=text)
     return fields

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
+from meshlearn.suggest import did_you_mean
 
 SHARING_HELP = ("full (the whole model) | subsample:ALPHA (a seeded random ALPHA share of the values; no "
                 "indices sent) | topk:ALPHA (the ALPHA share that changed most since the last average, with "
@@ -47,8 +48,8 @@ def check_sharing(text: str) -> None:
     """ConfigError unless ``text`` names a built-in scheme or one a loaded module registered."""
     name = parse_sharing(text).name
     if name not in SHARINGS:
-        raise ConfigError(f"unknown sharing scheme {text!r}: use one of {', '.join(SCHEMES)}, or register your own "
-                          "(register_sharing in a --models-module)")
+        raise ConfigError(f"unknown sharing scheme {text!r}: {did_you_mean(name, list(SCHEMES))}use one of "
+                          f"{', '.join(SCHEMES)}, or register your own (register_sharing in a --models-module)")
 
 
 def parse_sharing(text: str) -> SharingSpec:
@@ -61,14 +62,15 @@ def parse_sharing(text: str) -> SharingSpec:
     names, optional = SCHEMES[name]
     usage = ":".join([name, *names])
     if not len(names) - optional <= len(raw) <= len(names):
-        raise ConfigError(f"sharing scheme {text!r}: write it {usage}")
+        raise ConfigError(f"write it {usage}", setting="sharing", value=text)
     try:
         args = tuple(float(a) for a in raw)
     except ValueError:
-        raise ConfigError(f"sharing scheme {text!r}: {', '.join(names)} must be numbers ({usage})") from None
+        raise ConfigError(f"{', '.join(names)} must be numbers ({usage})", setting="sharing", value=text) from None
     if name == "quantize" and args[0] not in QUANTIZE_BITS:
-        raise ConfigError(f"sharing scheme {text!r}: BITS must be one of {', '.join(map(str, QUANTIZE_BITS))}")
+        raise ConfigError(f"BITS must be one of {', '.join(map(str, QUANTIZE_BITS))}", setting="sharing",
+                          value=text)
     if name in ("subsample", "topk", "choco") and not all(0 < a <= 1 for a in args):
-        raise ConfigError(f"sharing scheme {text!r}: {' and '.join(names[:len(args)])} must be in (0, 1] "
-                          f"(e.g. {name}:0.1)")
+        raise ConfigError(f"{' and '.join(names[:len(args)])} must be in (0, 1] (e.g. {name}:0.1)", setting="sharing",
+                          value=text)
     return SharingSpec(name, tuple(int(a) if name == "quantize" else a for a in args))

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from meshlearn.aggregation.spec import RULES, parse_rule
 from meshlearn.config import ExperimentConfig, algorithm_refusal
+from meshlearn.data.partition import parse_partition
 from meshlearn.data.specs import parse_spec
 from meshlearn.definitions.base import DEFINITIONS
-from meshlearn.errors import ConfigError
+from meshlearn.errors import ConfigError, about
 from meshlearn.models.registry import MODELS
 from meshlearn.plugins import load_user_module
 from meshlearn.sharing.spec import check_sharing
@@ -16,20 +17,30 @@ from meshlearn.transport.ports import ensure_port_free
 
 
 def check_before_start(config: ExperimentConfig) -> Graph:
-    """The run's graph, once its topology, dataset spec, model name, algorithm, aggregation rule, sharing scheme
-    and fixed ports check out."""
-    graph = build_topology(config.topology, config.nodes, config.seed)
+    """The run's graph, once its topology, dataset and partition specs, model name, algorithm, aggregation rule,
+    sharing scheme and fixed ports check out (an error names the setting it is about)."""
+    with about("topology", config.topology):
+        graph = build_topology(config.topology, config.nodes, config.seed)
     if config.models_module:  # the user's own models and datasets: registered before their names are checked
-        load_user_module(config.models_module)
-    parse_spec(config.dataset)
-    MODELS.check(config.model)
-    DEFINITIONS.check(config.algorithm)
+        with about("models_module", config.models_module):
+            load_user_module(config.models_module)
+    with about("dataset", config.dataset):
+        parse_spec(config.dataset)
+    with about("partition", config.partition):
+        parse_partition(config.partition)
+    with about("model", config.model):
+        MODELS.check(config.model)
+    with about("algorithm", config.algorithm):
+        DEFINITIONS.check(config.algorithm)
     problem = algorithm_refusal(config)  # a user's algorithm's declaration, now that it is registered
     if problem:
         raise ConfigError(problem)
-    RULES.check(parse_rule(config.aggregation).name)
-    check_sharing(config.sharing)
+    with about("aggregation", config.aggregation):
+        RULES.check(parse_rule(config.aggregation).name)
+    with about("sharing", config.sharing):
+        check_sharing(config.sharing)
     if config.base_port:
-        for rank in range(config.nodes):
-            ensure_port_free(config.host, config.base_port + rank)
+        with about("base_port", config.base_port):
+            for rank in range(config.nodes):
+                ensure_port_free(config.host, config.base_port + rank)
     return graph

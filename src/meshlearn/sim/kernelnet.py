@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError, MeshlearnError
+from meshlearn.exiting import exit_now
 
 log = logging.getLogger(__name__)
 CLONE_NEWNET = 0x40000000
@@ -182,5 +183,5 @@ def _child_main(engine_path: str, config_json: str, progress: str, error_fd: str
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(_child_main(*sys.argv[1:5]))
+if __name__ == "__main__":  # its end as prompt as the command's: the parent's Ctrl-C waits for it
+    exit_now(_child_main(*sys.argv[1:5]))

@@ -39,6 +39,8 @@ from meshlearn.topology import Graph, write_graph_file
 
 STARTUP_TIMEOUT = 300.0
 ORPHANED_EXIT = 3  # a node's exit code when its launcher died
+FINISH_GRACE = 5.0  # seconds a node that reported its summary has to exit by itself before it is terminated
+KILL_AFTER = 1.0  # seconds a terminated node has to exit before it is killed (SIGTERM ends one at once)
 
 Say = Callable[[str], None]
 
@@ -218,24 +220,31 @@ class _Launcher:
         edges = self.graph.edges()
         try:
             start_forkserver(self.config)
-            with _ctrl_c_between_starts() as interrupted:
-                for rank in range(self.config.nodes):
-                    parent_end, child_end = self.ctx.Pipe(duplex=False)
-                    proc = self.ctx.Process(
-                        target=_node_process, name=f"meshlearn-node-{rank}",
-                        args=(rank, values, edges, self.events, parent_end, str(self.log_dir),
-                              self.resume[rank] if isinstance(self.resume, list) else self.resume),
-                    )
-                    proc.start()
-                    self.procs[rank], self.pipes[rank] = proc, child_end
-                    if interrupted.is_set():
-                        raise KeyboardInterrupt
+            self._start_nodes(values, edges)
             book = self._collect_addresses()
             for pipe in self.pipes.values():
                 pipe.send(book)
-            return self._follow()
-        finally:
-            self._stop_all()
+            summaries = self._follow()
+        except BaseException:  # Ctrl-C, a node that failed: the others stop at once
+            self._stop_all(now=True)
+            raise
+        self._stop_all()
+        return summaries
+
+    def _start_nodes(self, values: dict, edges: list) -> None:
+        """Start one process per node (a Ctrl-C meanwhile is raised between two starts)."""
+        with _ctrl_c_between_starts() as interrupted:
+            for rank in range(self.config.nodes):
+                parent_end, child_end = self.ctx.Pipe(duplex=False)
+                proc = self.ctx.Process(
+                    target=_node_process, name=f"meshlearn-node-{rank}",
+                    args=(rank, values, edges, self.events, parent_end, str(self.log_dir),
+                          self.resume[rank] if isinstance(self.resume, list) else self.resume),
+                )
+                proc.start()
+                self.procs[rank], self.pipes[rank] = proc, child_end
+                if interrupted.is_set():
+                    raise KeyboardInterrupt
 
     def _next_event(self, timeout: float):
         try:
@@ -310,25 +319,35 @@ class _Launcher:
                     at[rank] = iterations
         return summaries
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, now: bool = False) -> None:
+        """Leave no node process behind. After a run, each finished node is given FINISH_GRACE to
+        exit by itself; on Ctrl-C or a failure (``now``) each is terminated at once: nodes ignore
+        Ctrl-C and would train on (waiting for them made Ctrl-C take 5 s), and what a node keeps
+        survives a kill (its checkpoints are written whole or not at all, ``--resume`` takes the last)."""
         for pipe in self.pipes.values():
             try:
                 pipe.send(None)  # releases nodes still waiting for the address book
             except (OSError, ValueError):
                 pass
-        deadline = time.monotonic() + 5.0
-        for proc in self.procs.values():
-            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if not now:
+            _join_all(self.procs.values(), FINISH_GRACE)
         for proc in self.procs.values():
             if proc.is_alive():
-                proc.terminate()
+                proc.terminate()  # SIGTERM: a node has no handler for it, so it ends at once
+        _join_all(self.procs.values(), KILL_AFTER)
         for proc in self.procs.values():
-            proc.join(timeout=5.0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
         self.events.close()
         self.events.join_thread()
+
+
+def _join_all(procs, seconds: float) -> None:
+    """Wait up to ``seconds`` in all for ``procs`` to exit."""
+    deadline = time.monotonic() + seconds
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | None = None,
@@ -346,10 +365,14 @@ def run_processes(config: ExperimentConfig, progress: bool = True, say: Say | No
     launched = time.time() if launched is None else launched
     say = say or default_say(progress)
     start_forkserver(config)  # its imports overlap the checks below
-    graph, output = prepare_run(config, say=say, resume=resume)
-    say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
-        f"model {config.model})")
-    summaries = _Launcher(config, graph, output, progress, say, resume).run()
+    try:
+        graph, output = prepare_run(config, say=say, resume=resume)
+        say(f"starting {config.nodes} node processes (each loads torch, its share of {config.dataset} and "
+            f"model {config.model})")
+        summaries = _Launcher(config, graph, output, progress, say, resume).run()
+    except KeyboardInterrupt:
+        stop_forkserver()  # the user is leaving: no process of the run may outlive the command
+        raise
     write_launched_report(output, launched, config.models_module)  # the run its user named
     return SimulationResult(output, summaries)
 
@@ -369,6 +392,21 @@ def start_forkserver(config: ExperimentConfig) -> None:
         mp.forkserver.ensure_running()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def stop_forkserver() -> None:
+    """Stop the forkserver now, if one runs (a later run starts another). Once its launcher is gone
+    it would exit by itself, but only after unloading torch: it lingered for seconds after Ctrl-C.
+    SIGTERM ends it at once (it handles only SIGINT and SIGCHLD); multiprocessing then reaps it and
+    forgets it (``ForkServer._stop``, which alone would wait for that unloading)."""
+    server = mp.forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    with contextlib.suppress(OSError):  # reaped or its socket file gone already
+        server._stop()
 
 
 @contextlib.contextmanager

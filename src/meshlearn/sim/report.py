@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import statistics
+import textwrap
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ import numpy as np
 import yaml
 
 from meshlearn.errors import ConfigError, MeshlearnError
-from meshlearn.plots import pyplot
+from meshlearn.plots import fit_title, pyplot, text_colour_on
 from meshlearn.privacy.budget import privacy_summary
 from meshlearn.runlog import COLUMNAR_LOG, per_node, read_jsonl
 
@@ -358,7 +359,7 @@ def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis:
     axes_keys = x_axes([rows], time_axis)
     series = [(key, "mean over nodes" if not also else f"{label}, mean over nodes")]
     series += [(extra, legend) for extra, legend in also if rows and f"{extra}_mean" in rows[0]]
-    fig, axes = plt.subplots(1, len(axes_keys), figsize=(5.5 * len(axes_keys), 4))
+    fig, axes = plt.subplots(1, len(axes_keys), figsize=(5.5 * len(axes_keys), 4), layout="constrained")
     for ax, (x_key, x_label) in zip(axes, axes_keys):
         xs = [r[x_key] for r in rows]
         for number, (name, legend) in enumerate(series):
@@ -370,9 +371,10 @@ def metric_figure(rows: list[dict], key: str, label: str, title: str, time_axis:
         ax.set_xlabel(x_label)
         ax.set_ylabel(label if len(series) == 1 else "loss")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"{title}: {label if len(series) == 1 else 'loss'}")
-    fig.tight_layout()
+    # one legend for every panel, below them: inside a panel it hid the curves and the y ticks
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=len(handles), frameon=False)
+    fit_title(fig, f"{title}: {label if len(series) == 1 else 'loss'}")
     return fig
 
 
@@ -481,6 +483,8 @@ ACCURACY_SPAN = 0.1  # the narrowest accuracy range topology.png's colours span
 TIME_FIGURE = "iteration_time.png"
 PHASE_COLOURS = {"train": "#3f6fd8", "encode": "#9c27b0", "comm": "#f5a623", "average": "#2e7d32", "eval": "#7a8294"}
 LABELLED_NODES = 32  # up to this many nodes the figures name each one
+MISSING_COLOUR = "#d0d4db"  # a node without a value (not evaluated, did not finish)
+NOTE_WIDTH = 34  # characters a line of a note inside topology.png's circle
 # Up to this many nodes topology.png draws every edge; beyond, a summary. At 64 nodes of degree 3 the
 # 96 chords across the circle can still be followed; at 128 (192 chords) they already cannot, and
 # at 1,024 they are a grey disc. 64 is also where the dashboard and iteration_time.png stop showing
@@ -509,11 +513,21 @@ class NodeColours:
     missing: str
     cmap: str
 
+    def colour(self, value: float | None):
+        """The RGBA colour a node of this ``value`` is drawn in (``MISSING_COLOUR`` for None)."""
+        from matplotlib import colormaps
+        from matplotlib.colors import Normalize, to_rgba
+
+        if value is None:
+            return to_rgba(MISSING_COLOUR)
+        return colormaps[self.cmap](Normalize(self.low, self.high)(value))
+
     @classmethod
     def of(cls, summary: dict[str, Any], n: int, by: str = "accuracy") -> "NodeColours":
         """``by`` ``accuracy``: each node's final test accuracy (the scale ``_accuracy_scale``);
         ``lag``: the seconds each node finished after the first one (the UDP study's look at slow
-        nodes: whom a slow node held back)."""
+        nodes: whom a slow node held back). A language model's accuracy is named as what it is,
+        its next-token accuracy."""
         per_node = summary.get("per_node", {})
         if by == "lag":
             elapsed = [(per_node.get(str(i)) or {}).get("elapsed") for i in range(n)]
@@ -522,16 +536,36 @@ class NodeColours:
             known = [v for v in values if v is not None]
             return cls(values, "finish-time lag, s after the first node", 0.0, max(known, default=0.0) or 1.0,
                        "did not finish", "plasma")
-        values = [((per_node.get(str(i)) or {}).get("metrics") or {}).get("accuracy") for i in range(n)]
+        metrics = [(per_node.get(str(i)) or {}).get("metrics") or {} for i in range(n)]
+        values = [m.get("accuracy") for m in metrics]
         known = [v for v in values if v is not None]
         low, high = _accuracy_scale(known) if known else (0.0, 1.0)
-        return cls(values, "final test accuracy", low, high, "not evaluated", "viridis")
+        label = "final next-token accuracy" if any("perplexity" in m for m in metrics) else "final test accuracy"
+        return cls(values, label, low, high, "not evaluated", "viridis")
+
+
+def unused_graph(output: Path) -> str:
+    """Why a run's graph means nothing for its algorithm (one line), or "" where its nodes exchange
+    with their graph's neighbours. An algorithm this process does not know (a user's, from a models
+    module the report does not load) counts as using its graph."""
+    from meshlearn.definitions import definition
+
+    name = str(run_config(output).get("algorithm") or "")
+    try:
+        found = definition(name) if name else None
+    except ConfigError:
+        return ""
+    if found is None or found.uses_graph():
+        return ""
+    return f"{name} uses no graph ({found.summary})"
 
 
 def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: str = "accuracy"):
     """The run's graph on a circle, each node coloured by its final test accuracy, or by its
     finish-time lag (``colour``, ``NodeColours``; grey: none; a red ring: a bad node); beyond
-    ``DRAWN_GRAPH_NODES`` nodes a summary instead (see ``_topology_summary``). None without a graph.txt."""
+    ``DRAWN_GRAPH_NODES`` nodes a summary instead (see ``_topology_summary``). An algorithm that
+    uses no graph (leader, local, fedavg: ``unused_graph``) gets its nodes without edges, the
+    figure saying why. None without a graph.txt."""
     from meshlearn.topology import read_graph_file
 
     try:
@@ -544,18 +578,35 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: s
     n = graph.n
     colours = NodeColours.of(summary, n, colour)
     bad = {int(rank) for rank in summary.get("attackers", {}) if int(rank) < n}
+    unused = unused_graph(output)
     if n > DRAWN_GRAPH_NODES:
-        return _topology_summary(graph, colours, bad, title)
-    fig, ax = plt.subplots(figsize=(6.4, 5.6))
+        return _nodes_by_rank(colours, bad, title, unused) if unused else _topology_summary(graph, colours, bad, title)
+    fig, ax = plt.subplots(figsize=(6.4, 5.6), layout="constrained")
     xy = _on_circle(n)
-    ax.add_collection(LineCollection([(xy[i], xy[j]) for i, j in graph.edges()], colors="#b8bec9",
-                                     linewidths=0.8, zorder=1))
+    if unused:
+        ax.text(0, 0, textwrap.fill(f"{unused}: its nodes are shown without edges", NOTE_WIDTH), ha="center",
+                va="center", fontsize=9, color="#4a5160")
+    else:
+        ax.add_collection(LineCollection([(xy[i], xy[j]) for i, j in graph.edges()], colors="#b8bec9",
+                                         linewidths=0.8, zorder=1))
     _circle_of_nodes(fig, ax, xy, colours, bad, 260 if n <= LABELLED_NODES else max(6, 6000 / n))
-    if n <= LABELLED_NODES:
+    if n <= LABELLED_NODES:  # each number dark on a light node, light on a dark one
         for i, (x, y) in enumerate(xy):
-            ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, color="white", zorder=4)
-    ax.set_title(f"{title}: topology, nodes by {'final accuracy' if colour == 'accuracy' else 'finish-time lag'}")
-    fig.tight_layout()
+            ax.annotate(str(i), (x, y), ha="center", va="center", fontsize=8, zorder=4,
+                        color=text_colour_on(colours.colour(colours.values[i])))
+    fit_title(fig, f"{title}: {'no graph' if unused else 'topology'}, nodes by {colours.label}")
+    return fig
+
+
+def _nodes_by_rank(colours: NodeColours, bad: set[int], title: str, unused: str):
+    """topology.png beyond ``DRAWN_GRAPH_NODES`` nodes for an algorithm that uses no graph: the
+    square of cells of ``_grid_of_nodes`` alone (a summary by node degree would describe a graph
+    the run did not use), the figure saying why (``unused``)."""
+    fig, ax = pyplot().subplots(figsize=(6.4, 6.0), layout="constrained")
+    _grid_of_nodes(fig, ax, colours, bad)
+    ax.set_title(f"each node by rank, coloured by {colours.label}", fontsize=9)  # no edges to leave out
+    ax.set_xlabel(textwrap.fill(unused, 2 * NOTE_WIDTH), fontsize=8)
+    fit_title(fig, f"{title}: no graph, {_nodes(len(colours.values))} by {colours.label}")
     return fig
 
 
@@ -578,7 +629,7 @@ def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], colours: NodeColour
     known = [i for i in range(n) if values[i] is not None]
     unknown = [i for i in range(n) if values[i] is None]
     if unknown:
-        ax.scatter([xy[i][0] for i in unknown], [xy[i][1] for i in unknown], s=size, c="#d0d4db", zorder=2,
+        ax.scatter([xy[i][0] for i in unknown], [xy[i][1] for i in unknown], s=size, c=MISSING_COLOUR, zorder=2,
                    label=colours.missing)
     if known:
         dots = ax.scatter([xy[i][0] for i in known], [xy[i][1] for i in known], s=size, zorder=2,
@@ -587,8 +638,8 @@ def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], colours: NodeColour
     if bad:
         ax.scatter([xy[i][0] for i in bad], [xy[i][1] for i in bad], s=size * 1.6, facecolors="none",
                    edgecolors="#b3261e", linewidths=2 if n <= DRAWN_GRAPH_NODES else 1, zorder=3, label="bad node")
-    if bad or unknown:
-        ax.legend(loc="lower right", fontsize=8)
+    if bad or unknown:  # below the circle, never over a node
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), ncols=2, fontsize=8, frameon=False)
     ax.set_xlim(-1.2, 1.2)
     ax.set_ylim(-1.2, 1.2)
     ax.set_aspect("equal")
@@ -609,8 +660,8 @@ def _grid_of_nodes(fig, ax, colours: NodeColours, bad: set[int]) -> None:
     cells[:n] = [math.nan if v is None else v for v in values]
     known = [v for v in values if v is not None]
     image = ax.imshow(np.ma.masked_invalid(cells.reshape(rows, columns)),
-                      cmap=colormaps[colours.cmap].with_extremes(bad="#d0d4db"), vmin=colours.low, vmax=colours.high,
-                      interpolation="nearest")
+                      cmap=colormaps[colours.cmap].with_extremes(bad=MISSING_COLOUR), vmin=colours.low,
+                      vmax=colours.high, interpolation="nearest")
     if rows * columns > n:  # the last row's empty cells
         ax.add_patch(_rectangle((n % columns - 0.5, rows - 1.5), columns - n % columns, 1, facecolor="white"))
     fig.colorbar(image, ax=ax, shrink=0.8, label=colours.label)
@@ -620,7 +671,7 @@ def _grid_of_nodes(fig, ax, colours: NodeColours, bad: set[int]) -> None:
     if bad or len(known) < n:
         from matplotlib.patches import Patch
 
-        handles = [Patch(facecolor="#d0d4db", label=colours.missing)] if len(known) < n else []
+        handles = [Patch(facecolor=MISSING_COLOUR, label=colours.missing)] if len(known) < n else []
         handles += [Patch(facecolor="none", edgecolor="#b3261e", label="bad node")] if bad else []
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(0, -0.02), fontsize=8, ncols=2, frameon=False)
     step = max(1, rows // 8)
@@ -666,7 +717,7 @@ def _topology_summary(graph, colours: NodeColours, bad: set[int], title: str):
     if attackers:
         by_degree.scatter([d for d, _ in attackers], [a for _, a in attackers], marker="x", color="#b3261e",
                           zorder=3, label="bad node")
-        by_degree.legend(loc="lower right", fontsize=8)
+        by_degree.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)  # beside the boxes
     if any(v is not None for v in values):
         low, high = colours.low, colours.high
         by_degree.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
@@ -678,8 +729,8 @@ def _topology_summary(graph, colours: NodeColours, bad: set[int], title: str):
     by_degree.set_ylabel(f"{colours.label} (honest nodes)")
     by_degree.grid(alpha=0.3, axis="y")
     by_degree.set_title(f"{colours.label} by node degree", fontsize=9)
-    fig.suptitle(f"{title}: topology summary, {_nodes(n)} and {edges:,} edge{'' if edges == 1 else 's'} "
-                 "(too many to draw each edge)")
+    fit_title(fig, f"{title}: topology summary, {_nodes(n)} and {edges:,} edge{'' if edges == 1 else 's'} "
+                   "(too many to draw each edge)")
     fig.tight_layout()
     return fig
 
@@ -759,7 +810,7 @@ def time_split_figure(logs: dict[int, list[dict]], title: str, modelled: bool = 
         ax.set_yticks([])
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(alpha=0.3, axis="x")
-    ax.set_title(f"{title}: iteration time split")
+    fit_title(fig, f"{title}: iteration time split")
     fig.tight_layout()
     return fig
 

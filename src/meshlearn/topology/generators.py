@@ -6,10 +6,12 @@ import math
 import random
 
 from meshlearn.errors import TopologyError
+from meshlearn.suggest import did_you_mean
 from meshlearn.topology.graph import Graph
 
 SPECS = "ring, torus, star, full, regular:D, smallworld:K:P, erdos:P, one-peer-exponential, file:PATH"
 ONE_PEER_EXPONENTIAL = "one-peer-exponential"
+NAMES = ("ring", "torus", "star", "full", "regular", "smallworld", "erdos", ONE_PEER_EXPONENTIAL, "file")  # SPECS' names
 MAX_TRIES = 1000
 
 
@@ -141,7 +143,8 @@ def _number(text: str, kind, spec: str):
     try:
         return kind(text)
     except ValueError:
-        raise TopologyError(f"topology {spec!r}: {text!r} is not a number; valid topologies: {SPECS}") from None
+        raise TopologyError(f"{text!r} is not a number; valid topologies: {SPECS}", setting="topology",
+                            value=spec) from None
 
 
 def build_topology(spec: str, n: int, seed: int) -> Graph:
@@ -171,5 +174,5 @@ def build_topology(spec: str, n: int, seed: int) -> Graph:
     elif name in ("erdos", "erdos-renyi") and len(args) == 1:
         graph = erdos_renyi(n, _number(args[0], float, spec), seed)
     else:
-        raise TopologyError(f"unknown topology {spec!r}: use one of {SPECS}")
+        raise TopologyError(f"unknown topology {spec!r}: {did_you_mean(name, NAMES)}use one of {SPECS}")
     return graph.require_connected()

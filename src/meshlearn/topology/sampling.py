@@ -24,6 +24,7 @@ from typing import Iterable, Protocol
 import numpy as np
 
 from meshlearn.errors import TopologyError
+from meshlearn.suggest import did_you_mean
 from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL, build_topology, exponential_hops
 from meshlearn.topology.graph import Graph
 from meshlearn.topology.weights import mh_row
@@ -47,8 +48,8 @@ def check_sampling(spec: str, topology: str, n: int) -> str:
         return "graph"
     if name == "epidemic" and arg.isdigit() and 1 <= int(arg) < n:
         return f"epidemic:{int(arg)}"
-    raise TopologyError(f"peer_sampling {spec!r}: use off, graph, or epidemic:S with S from 1 to {n - 1} "
-                        f"(nodes each one sends to)")
+    raise TopologyError(f"{did_you_mean(name, ('off', 'graph', 'epidemic'))}use off, graph, or epidemic:S with S "
+                        f"from 1 to {n - 1} (nodes each one sends to)", setting="peer_sampling", value=spec)
 
 
 @dataclass(frozen=True)
