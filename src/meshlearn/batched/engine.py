@@ -55,7 +55,7 @@ from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
 from meshlearn.models import MODEL_FILE, build_model, save_weights
-from meshlearn.models.cost import step_flops
+from meshlearn.models.cost import saved_activation_bytes, step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
 from meshlearn.privacy.dpsgd import secret_seed
@@ -66,6 +66,10 @@ from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
 
 MEASURED_STEPS = 5
+# bytes of activations (``saved_activation_bytes`` x the batch) one vectorized training call may keep
+# on the CPU: vmap's gradient peaks at about 3 times that (gpt-tiny on 32 windows of 64 tokens: 75 MB,
+# 240 MB a node at the peak), and blocks of more nodes were no faster (docs/batched-engine.md)
+ACTIVATIONS_PER_CALL = 128 * 2 ** 20
 Progress = Callable[[int], None]
 
 
@@ -76,6 +80,17 @@ def vectorize(config: ExperimentConfig, model: nn.Module) -> bool:
     if choice != "auto":
         return choice == "on"
     return not (config.device == "cpu" and has_convolutions(model))
+
+
+def training_chunk(config: ExperimentConfig, model: nn.Module, sample: torch.Tensor) -> int:
+    """Nodes per vectorized call (``batched_chunk``; 0 = auto: on the CPU, as many as keep a call's
+    activations within ACTIVATIONS_PER_CALL, at least one; on a GPU, all) for ``model`` on inputs
+    like ``sample`` (one, as the model reads it). The block size never changes a node's result, as
+    the worker count does not."""
+    if config.batched.chunk or config.device != "cpu":
+        return config.batched.chunk
+    per_node = config.batch_size * saved_activation_bytes(model, sample.unsqueeze(0))
+    return max(1, ACTIVATIONS_PER_CALL // max(1, per_node))
 
 
 def worker_counts(config: ExperimentConfig) -> tuple[int, WorkerChoice]:
@@ -214,7 +229,9 @@ class BatchedSimulation:
         self.step_time = collective.broadcast(
             modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
         stacked = self.stacked = StackedState(model, shard.size, device)
-        models = NodeModels(stacked, vectorize(config, model), config.batched.chunk, *worker_counts(config),
+        vectorized = vectorize(config, model)
+        chunk = training_chunk(config, model, dataset.normalize(dataset.train_x[:1])[0]) if vectorized else 0
+        models = NodeModels(stacked, vectorized, chunk, *worker_counts(config),
                             loss_of=task_of(dataset).loss, clip=config.dp.max_grad_norm if config.dp.active else None)
         links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()

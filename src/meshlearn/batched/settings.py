@@ -21,7 +21,8 @@ class BatchedSettings(Settings):
         "auto", description="train the nodes in one vectorized call (torch.func.vmap: on) or one after another "
         "(off); auto: vectorized, except models with convolutions on the CPU, where one node at a time is "
         "faster (benchmarks/RESULTS.md)")
-    chunk: int = Field(0, ge=0, description="nodes per vectorized call, to bound memory (0 = all at once)")
+    chunk: int = Field(0, ge=0, description="nodes per vectorized call, to bound memory; 0 = auto: on the CPU, "
+                       "as many as keep a call's activations within 128 MiB (gpt-tiny, batch 32: 1), on a GPU all at once")
     workers: int = Field(0, ge=0, description="threads that train the nodes, each on one torch intra-op thread "
                          "(the count changes speed, never results); 0 = auto: on the CPU, times the run's first "
                          "steps on one worker and on one per core and keeps the faster; on a GPU, one")

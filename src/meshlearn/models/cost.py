@@ -1,5 +1,7 @@
-"""What one local SGD step of a model costs in floating-point operations, counted once from its
-shapes: the batched engine's default model of compute time, the same on any machine."""
+"""What one local SGD step of a model costs: its floating-point operations, counted once from its
+shapes (the batched engine's default model of compute time, the same on any machine), and the
+memory its backward pass keeps per sample (how the batched engine sizes a vectorized call, and a
+network task's memory estimate)."""
 
 from __future__ import annotations
 
@@ -34,3 +36,28 @@ def _counted(model: nn.Module, sample: torch.Tensor, batch_size: int, device: st
             targets = torch.zeros(outputs.shape[:-1], dtype=torch.int64, device=device)
             F.cross_entropy(outputs.flatten(0, -2), targets.flatten()).backward()
     return int(counter.get_total_flops())
+
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors other than its parameters that ``model``'s forward pass on ``x`` keeps
+    for the backward pass (a layer's inputs and outputs, a transformer's attention weights, B x heads
+    x T x T), each counted once. Run in evaluation mode (batch norm's training mode needs two
+    samples: give one), the model's mode and torch's random state left as they were."""
+    weights = {p.data_ptr() for p in model.parameters()}
+    saved: dict[tuple[int, int], int] = {}  # each tensor the backward pass keeps, once: (address, bytes) -> bytes
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.data_ptr() not in weights:
+            size = tensor.numel() * tensor.element_size()
+            saved[(tensor.data_ptr(), size)] = size
+        return tensor
+
+    was_training = model.training
+    try:
+        model.eval()
+        with torch.random.fork_rng(devices=[]), torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+            model(x)
+    finally:
+        model.train(was_training)
+    return sum(saved.values())
