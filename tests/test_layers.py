@@ -9,12 +9,14 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
 # Higher number = higher layer. Shared modules are layer 0: any layer may use them, they use only each other.
-LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "algorithms": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4, "node": 4, "batched": 4, "sim": 5,
+LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "algorithms": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4, "training": 4, "node": 4, "batched": 4, "sim": 5,
           "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
 SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "evaluation", "sgd", "plots", "runlog", "topology", "data", "models",
           "threads", "plugins", "tblog", "accepting", "optim", "sparselog", "layout", "tasks", "schedule", "outer", "checkpoint",
-          "privacy", "suggest", "exiting"}
+          "privacy", "suggest", "exiting", "enginesettings"}
 SIBLINGS = {"sim", "network", "adapter", "dashboard"}  # services built on the engine, side by side
+ENGINES = {"node", "batched", "sim"}  # the two engines and the service that picks one
+ENTRY_POINTS = {None, "__main__"}  # the package itself and ``python -m meshlearn``: above every layer
 MODEL_CODE = {"torch.nn", "meshlearn.models", "meshlearn.data", "meshlearn.topology", "meshlearn.flat"}
 MODULES = sorted(SRC.rglob("*.py"))
 
@@ -77,6 +79,21 @@ def test_imports_follow_the_drawing(path):
         assert not (own in SIBLINGS and other in SIBLINGS), f"{own} imports its sibling {other} ({name})"
 
 
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_every_module_has_a_place_in_the_drawing(path):
+    """A module in neither LAYERS nor SHARED would have its imports checked by nothing."""
+    own = _top(_module_name(path))
+    assert own in ENTRY_POINTS or _layer(own) is not None, \
+        f"{own} is in no layer: add it to LAYERS or SHARED in tests/test_layers.py"
+
+
+def test_the_configuration_imports_no_engine():
+    """The configuration sits beside the engines, not above them: they read it, it imports none of
+    them (the settings they own live in shared modules), so checking a configuration loads no engine."""
+    for name in _imports(SRC / "config.py"):
+        assert _top(name) not in ENGINES, f"config.py imports {name} from an engine package"
+
+
 @pytest.mark.parametrize("path", sorted((SRC / "wire").rglob("*.py")), ids=lambda p: p.name)
 def test_the_wire_format_imports_no_model_code(path):
     for name in _imports(path):
@@ -117,12 +134,34 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return sorted(sorted(group) for group in groups)
 
 
+def _lazy_exports_of(source: str, package: str) -> dict[str, str]:
+    """``package.Name`` -> the submodule defining it, for each name a package's ``__init__`` (its
+    ``source``) exports on first use through ``lazy_exports(__name__, WHERE)``: importing such a
+    name imports that submodule, though the ``__init__`` itself imports none."""
+    tree = ast.parse(source)
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "lazy_exports"]
+    wanted = {ast.unparse(call.args[1]) for call in calls}
+    exports: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(ast.unparse(target) in wanted for target in node.targets):
+            exports |= eval(ast.unparse(node.value), {"__builtins__": {}})  # a literal: strings, dict comprehensions
+    return {f"{package}.{name}": f"{package}.{module}" for name, module in exports.items()}
+
+
+def _reexports() -> dict[str, str]:
+    """Every name a package of meshlearn exports on first use -> the module defining it."""
+    inits = [path for path in MODULES if path.name == "__init__.py"]
+    return {name: module for path in inits for name, module in _lazy_exports_of(path.read_text(), _module_name(path)).items()}
+
+
 def _import_cycles(package: str) -> list[list[str]]:
-    """The import cycles among ``package``'s modules (imports at the top and inside functions alike)."""
+    """The import cycles among ``package``'s modules (imports at the top and inside functions alike;
+    a name a package exports on first use counts as an import of the module defining it)."""
     modules = {_module_name(path): path for path in MODULES if _module_name(path).startswith(package)}
+    reexports = _reexports()
 
     def module_of(name: str) -> str | None:  # the module of ``package`` an imported name lies in
-        parts = name.split(".")
+        parts = reexports.get(name, name).split(".")
         return next((".".join(parts[:n]) for n in range(len(parts), 0, -1) if ".".join(parts[:n]) in modules), None)
 
     return _cycles({own: {found for name in _imports(path, run_time=True)
@@ -135,6 +174,18 @@ def test_import_cycles_are_found():
     assert _cycles({"run": {"launcher", "kernelnet"}, "kernelnet": set(), "launcher": set()}) == []
     before = {"launcher": {"kernelnet", "report"}, "kernelnet": {"launcher"}, "report": set()}  # sim before run.py
     assert _cycles(before) == [["kernelnet", "launcher"]]
+
+
+def test_names_a_package_exports_on_first_use_lead_to_their_module():
+    """``from meshlearn.tasks import task_of`` imports tasks.base, not only the package's light
+    ``__init__``: a cycle through such a name is a cycle."""
+    init = ('from meshlearn.lazy import lazy_exports\n'
+            '_WHERE = {"Task": "base", **{name: "spec" for name in ("TASKS", "resolve_task")}}\n'
+            '__getattr__ = lazy_exports(__name__, _WHERE)\n')
+    assert _lazy_exports_of(init, "meshlearn.tasks") == {
+        "meshlearn.tasks.Task": "meshlearn.tasks.base", "meshlearn.tasks.TASKS": "meshlearn.tasks.spec",
+        "meshlearn.tasks.resolve_task": "meshlearn.tasks.spec"}
+    assert _reexports()["meshlearn.tasks.task_of"] == "meshlearn.tasks.base"
 
 
 def test_the_sim_modules_import_without_a_cycle():

@@ -19,8 +19,6 @@ from meshlearn.errors import DatasetError
 from meshlearn.evaluation import (
     PREDICTIONS_FIGURE,
     RIGHT,
-    SHOWN_COLUMNS,
-    SHOWN_ROWS,
     WRONG,
     is_image,
     predictions_figure,
@@ -28,6 +26,7 @@ from meshlearn.evaluation import (
     shown_samples,
     write_predictions,
 )
+from meshlearn.metrics import SHOWN_COLUMNS, SHOWN_ROWS
 from meshlearn.topology import build_topology
 
 SHOWN = SHOWN_ROWS * SHOWN_COLUMNS

@@ -218,7 +218,8 @@ def test_the_one_file_algorithm_example_runs_on_both_engines_as_printed(tmp_path
     for run, nodes in (("half-step", 8), ("half-step-256", 256)):
         summary = json.loads((tmp_path / "runs" / run / "summary.json").read_text())
         assert summary["nodes_finished"] == nodes and summary["final"]["accuracy"] > 0.4, (run, summary["final"])
-        assert "algorithm: half-step" in (tmp_path / "runs" / run / "config.yaml").read_text()
+        config = (tmp_path / "runs" / run / "config.yaml").read_text()
+        assert "algorithm: half-step" in config and "algorithm_settings:\n  pull: 0.5\n" in config
 
 
 @pytest.mark.slow

@@ -19,34 +19,31 @@ import yaml
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
-from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
-from meshlearn.batched.settings import BatchedSettings
-from meshlearn.data.specs import IMAGE_KINDS, KINDS, VOCABULARY_HELP, VocabularyKind
-from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition, names_that
+from meshlearn.data.specs import IMAGE_KINDS, KINDS
+from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
-from meshlearn.definitions.pushsum import PushSumSettings
-from meshlearn.definitions.settings import DpsgdSettings, FedAvgSettings, GossipSettings, LeaderSettings
+from meshlearn.enginesettings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError, about
 from meshlearn.netem import NetemSpec
-from meshlearn.optim import OPTIMIZER_HELP, parse_optimizer
-from meshlearn.outer import OUTER_HELP, OuterOptimizer
-from meshlearn.privacy.settings import DP_HELP, DPSettings
-from meshlearn.schedule import SCHEDULE_HELP, LrSchedule
-from meshlearn.settings import MAX_SEED, Settings
+from meshlearn.optim import parse_optimizer
+from meshlearn.settings import Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.suggest import did_you_mean
 from meshlearn.tasks.spec import TASK_HELP, TASKS
 from meshlearn.topology.generators import ONE_PEER_EXPONENTIAL
 from meshlearn.topology.sampling import SAMPLING_HELP, check_sampling
+from meshlearn.training import ALGORITHM_SECTIONS, TrainingSettings, user_setting_fields
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 if TYPE_CHECKING:
     from meshlearn.data import Dataset
 
+# The sections a configuration holds: the transports', every algorithm's (named as it), the batched engine's
 SECTIONS: dict[str, type[Settings]] = {
-    "tcp": TcpSettings, "udp": UdpSettings, "dpsgd": DpsgdSettings, "gossip": GossipSettings, "leader": LeaderSettings,
-    "fedavg": FedAvgSettings, "pushsum": PushSumSettings, "batched": BatchedSettings,
+    "tcp": TcpSettings, "udp": UdpSettings,
+    **{name: TrainingSettings.model_fields[name].annotation for name in ALGORITHM_SECTIONS},
+    "batched": BatchedSettings,
 }
 
 
@@ -73,8 +70,9 @@ def default_topology(nodes: int) -> str:
 PROCESS_NODES = 4096  # node processes one machine may start
 
 
-class ExperimentConfig(Settings):
-    """One decentralized training run: who trains what, on which graph, how they talk."""
+class ExperimentConfig(TrainingSettings):
+    """One decentralized training run on one machine (or a provider's part of a network task): what
+    trains and how (``TrainingSettings``), on how many nodes, which engine and graph, how they talk."""
 
     nodes: int = Field(8, ge=2, le=1_000_000, description="number of nodes (the process engine: at most 4096)")
     engine: Literal["process", "batched"] = Field(
@@ -89,24 +87,11 @@ class ExperimentConfig(Settings):
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON: FEMNIST, or "
                                                "Shakespeare's text) | pystdlib (text: the running Python's standard library) | text:PATH "
                                                "(a text file or a folder of .txt) | one registered by --models-module")
-    partition: str = Field("iid", description="iid | shards:K (McMahan et al.'s label shards) | "
-                           "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
-                           "writers, in blocks per node)")
-    model: str = Field("mlp", description="mlp | lenet | simplecnn | resnet18 | gpt-tiny | gpt-small (language "
-                       "models) | any registered model")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
     task: str = Field("auto", description=TASK_HELP)  # after models_module: it may name a task registered there
-    context: int = Field(128, ge=2, le=65_536, description="tokens a language model reads at once (text datasets: "
-                         "the windows its samples are)")
-    vocabulary: VocabularyKind = Field("bytes", description=VOCABULARY_HELP)
-    algorithm: str = Field("dpsgd", description=algorithms_help())
-    aggregation: str = Field("mean", description="how each node aggregates the models it receives (dpsgd, gossip, "
-                             "leader): " + RULE_HELP)
     byzantine: str = Field("", description=BYZANTINE_HELP)
     sharing: str = Field("full", description="what a dpsgd node sends of its model: " + SHARING_HELP)
-    transport: Literal["tcp", "udp"] = Field("tcp", description="tcp (ZeroMQ, reliable) | udp (checksummed "
-                                                                "datagrams, tolerates loss)")
     net: NetemSpec = Field(NetemSpec(), description="emulated network, e.g. "
                                                       "loss=20%,corr=25%,delay=200ms,jitter=50ms,rate=10mbit "
                                                       "(rate: each link's bandwidth)")
@@ -116,20 +101,11 @@ class ExperimentConfig(Settings):
     slowdown: str = Field("", description="emulated slow steps: RANK:FACTOR or RANK:+TIME, RANK may be *; "
                           "e.g. 0:3 (node 0 trains 3x slower) or *:+20ms,0:+60ms (sleep per step)")
     rounds: int = Field(1, ge=0, description="local SGD steps per iteration")
-    batch_size: int = Field(32, ge=1, description="mini-batch size")
-    lr: float = Field(0.05, gt=0, description="learning rate")
-    optimizer: str = Field("sgd", description=OPTIMIZER_HELP)
-    lr_schedule: LrSchedule = Field(LrSchedule(), description="learning rate by iteration: " + SCHEDULE_HELP)
-    outer: OuterOptimizer = Field(OuterOptimizer(), description=OUTER_HELP)
-    dp: DPSettings = Field(DPSettings(), description=DP_HELP)
     full_epochs: bool = Field(False, description="rounds count passes over the node's shard, not mini-batches "
                               "(DecentralizePy's full_epochs)")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="SGD weight decay")
     iterations: int = Field(100, ge=1, description="iterations (rounds + one exchange each)")
     test_after: int = Field(10, ge=1, description="evaluate every this many iterations (and at the end)")
     eval_nodes: int = Field(0, ge=0, description="evaluate on the first N nodes only (0 = all)")
-    eval_samples: int = Field(0, ge=0, description="evaluate on N test samples, evenly spaced (0 = all)")
     train_evaluate: bool = Field(False, description="every evaluation also measures each node's loss and accuracy "
                                  "over its whole training shard (DecentralizePy's train_evaluate_after)")
     validation: float = Field(0.0, ge=0, lt=1, description="share of the test set held out as a validation set "
@@ -138,7 +114,6 @@ class ExperimentConfig(Settings):
     topology_colour: Literal["accuracy", "lag"] = Field(
         "accuracy", description="what topology.png colours each node by: its final test accuracy, or its finish-time "
                                 "lag (seconds it finished after the first node: whom slow nodes held back)")
-    seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
     reshuffle: bool = Field(False, description="pool the dataset's train and test sets and split them again with "
                             "the seed (same sizes, stratified by class): an experiment's seeds then also vary "
                             "the split, and its spread shows in the report")
@@ -154,11 +129,6 @@ class ExperimentConfig(Settings):
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="how many of the newest checkpoints a run keeps")
     tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
     udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
-    dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
-    gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
-    leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
-    fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg with a parameter server")
-    pushsum: PushSumSettings = Field(PushSumSettings(), description="push-sum (Stochastic Gradient Push)")
     batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
 
     @model_validator(mode="before")
@@ -182,35 +152,19 @@ class ExperimentConfig(Settings):
             values["topology"] = default_topology(values.get("nodes", 8))
         return values
 
-    @field_validator("topology", "dataset", "partition", "model", "host", "device")
+    @field_validator("topology", "dataset", "host", "device")
     @classmethod
     def _not_blank(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
 
-    @field_validator("aggregation")
-    @classmethod
-    def _valid_rule(cls, value: str) -> str:
-        # a built-in rule's arguments are checked here; whether a name is registered, once the
-        # user's --models-module has loaded (sim.checks, or the node when it builds its rule)
-        with about("aggregation", value):
-            return str(parse_rule(value)) if parse_rule(value).name in BUILT_IN_RULES else value.strip()
-
-    @field_validator("optimizer")
-    @classmethod
-    def _valid_optimizer(cls, value: str) -> str:
-        with about("optimizer", value):
-            parse_optimizer(value)
-        return value.strip()
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known_algorithm(cls, value: str, info: ValidationInfo) -> str:
-        value = value.strip()
-        if value not in DEFINITIONS and not info.data.get("models_module"):  # else checked once it has loaded
-            raise ValueError(f"{DEFINITIONS.unknown(value)}, or register your own in a --models-module file")
-        return value
+    @model_validator(mode="after")
+    def _known_algorithm(self) -> "ExperimentConfig":
+        if self.algorithm not in DEFINITIONS and not self.models_module:  # else checked once it has loaded
+            raise ConfigError(f"{DEFINITIONS.unknown(self.algorithm)}, or register your own in a --models-module file",
+                              setting="algorithm", value=self.algorithm)
+        return self
 
     @model_validator(mode="after")
     def _vocabulary_fits(self) -> "ExperimentConfig":
@@ -374,11 +328,6 @@ class ExperimentConfig(Settings):
             return f"peer_sampling {self.peer_sampling}"
         return f"topology {self.topology}" if self.topology == ONE_PEER_EXPONENTIAL else ""
 
-    def settings_of(self, algorithm: str) -> Settings | None:
-        """The settings section of ``algorithm`` (None for one without settings, such as local)."""
-        section = getattr(self, algorithm, None)
-        return section if isinstance(section, Settings) else None
-
     def slowdown_of(self, rank: int) -> tuple[float, float]:
         """Node ``rank``'s emulated slowness: (factor on its step time, seconds added per step).
         An entry for the rank overrides one for ``*`` (every node)."""
@@ -501,7 +450,9 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 
 
 def flat_fields() -> list[tuple[str, FieldInfo]]:
-    """Every setting under its flat name (as flags and flat files write it), with its field."""
-    fields = [(name, field) for name, field in ExperimentConfig.model_fields.items() if name not in SECTIONS]
+    """Every setting under its flat name (as flags and flat files write it), with its field; those
+    of the user algorithms registered by now (``--models-module`` loaded) too."""
+    fields = [(name, field) for name, field in ExperimentConfig.model_fields.items()
+              if name not in SECTIONS and name != "algorithm_settings"]  # (filled by a user's algorithm's flags)
     fields += [(flat, SECTIONS[section].model_fields[name]) for flat, [(section, name), *_] in FLAT_ROUTES.items()]
-    return fields
+    return fields + user_setting_fields()

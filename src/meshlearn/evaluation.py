@@ -1,40 +1,19 @@
-"""A model's test-set metrics: loss, accuracy, macro precision / recall / F1, confusion matrix, and
-the predictions on a grid of test images (predictions.png)."""
+"""A model's test-set metrics (``evaluate_model``: its dataset's task turns the model's outputs into an
+``Evaluation`` of ``meshlearn.metrics``), and the predictions on a grid of test images (predictions.png)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from meshlearn.data import Dataset, test_samples
-from meshlearn.metrics import classification_report, confusion_matrix
+from meshlearn.metrics import SHOWN_COLUMNS, Evaluation, shown_positions
 from meshlearn.plots import fit_title, pyplot
+from meshlearn.tasks import task_of
 
 EVAL_BATCH = 128  # test samples per forward pass: bounds a node's activations (LeNet: 17 MB a layer)
-
-
-@dataclass
-class Evaluation:
-    """Test-set loss (per target: per sample, or per token), accuracy (of the predicted class, or
-    next token), macro precision / recall / F1 and, for final reports of classification, the
-    confusion matrix. A language model's adds its perplexity and bits per token."""
-
-    loss: float
-    accuracy: float
-    precision: float
-    recall: float
-    f1: float
-    confusion: list[list[int]] = field(default_factory=list)
-    shown: list[int] = field(default_factory=list)  # final reports: the predictions predictions.png shows
-    perplexity: float | None = None
-    bits_per_token: float | None = None
-
-    def as_dict(self) -> dict:
-        """The metrics as plain values, for logs and summaries (a task's metrics it lacks left out)."""
-        return {name: value for name, value in self.__dict__.items() if value is not None}
 
 
 @torch.no_grad()
@@ -42,8 +21,6 @@ def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | st
                    limit: int = 0, full: bool = False) -> Evaluation:
     """A model's loss and accuracy on the test set (``limit`` samples of it, ``test_samples``; 0 =
     all); all metrics if ``full``. The dataset's task measures them (``meshlearn.tasks``)."""
-    from meshlearn.tasks import task_of
-
     task = task_of(dataset)
     xs, ys = test_samples(dataset, limit)
     model.eval()
@@ -58,35 +35,10 @@ def evaluate_model(model: nn.Module, dataset: Dataset, device: torch.device | st
     return task.evaluation(total_loss, ys, torch.cat(preds), dataset.num_classes, full)
 
 
-def evaluation_of(total_loss: float, targets: torch.Tensor, preds: torch.Tensor, num_classes: int,
-                  full: bool = False) -> Evaluation:
-    """The Evaluation of predictions ``preds`` of ``targets`` whose cross-entropy losses sum to ``total_loss``."""
-    confusion = confusion_matrix(targets, preds, num_classes)
-    report = classification_report(confusion)
-    return Evaluation(
-        loss=total_loss / max(1, len(targets)),
-        accuracy=report["accuracy"],
-        precision=report["precision"],
-        recall=report["recall"],
-        f1=report["f1"],
-        confusion=confusion.tolist() if full else [],
-        shown=preds[shown_positions(len(preds))].tolist() if full else [],
-    )
-
-
 # --- predictions.png: a grid of test images with their true and predicted labels ------------------
 
 PREDICTIONS_FIGURE = "predictions.png"
-SHOWN_ROWS, SHOWN_COLUMNS = 4, 6
 RIGHT, WRONG = "#1a7f37", "#d1242f"  # the colours of a right and a wrong prediction's title (and frame)
-
-
-def shown_positions(count: int) -> torch.Tensor:
-    """The positions, among ``count`` evaluated test samples, of the ones predictions.png shows:
-    SHOWN_ROWS x SHOWN_COLUMNS evenly spaced over them (all of them if fewer), the same on every
-    node, engine and provider."""
-    shown = min(count, SHOWN_ROWS * SHOWN_COLUMNS)
-    return torch.arange(shown, dtype=torch.int64) * count // max(1, shown)
 
 
 def is_image(dataset: Dataset) -> bool:

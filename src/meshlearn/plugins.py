@@ -60,6 +60,10 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(set(self._items) | set(self._built_in))
 
+    def extensions(self) -> list[str]:
+        """The names registered by now that are not meshlearn's own (a user's module added them)."""
+        return sorted(set(self._items) - set(self._built_in))
+
     def __contains__(self, name: object) -> bool:
         return name in self._items or name in self._built_in
 

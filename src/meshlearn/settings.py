@@ -65,6 +65,12 @@ class Settings(BaseModel):
         """Flat name -> field name, for every field."""
         return {cls.FLAT_NAMES.get(name, name): name for name in cls.model_fields}
 
+    def fields_of(self, part: type["Settings"]) -> dict[str, Any]:
+        """This object's values of the fields ``part`` declares (a class these settings compose, such
+        as the training settings a task request and an experiment share): how one schema's values
+        pass into another without naming each field."""
+        return {name: getattr(self, name) for name in part.model_fields}
+
 
 def parse_key_values(items: str, allowed: Sequence[str], setting: str, value: str, unknown: Callable[[str], str],
                      booleans: Sequence[str] = ()) -> dict[str, float | bool]:

@@ -52,8 +52,8 @@ from meshlearn.data import (
 from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
 from meshlearn.errors import CheckpointError, ConfigError
-from meshlearn.evaluation import Evaluation
 from meshlearn.flat import FlatState
+from meshlearn.metrics import Evaluation
 from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import saved_activation_bytes, step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart

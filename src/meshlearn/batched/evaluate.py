@@ -6,7 +6,8 @@ import torch
 
 from meshlearn.batched.models import NodeModels
 from meshlearn.data import Dataset, test_samples
-from meshlearn.evaluation import EVAL_BATCH, Evaluation
+from meshlearn.evaluation import EVAL_BATCH
+from meshlearn.metrics import Evaluation
 from meshlearn.tasks import task_of
 
 FINGERPRINT = 64  # values of a row whose bytes key it, before torch.equal compares whole rows

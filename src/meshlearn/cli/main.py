@@ -26,8 +26,9 @@ from meshlearn.config import (
     make_config,
     read_config_file,
 )
-from meshlearn.errors import MeshlearnError
+from meshlearn.errors import MeshlearnError, about
 from meshlearn.exiting import exit_now
+from meshlearn.plugins import load_user_module
 from meshlearn.suggest import closest, did_you_mean
 
 DEMO = {
@@ -246,6 +247,9 @@ def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...
 
 def _resolve(args: argparse.Namespace) -> ExperimentConfig:
     values: dict[str, Any] = read_config_file(args.config) if getattr(args, "config", None) else {}
+    if isinstance(values.get("models_module"), str):  # the user's own file names it: its algorithms' settings
+        with about("models_module", values["models_module"]):  # are then known by their flat names
+            load_user_module(values["models_module"])
     values.update(given(args, [name for name, _ in flat_fields()]))
     config = make_config(values)
     if "topology" not in values and config.topology != DEFAULT_TOPOLOGY:
@@ -464,12 +468,29 @@ def _version() -> str:
         return "(not installed)"
 
 
+def _load_user_algorithms(words: list[str]) -> None:
+    """The ``--models-module`` of a ``simulate`` or ``node`` command, loaded before its flags are
+    made: the algorithms it registers bring the flags of their settings (``--half-step-pull``)."""
+    if next((word for word in words if not word.startswith("-")), None) not in ("simulate", "node"):
+        return
+    for at, word in enumerate(words):
+        if word == "--models-module" and at + 1 < len(words):
+            load_user_module(words[at + 1])
+        elif word.startswith("--models-module="):
+            load_user_module(word.partition("=")[2])
+
+
 def main(argv: Sequence[str] | None = None, started: float | None = None) -> int:
     """Run one `meshlearn` command (``argv``: its words, default the process's); returns the exit code.
     ``started``: when the command began, as ``time.time()``, which a run's wall-clock counts from
     (default: now; the console script gives its process's start, ``cli.COMMAND_STARTED``)."""
-    parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        _load_user_algorithms(words)
+    except MeshlearnError as exc:
+        print(f"meshlearn: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    parser = build_parser()
     args, unknown = parser.parse_known_args(words)
     if args.command is None and not unknown:  # bare `meshlearn`: what it can do
         parser.print_help()

@@ -10,20 +10,25 @@ import threading
 from pathlib import Path
 
 from meshlearn.cli.flags import add_flags, given
-from meshlearn.definitions.settings import FedAvgSettings, LeaderSettings
+from meshlearn.definitions.base import definition
 from meshlearn.errors import UserInputError
 from meshlearn.network.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.bootstrap import BootstrapSettings
 from meshlearn.network.provider import ProviderSettings
 from meshlearn.network.task import TaskRequest
 from meshlearn.tblog import require_tensorboard
+from meshlearn.training import ALGORITHM_SECTIONS
 
-# The request flags; their defaults live in TaskRequest. epochs and batch size are read as
-# numbers, so that a value the rules correct (2.6 epochs) is corrected with a warning.
+# The request flags; their defaults live in TaskRequest (its training settings, TrainingSettings).
+# epochs and batch size are read as numbers, so that a value the rules correct (2.6 epochs) is
+# corrected with a warning.
 REQUEST_FLAGS = [name for name in TaskRequest.model_fields
-                 if name not in ("data", "data_on_providers", "gossip", "leader", "fedavg", "warnings")]
-# The request's flags of the algorithms' sections, by their flat names (--leader-sync): flat -> (section, field)
-SECTION_FLAGS = {flat: (section, name) for section, cls in (("leader", LeaderSettings), ("fedavg", FedAvgSettings))
+                 if name not in ("data", "data_on_providers", "warnings", "algorithm_settings", *ALGORITHM_SECTIONS)]
+# The sections of the algorithms a network task runs, and their flags by flat name (--leader-sync):
+# flat -> (section, field)
+REQUEST_SECTIONS = {name: TaskRequest.model_fields[name].annotation for name in ALGORITHM_SECTIONS
+                    if definition(name).needs.network}
+SECTION_FLAGS = {flat: (section, name) for section, cls in REQUEST_SECTIONS.items()
                  for flat, name in cls.flat_names().items()}
 REQUEST_TYPES = {"epochs": float, "batch_size": float}
 PROVIDER_FLAGS = {"ram_gb": "ram", "provider_id": "id"}  # field -> flag, where they differ
@@ -461,8 +466,8 @@ def add_network_commands(sub) -> None:
                      "(each provider's train loss and test accuracy as they come, the result) under DIR/task-ID "
                      "(default: none)")
     add_flags(req, [(name, TaskRequest.model_fields[name]) for name in REQUEST_FLAGS], types_=REQUEST_TYPES)
-    sections = {"leader": LeaderSettings, "fedavg": FedAvgSettings}
-    add_flags(req, [(flat, sections[section].model_fields[name]) for flat, (section, name) in SECTION_FLAGS.items()])
+    add_flags(req, [(flat, REQUEST_SECTIONS[section].model_fields[name])
+                    for flat, (section, name) in SECTION_FLAGS.items()])
     _secret_flags(req)
     req.set_defaults(func=cmd_request)
 

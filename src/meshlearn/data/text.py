@@ -39,11 +39,6 @@ LEAF_SNIFF_BYTES = 1 << 20  # how much of a LEAF file is read to tell text sampl
 Texts = tuple[list[bytes | str], list[bytes | str]]  # the training texts (one a file or writer) and the test ones
 
 
-def byte_names() -> tuple[str, ...]:
-    """The byte tokens' names: the character of a printable ASCII byte, else its escape (``\\n``, ``\\x00``)."""
-    return Vocabulary().names()
-
-
 def stdlib_root() -> Path:
     """The running interpreter's standard library folder (its ``Lib``)."""
     return Path(sysconfig.get_paths()["stdlib"])

@@ -38,6 +38,7 @@ from meshlearn.network.task import (
     Peer,
     Resumed,
     TaskRequest,
+    TaskSettings,
     TaskSpec,
     dataset_spec,
     new_task_id,
@@ -265,15 +266,9 @@ class Requester:
             resumed = Resumed(cycles=self.resume, address=address,
                               files={name: manifest[name] for name in self.kept.files(self.resume)})
         self._spec_now = spec = TaskSpec(
-            task_id=self.task_id, model=req.model, epochs=req.epochs, batch_size=req.batch_size, lr=req.lr,
-            momentum=req.momentum, algorithm=req.algorithm, aggregation=req.aggregation,
-            aggregate_every=req.aggregate_every, seed=req.seed,
-            partition=req.partition, eval_samples=req.eval_samples, eval_every=req.eval_every,
-            peer_timeout=req.peer_timeout, slots=self.slots,
+            **req.fields_of(TaskSettings), task_id=self.task_id, slots=self.slots,
             peers=[{"id": p["id"], "address": p["address"]} for p in plan], data=data, meta=meta,
-            weights=weights, requester=self.sender, gossip=req.gossip, leader=req.leader,
-            fedavg=req.fedavg, transport=req.transport, udp_timeout=req.udp_timeout, context=req.context,
-            vocabulary=req.vocabulary, outer=req.outer, dp=req.dp, checkpoint_every=req.checkpoint_every,
+            weights=weights, requester=self.sender,
             checkpoints_to=address if self.keeps_checkpoints else "", resume=resumed)
         if self.resume is not None and (len(plan) != len(self.previous) or spec.fingerprint() != self._fingerprint):
             raise TaskFailed(f"task {self.task_id} resumes on its {len(self.previous)} providers' checkpoints: it "

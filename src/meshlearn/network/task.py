@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
-from meshlearn.aggregation.spec import RULE_HELP, check_rule
+from meshlearn.aggregation.spec import check_rule
 from meshlearn.config import ExperimentConfig, secure_conflicts, secure_draw
-from meshlearn.data.specs import DATASETS, KINDS, VOCABULARY_HELP, VocabularyKind, parse_spec
+from meshlearn.data.specs import DATASETS, KINDS, parse_spec
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
-from meshlearn.definitions.settings import FedAvgSettings, GossipSettings, LeaderSettings
+from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
-from meshlearn.outer import OUTER_HELP, OuterOptimizer
-from meshlearn.privacy.settings import DP_HELP, DPSettings
-from meshlearn.settings import MAX_SEED, Settings
+from meshlearn.settings import Settings
+from meshlearn.training import TrainingSettings
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 MAX_EPOCHS = 1000
@@ -31,26 +31,56 @@ WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served unde
 BUILT_IN_DATA = ("digits", "pystdlib")  # dataset specs without a path
 
 
-class TaskRequest(Settings):
+def _network_default(name: str, default: Any, description: str) -> Any:
+    """``TrainingSettings``' field ``name`` (type and bounds) with the network's own default and words."""
+    return FieldInfo.merge_field_infos(TrainingSettings.model_fields[name], default=default, description=description)
+
+
+class TaskSettings(TrainingSettings):
+    """A network task's training (``TrainingSettings``, with the defaults the CloudMesh report's
+    requests use) and its schedule across providers: what a request asks and its spec carries, and
+    what a resumed task must train as before. The request and the spec compose it, so a field here
+    travels from ``request``'s flags to every provider with nothing copied by hand."""
+
+    model: str = _network_default("model", "simplecnn", "model: mlp | lenet | simplecnn | resnet18 | gpt-tiny | "
+                                  "gpt-small (text), or one registered by --models-module")
+    batch_size: int = _network_default("batch_size", 16, "mini-batch size (one outside 1..the training set's size "
+                                       "becomes 16, with a warning: the CloudMesh report's correction)")
+    lr: float = _network_default("lr", 0.01, f"learning rate (one <= 0 becomes {DEFAULT_LR}, with a warning: the "
+                                 "CloudMesh report's correction)")
+    algorithm: str = _network_default("algorithm", "leader", "how providers combine models: leader (asynchronous; "
+                                      "--leader-sync true: synchronous cycles), dpsgd, gossip, or fedavg (the "
+                                      "synchronous leader, with --fedavg-fraction)")
+    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition (as the "
+                        f"CloudMesh report asks, a value outside 1..{MAX_EPOCHS} or not whole is corrected with a "
+                        "warning, not refused)")
+    aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
+    eval_every: int = Field(0, ge=0, description="evaluate on every provider every N iterations, for live accuracy "
+                            "curves (bootstrap dashboard, --tensorboard); 0: only the final model")
+    peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
+                                description="seconds of silence before a provider counts as gone")
+    udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT,
+                               description="transport udp: seconds a provider waits for its peers' datagrams of an "
+                                           "iteration before it averages what came")
+    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000, description="cycles between the checkpoints each "
+                                         "provider sends the requester, which keeps the task's state for request "
+                                         "--resume; 0: none (default: one an epoch)")
+
+    _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
+    _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
+    _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
+    _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
+    _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
+
+
+class TaskRequest(TaskSettings):
     """What a requester asks of the network (``meshlearn request``: its flags, or the keys of a
     ``--config`` task file), after the corrections ``validate_request`` allows."""
 
     data: str = Field("", description="folder with train/ and test/, CIFAR-10's archive, or a dataset spec "
                                       "(digits, cifar10:PATH, ...; text: pystdlib, text:PATH)")
-    context: int = Field(128, ge=2, le=65_536, description="text data: tokens a language model reads at once")
-    vocabulary: VocabularyKind = Field("bytes", description=VOCABULARY_HELP)
     data_on_providers: str | None = Field(None, description="dataset each provider already holds, under its "
                                                             "--data-root")
-    model: str = Field("simplecnn", description="model: mlp | lenet | simplecnn | resnet18 | gpt-tiny | gpt-small "
-                       "(text), or one registered by --models-module")
-    epochs: int = Field(10, ge=1, le=MAX_EPOCHS, description="epochs over each provider's partition (as the "
-                        f"CloudMesh report asks, a value outside 1..{MAX_EPOCHS} or not whole is corrected with a "
-                        "warning, not refused)")
-    batch_size: int = Field(16, ge=1, description="mini-batch size (one outside 1..the training set's size becomes "
-                            "16, with a warning: the CloudMesh report's correction)")
-    lr: float = Field(0.01, gt=0, description=f"learning rate (one <= 0 becomes {DEFAULT_LR}, with a warning: the "
-                      "CloudMesh report's correction)")
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum in [0, 1)")
     providers: int = Field(4, ge=1, le=MAX_TASK_PEERS, description="providers to train on")
     min_providers: int | None = Field(None, ge=1, le=MAX_TASK_PEERS, description="start with this many, and take "
                                       "in more as they come free while the task runs, up to --providers (the data "
@@ -70,44 +100,10 @@ class TaskRequest(Settings):
                                               "each, over the encrypted channel) and take those with the lowest "
                                               "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
     location: str | None = Field(None, description="only providers declaring this location")
-    algorithm: str = Field(
-        "leader", description="how providers combine models: leader (asynchronous; --leader-sync true: "
-        "synchronous cycles), dpsgd, gossip, or fedavg (the synchronous leader, with --fedavg-fraction)")
-    aggregation: str = Field("mean", description="how models are combined, by the leader and every provider: "
-                             + RULE_HELP)
-    aggregate_every: int | Literal["epoch"] = Field("epoch", description="aggregate every N batches, or 'epoch'")
-    seed: int = Field(90, ge=0, le=MAX_SEED, description="seed of partitions and initial model")
-    partition: str = Field("iid", description="iid | shards:K | dirichlet:ALPHA")
-    eval_samples: int = Field(0, ge=0, description="evaluate on N test samples, evenly spaced (0 = all)")
-    eval_every: int = Field(0, ge=0, description="evaluate on every provider every N iterations, for live accuracy "
-                            "curves (bootstrap dashboard, --tensorboard); 0: only the final model")
-    peer_timeout: float = Field(20.0, gt=0, le=MAX_PEER_TIMEOUT,
-                                description="seconds of silence before a provider counts as gone")
     weights: str | None = Field(None, description="safetensors file of initial weights for the model "
                                                   "(default: a fresh model from the seed)")
-    transport: Literal["tcp", "udp"] = Field("tcp", description="how providers send each other models: tcp, or "
-                                             "udp (datagrams each sealed with the task's key, a lost one averaged "
-                                             "around: dpsgd only, every provider reachable directly, not through "
-                                             "the relay)")
-    udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT,
-                               description="transport udp: seconds a provider waits for its peers' datagrams of an "
-                                           "iteration before it averages what came")
-    gossip: GossipSettings = Field(GossipSettings(), description="gossip's settings (algorithm gossip)")
-    leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation's settings (algorithm leader)")
-    fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg's settings (algorithm fedavg)")
-    outer: OuterOptimizer = Field(OuterOptimizer(), description="after each aggregation (fedavg, dpsgd, gossip, leader "
-                                  "with --leader-sync true): " + OUTER_HELP)
-    dp: DPSettings = Field(DPSettings(), description=DP_HELP)
-    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000, description="cycles between the checkpoints each "
-                                         "provider sends the requester, which keeps the task's state for request "
-                                         "--resume; 0: none (default: one an epoch)")
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")
 
-    _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
-    _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
-    _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
-    _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
-    _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
     _valid_joining = model_validator(mode="after")(lambda self: joining_fits(self))
     _valid_secure = model_validator(mode="after")(lambda self: privacy_fits(self, len_peers=self.providers,
                                                                            joins=self.min_providers is not None
@@ -338,49 +334,21 @@ def network_algorithm(name: str) -> str:
     return name
 
 
-class TaskSpec(Settings):
+class TaskSpec(TaskSettings):
     """Everything a provider needs to run its part of a task; sent as JSON, validated on arrival."""
 
     task_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    model: str = Field(max_length=64)
-    epochs: int = Field(ge=1, le=MAX_EPOCHS)
-    batch_size: int = Field(ge=1)
-    lr: float = Field(gt=0)
-    momentum: float = Field(0.0, ge=0, lt=1)
-    algorithm: str = Field(max_length=64)
-    aggregation: str = Field("mean", max_length=64)  # a rule's name: looked up among the registered ones
-    aggregate_every: int | Literal["epoch"]
-    seed: int = Field(ge=0, le=MAX_SEED)
-    partition: str = Field(max_length=64)
-    eval_samples: int = Field(ge=0)
-    eval_every: int = Field(0, ge=0)
-    peer_timeout: float = Field(gt=0, le=MAX_PEER_TIMEOUT)
     peers: list[Peer] = Field(min_length=1, max_length=MAX_TASK_PEERS)
     data: dict[str, Any]  # {"mode": "served", "address", "files"} or {"mode": "local", "dataset"}
     meta: dict[str, Any] | None = None  # classes and normalization (served mode)
     weights: ServedFile | None = None  # initial weights, served by the requester
     requester: str = Field("", max_length=256)
-    gossip: GossipSettings = GossipSettings()
-    leader: LeaderSettings = LeaderSettings()
-    fedavg: FedAvgSettings = FedAvgSettings()
-    transport: Literal["tcp", "udp"] = "tcp"
-    udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT)
-    context: int = Field(128, ge=2, le=65_536)  # text data: the windows a language model reads
-    vocabulary: VocabularyKind = "bytes"  # text data held on providers (served text arrives as token ids)
-    outer: OuterOptimizer = OuterOptimizer()  # each provider's outer step after each aggregation
-    dp: DPSettings = DPSettings()  # DP-SGD in each provider's training
-    checkpoint_every: int | None = Field(None, ge=0, le=1_000_000)  # cycles; None: one an epoch; 0: none
     slots: int = Field(0, ge=0, le=MAX_TASK_PEERS)  # the shards the data is split into (0: one per peer); more than
     # the peers: providers may join while it runs, each taking the next slot
     joining: bool = False  # the spec a newcomer gets: it joins the task's providers as they train
     checkpoints_to: str = Field("", max_length=256)  # where providers send their checkpoints (the requester)
     resume: Resumed | None = None  # a task resumed from the checkpoints the requester kept
 
-    _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
-    _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
-    _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
-    _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
-    _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
     _valid_secure = model_validator(mode="after")(
         lambda self: privacy_fits(self, len(self.peers), self.joining or self.slots > len(self.peers)))
 
@@ -443,18 +411,15 @@ class TaskSpec(Settings):
         alone = self.shards == 1  # one provider has no one to exchange with
         algorithm, leader = self.engine_algorithm()
         return ExperimentConfig(
-            nodes=max(2, self.shards, len(self.peers)), algorithm="local" if alone else algorithm, topology="full",
-            rounds=rounds,
-            iterations=iterations, batch_size=self.batch_size, lr=self.lr, momentum=self.momentum, seed=self.seed,
-            test_after=min(self.eval_every or iterations, iterations), eval_samples=self.eval_samples,
-            eval_nodes=0 if self.eval_every else 1, host=host, device=device,
+            **{**self.fields_of(TrainingSettings), "algorithm": "local" if alone else algorithm, "leader": leader,
+               "transport": "tcp" if alone else self.transport},
+            nodes=max(2, self.shards, len(self.peers)), topology="full", rounds=rounds, iterations=iterations,
+            test_after=min(self.eval_every or iterations, iterations), eval_nodes=0 if self.eval_every else 1,
+            host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            transport="tcp" if alone else self.transport,
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
-            gossip=self.gossip, leader=leader, aggregation=self.aggregation, context=self.context,
-            outer=self.outer, dp=self.dp,
             checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)
         # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 

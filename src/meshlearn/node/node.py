@@ -13,8 +13,9 @@ from meshlearn.attacks.forge import LabelFlip, make_attack
 from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
-from meshlearn.evaluation import Evaluation, evaluate_model
+from meshlearn.evaluation import evaluate_model
 from meshlearn.flat import FlatState
+from meshlearn.metrics import Evaluation
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator, secret_seed
 from meshlearn.runlog import JsonlLog, truncate_log

@@ -32,6 +32,8 @@ def check_before_start(config: ExperimentConfig) -> Graph:
         MODELS.check(config.model)
     with about("algorithm", config.algorithm):
         DEFINITIONS.check(config.algorithm)
+    with about("algorithm_settings", config.algorithm_settings):
+        config.settings_of(config.algorithm)  # a user's algorithm's settings, against the class it declares
     problem = algorithm_refusal(config)  # a user's algorithm's declaration, now that it is registered
     if problem:
         raise ConfigError(problem)

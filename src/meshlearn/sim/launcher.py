@@ -29,7 +29,7 @@ from meshlearn.checkpoint import FOLDER as CHECKPOINTS
 from meshlearn.checkpoint import CheckpointStore
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import partition_dataset
-from meshlearn.errors import ConfigError, MeshlearnError, TransportError
+from meshlearn.errors import ConfigError, MeshlearnError, NodeFailure, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
 from meshlearn.runlog import COLUMNAR_LOG
@@ -57,10 +57,6 @@ def _silent(text: str) -> None:
 def default_say(progress: bool) -> Say:
     """Where start-up messages go when the caller names nowhere: stderr with progress bars, nowhere without."""
     return say_on_stderr if progress else _silent
-
-
-class NodeFailure(MeshlearnError):
-    """A node process failed or died; the message names it and says why."""
 
 
 @dataclass

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 from torch.nn import functional as F
 
+from meshlearn.metrics import Evaluation, evaluation_of
 from meshlearn.tasks.spec import TASKS
 
 if TYPE_CHECKING:
     from meshlearn.data import Dataset
-    from meshlearn.evaluation import Evaluation
 
 
 class Task(ABC):
@@ -45,10 +45,8 @@ class Task(ABC):
         return outputs.argmax(-1)
 
     def evaluation(self, total_loss: float, targets: torch.Tensor, preds: torch.Tensor, num_classes: int,
-                   full: bool = False) -> "Evaluation":
+                   full: bool = False) -> Evaluation:
         """The Evaluation of ``preds`` of ``targets`` (both flat) whose losses sum to ``total_loss``."""
-        from meshlearn.evaluation import evaluation_of
-
         return evaluation_of(total_loss, targets.flatten(), preds, num_classes, full)
 
 
@@ -57,6 +55,6 @@ def register_task(cls: type[Task]) -> type[Task]:
     return TASKS.add(cls.name, cls)
 
 
-def task_of(dataset: "Dataset") -> Task:
+def task_of(dataset: Dataset) -> Task:
     """The task a dataset is trained for (its ``task``)."""
     return TASKS.get(dataset.task)()

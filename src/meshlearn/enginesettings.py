@@ -1,5 +1,6 @@
-"""The batched engine's settings. Kept apart from the engine (no torch here), so a configuration is
-validated, and the command line answers, without loading it."""
+"""The settings the engines own (the batched engine's section, ``batched:``). Kept out of the engine
+packages, so the configuration validates them, and the command line answers, without importing an
+engine (or torch)."""
 
 from __future__ import annotations
 
