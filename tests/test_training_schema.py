@@ -129,3 +129,12 @@ def test_settings_of_a_built_in_algorithm_stay_in_its_section():
         ExperimentConfig(algorithm="fedavg", algorithm_settings={"fraction": 0.5})
     with pytest.raises(ConfigError, match="algorithm local declares no settings"):
         ExperimentConfig(algorithm="local", algorithm_settings={"pull": 0.5}).settings_of("local")
+
+
+def test_a_text_tasks_spec_gives_its_providers_an_engine_configuration():
+    """A provider's engine trains on the data taskdata loads, in the task's vocabulary: its
+    configuration's dataset field is not that data, so the vocabulary does not travel into it."""
+    spec = TaskSpec(task_id="t1", epochs=1, aggregate_every=1, peer_timeout=5, model="gpt-tiny", context=32,
+                    vocabulary="chars", algorithm="leader", peers=[{"id": "p0", "address": "a:1"}],
+                    data={"mode": "served", "address": "a:2", "files": {}})
+    assert spec.experiment_config(100, "127.0.0.1", "cpu", 64).context == 32

@@ -410,8 +410,10 @@ class TaskSpec(TaskSettings):
         rounds, iterations = self.schedule(samples)
         alone = self.shards == 1  # one provider has no one to exchange with
         algorithm, leader = self.engine_algorithm()
+        training = self.fields_of(TrainingSettings)
+        del training["vocabulary"]  # the data's own: taskdata loads it (from shards, or locally), not a dataset spec
         return ExperimentConfig(
-            **{**self.fields_of(TrainingSettings), "algorithm": "local" if alone else algorithm, "leader": leader,
+            **{**training, "algorithm": "local" if alone else algorithm, "leader": leader,
                "transport": "tcp" if alone else self.transport},
             nodes=max(2, self.shards, len(self.peers)), topology="full", rounds=rounds, iterations=iterations,
             test_after=min(self.eval_every or iterations, iterations), eval_nodes=0 if self.eval_every else 1,
@@ -421,7 +423,6 @@ class TaskSpec(TaskSettings):
             udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
                             max_message_mb=max_message_mb),
             checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)
-        # (the vocabulary is the data's: taskdata loads it, from shards or locally)
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
