@@ -74,7 +74,7 @@ def _attempts(bootstrap: str, providers: dict, task: str) -> dict[str, tuple]:
 
 def test_an_insider_cannot_act_on_a_task_it_has_no_part_in_nor_make_a_provider_leave(procs):
     hold, bootstrap, _ = _held_network(procs, 3, 12)  # p0 and p1 take the task; p2 is an insider provider
-    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "40", "--providers", "2",
+    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "3", "--providers", "2",
                     "--aggregate-every", "5")
     hold.wait_held(procs, ["p0", "p1"])  # the task runs (in cycle 3) while the insiders try
     task = procs.wait_for("req", r"task (\w+): p0: training [1-9]", timeout=120).group(1)
@@ -134,7 +134,7 @@ def test_a_revoked_leader_leaves_the_task_to_the_others(procs):
     """Provider p0 leads (the first by id); its key is revoked mid-task with `meshlearn revoke`: it
     stops, the others go on without it, one of them leads, and the result is theirs."""
     hold, bootstrap, ids = _held_network(procs, 3, 12, ttl=3.0)
-    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "60", "--providers", "3",
+    proc = _request(procs, "req", bootstrap, *HELD, "--algorithm", "leader", "--epochs", "10", "--providers", "3",
                     "--aggregate-every", "5", "--peer-timeout", "6")
     hold.wait_held(procs, ids)  # the task runs (in cycle 3) until p0 knows its key revoked
     key = load_or_create_key(procs.folder / "p0" / "provider.key")[0].text

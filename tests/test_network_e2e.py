@@ -409,7 +409,7 @@ def test_a_provider_that_leaves_after_its_task_is_not_reported_lost(procs):
     bootstrap, ids = start_network(procs, 2, provider_args=("--models-module", MODELS), provider_env=hold.env)
     proc = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"), *TASK,
                        "--model", "held-mlp", "--models-module", MODELS,
-                       "--algorithm", "leader", "--epochs", "20", "--providers", "2", "--aggregate-every", "5")
+                       "--algorithm", "leader", "--epochs", "2", "--providers", "2", "--aggregate-every", "5")
     hold.wait_held(procs, ids)
     procs.procs["p1"].send_signal(signal.SIGINT)
     procs.wait_for("p1", "leaving after task")

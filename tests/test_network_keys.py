@@ -60,6 +60,42 @@ def _ids(bootstrap: Bootstrap) -> list[str]:
     return sorted(p.id for p in bootstrap.registry.providers())
 
 
+def test_a_refused_key_is_said_even_when_the_handshake_fails_before_the_request_is_sent(bootstrap, caplog,
+                                                                                      monkeypatch):
+    """The request is held between the connection and its sending until the server has refused the
+    key: the call still ends within its timeout, naming the refusal, and never blocks in its send
+    (a send is bounded by the call's timeout: a run under load once blocked there for 300 s)."""
+    from meshlearn.network import rpc
+
+    revoked = KeyPair.generate()
+    use_identity(revoked)
+    _register(bootstrap.address, "p-revoked")
+    outside = Registry(bootstrap.settings.state).open()  # what `meshlearn revoke` does
+    outside.revoke(revoked.text)
+    outside.close()
+    sealed = rpc.seal
+
+    def held_until_refused(*args, **kwargs):  # sealing is the step between connect and send
+        wait_until(lambda: any("revoked key" in r.getMessage() for r in caplog.records), timeout=20)
+        return sealed(*args, **kwargs)
+
+    monkeypatch.setattr(rpc, "seal", held_until_refused)
+    outcome: list[BaseException] = []
+
+    def ping() -> None:
+        try:
+            call(bootstrap.address, "ping", {}, SECRET, timeout=3)
+        except BaseException as exc:  # noqa: BLE001 - the test reads what the call raised
+            outcome.append(exc)
+
+    with caplog.at_level(logging.WARNING):
+        pinger = threading.Thread(target=ping, daemon=True)
+        pinger.start()
+        pinger.join(timeout=30)
+    assert not pinger.is_alive(), "the call blocked in its send after the key was refused"
+    assert len(outcome) == 1 and isinstance(outcome[0], KeyRefused), outcome
+
+
 def test_registration_records_the_key_and_discovery_vouches_for_it(bootstrap):
     me = KeyPair.generate()
     use_identity(me)

@@ -132,7 +132,7 @@ def test_a_provider_declaring_one_core_trains_on_one(procs):
     samples: list[tuple[float, float]] = []
     done = threading.Event()
     request = procs.start("req", "request", "--bootstrap", bootstrap, "--output", str(procs.folder / "req"),
-                          "--data", "digits", "--model", "simplecnn", "--batch-size", "128", "--epochs", "20",
+                          "--data", "digits", "--model", "simplecnn", "--batch-size", "128", "--epochs", "8",
                           "--lr", "0.05", "--wait", "0", "--providers", "1")
 
     def sample():

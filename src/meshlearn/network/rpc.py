@@ -333,14 +333,21 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
             me = keys or own_identity()
             make_curve_client(sock, me.public, me.secret, server_key)
         monitor = sock.get_monitor_socket(_CONNECTION_EVENTS | (_HANDSHAKE_FAILED if server_key is not None else 0))
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout * 1000)))  # a send with no connection to queue on ends
+        started = time.monotonic()
         sock.connect(f"tcp://{where}")
-        sock.send_multipart(seal(request, secret, server_key is not None), copy=False)
+        connection = _Connection()
+        try:
+            sock.send_multipart(seal(request, secret, server_key is not None), copy=False)
+        except zmq.Again:  # what the connection saw says why (a key refused), else nothing took the request
+            while monitor.poll(0):
+                connection.saw(recv_monitor_message(monitor), where, server_key, kind, keys,
+                               time.monotonic() - started)
+            raise Unreachable(f"{kind} could not be sent to {where} within {timeout:g} s") from None
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        started = time.monotonic()
         deadline = started + timeout
-        connection = _Connection()
         while (left := deadline - time.monotonic()) > 0:
             events = dict(poller.poll(int(left * 1000) + 1))
             if monitor in events:
