@@ -15,7 +15,7 @@ from pathlib import Path
 
 from meshlearn.config import make_config
 from meshlearn.sim import simulate
-from meshlearn.sim.report import load_logs
+from meshlearn.sim.tables import load_logs
 
 
 def main() -> None:

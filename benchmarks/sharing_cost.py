@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from meshlearn.algorithms.averaging import MISSING_CHUNK_RULES, masked_average_, weighted_average_
+from meshlearn.definitions.averaging import masked_average_, weighted_average_
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.sharing import make_sharing
 
 SCHEMES = ["full", "subsample:0.1", "topk:0.1", "quantize:8", "quantize:4", "choco:0.1"]

@@ -28,7 +28,8 @@ from pathlib import Path
 
 from meshlearn.config import make_config
 from meshlearn.sim import simulate
-from meshlearn.sim.report import final_summary, load_logs
+from meshlearn.sim.summary import final_summary
+from meshlearn.sim.tables import load_logs
 
 
 def time_to_target(run: Path, target: float) -> float:

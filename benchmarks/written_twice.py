@@ -20,7 +20,8 @@ import io
 import tokenize
 from pathlib import Path
 
-A = "src/meshlearn/algorithms/"
+A = "src/meshlearn/algorithms/"  # the process engine's runtimes before they moved under node/
+N = "src/meshlearn/node/algorithms/"  # and after
 B = "src/meshlearn/batched/"
 BEFORE = {
     "D-PSGD's exchange (whole models, rounds, counting)": (
@@ -56,23 +57,24 @@ BEFORE = {
         [B + "algorithms/fedavg.py::BatchedFedAvg"]),
 }
 AFTER = {
-    **{rule: BEFORE[rule] for rule in ("sharing schemes' exchange", "what a bad node sends")},
+    "sharing schemes' exchange": ([N + "dpsgd.py::DPSGD._exchange_shares"], [B + "sharing.py::SharedMixing"]),
+    "what a bad node sends": ([N + "base.py::AlgorithmContext.outgoing"], BEFORE["what a bad node sends"][1]),
     "the glue around D-PSGD's robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
-        [A + "dpsgd.py::DPSGD._aggregate_robust"],
+        [N + "dpsgd.py::DPSGD._aggregate_robust"],
         [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
     "D-PSGD's exchange: its variants (the plain average: each engine's round runner, as for every RoundAlgorithm)": (
-        [A + "dpsgd.py::DPSGD.__init__", A + "dpsgd.py::DPSGD._exchange", A + "dpsgd.py::DPSGD._send"],
+        [N + "dpsgd.py::DPSGD.__init__", N + "dpsgd.py::DPSGD._exchange", N + "dpsgd.py::DPSGD._send"],
         [B + "algorithms/dpsgd.py::BatchedDPSGD"]),
     "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
-        [A + "averaging.py::masked_average_"],
+        ["src/meshlearn/definitions/averaging.py::masked_average_"],
         [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
-    "gossip: the order a node calls its GossipState in (its decisions: algorithms/gossipstate.py, once)": (
-        [A + "gossip.py::GossipAverager.update_send", A + "gossip.py::GossipAverager.update_wait",
-         A + "gossip.py::GossipAverager._judged"],
+    "gossip: the order a node calls its GossipState in (its decisions: definitions/gossipstate.py, once)": (
+        [N + "gossip.py::GossipAverager.update_send", N + "gossip.py::GossipAverager.update_wait",
+         N + "gossip.py::GossipAverager._judged"],
         [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.merge"]),
     "leader (members' side; the leader's book is one, LeaderState)": (
-        [A + "leader.py::Leader.after_local_steps", A + "leader.py::Leader._exchange", A + "leader.py::Leader._lead",
-         A + "leader.py::Leader.respond", A + "leader.py::Leader.release"],
+        [N + "leader.py::Leader.after_local_steps", N + "leader.py::Leader._exchange", N + "leader.py::Leader._lead",
+         N + "leader.py::Leader.respond", N + "leader.py::Leader.release"],
         [B + "algorithms/leader.py::BatchedLeader", B + "algorithms/leader.py::_LeaderRun"]),
 }
 LAYOUTS = {"before": BEFORE, "after": AFTER}

@@ -32,5 +32,5 @@ class HalfStep(RoundAlgorithm):
     needs = Needs(dynamic=True)  # TCP, full models, mean; static or changing peers
     settings = HalfStepSettings  # the engines build it with these settings: self.options
 
-    def merge(self, own, state, mixed, iteration):
-        own.lerp_(mixed, self.options.pull)  # own: [B, P]; mixed: the round's weighted average
+    def merge(self, own, state, mixed, exchange):
+        own.lerp_(mixed, self.options.pull)  # own: [B, P]; mixed: the exchange's weighted average

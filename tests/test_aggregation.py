@@ -9,17 +9,17 @@ from helpers.engines import metropolis_average
 
 from meshlearn.aggregation import aggregate_present, get_rule, parse_rule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
-from meshlearn.algorithms.averaging import weighted_average_
 from meshlearn.attacks.forge import ForgeInputs, make_attack
 from meshlearn.attacks.spec import parse_byzantine
 from meshlearn.batched.mixing import Links
 from meshlearn.config import make_config
+from meshlearn.definitions.averaging import weighted_average_
 from meshlearn.errors import ConfigError
 from meshlearn.node import build_node
 from meshlearn.sim import simulate
 from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.inprocess import run_threads
-from meshlearn.sim.report import format_summary
+from meshlearn.sim.summary import format_summary
 from meshlearn.topology import build_topology
 
 RULES = ["mean", "median", "trimmed-mean:2", "krum:1", "multi-krum:1:3", "clip", "clip:0.5", "clip:nearest", "filter",
@@ -89,7 +89,7 @@ def test_distance_filtering_leaves_out_a_far_bad_majority_by_hand():
 
 def test_a_gossiping_node_moves_under_a_robust_rule_only_once_it_has_two_peers_models_to_compare():
     from meshlearn.aggregation.suspects import PeerWatch
-    from meshlearn.algorithms.gossip import robust_target
+    from meshlearn.definitions.gossipstate import robust_target
 
     own, bad, honest = _t([0, 0]), _t([-30, -40]), _t([0.6, 0.8])
     rule, watch = get_rule("filter"), PeerWatch()

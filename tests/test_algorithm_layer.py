@@ -11,8 +11,6 @@ import pytest
 import torch
 from helpers.engines import BASE, batched_states, process_engine_states
 
-from meshlearn.algorithms.base import AlgorithmContext
-from meshlearn.algorithms.runtimes import algorithm_class
 from meshlearn.batched import BatchedSimulation
 from meshlearn.config import make_config
 from meshlearn.definitions.base import DEFINITIONS, RoundAlgorithm
@@ -20,7 +18,8 @@ from meshlearn.definitions.pushsum import PushSum, PushSumSettings
 from meshlearn.definitions.tracking import GradientTracking
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
-from meshlearn.sim.report import load_logs
+from meshlearn.node.algorithms import AlgorithmContext, make_algorithm
+from meshlearn.sim.tables import load_logs
 from meshlearn.topology import build_topology
 from meshlearn.topology.sampling import OnePeerExponential, Round, StaticRounds
 from meshlearn.transport import Transport
@@ -250,6 +249,17 @@ class MemoryTransport(Transport):
             return None
 
 
+def test_a_round_algorithm_runs_on_the_engines_one_runner_given_its_definition():
+    from meshlearn.node.algorithms.rounds import RoundRunner
+
+    graph = build_topology("ring", 3, 0)
+    runners = [make_algorithm(name, AlgorithmContext(0, FlatState(torch.nn.Linear(2, 1)), MemoryTransport(0, {}), graph))
+               for name in ("tracking", "pushsum")]
+    assert [type(runner) for runner in runners] == [RoundRunner, RoundRunner]  # no class made per definition
+    assert [type(runner.rules) for runner in runners] == [GradientTracking, PushSum]
+    assert [runner.name for runner in runners] == ["tracking", "pushsum"]
+
+
 @pytest.mark.parametrize("engine", ["process", "batched"])
 def test_a_payload_that_does_not_come_leaves_its_weight_with_the_node_as_dpsgd_does(engine, tmp_path):
     """Identical models averaged with one neighbour's payload missing stay where they are (D-PSGD's
@@ -263,7 +273,7 @@ def test_a_payload_that_does_not_come_leaves_its_weight_with_the_node_as_dpsgd_d
             flat = FlatState(torch.nn.Linear(2, 1))  # 3 values, all 2.0
             flat.state.data.copy_(start[rank])
             ctx = AlgorithmContext(rank, flat, MemoryTransport(rank, queues, dropped={0}), graph, seed=0)
-            runners.append(algorithm_class("tracking")(ctx))
+            runners.append(make_algorithm("tracking", ctx))
         with ThreadPoolExecutor(4) as pool:
             records = list(pool.map(lambda runner: runner.after_local_steps(0), runners))
         assert [record["missing"] for record in records] == [0, 1, 0, 1]  # 0's neighbours (ring) lost its message

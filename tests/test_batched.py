@@ -9,9 +9,13 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.engines import BASE, batched_states, metropolis_average, process_engine_states
+from helpers.engines import (
+    BASE,
+    batched_states,
+    metropolis_average,
+    process_engine_states,
+)
 
-from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.batched import BatchedSimulation
 from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
@@ -20,9 +24,10 @@ from meshlearn.config import make_config
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
 from meshlearn.netem import NetemSpec
+from meshlearn.node.algorithms.dpsgd import chunked_average_
 from meshlearn.sgd import StackedSGD
 from meshlearn.sim import simulate
-from meshlearn.sim.report import load_logs
+from meshlearn.sim.tables import load_logs
 from meshlearn.topology import Graph, build_topology, mh_row
 from meshlearn.topology.sampling import Round
 from meshlearn.wire import Kind, Message
@@ -557,8 +562,8 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_a_gossip_answer_carries_the_clock_and_loss_its_state_was_published_with(tmp_path, monkeypatch):
     # As a process-engine node's endpoint serves them: a merge after the publish moves the server's
     # clock, but what it serves until its next publish is the published state with that publish's clock.
-    from meshlearn.algorithms.gossipstate import GossipState
     from meshlearn.batched.algorithms import gossip as batched_gossip
+    from meshlearn.definitions.gossipstate import GossipState
 
     at_publish, answered = {}, []
     trained, answer = GossipState.trained, batched_gossip._GossipRun.answer

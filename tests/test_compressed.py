@@ -51,7 +51,8 @@ def test_a_received_change_that_does_not_decode_is_refused_with_the_reason():
     assert "negative" in codec.problem(negative)
     rules = FedAvg(None, 2, seed=5, settings=FedAvgSettings(compress="int8"), shard_sizes=[1, 1], ranks=[1])
     rules.begin(torch.ones(1, 600))  # what the process engine asks of each payload it received
-    assert rules.payload_problem(good, 0) is None and "NaN or Inf" in rules.payload_problem(nan, 0)
+    push = rules.exchange(0, 0)
+    assert rules.payload_problem(good, push) is None and "NaN or Inf" in rules.payload_problem(nan, push)
 
 
 def _exchange(rules: FedAvg, own: torch.Tensor, state: dict, iteration: int) -> list[torch.Tensor]:
@@ -60,18 +61,17 @@ def _exchange(rules: FedAvg, own: torch.Tensor, state: dict, iteration: int) -> 
     rules.start_round(own, state, iteration)
     sent = []
     for phase in (0, 1):
-        rules.phase = phase
-        exchange = rules.round(iteration)
-        payload = rules.payload(own, state, iteration)
-        senders = [list(exchange.receive_from[rank]) for rank in range(rules.nodes)]
+        exchange = rules.exchange(iteration, phase)
+        payload = rules.payload(own, state, exchange)
+        senders = [list(exchange.round.receive_from[rank]) for rank in range(rules.nodes)]
         width = max(map(len, senders))
         received = torch.zeros((rules.nodes, width, payload.shape[1]), dtype=payload.dtype)
         weights = torch.zeros((rules.nodes, width), dtype=torch.float64)
         for rank, froms in enumerate(senders):
             for k, sender in enumerate(froms):
-                received[rank, k], weights[rank, k] = payload[sender], exchange.weights[rank][sender]
-        own_weight = torch.tensor(rules.own_weights(exchange, list(range(rules.nodes))), dtype=torch.float64)
-        rules.merge_stack(own, state, payload, received, weights, own_weight, iteration)
+                received[rank, k], weights[rank, k] = payload[sender], exchange.round.weights[rank][sender]
+        own_weight = torch.tensor(exchange.own_weights, dtype=torch.float64)
+        rules.merge_stack(own, state, payload, received, weights, own_weight, exchange)
         sent.append(payload)
     return sent
 
@@ -107,7 +107,7 @@ def test_fragments_split_the_state_and_each_is_exchanged_every_f_iterations():
     own = torch.zeros(3, 10)
     rules.begin(own)
     assert [rules.span(i) for i in range(7)] == [(0, 3), (3, 6), (6, 10), (0, 3), (3, 6), (6, 10), (0, 3)]
-    assert rules.payload(own, {}, 4).shape == (3, 3 + 1)  # part 1's values, then the 1 the weights add up in
+    assert rules.payload(own, {}, rules.exchange(4, 0)).shape == (3, 3 + 1)  # part 1's values, then the 1 the weights add up in
     with pytest.raises(ConfigError, match="fedavg_fragments needs fedavg_fraction 1"):
         make_config({"algorithm": "fedavg", "fedavg_fragments": 2, "fedavg_fraction": 0.5})
 
@@ -159,7 +159,7 @@ def test_an_overlapped_exchange_reads_and_writes_apart_from_the_models_and_is_ta
     state = rules.begin(own)
     assert rules.span(0) == (0, 0) and rules.span(1) == rules.span(5) == (0, 8)  # an outer step only on what was taken
     trained = own.clone()
-    push = rules.push(own, state, 0, last=False)  # what both engines do: the push, ``settle``, then the exchange
+    push = rules.push(own, state, rules.exchange(0, 0), last=False)  # what both engines do: the push, ``settle``, then the exchange
     assert torch.equal(own, trained)  # nothing to take yet
     own.add_(1.0)  # the next local steps, while the exchange goes on
     during = own.clone()
@@ -167,7 +167,7 @@ def test_an_overlapped_exchange_reads_and_writes_apart_from_the_models_and_is_ta
     assert torch.equal(own, during)  # the exchange never touched the models that train on
     average = (trained * torch.tensor([[1.0], [1.0], [2.0]])).sum(0) / 4
     assert all(torch.allclose(row, average) for row in state["late"])
-    assert rules.push(own, state, 1, last=True) is None  # the last iteration: no push, the outcome of iteration 0
+    assert rules.push(own, state, rules.exchange(1, 0), last=True) is None  # the last iteration: no push, the outcome of iteration 0
     assert all(torch.allclose(row, average) for row in own) and torch.equal(state["local"], during)
     own.mul_(2.0)  # an outer step on it
     rules.start_round(own, state, 2)  # before iteration 2's steps: mixed with the part as trained meanwhile
@@ -178,14 +178,13 @@ def _exchange_from(rules: FedAvg, own: torch.Tensor, state: dict, iteration: int
     """The phases of one uncompressed FedAvg exchange (linear: the engines' weighted sums), everything arriving,
     with ``push`` the payload already made."""
     for phase in (0, 1):
-        rules.phase = phase
-        exchange = rules.round(iteration)
-        payload = push if phase == 0 else rules.payload(own, state, iteration)
-        own_weight = rules.own_weights(exchange, [0, 1, 2])
+        exchange = rules.exchange(iteration, phase)
+        payload = push if phase == 0 else rules.payload(own, state, exchange)
+        own_weight = exchange.own_weights
         mixed = torch.stack([payload[rank] * own_weight[rank] + sum(
-            (payload[sender] * weight for sender, weight in exchange.weights[rank].items()),
+            (payload[sender] * weight for sender, weight in exchange.round.weights[rank].items()),
             torch.zeros_like(payload[rank])) for rank in range(3)])
-        rules.merge(own, state, mixed, iteration)
+        rules.merge(own, state, mixed, exchange)
 
 
 def test_the_process_engine_trains_on_while_an_overlapped_exchange_is_under_way(tmp_path, monkeypatch):
@@ -193,18 +192,18 @@ def test_the_process_engine_trains_on_while_an_overlapped_exchange_is_under_way(
 
     from helpers.engines import process_engine_states
 
-    from meshlearn.algorithms.rounds import RoundRunner
+    from meshlearn.node.algorithms.rounds import RoundRunner
     from meshlearn.node.node import Node
 
     stepped_during: list[bool] = []
     step_taken = threading.Event()
     phases, train_step = RoundRunner._phases, Node.train_step
 
-    def slow_phases(self, iteration, sent=None):
+    def slow_phases(self, iteration, *made):
         if threading.current_thread().name.startswith("exchange-") and self.ctx.rank == 1:  # the exchange thread
             step_taken.clear()
             stepped_during.append(step_taken.wait(timeout=30))  # a local step of the next iteration comes meanwhile
-        return phases(self, iteration, sent)
+        return phases(self, iteration, *made)
 
     def noting_step(self):
         if self.rank == 1:

@@ -512,7 +512,8 @@ def many_nodes():
 
 def _figure_split(events: list[dict]) -> dict[str, float]:
     """Each phase's ms in iteration_time.png's bar of these events (one bar: over all nodes)."""
-    from meshlearn.sim.report import PHASES, time_split_figure
+    from meshlearn.sim.figures import time_split_figure
+    from meshlearn.sim.tables import PHASES
 
     logs: dict[int, list[dict]] = {}
     for event in events:

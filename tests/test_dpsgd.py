@@ -127,22 +127,22 @@ def test_single_run_plots_name_the_run_and_say_what_the_time_axis_leaves_out(tmp
     import matplotlib.pyplot as plt
     from matplotlib.text import Text
 
-    from meshlearn.sim import report
+    from meshlearn.sim import figures, report, runfolder, tables
 
     run = _fake_run(tmp_path / "runs" / "demo")
-    assert report.run_title(run) == "demo"
+    assert runfolder.run_title(run) == "demo"
     (run / "config.yaml").write_text("nodes: 2\nalgorithm: dpsgd\n")
-    assert report.run_title(run) == "demo (dpsgd, 2 nodes)"
+    assert runfolder.run_title(run) == "demo (dpsgd, 2 nodes)"
     (run / "config.yaml").write_text("nodes: [unclosed\n")
-    assert report.run_title(run) == "demo"  # a broken config only loses the details
+    assert runfolder.run_title(run) == "demo"  # a broken config only loses the details
 
-    rows = report.evaluation_table(report.load_logs(run))
-    fig = report.metric_figure(rows, "test_acc", "test accuracy", "demo (dpsgd, 2 nodes)")
+    rows = tables.evaluation_table(tables.load_logs(run))
+    fig = figures.metric_figure(rows, "test_acc", "test accuracy", "demo (dpsgd, 2 nodes)")
     try:
         texts = {t.get_text() for t in fig.findobj(Text)}
         assert "demo (dpsgd, 2 nodes): test accuracy" in texts  # the figure's title
-        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", report.TIME_LABEL]
-        assert "since training started" in report.TIME_LABEL and "start-up not counted" in report.TIME_LABEL
+        assert [ax.get_xlabel() for ax in fig.axes] == ["iteration", figures.TIME_LABEL]
+        assert "since training started" in figures.TIME_LABEL and "start-up not counted" in figures.TIME_LABEL
         assert list(fig.axes[1].lines[0].get_xdata()) == pytest.approx([1.0, 1.5])  # mean of the nodes' t
     finally:
         plt.close(fig)
@@ -166,7 +166,8 @@ def test_a_node_evaluates_once_per_evaluation_point_and_its_last_one_is_its_fina
 
 
 def test_the_summary_times_an_evaluation_over_the_iterations_that_had_one():
-    from meshlearn.sim.report import format_summary, iteration_times
+    from meshlearn.sim.summary import format_summary
+    from meshlearn.sim.tables import iteration_times
 
     logs = {0: [{"event": "iteration", "train": 0.002, "comm": 0.001, **({"eval": 0.05} if i % 5 == 4 else {})}
                 for i in range(10)]}

@@ -12,8 +12,9 @@ import pytest
 import torch
 from helpers.waiting import wait_until
 
-from meshlearn.algorithms import Election, LeaderState
 from meshlearn.clock import FakeClock
+from meshlearn.definitions.leaderstate import LeaderState
+from meshlearn.node.algorithms.election import Election
 
 PERIOD = 1.0  # seconds between two checks of the watch (its fake clock's)
 PING_TIMEOUT = 0.5  # seconds a ping waits for its answer

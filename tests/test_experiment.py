@@ -110,7 +110,7 @@ def test_comparison_plot_keeps_identical_curves_apart():
     from matplotlib.text import Text
 
     from meshlearn.sim.experiment import comparison_figure
-    from meshlearn.sim.report import TIME_LABEL
+    from meshlearn.sim.figures import TIME_LABEL
 
     table = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.01 * i} for i in range(1, 31)]
     fig = comparison_figure("mini", [("a", table), ("b", list(table)), ("c", list(table))])
@@ -130,7 +130,12 @@ def test_comparison_plot_keeps_identical_curves_apart():
 def test_an_experiment_of_language_models_compares_their_perplexity(tmp_path):
     import matplotlib.pyplot as plt
 
-    from meshlearn.sim.experiment import _result_line, _seed_means, comparison_figure, headline_metric
+    from meshlearn.sim.experiment import (
+        _result_line,
+        _seed_means,
+        comparison_figure,
+        headline_metric,
+    )
 
     table = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.3, "test_perplexity_mean": 50.0 / i}
              for i in range(1, 11)]
@@ -155,7 +160,7 @@ def test_comparison_plot_shows_accuracy_against_bytes_where_every_run_counts_the
     import matplotlib.pyplot as plt
 
     from meshlearn.sim.experiment import comparison_figure
-    from meshlearn.sim.report import BYTES_LABEL, TIME_LABEL
+    from meshlearn.sim.figures import BYTES_LABEL, TIME_LABEL
 
     counted = [{"iteration": i, "time_mean": 0.1 * i, "test_acc_mean": 0.01 * i, "mb_sent_mean": 0.5 * i}
                for i in range(1, 11)]
@@ -294,7 +299,7 @@ def test_the_sharing_experiment_at_quick_scale_runs_every_scheme_over_udp_from_t
     average what arrived: no share is refused, and the accuracy stays near the same scheme's over TCP
     (the batched engine runs the whole file; the process engine, whose runs take longer, its UDP runs
     and TCP's top-k, for the bytes a position costs over each)."""
-    from meshlearn.sim.report import load_logs
+    from meshlearn.sim.tables import load_logs
 
     schemes = ("full", "topk", "subsample", "quantize", "choco")
     runs = None if batched else [f"udp-{scheme}" for scheme in schemes] + ["tcp-topk"]

@@ -9,7 +9,7 @@ from meshlearn.config import make_config
 from meshlearn.definitions.fedavg import FedAvg, participants
 from meshlearn.errors import ConfigError
 from meshlearn.sim import simulate
-from meshlearn.sim.report import load_logs
+from meshlearn.sim.tables import load_logs
 
 
 def test_the_drawn_share_of_nodes_is_seeded_and_changes_each_round():
@@ -23,23 +23,40 @@ def test_the_drawn_share_of_nodes_is_seeded_and_changes_each_round():
 def test_contributions_weigh_by_the_partitions_shard_sizes():
     # the sizes are the seeded partition's, which the server computes: nothing a client claims
     server = FedAvg(None, 4, seed=1, shard_sizes=[100, 5, 5, 300], ranks=[0])
-    round_ = server.round(0)  # phase 0: every node drawn (fraction 1), 1-3 push to node 0
-    assert round_.receive_from[0] == (1, 2, 3) and server.own_weights(round_, [0]) == [100.0]
+    push = server.exchange(0, 0)  # phase 0: every node drawn (fraction 1), 1-3 push to node 0
+    assert push.round.receive_from[0] == (1, 2, 3) and push.own_weights == (100.0,) and not push.keeps_missing
     own, state = torch.tensor([[4.0]]), server.begin(torch.tensor([[4.0]]))
-    sent = server.payload(own, state, 0)
+    sent = server.payload(own, state, push)
     node_3 = torch.tensor([[8.0, 1.0]])  # its model and the trailing 1, with node 3's weight; 1 and 2 did not come
-    server.merge(own, state, sent * 100.0 + node_3 * round_.weights[0][3], 0)
+    server.merge(own, state, sent * 100.0 + node_3 * push.round.weights[0][3], push)
     assert float(own[0, 0]) == 0.25 * 4.0 + 0.75 * 8.0  # by samples over what came: 100 and 300
     assert participants(1, 0, 100, 0.07) == sorted(set(participants(1, 0, 100, 0.07))) and \
         len(participants(1, 0, 100, 0.07)) == 7  # 0.07 * 100 is 7.000000000000001 in floats: still 7
 
 
+def test_each_exchange_is_a_value_no_earlier_call_changes():
+    # the push and the answer of an iteration, asked in either order, again, or after another iteration's
+    from meshlearn.definitions.settings import FedAvgSettings
+
+    rules = FedAvg(None, 6, seed=1, settings=FedAvgSettings(fraction=0.5), shard_sizes=[10, 20, 30, 40, 50, 60],
+                   ranks=range(6))
+    drawn = {t: participants(1, t, 6, 0.5) for t in range(20)}
+    with_server, without = (next(t for t in drawn if (0 in drawn[t]) is wanted) for wanted in (True, False))
+    answer = rules.exchange(with_server, 1)
+    pushes = {t: rules.exchange(t, 0) for t in (without, with_server)}
+    assert rules.exchange(with_server, 1) == answer and rules.exchange(with_server, 0) == pushes[with_server]
+    assert pushes[with_server].own_weights[0] == 10.0 and pushes[without].own_weights[0] == 0.0  # the server's samples
+    assert pushes[without].own_weights[1:] == (1.0,) * 5 and not pushes[without].keeps_missing
+    assert answer.own_weights == (1.0,) + (0.0,) * 5 and answer.keeps_missing  # a client keeps its own only if unheard
+    assert pushes[without].round.receive_from[0] == tuple(drawn[without])
+
+
 def test_the_server_knows_every_shard_size_from_the_partition_and_needs_them(tmp_path):
     from dataclasses import replace
 
-    from meshlearn.algorithms import make_algorithm
     from meshlearn.data import load_dataset, partition_dataset
     from meshlearn.node import build_node
+    from meshlearn.node.algorithms import make_algorithm
     from meshlearn.topology import build_topology
 
     config = make_config({"algorithm": "fedavg", "nodes": 3, "topology": "full", "partition": "dirichlet:0.5",

@@ -11,10 +11,9 @@ import random
 import pytest
 
 from meshlearn.plots import contrast_ratio, fit_title, pyplot
-from meshlearn.sim.report import (
+from meshlearn.sim.figures import metric_figure, time_split_figure
+from meshlearn.sim.topologyfigure import (
     DRAWN_GRAPH_NODES,
-    metric_figure,
-    time_split_figure,
     topology_figure,
     unused_graph,
 )

@@ -20,8 +20,9 @@ from helpers.waiting import wait_until
 from torch import nn
 
 from meshlearn.adapter import DpwaPyTorchAdapter, GossipAdapter, load_gossip_config
-from meshlearn.algorithms.gossip import GossipSettings, PeerScores, interpolation_factor
 from meshlearn.config import make_config
+from meshlearn.definitions.gossipstate import PeerScores, interpolation_factor
+from meshlearn.definitions.settings import GossipSettings
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.sim import simulate

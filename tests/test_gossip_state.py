@@ -8,11 +8,19 @@ import torch
 from torch import nn
 
 from meshlearn.aggregation import get_rule
-from meshlearn.algorithms.gossip import GossipAverager
-from meshlearn.algorithms.gossipstate import DIVERGED, MERGED, NO_ANSWER, REFUSED, Fetch, GossipState, Reply
 from meshlearn.clock import FakeClock
+from meshlearn.definitions.gossipstate import (
+    DIVERGED,
+    MERGED,
+    NO_ANSWER,
+    REFUSED,
+    Fetch,
+    GossipState,
+    Reply,
+)
 from meshlearn.definitions.settings import GossipSettings
 from meshlearn.flat import FlatState
+from meshlearn.node.algorithms.gossip import GossipAverager
 from meshlearn.wire import Kind, Message
 
 START = 100.0

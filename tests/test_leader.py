@@ -11,11 +11,12 @@ from helpers.waiting import wait_until
 
 from meshlearn.aggregation import by_samples, by_staleness, equal, get_rule
 from meshlearn.aggregation.mean import mean
-from meshlearn.algorithms import Election, LeaderState
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
+from meshlearn.definitions.leaderstate import LeaderState
 from meshlearn.errors import ConfigError
 from meshlearn.node import build_node
+from meshlearn.node.algorithms.election import Election
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology

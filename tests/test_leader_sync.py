@@ -7,11 +7,10 @@ import csv
 import pytest
 import torch
 
-from meshlearn.algorithms import LeaderState
-from meshlearn.algorithms.leaderstate import Push
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
 from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.sim import simulate
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from meshlearn.sim.report import topology_figure
+from meshlearn.sim.topologyfigure import topology_figure
 from meshlearn.topology.files import write_graph_file
 from meshlearn.topology.generators import build_topology
 
@@ -49,7 +49,7 @@ def test_topology_png_of_a_big_graph_is_a_summary_saying_how_many_nodes_and_edge
 
 
 def test_topology_png_of_a_small_graph_still_draws_every_edge(tmp_path):
-    from meshlearn.sim.report import DRAWN_GRAPH_NODES
+    from meshlearn.sim.topologyfigure import DRAWN_GRAPH_NODES
 
     assert DRAWN_GRAPH_NODES == DRAWN
     summary, graph = _run_folder(tmp_path, "regular:3", DRAWN, bad=(1,))
@@ -84,7 +84,7 @@ def test_topology_png_colours_nodes_by_their_finish_time_lag_where_asked(tmp_pat
 
 
 def test_phase_times_are_means_over_iterations_per_node_and_over_everyone():
-    from meshlearn.sim.report import PhaseTimes
+    from meshlearn.sim.tables import PhaseTimes
 
     times = PhaseTimes()
     times.add(0, {"event": "iteration", "train": 0.01, "comm": 0.03})
@@ -106,7 +106,8 @@ def test_the_report_reads_a_batched_runs_iteration_columns_as_the_per_node_event
 
     from meshlearn.config import make_config
     from meshlearn.sim import simulate
-    from meshlearn.sim.report import final_summary, iteration_records, load_logs, read_run_logs
+    from meshlearn.sim.summary import final_summary
+    from meshlearn.sim.tables import iteration_records, load_logs, read_run_logs
 
     simulate(make_config({"engine": "batched", "nodes": 6, "iterations": 5, "test_after": 2, "dataset": "digits",
                           "topology": "ring", "step_time": 0.001, "output": str(tmp_path)}))
@@ -126,7 +127,7 @@ def test_a_columnar_iteration_event_gives_each_field_from_its_column_or_shared_a
     import numpy as np
 
     from meshlearn.runlog import columnar_event
-    from meshlearn.sim.report import PHASES, iteration_records
+    from meshlearn.sim.tables import PHASES, iteration_records
 
     event = columnar_event("iteration", [4, 7], {"train": [1.0, 2.0], "comm": [None, 0.5], "eval": [None, 0.25]},
                            iteration=0, encode=0.125)
@@ -147,7 +148,8 @@ def test_summary_rows_give_the_training_loss_since_the_evaluation_before_and_los
 
     from meshlearn.config import make_config
     from meshlearn.sim import simulate
-    from meshlearn.sim.report import evaluation_table, load_logs, metric_figure
+    from meshlearn.sim.figures import metric_figure
+    from meshlearn.sim.tables import evaluation_table, load_logs
 
     simulate(make_config({"engine": "batched", "nodes": 4, "iterations": 5, "test_after": 2, "dataset": "digits",
                           "topology": "ring", "step_time": 0.001, "output": str(tmp_path)}))

@@ -189,7 +189,7 @@ def test_a_dropped_member_offers_a_key_and_is_back_the_cycle_after():
 def test_the_leaders_book_takes_a_session_through_its_cycles_and_sends_a_lagging_member_the_newest_model():
     """``SecureBook`` (the leader's side): setup, four cycles with every member, then a push of a cycle
     the book no longer keeps is told so (the leader answers it with the newest aggregate)."""
-    from meshlearn.algorithms.secure import SecureBook, StaleCycle, weighted_mean
+    from meshlearn.node.algorithms.secure import SecureBook, StaleCycle, weighted_mean
 
     members = [0, 1, 2]
     people = {rank: SecureMember(rank) for rank in members}

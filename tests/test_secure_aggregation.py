@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from meshlearn.algorithms.secure import AUDIT
+from meshlearn.node.algorithms.secure import AUDIT
 
 NODES, ITERATIONS = 4, 2
 

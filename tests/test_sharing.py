@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from meshlearn.algorithms.averaging import masked_average_
 from meshlearn.config import make_config
+from meshlearn.definitions.averaging import masked_average_
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
 from meshlearn.sharing import make_sharing

@@ -13,7 +13,6 @@ from helpers.waiting import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshlearn.algorithms.averaging import chunked_average_
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
@@ -23,11 +22,17 @@ from meshlearn.layout import TensorLayout
 from meshlearn.models import build_model
 from meshlearn.netem import DelayLine, Emulator, NetemSpec
 from meshlearn.node import build_node
+from meshlearn.node.algorithms.dpsgd import chunked_average_
 from meshlearn.sim import simulate
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology
 from meshlearn.transport.base import MAX_PENDING_PER_SENDER, TransportStats
-from meshlearn.transport.udp import DatagramSender, Reassembler, UdpSettings, UdpTransport
+from meshlearn.transport.udp import (
+    DatagramSender,
+    Reassembler,
+    UdpSettings,
+    UdpTransport,
+)
 from meshlearn.wire import Chunks, Kind, Message
 from meshlearn.wire.datagram import (
     HEADER_SIZE,

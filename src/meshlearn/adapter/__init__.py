@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from meshlearn.adapter.config import GossipConfig, PeerAddress, load_gossip_config
-from meshlearn.algorithms.gossip import GossipAverager
 from meshlearn.errors import ModelError, PortInUseError
 from meshlearn.flat import FlatState
+from meshlearn.node.algorithms.gossip import GossipAverager
 from meshlearn.transport.pull import PullEndpoint
 
 BIND_PATIENCE = 10.0  # seconds a worker retries a port in use before giving up

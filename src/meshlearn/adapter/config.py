@@ -14,7 +14,7 @@ dpwa's file is a list of one-key maps::
 
 meshlearn's is the same keys as one map, and ``constant`` may be a plain number. Either may add
 ``fresh: false`` to fetch what a peer already has, as dpwa does, instead of the state it finishes
-while this worker trains (see ``meshlearn.algorithms.gossip``).
+while this worker trains (see ``meshlearn.node.algorithms.gossip``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from meshlearn.batched.algorithms import (
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
-    batched_algorithm_class,
+    make_batched_algorithm,
 )
 from meshlearn.batched.batches import NodeBatches
 from meshlearn.batched.byzantine import flipped_labels
@@ -246,9 +246,9 @@ class BatchedSimulation:
         traffic = Traffic(config.nodes)
         if shard.count > 1:
             refuse_torchrun(config)
-        algorithm = batched_algorithm_class(config.algorithm)(
-            BatchedContext(config, graph, stacked, links, clocks, shard, local, collective, plan,
-                           [len(part) for part in parts], ModelledNetwork(config, clocks, traffic)), traffic)
+        algorithm = make_batched_algorithm(config.algorithm, BatchedContext(
+            config, graph, stacked, links, clocks, shard, local, collective, plan, [len(part) for part in parts],
+            ModelledNetwork(config, clocks, traffic)), traffic)
         optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
         outer = config.outer.begin(stacked.params) if config.outer.active and not algorithm.asynchronous else None
         models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from meshlearn.algorithms.averaging import merge_shares_
 from meshlearn.batched.mixing import Links
 from meshlearn.checkpoint import Stateful
+from meshlearn.definitions.averaging import merge_shares_
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.sharing import Shared, Sharing, make_sharing
 

@@ -268,7 +268,7 @@ def _run_simulation(config: ExperimentConfig, quiet: bool, args: argparse.Namesp
     from meshlearn.evaluation import PREDICTIONS_FIGURE
     from meshlearn.models import MODEL_FILE
     from meshlearn.sim import format_summary, simulate
-    from meshlearn.sim.report import PERPLEXITY_FIGURE
+    from meshlearn.sim.figures import PERPLEXITY_FIGURE
 
     if args is not None and (args.dashboard or args.tensorboard):
         result = _watched_simulation(config, quiet, args, resume, launched)
@@ -399,16 +399,31 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `meshlearn` command line: the local commands (demo, simulate, experiment, sample, node)
+    and the network's (``cli.network``)."""
     parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (before the command: meshlearn -v simulate ...)")
     parser.add_argument("--version", action="version", version=f"meshlearn {_version()}")
     sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_demo(sub)
+    _add_simulate(sub)
+    _add_experiment(sub)
+    _add_sample(sub)
+    _add_node(sub)
+    add_network_commands(sub)
+    return parser
 
+
+def _add_demo(sub) -> None:
+    """Add the ``demo`` command: a quick D-PSGD run on digits."""
     demo = sub.add_parser("demo", help="8 nodes train an MLP on digits with D-PSGD (about 10 seconds)")
     demo.add_argument("--output", help="results folder (default: runs/demo)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars or start-up messages")
     demo.set_defaults(func=cmd_demo)
 
+
+def _add_simulate(sub) -> None:
+    """Add the ``simulate`` command: N nodes on this machine, with every config flag."""
     about_simulate = "run N nodes on this machine (a process each, or all in one process with --engine batched)"
     simulate = sub.add_parser("simulate", help=about_simulate, description=about_simulate[:1].upper() +
                               about_simulate[1:] + ".")
@@ -421,6 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.show_common(COMMON_FLAGS)
     simulate.set_defaults(func=cmd_simulate)
 
+
+def _add_experiment(sub) -> None:
+    """Add the ``experiment`` command: the runs of an experiment file, compared."""
     experiment = sub.add_parser("experiment", help="run the runs of an experiment file and compare them")
     experiment.add_argument("file", help="experiment YAML file (see experiments/)")
     experiment.add_argument("--quick", action="store_true", help="the file's small scale, its 'quick' section (a 2-core CPU machine)")
@@ -435,6 +453,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_live_flags(experiment)
     experiment.set_defaults(func=cmd_experiment)
 
+
+def _add_sample(sub) -> None:
+    """Add the ``sample`` command: text a trained language model writes after a prompt."""
     sample = sub.add_parser("sample", help="print what a trained language model writes after a prompt")
     sample.add_argument("results", help="the results folder of a language-model run (pystdlib, text:PATH)")
     sample.add_argument("--prompt", default="def ", help="the text to continue (default: 'def ')")
@@ -447,6 +468,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it (default: none)")
     sample.set_defaults(func=cmd_sample)
 
+
+def _add_node(sub) -> None:
+    """Add the ``node`` command: one node of a multi-machine experiment."""
     node = sub.add_parser("node", help="run one node of a multi-machine experiment",
                           description="Run one node of a multi-machine experiment.")
     node.add_argument("--config", required=True, help="YAML experiment file shared by all machines")
@@ -457,9 +481,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(node, leave_out=("engine",))
     node.show_common(NODE_FLAGS)
     node.set_defaults(func=cmd_node)
-    add_network_commands(sub)
-    return parser
-
 
 def _version() -> str:
     try:

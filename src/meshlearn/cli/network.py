@@ -340,7 +340,12 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
     its own settings, on as many providers as it had (its own first, where they came back)."""
     from meshlearn.errors import CheckpointError
     from meshlearn.network.requester import Requester, summary_line
-    from meshlearn.network.taskstate import KeptCheckpoints, TaskRecord, find_task, secret_digest
+    from meshlearn.network.taskstate import (
+        KeptCheckpoints,
+        TaskRecord,
+        find_task,
+        secret_digest,
+    )
 
     folder = find_task(args.resume, args.output)
     record = TaskRecord.read(folder)
@@ -429,12 +434,25 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def add_network_commands(sub) -> None:
-    """Add bootstrap, provider, request, results and leave to the `meshlearn` parser."""
+    """Add bootstrap, provider, request, results, revoke and leave to the `meshlearn` parser."""
+    _add_bootstrap(sub)
+    _add_provider(sub)
+    _add_request(sub)
+    _add_results(sub)
+    _add_revoke(sub)
+    _add_leave(sub)
+
+
+def _add_bootstrap(sub) -> None:
+    """Add the ``bootstrap`` command: the network's entry point and provider registry."""
     boot = sub.add_parser("bootstrap", help="run the network's entry point and provider registry")
     add_flags(boot, [(n, f) for n, f in BootstrapSettings.model_fields.items() if n != "max_request_bytes"])
     _secret_flags(boot)
     boot.set_defaults(func=cmd_bootstrap)
 
+
+def _add_provider(sub) -> None:
+    """Add the ``provider`` command: lend this machine to the network."""
     prov = sub.add_parser("provider", help="lend this machine to the network")
     _bootstrap_flag(prov)
     add_flags(prov, [(n, f) for n, f in ProviderSettings.model_fields.items() if n != "bootstrap"],
@@ -442,6 +460,9 @@ def add_network_commands(sub) -> None:
     _secret_flags(prov)
     prov.set_defaults(func=cmd_provider)
 
+
+def _add_request(sub) -> None:
+    """Add the ``request`` command: a training task, its data and its settings."""
     req = sub.add_parser("request", help="train a model on the network's providers")
     _bootstrap_flag(req)
     req.add_argument("--key", help="file of this requester's key pair, made on first use (default: requester.key "
@@ -471,6 +492,9 @@ def add_network_commands(sub) -> None:
     _secret_flags(req)
     req.set_defaults(func=cmd_request)
 
+
+def _add_results(sub) -> None:
+    """Add the ``results`` command: fetch a finished task's model and metrics."""
     res = sub.add_parser("results", help="fetch a finished task's model and metrics")
     res.add_argument("task_id", help="the id `meshlearn request` printed")
     _bootstrap_flag(res)
@@ -480,6 +504,9 @@ def add_network_commands(sub) -> None:
     _secret_flags(res)
     res.set_defaults(func=cmd_results)
 
+
+def _add_revoke(sub) -> None:
+    """Add the ``revoke`` command: shut a key out of the bootstrap's registry."""
     revoke = sub.add_parser("revoke", help="shut a participant's key out of the network (run where the bootstrap "
                             "keeps its registry)")
     revoke.add_argument("key", metavar="KEY", help="the public key to refuse, as the participant printed it")
@@ -487,6 +514,9 @@ def add_network_commands(sub) -> None:
                         help="the bootstrap's registry file (default: meshlearn-bootstrap.sqlite)")
     revoke.set_defaults(func=cmd_revoke)
 
+
+def _add_leave(sub) -> None:
+    """Add the ``leave`` command: ask a provider to leave after its task."""
     leave = sub.add_parser("leave", help="ask a provider to leave the network after its current task")
     leave.add_argument("--provider", required=True, help="HOST:PORT of the provider, run where it runs: only its "
                        "own key (from its --workdir or --key) may make it leave")

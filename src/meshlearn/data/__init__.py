@@ -2,13 +2,17 @@
 
 Names are imported on first use: ``data.specs`` checks a dataset spec without loading torch."""
 
-from meshlearn.data.partition import partition, partition_dataset  # eager: partition shares its module's name
+from meshlearn.data.partition import (  # eager: partition shares its module's name
+    partition,
+    partition_dataset,
+)
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     **{name: "datasets" for name in ("Dataset", "load_cifar10", "load_digits", "load_idx",
-                                      "load_imagefolder", "load_leaf", "make_dataset",
+                                      "load_imagefolder", "make_dataset",
                                       "reshuffled", "shard_as_test_set", "split_validation", "test_samples")},
+    "load_leaf": "leaf",
     "ShardLoader": "loader", "ShardLoaders": "loader", "loader_seed": "loader", "parse_spec": "specs",
     "register_dataset": "specs", "load_dataset": "loading",
 }

@@ -8,11 +8,16 @@ from meshlearn.data.datasets import (
     load_digits,
     load_idx,
     load_imagefolder,
-    load_leaf,
     reshuffled,
 )
+from meshlearn.data.leaf import load_leaf
 from meshlearn.data.specs import DATASETS, parse_spec
-from meshlearn.data.text import leaf_holds_text, load_leaf_text, load_pystdlib, load_text
+from meshlearn.data.text import (
+    leaf_holds_text,
+    load_leaf_text,
+    load_pystdlib,
+    load_text,
+)
 from meshlearn.data.vocabulary import VocabularyKind
 from meshlearn.errors import DatasetError
 

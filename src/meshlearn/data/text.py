@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshlearn.data.datasets import Dataset, _cache_root, _file_key, _tensor, leaf_folders, leaf_records
+from meshlearn.data.datasets import Dataset, _cache_root, _file_key, _tensor
+from meshlearn.data.leaf import leaf_folders, leaf_records
 from meshlearn.data.vocabulary import METADATA_KEY, Vocabulary, VocabularyKind
 from meshlearn.errors import DatasetError
 

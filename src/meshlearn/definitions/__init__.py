@@ -6,8 +6,8 @@ sockets, no configuration, no engine; nothing here loads torch at import."""
 from meshlearn.lazy import lazy_exports
 
 _WHERE = {
-    "DEFINITIONS": "base", "Definition": "base", "RoundAlgorithm": "base", "State": "base", "definition": "base",
-    "names_that": "base", "algorithms_help": "base", "register_algorithm": "base", "Needs": "needs",
+    "DEFINITIONS": "base", "Definition": "base", "Exchange": "base", "RoundAlgorithm": "base", "State": "base",
+    "definition": "base", "names_that": "base", "algorithms_help": "base", "register_algorithm": "base", "Needs": "needs",
     "RunShape": "needs", "refusal": "needs",
     "DpsgdSettings": "settings", "FedAvgSettings": "settings", "GossipSettings": "settings",
     "LeaderSettings": "settings", "PushSumSettings": "pushsum",

@@ -1,9 +1,11 @@
 """The algorithm layer's interface: an algorithm's declaration and, for a synchronous one, its
 rules as functions over stacks of models, which both engines call.
 
-A ``RoundAlgorithm`` gives who talks to whom each round (``round``), what each node sends
-(``payload``) and how a node merges its own model with what it received (``merge_stack``). Its
-arguments are stacks: ``own`` [B, P] (the B nodes' models after their local steps), ``state``
+A ``RoundAlgorithm`` gives each exchange of an iteration as a value (``exchange``: who talks to
+whom, each node's weight on its own payload, what a payload that did not come means), what each
+node sends (``payload``) and how a node merges its own model with what it received
+(``merge_stack``); the engines pass the exchange to that exchange's calls, so no call depends on
+one made before it. Its arguments are stacks: ``own`` [B, P] (the B nodes' models after their local steps), ``state``
 (the algorithm's own per-node tensors, rows like ``own``), ``received`` [B, K, Q] (the payloads
 that came in, padded), ``weights`` [B, K] (each one's weight, 0 where nothing came) and
 ``own_weight`` [B]. The process engine calls them with B = 1 for its node; the batched engine with
@@ -15,6 +17,7 @@ loads. The rules use tensor methods only."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar, Sequence
 
 from meshlearn.definitions.needs import Needs
@@ -27,6 +30,22 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 State = dict[str, "Tensor"]
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """One exchange of an iteration, as a ``RoundAlgorithm`` gives it (``exchange``) and both engines
+    carry it out: ``round`` (whom each node sends to and hears from, each sender's weight), each of
+    the definition's rows' weight on its own payload (``own_weights``, in the order of its
+    ``ranks``) and whether a sender not heard in time leaves its weight to the node's own payload
+    (``keeps_missing``). The engines hand it to the exchange's ``payload``, ``payload_problem``,
+    ``merge`` and ``merge_stack``."""
+
+    iteration: int
+    phase: int  # of the iteration's exchanges (``phases``): 0, 1, ...
+    round: Round
+    own_weights: tuple[float, ...]
+    keeps_missing: bool = True
 
 
 class Definition:
@@ -56,14 +75,16 @@ class RoundAlgorithm(Definition):
     (``ranks``). The defaults are D-PSGD's: send the model, take the round's weighted average.
 
     An iteration may hold several exchanges (``phases``: FedAvg's clients push, then the server
-    answers); the engines set ``phase`` (0, 1, ...) before each one's calls. ``talks_to`` says whom a
-    node of the process engine connects to: its topology's ``neighbours``, ``everyone``, or
-    ``server`` (node 0 with everyone, the others with node 0)."""
+    answers); ``exchange(iteration, phase)`` gives each as a value, and the engines pass it to that
+    exchange's calls. Between calls a definition keeps only its ``begin`` state (and caches of what
+    its settings and rounds fix), so no call depends on another having been made first.
+    ``talks_to`` says whom a node of the process engine connects to: its topology's
+    ``neighbours``, ``everyone``, or ``server`` (node 0 with everyone, the others with node 0)."""
 
     needs: ClassVar[Needs] = Needs(dynamic=True)
     linear: ClassVar[bool] = True  # merge_stack is merge(weighted sum): a sparse product in the batched engine
     overlaps: bool = False  # each exchange runs on during the next iteration's local steps (``settle``)
-    keeps_missing: bool = True  # a sender not heard in time leaves its weight to the node's own payload
+    keeps_missing: ClassVar[bool] = True  # a sender not heard in time leaves its weight to the node's own payload
     phases: ClassVar[int] = 1
     talks_to: ClassVar[str] = "neighbours"
 
@@ -71,7 +92,16 @@ class RoundAlgorithm(Definition):
                  shard_sizes: Sequence[int] = (), ranks: Sequence[int] = ()):
         self.rounds, self.nodes, self.seed, self.options = rounds, nodes, seed, settings
         self.shard_sizes, self.ranks = tuple(shard_sizes), list(ranks)
-        self.phase = 0
+        self._own: tuple[Round | None, tuple[float, ...]] = (None, ())  # a cache: the last round's own weights
+
+    def exchange(self, iteration: int, phase: int = 0) -> Exchange:
+        """The exchange ``phase`` of ``iteration``: by default ``round``'s, each row's own weight by
+        ``own_weights`` (worked out once per round) and the class's ``keeps_missing``. Override it
+        for an iteration of several exchanges (FedAvg)."""
+        exchange = self.round(iteration)
+        if self._own[0] is not exchange:
+            self._own = (exchange, tuple(self.own_weights(exchange, self.ranks)))
+        return Exchange(iteration, phase, exchange, self._own[1], self.keeps_missing)
 
     def round(self, iteration: int) -> Round:
         """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""
@@ -105,14 +135,13 @@ class RoundAlgorithm(Definition):
         iteration's exchange, which must read and write only the algorithm's state, never ``own``
         (the process engine runs it beside the next local steps); none starts at the last iteration."""
 
-    def push(self, own: "Tensor", state: State, iteration: int, last: bool) -> "Tensor | None":
-        """For an algorithm that ``overlaps``, after ``iteration``'s local steps, once the exchange
-        of the iteration before is over: this iteration's payload (None at the ``last`` iteration,
-        which starts no exchange), then ``settle``. Both engines call it, then start the exchange
-        with that payload."""
-        self.phase = 0
-        sent = None if last else self.payload(own, state, iteration)
-        self.settle(own, state, iteration)
+    def push(self, own: "Tensor", state: State, exchange: Exchange, last: bool) -> "Tensor | None":
+        """For an algorithm that ``overlaps``, after an iteration's local steps, once the exchange
+        of the iteration before is over: the payload of the iteration's first ``exchange`` (None at
+        the ``last`` iteration, which starts no exchange), then ``settle``. Both engines call it,
+        then start that exchange with that payload."""
+        sent = None if last else self.payload(own, state, exchange)
+        self.settle(own, state, exchange.iteration)
         return sent
 
     def span(self, iteration: int) -> "tuple[int, int] | None":
@@ -120,29 +149,29 @@ class RoundAlgorithm(Definition):
         only it); None: all of it."""
         return None
 
-    def payload_problem(self, payload: "Tensor", iteration: int) -> str | None:
+    def payload_problem(self, payload: "Tensor", exchange: Exchange) -> str | None:
         """Why a payload received from another process must not be merged, beyond its size, type and
         finite values, which the engine checks (a quantized one that does not decode), or None."""
         return None
 
-    def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
-        """What each node sends this round, [B, Q] (every peer gets the same). An engine may write
+    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
+        """What each node sends in ``exchange``, [B, Q] (every peer gets the same). An engine may write
         into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent."""
         return own
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
         """In place: each node's model and state from ``mixed`` [B, Q], the weighted sum of its own
         payload and those it received (for a ``linear`` algorithm)."""
         own.copy_(mixed)
 
     def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
-                    own_weight: "Tensor", iteration: int) -> None:
+                    own_weight: "Tensor", exchange: Exchange) -> None:
         """In place: each node's model and state from its own payload ``sent`` [B, Q] and those it
         ``received`` [B, K, Q] with their ``weights`` [B, K] (0 where none came) and ``own_weight``
         [B]. Override it (and set ``linear`` False) for a rule other than the weighted sum."""
         weights = weights.to(sent.dtype)
         mixed = sent * own_weight.to(sent.dtype)[:, None] + (received * weights[..., None]).sum(1)
-        self.merge(own, state, mixed, iteration)
+        self.merge(own, state, mixed, exchange)
 
 
 DEFINITIONS: Registry[type[Definition]] = Registry("algorithm", built_in={
@@ -174,20 +203,12 @@ def algorithms_help() -> str:
         " | one registered by --models-module"
 
 
-_RUNNERS: dict[tuple[type, type[RoundAlgorithm]], type] = {}
-
-
-def engine_class(name: str, runtimes: Registry, runner: type, engine: str) -> type:
-    """The class an engine runs the algorithm ``name`` with: its own runtime (registered in
-    ``runtimes``), or its ``runner`` of round algorithms specialised to the definition (one class per
-    runner and definition). ConfigError if the algorithm is unknown or the engine cannot run it."""
+def round_algorithm(name: str, engine: str) -> type[RoundAlgorithm]:
+    """The definition registered under ``name``, for an engine (``engine``: its name) that has no
+    runtime of its own for it and runs it on its round runner; ConfigError if the algorithm is
+    unknown or not a ``RoundAlgorithm``."""
     found = definition(name)
-    if name in runtimes:
-        return runtimes.get(name)
     if not issubclass(found, RoundAlgorithm):
         raise ConfigError(f"algorithm {name} has no runtime in the {engine} engine: give it one, or write it as a "
                           "RoundAlgorithm")
-    if (runner, found) not in _RUNNERS:
-        _RUNNERS[runner, found] = type(f"{found.__name__}{runner.__name__}", (runner,), {
-            "name": found.name, "definition": found, "__doc__": f"The {engine} engine's runner of {found.name}."})
-    return _RUNNERS[runner, found]
+    return found

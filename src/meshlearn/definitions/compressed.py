@@ -3,7 +3,7 @@ algorithm's exchange carries the model's change over a round (FedAvg's ``compres
 
 Each row's change is quantized by the ``quantize`` sharing scheme's rule (unbiased stochastic
 rounding onto 2^bits levels per bucket of 512 values, a float32 low end and step per bucket; the
-draws seeded from the run's seed, the sender and the iteration, so both engines send the same
+draws seeded from the run's seed, the sender and the exchange, so both engines send the same
 bytes). What rounding left out is kept in the node's ``error`` and added to its next change
 (error feedback, Seide et al. 2014, Karimireddy et al. 2019, as in INTELLECT-1's int8 exchange),
 so nothing a node learned is lost for good, only late.
@@ -33,7 +33,7 @@ class DeltaCodec:
     def encode_(self, change: "Tensor", error: "Tensor", sender: int, iteration: int, out: "Tensor") -> None:
         """In place: ``out`` [nbytes] (uint8) the encoding of ``change + error`` (one row), and
         ``error`` what that encoding leaves out of it (the next change's addition). ``change`` is
-        overwritten."""
+        overwritten; ``sender`` and ``iteration`` (the exchange's number) seed the rounding's draws."""
         value = change.add_(error)
         encoded = self.scheme.encode(value, sender, iteration)["buckets"]
         out.copy_(encoded)

@@ -1,6 +1,6 @@
 """D-PSGD (Lian et al. 2017): a ``RoundAlgorithm`` with the defaults (send the model, take the
 round's weighted average), and its missing-value rules over stacks, which both engines' runtimes
-(``algorithms.dpsgd``, ``batched.algorithms.dpsgd``) call for what a ``RoundAlgorithm`` does not
+(``node.algorithms.dpsgd``, ``batched.algorithms.dpsgd``) call for what a ``RoundAlgorithm`` does not
 express: lost UDP chunks, robust rules, attacks and sharing schemes.
 
 A missing-value rule weighs each neighbour's values where only some arrived (a lossy transport's
@@ -58,7 +58,9 @@ def robust_merge(rule: "AggregationRule", own: "Tensor", received: "Tensor", wei
     with C = 1, whole models) are missing. Returns the new models [B, P] and, where every model came
     whole, [B, K] flags of the received models deviant from them (``deviant_rows``: for suspicion);
     None where some came in part (the rule saw parts of them)."""
-    from meshlearn.aggregation.present import aggregate_present  # loads torch: only once a run aggregates
+    from meshlearn.aggregation.present import (
+        aggregate_present,  # loads torch: only once a run aggregates
+    )
     from meshlearn.aggregation.suspects import deviant_rows
 
     models = own.new_empty((own.shape[0], 1 + received.shape[1], own.shape[1]))

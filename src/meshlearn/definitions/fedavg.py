@@ -35,7 +35,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from meshlearn.definitions.base import RoundAlgorithm, State, register_algorithm
+from meshlearn.definitions.base import (
+    Exchange,
+    RoundAlgorithm,
+    State,
+    register_algorithm,
+)
 from meshlearn.definitions.compressed import BITS, DeltaCodec
 from meshlearn.definitions.needs import Needs
 from meshlearn.definitions.settings import FedAvgSettings
@@ -86,8 +91,8 @@ class FedAvg(RoundAlgorithm):
         from meshlearn.aggregation.weights import by_samples
 
         self.samples = by_samples(self.shard_sizes)
-        self._rounds: dict[tuple[int, int], Round] = {}
-        self._server_weight = 0.0
+        self._answer = answer_round(nodes)  # every iteration's second exchange, the same each time
+        self._answer_weights = tuple(1.0 if rank == SERVER else 0.0 for rank in self.ranks)
         self._spans: list[tuple[int, int]] = []  # the parts of the state (one: all of it), from ``begin``
         self._codecs: dict[int, DeltaCodec] = {}  # compress: one per part size
         self._dtype = None  # the models' (from ``begin``)
@@ -106,41 +111,25 @@ class FedAvg(RoundAlgorithm):
             self._codecs[size] = DeltaCodec(size, dtype, self.seed, self.bits)
         return self._codecs[size]
 
-    @property
-    def keeps_missing(self) -> bool:
-        """Only a node that did not hear the server keeps its own model; a push that did not come
-        is simply not averaged."""
-        return self.phase == 1
-
     def trains(self, iteration: int) -> list[int] | None:
         """The nodes drawn for ``iteration`` (None: all of them, at fraction 1)."""
         return None if self.fraction >= 1 else participants(self.seed, iteration, self.nodes, self.fraction)
 
-    def round(self, iteration: int) -> Round:
-        """Phase 0: the drawn nodes other than the server push to it, each weighing its samples.
-        Phase 1: the server sends to everyone, each taking it whole."""
-        key = (iteration, self.phase)
-        if key not in self._rounds:
-            self._rounds = {key: self._round(iteration)}
-        return self._rounds[key]
-
-    def _round(self, iteration: int) -> Round:
+    def exchange(self, iteration: int, phase: int = 0) -> Exchange:
+        """Phase 0: the drawn nodes other than the server push to it, each weighing its samples, the
+        server's own model by its samples if it was drawn; a push that did not come is simply not
+        averaged. Phase 1: the server sends to everyone, each taking it whole (keeping nothing of
+        its own); only a node that did not hear it keeps its own model."""
+        if phase == 1:
+            return Exchange(iteration, phase, self._answer, self._answer_weights, keeps_missing=True)
         n, nobody = self.nodes, ()
-        if self.phase == 0:
-            chosen = participants(self.seed, iteration, n, self.fraction)
-            self._server_weight = self.samples[SERVER] if SERVER in chosen else 0.0
-            pushing = tuple(j for j in chosen if j != SERVER)
-            return Round(tuple((SERVER,) if j in pushing else nobody for j in range(n)),
-                         (pushing,) + (nobody,) * (n - 1), ({j: self.samples[j] for j in pushing},) + ({},) * (n - 1))
-        return Round((tuple(range(1, n)),) + (nobody,) * (n - 1), (nobody,) + ((SERVER,),) * (n - 1),
-                     ({},) + ({SERVER: 1.0},) * (n - 1))
-
-    def own_weights(self, exchange: Round, ranks: list[int]) -> list[float]:
-        """Of the round last asked for: the server's own model counts by its samples if it was
-        drawn; a client keeps nothing of its own once it hears the server."""
-        if self.phase == 0:
-            return [self._server_weight if rank == SERVER else 1.0 for rank in ranks]
-        return [1.0 if rank == SERVER else 0.0 for rank in ranks]
+        chosen = participants(self.seed, iteration, n, self.fraction)
+        server = self.samples[SERVER] if SERVER in chosen else 0.0
+        pushing = tuple(j for j in chosen if j != SERVER)
+        push = Round(tuple((SERVER,) if j in pushing else nobody for j in range(n)),
+                     (pushing,) + (nobody,) * (n - 1), ({j: self.samples[j] for j in pushing},) + ({},) * (n - 1))
+        return Exchange(iteration, phase, push, tuple(server if rank == SERVER else 1.0 for rank in self.ranks),
+                        keeps_missing=False)
 
     def begin(self, own: "Tensor") -> State:
         """The last average the server sent (kept by the server's row only); with ``compress``, every
@@ -204,28 +193,29 @@ class FedAvg(RoundAlgorithm):
             return own, state.get("before"), own
         return state["sent"], state.get("base"), state["late"]
 
-    def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
+    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
         """The part's model, then a 1 (what the weighted sum adds up to the weight that came); with
         ``compress``, the quantized change: each drawn client's in the push, the server's average
         in its answer (the other rows send nothing, and their error feedback is left alone). With
         ``overlap``, the push first copies what the exchange reads."""
+        iteration, phase = exchange.iteration, exchange.phase
         a, b = self._part(iteration)
-        if self.overlaps and self.phase == 0:
+        if self.overlaps and phase == 0:
             state["sent"][:, a:b] = own[:, a:b]
             if self.bits:
                 state["base"][:, a:b] = state["before"][:, a:b]
         models, before, outcome = self._rows(own, state)
         if not self.bits:
             sent = own.new_empty((own.shape[0], b - a + 1))
-            sent[:, :-1] = (models if self.phase == 0 else outcome)[:, a:b]
+            sent[:, :-1] = (models if phase == 0 else outcome)[:, a:b]
             sent[:, -1] = 1.0
             return sent
         import torch
 
         codec = self._codec(b - a, self._dtype)
         sent = own.new_zeros((own.shape[0], codec.nbytes), dtype=torch.uint8)
-        tag = 2 * iteration + self.phase  # the rounding's draws: one set per sender and exchange
-        if self.phase == 0:
+        tag = 2 * iteration + phase  # the rounding's draws: one set per sender and exchange
+        if phase == 0:
             drawn = set(participants(self.seed, iteration, self.nodes, self.fraction))
             for row, rank in enumerate(self.ranks):
                 if rank != SERVER and rank in drawn:
@@ -235,21 +225,21 @@ class FedAvg(RoundAlgorithm):
             codec.encode_(state.pop("average"), state["error"][row, a:b], SERVER, tag, sent[row])
         return sent
 
-    def payload_problem(self, payload: "Tensor", iteration: int) -> str | None:
+    def payload_problem(self, payload: "Tensor", exchange: Exchange) -> str | None:
         """With ``compress``: why a received change cannot be decoded."""
         if not self.bits:
             return None
-        a, b = self._part(iteration)
+        a, b = self._part(exchange.iteration)
         return self._codec(b - a, self._dtype).problem(payload)
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
         """Each row's part: the weighted sum over the weight that came; the server with nothing
         come keeps the last average."""
-        a, b = self._part(iteration)
+        a, b = self._part(exchange.iteration)
         outcome = self._rows(own, state)[2]
         total = mixed[:, -1:]
         row = self.ranks.index(SERVER) if SERVER in self.ranks else None
-        if self.phase == 0:  # only the server takes anything: a client's row is its own model over 1, unchanged
+        if exchange.phase == 0:  # only the server takes anything: a client's row is its own model over 1, unchanged
             if row is not None:
                 if float(total[row]) == 0.0:  # nobody's model this round
                     outcome[row, a:b] = state["global"][a:b]
@@ -261,15 +251,15 @@ class FedAvg(RoundAlgorithm):
             state["global"][a:b] = outcome[row, a:b]
 
     def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
-                    own_weight: "Tensor", iteration: int) -> None:
+                    own_weight: "Tensor", exchange: Exchange) -> None:
         """With ``compress``. The push: the server's average change, by samples, of its own (exact)
         and the decoded changes that came (none come: no change). The answer: every row that has it
         (the server's own) takes its model at the round's start minus the decoded average; one that
         did not trains on from its own model."""
-        a, b = self._part(iteration)
+        a, b = self._part(exchange.iteration)
         codec = self._codec(b - a, self._dtype)
         models, before, outcome = self._rows(own, state)
-        if self.phase == 0:
+        if exchange.phase == 0:
             if SERVER in self.ranks:
                 row = self.ranks.index(SERVER)
                 average, total = own.new_zeros(b - a), float(own_weight[row]) + float(weights[row].sum())
@@ -290,6 +280,13 @@ class FedAvg(RoundAlgorithm):
                     outcome[row, a:b] = models[row, a:b]
                 continue
             outcome[row, a:b] = before[row, a:b] - codec.decode(encoded).to(own.device)
+
+
+def answer_round(nodes: int) -> Round:
+    """The server's answer: node 0 sends to every other node, each taking it whole."""
+    nobody = ()
+    return Round((tuple(range(1, nodes)),) + (nobody,) * (nodes - 1), (nobody,) + ((SERVER,),) * (nodes - 1),
+                 ({},) + ({SERVER: 1.0},) * (nodes - 1))
 
 
 def fragment_spans(numel: int, fragments: int) -> list[tuple[int, int]]:

@@ -1,6 +1,6 @@
 """Gossip's declaration (dpwa). Its runtimes drive one per-node state machine,
-``algorithms.gossipstate.GossipState``: ``algorithms.gossip.GossipAverager`` (process engine, and
-the adapter) and ``batched.algorithms.gossip``."""
+``definitions.gossipstate.GossipState``: ``node.algorithms.gossip.GossipAverager`` (process
+engine, and the adapter) and ``batched.algorithms.gossip``."""
 
 from meshlearn.definitions.base import Definition, register_algorithm
 from meshlearn.definitions.needs import Needs

@@ -1,5 +1,6 @@
-"""Leader aggregation's declaration (CloudMesh). Its runtimes: ``algorithms.leader`` around
-``LeaderState`` (process engine) and ``batched.algorithms.leader``."""
+"""Leader aggregation's declaration (CloudMesh). Its runtimes drive one leader's book,
+``definitions.leaderstate.LeaderState``: ``node.algorithms.leader`` (process engine) and
+``batched.algorithms.leader``."""
 
 from meshlearn.definitions.base import Definition, register_algorithm
 from meshlearn.definitions.needs import Needs

@@ -1,4 +1,4 @@
-"""The local baseline's declaration: no exchange. Its runtimes: ``algorithms.base.LocalOnly``
+"""The local baseline's declaration: no exchange. Its runtimes: ``node.algorithms.base.LocalOnly``
 and ``batched.algorithms.local``."""
 
 from meshlearn.definitions.base import Definition, register_algorithm

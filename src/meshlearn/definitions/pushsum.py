@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
 
 from pydantic import Field
 
-from meshlearn.definitions.base import RoundAlgorithm, State, register_algorithm
+from meshlearn.definitions.base import (
+    Exchange,
+    RoundAlgorithm,
+    State,
+    register_algorithm,
+)
 from meshlearn.settings import Settings
 from meshlearn.topology.sampling import Round, Rounds
 
@@ -69,7 +74,7 @@ class PushSum(RoundAlgorithm):
         """``x`` = the first model, ``w`` = 1 (so ``z = x / w`` is the model)."""
         return {"x": own.clone(), "w": own.new_ones(own.shape[0])}
 
-    def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
+    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
         """``x`` plus the local steps' update (``own - x / w``), then ``w``: [B, P + 1]."""
         x, w = state["x"], state["w"]
         update = own - x / w[:, None]
@@ -79,7 +84,7 @@ class PushSum(RoundAlgorithm):
         sent[:, -1] = w
         return sent
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
         """The pushed sums are the new ``x`` and ``w``; the model is ``x / w``."""
         state["x"].copy_(mixed[:, :-1])
         state["w"].copy_(mixed[:, -1])

@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshlearn.definitions.base import RoundAlgorithm, State, register_algorithm
+from meshlearn.definitions.base import (
+    Exchange,
+    RoundAlgorithm,
+    State,
+    register_algorithm,
+)
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -37,7 +42,7 @@ class GradientTracking(RoundAlgorithm):
         """The model the local steps started from, the last update, and ``W d`` of the last round (zero)."""
         return {"start": own.clone(), "update": own.new_zeros(own.shape), "mixed": own.new_zeros(own.shape)}
 
-    def payload(self, own: "Tensor", state: State, iteration: int) -> "Tensor":
+    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
         """``[x + d, d]`` with ``d = W d_previous + u - u_previous``: [B, 2P]."""
         start, update, mixed = state["start"], state["update"], state["mixed"]
         size = own.shape[1]
@@ -49,7 +54,7 @@ class GradientTracking(RoundAlgorithm):
         sent[:, :size] = start + tracker
         return sent
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", iteration: int) -> None:
+    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
         """The new model is ``W (x + d)``; ``W d`` is kept for the next round's tracker."""
         size = own.shape[1]
         state["mixed"].copy_(mixed[:, size:])

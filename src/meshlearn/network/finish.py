@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from meshlearn.algorithms import Election, LeaderState
+from meshlearn.definitions.leaderstate import LeaderState
 from meshlearn.errors import (
     BadMessage,
     KeyMismatch,
@@ -44,6 +44,7 @@ from meshlearn.network.results import write_results
 from meshlearn.network.rpc import call
 from meshlearn.network.task import TaskSpec
 from meshlearn.node import Node, evaluate_model
+from meshlearn.node.algorithms.election import Election
 from meshlearn.wire import Kind, Message, decode, encode
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,6 @@ from typing import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from meshlearn.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.attacks.forge import LabelFlip, make_attack
 from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig
@@ -16,6 +15,7 @@ from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set,
 from meshlearn.evaluation import evaluate_model
 from meshlearn.flat import FlatState
 from meshlearn.metrics import Evaluation
+from meshlearn.node.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator, secret_seed
 from meshlearn.runlog import JsonlLog, truncate_log

@@ -1,5 +1,5 @@
 """Secure aggregation (Bonawitz et al. 2017, for an honest-but-curious leader): the pure cores of a
-member's side and of the leader's, no sockets and no threads (``algorithms.leader`` carries them).
+member's side and of the leader's, no sockets and no threads (``node.algorithms.leader`` carries them).
 
 Each member of a cycle adds to its contribution (its weighted model, then its weight, encoded in the
 ring of 2^64) a self mask from a fresh seed and, for every other member of the cycle, a pairwise mask

@@ -7,7 +7,8 @@ from meshlearn.lazy import lazy_exports
 _WHERE = {
     **{name: "launcher" for name in ("NodeFailure", "SimulationResult", "prepare_run")},
     "simulate": "run",  # run(config) under its public name: it picks the engine
-    **{name: "report" for name in ("format_summary", "write_report")},
+    "format_summary": "summary",
+    "write_report": "report",
     "check_before_start": "checks",
 }
 __all__ = sorted(_WHERE)

@@ -39,19 +39,17 @@ from meshlearn.data.specs import parse_spec
 from meshlearn.errors import ConfigError, DatasetError
 from meshlearn.plots import pyplot
 from meshlearn.plugins import load_user_module
-from meshlearn.sim.report import (
+from meshlearn.sim.figures import (
     MIXED_TIME_LABEL,
     MODELLED_TIME_LABEL,
     TIME_LABEL,
-    evaluation_table,
-    final_summary,
-    load_logs,
-    read_run_logs,
-    run_config,
     x_axes,
 )
 from meshlearn.sim.resume import resumable
 from meshlearn.sim.run import simulate
+from meshlearn.sim.runfolder import run_config
+from meshlearn.sim.summary import final_summary
+from meshlearn.sim.tables import evaluation_table, load_logs, read_run_logs
 
 RUN_KEYS = {"name", "quick", "seeds", "batched"}
 
@@ -74,6 +72,23 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     ``only``: the names of the runs to keep (a run with seeds keeps all its repetitions), in the
     file's order; ConfigError naming the file's runs for a name it does not have."""
     path = Path(path)
+    raw = _read_experiment_file(path)
+    name = str(raw.get("name", path.stem))
+    suffix = ("-quick" if quick else "") + ("-batched" if batched else "")
+    out = Path(output) if output else Path("runs") / (name + suffix)
+    base = _base_settings(raw, path, quick, batched)
+    runs, seen, groups = _run_configs(raw, path, base, quick, batched, out)
+    if not runs:
+        raise ConfigError(f"experiment file {path}: every run says 'batched: false', so --batched has nothing to run")
+    if only:
+        runs, groups = _keep_only(only, runs, groups, seen, raw, path)
+    return Experiment(name, str(raw.get("description", "")), runs, groups, source=str(path),
+                      smaller_scale=not quick and bool(raw.get("quick")))
+
+
+def _read_experiment_file(path: Path) -> dict[str, Any]:
+    """An experiment file's top level, checked: valid YAML, a non-empty ``runs`` list, no unknown
+    section."""
     if not path.is_file():
         raise ConfigError(f"experiment file {path} does not exist")
     try:
@@ -85,9 +100,12 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
     unknown = set(raw) - {"name", "description", "base", "quick", "batched", "runs"}
     if unknown:
         raise ConfigError(f"experiment file {path}: unknown section(s) {sorted(unknown)}")
-    name = str(raw.get("name", path.stem))
-    suffix = ("-quick" if quick else "") + ("-batched" if batched else "")
-    out = Path(output) if output else Path("runs") / (name + suffix)
+    return raw
+
+
+def _base_settings(raw: dict[str, Any], path: Path, quick: bool, batched: bool) -> dict[str, Any]:
+    """The settings every run starts from: ``base``, then the ``quick`` section (``quick``; a file
+    without one anywhere is refused rather than run at full scale) and the ``batched`` one."""
     base = dict(raw.get("base") or {})
     if quick:
         if not raw.get("quick") and not any(isinstance(r, dict) and r.get("quick") for r in raw["runs"]):
@@ -96,30 +114,21 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
         base.update(raw.get("quick") or {})
     if batched:
         base.update(raw.get("batched") or {"engine": "batched"})
+    return base
+
+
+def _run_configs(raw: dict[str, Any], path: Path, base: dict[str, Any], quick: bool, batched: bool,
+                 out: Path) -> tuple[list[tuple[str, ExperimentConfig]], set[str], dict[str, list[str]]]:
+    """Every run's configuration (one per seed of a run with seeds, named ``NAME-sSEED``), the
+    names of the file's runs, and each run with seeds' repetitions."""
     runs, seen, groups = [], set(), {}
     for index, run in enumerate(raw["runs"]):
-        if not isinstance(run, dict) or not run.get("name"):
-            raise ConfigError(f"experiment file {path}: run {index + 1} needs a name")
-        run_name = str(run["name"])
-        if run_name in seen or "/" in run_name:
-            raise ConfigError(f"experiment file {path}: run name {run_name!r} is repeated or has a '/'")
+        run_name = _run_name(run, index, path, seen)
         seen.add(run_name)
-        own_quick = run.get("quick") or {}
-        if not isinstance(own_quick, dict):
-            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'quick' must be a map of settings")
-        own_batched = run.get("batched", {}) or {}
-        if run.get("batched") is False:
-            if batched:
-                continue  # this run has no batched variant (yet)
-        elif not isinstance(own_batched, dict):
-            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'batched' must be a map of settings or false")
-        seeds = own_quick.get("seeds", run.get("seeds")) if quick else run.get("seeds")
-        if seeds is not None and (not isinstance(seeds, list) or not seeds or
-                                  not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
-            raise ConfigError(f"experiment file {path}: run {run_name!r}: 'seeds' must be a list of integers")
-        values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS},
-                  **({k: v for k, v in own_quick.items() if k != "seeds"} if quick else {}),
-                  **(own_batched if batched else {})}
+        settings = _run_settings(run, run_name, path, base, quick, batched)
+        if settings is None:
+            continue  # this run has no batched variant (yet)
+        values, seeds = settings
         repeats = [(f"{run_name}-s{seed}", {"seed": seed}) for seed in seeds] if seeds else [(run_name, {})]
         if seeds:
             groups[run_name] = [n for n, _ in repeats]
@@ -128,18 +137,55 @@ def load_experiment(path: str | Path, quick: bool, output: str | Path | None = N
                 runs.append((repeat_name, make_config({**values, **extra, "output": str(out / repeat_name)})))
             except ConfigError as exc:
                 raise ConfigError(f"experiment file {path}, run {run_name!r}: {exc}") from None
-    if not runs:
-        raise ConfigError(f"experiment file {path}: every run says 'batched: false', so --batched has nothing to run")
-    if only:
-        missing = [name for name in only if name not in seen]
-        if missing:
-            raise ConfigError(f"experiment file {path} has no run {', '.join(map(repr, missing))}: its runs are "
-                              f"{', '.join(str(run['name']) for run in raw['runs'])}")
-        member_of = {member: name for name, members in groups.items() for member in members}
-        runs = [(name, config) for name, config in runs if member_of.get(name, name) in only]
-        groups = {name: members for name, members in groups.items() if name in only}
-    return Experiment(name, str(raw.get("description", "")), runs, groups, source=str(path),
-                      smaller_scale=not quick and bool(raw.get("quick")))
+    return runs, seen, groups
+
+
+def _run_name(run: Any, index: int, path: Path, seen: set[str]) -> str:
+    """Run ``index``'s name: present, not taken by a run before it, without a '/'."""
+    if not isinstance(run, dict) or not run.get("name"):
+        raise ConfigError(f"experiment file {path}: run {index + 1} needs a name")
+    run_name = str(run["name"])
+    if run_name in seen or "/" in run_name:
+        raise ConfigError(f"experiment file {path}: run name {run_name!r} is repeated or has a '/'")
+    return run_name
+
+
+def _run_settings(run: dict[str, Any], run_name: str, path: Path, base: dict[str, Any], quick: bool,
+                  batched: bool) -> tuple[dict[str, Any], list[int] | None] | None:
+    """A run's settings over ``base`` (its own ``quick`` and ``batched`` maps applied as the flags
+    say) and its seeds; None for a run that says ``batched: false`` under ``batched``."""
+    own_quick = run.get("quick") or {}
+    if not isinstance(own_quick, dict):
+        raise ConfigError(f"experiment file {path}: run {run_name!r}: 'quick' must be a map of settings")
+    own_batched = run.get("batched", {}) or {}
+    if run.get("batched") is False:
+        if batched:
+            return None
+    elif not isinstance(own_batched, dict):
+        raise ConfigError(f"experiment file {path}: run {run_name!r}: 'batched' must be a map of settings or false")
+    seeds = own_quick.get("seeds", run.get("seeds")) if quick else run.get("seeds")
+    if seeds is not None and (not isinstance(seeds, list) or not seeds or
+                              not all(isinstance(x, int) and not isinstance(x, bool) for x in seeds)):
+        raise ConfigError(f"experiment file {path}: run {run_name!r}: 'seeds' must be a list of integers")
+    values = {**base, **{k: v for k, v in run.items() if k not in RUN_KEYS},
+              **({k: v for k, v in own_quick.items() if k != "seeds"} if quick else {}),
+              **(own_batched if batched else {})}
+    return values, seeds
+
+
+def _keep_only(only: list[str], runs: list[tuple[str, ExperimentConfig]], groups: dict[str, list[str]],
+               seen: set[str], raw: dict[str, Any], path: Path
+               ) -> tuple[list[tuple[str, ExperimentConfig]], dict[str, list[str]]]:
+    """The runs (and groups of repetitions) named in ``only``; ConfigError naming the file's runs
+    for a name it does not have."""
+    missing = [name for name in only if name not in seen]
+    if missing:
+        raise ConfigError(f"experiment file {path} has no run {', '.join(map(repr, missing))}: its runs are "
+                          f"{', '.join(str(run['name']) for run in raw['runs'])}")
+    member_of = {member: name for name, members in groups.items() for member in members}
+    runs = [(name, config) for name, config in runs if member_of.get(name, name) in only]
+    groups = {name: members for name, members in groups.items() if name in only}
+    return runs, groups
 
 
 def check_datasets(experiment: Experiment) -> None:

@@ -34,7 +34,7 @@ from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
 from meshlearn.runlog import COLUMNAR_LOG
 from meshlearn.sim.checks import check_before_start
-from meshlearn.sim.report import RUN_TIMES
+from meshlearn.sim.summary import RUN_TIMES
 from meshlearn.topology import Graph, write_graph_file
 
 STARTUP_TIMEOUT = 300.0

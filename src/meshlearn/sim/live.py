@@ -14,7 +14,8 @@ from typing import Any, Protocol
 
 from meshlearn.config import ExperimentConfig
 from meshlearn.runlog import LogTail
-from meshlearn.sim.report import ACCURACY_SPAN, PhaseTimes, evaluation_row
+from meshlearn.sim.tables import PhaseTimes, evaluation_row
+from meshlearn.sim.topologyfigure import ACCURACY_SPAN
 
 NODE_TABLE_LIMIT = 64  # more nodes than this: the page shows the distribution, not a row per node
 HISTOGRAM_BINS = 20

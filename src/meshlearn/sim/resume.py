@@ -21,7 +21,7 @@ from meshlearn.definitions.base import definition
 from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.node.factory import checkpoint_name
 from meshlearn.plugins import load_folder_module
-from meshlearn.sim.report import run_config
+from meshlearn.sim.runfolder import run_config
 
 
 def writers(config: ExperimentConfig) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.sim.report import PHASES, evaluation_row
+from meshlearn.sim.tables import PHASES, evaluation_row
 from meshlearn.tblog import MEAN, ScalarLog
 
 # summary.csv's column -> the mean writer's tag

@@ -111,7 +111,7 @@ def small_world(n: int, k: int, p: float, seed: int) -> Graph:
         graph = Graph(n, edges)
         if graph.is_connected():
             return graph
-    raise TopologyError(f"could not draw a connected small-world graph; lower P or raise K")
+    raise TopologyError("could not draw a connected small-world graph; lower P or raise K")
 
 
 def erdos_renyi(n: int, p: float, seed: int) -> Graph:

@@ -25,9 +25,10 @@ from typing import Any, Mapping
 import torch
 
 from meshlearn.errors import TransportError, WireError
+from meshlearn.meta import meta_number
 from meshlearn.transport.served import SMALL_REQUEST_BYTES, Caller, Held, ServedEndpoint
 from meshlearn.transport.settings import TcpSettings
-from meshlearn.wire import Message, meta_number
+from meshlearn.wire import Message
 from meshlearn.wire.sealed import FrameSeal
 
 MAX_HOLD = 10.0  # seconds a server holds a request for a newer state, whatever the request asks

@@ -5,8 +5,7 @@ without torch."""
 
 from meshlearn.lazy import lazy_exports
 
-_WHERE = {name: "codec" for name in ("Chunks", "DEFAULT_MAX_BYTES", "DTYPES", "Kind", "Message", "decode", "encode",
-                                      "meta_number", "meta_real")}
+_WHERE = {name: "codec" for name in ("Chunks", "DEFAULT_MAX_BYTES", "DTYPES", "Kind", "Message", "decode", "encode")}
 __all__ = sorted(_WHERE)
 
 __getattr__ = lazy_exports(__name__, _WHERE)

@@ -202,11 +202,9 @@ def _as_tensor(view: memoryview, dtype: torch.dtype, shape: tuple[int, ...]) -> 
     return tensor.view(shape)
 
 
-def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: bytes | None = None) -> Message:
-    """Decode and validate frames into a Message; raises WireError on any malformed input.
-
-    With ``secret`` only messages signed with it are accepted, checked before parsing.
-    """
+def _checked_views(frames: Sequence[Any], max_bytes: int, secret: bytes | None) -> list[memoryview]:
+    """The frames as views, within the size cap and, with ``secret``, signed with it (the
+    signature frame removed); checked before any of them is parsed."""
     if not frames:
         raise WireError("empty message: no header frame")
     views = [_frame_view(f) for f in frames]
@@ -217,7 +215,13 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
         if len(views) < 2 or not mac_matches(secret, views[:-1], views[-1]):
             raise WireError("message is not signed with this network's secret")
         views = views[:-1]
-    reader = _Reader(views[0])
+    return views
+
+
+def _fixed_header(reader: _Reader, frame_count: int, signed: bool) -> tuple[Kind, int, int, int, int, int]:
+    """The fixed header's kind, sender, iteration, degree, tensor count and metadata length, each
+    checked: magic, version, kind, flags (``signed``: the SIGNED flag expected), the limits, and
+    one tensor frame per announced tensor (``frame_count``: the frames after the signature's removal)."""
     magic, version, kind, flags, sender, iteration, degree, count, meta_len = reader.take(_FIXED, "fixed header")
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: not a meshlearn message")
@@ -227,73 +231,95 @@ def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: by
         kind = Kind(kind)
     except ValueError:
         raise WireError(f"unknown message kind {kind}") from None
-    if flags != (FLAG_SIGNED if secret else 0):
+    if flags != (FLAG_SIGNED if signed else 0):
         raise WireError(f"header flags {flags:#x} are unknown, or say signed where no secret is set")
     if count > MAX_TENSORS:
         raise WireError(f"tensor count {count} exceeds the limit of {MAX_TENSORS}")
     if meta_len > MAX_META_BYTES:
         raise WireError(f"metadata length {meta_len} exceeds the limit of {MAX_META_BYTES}")
-    if len(views) != count + 1:
-        raise WireError(f"header announces {count} tensor frames but {len(views) - 1} arrived")
+    if frame_count != count + 1:
+        raise WireError(f"header announces {count} tensor frames but {frame_count - 1} arrived")
+    return kind, sender, iteration, degree, count, meta_len
 
+
+def _tensor_name(reader: _Reader, index: int) -> str:
+    """The name of table entry ``index``: capped in length, valid UTF-8."""
+    (name_len,) = reader.take(_NAME_LEN, f"tensor {index} name length")
+    if name_len > MAX_NAME_BYTES:
+        raise WireError(f"tensor {index}: name of {name_len} bytes exceeds {MAX_NAME_BYTES}")
+    try:
+        return reader.take_bytes(name_len, f"tensor {index} name").decode()
+    except UnicodeDecodeError:
+        raise WireError(f"tensor {index}: name is not valid UTF-8") from None
+
+
+def _tensor_layout(reader: _Reader, name: str, max_bytes: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+    """The dtype, shape and byte length of tensor ``name``'s table entry: a known dtype, at most
+    ``MAX_NDIM`` dimensions none above ``max_bytes``, and a byte length that matches them."""
+    code, ndim = reader.take(_DTYPE_NDIM, f"tensor {name!r} dtype")
+    dtype = DTYPES.get(code)
+    if dtype is None:
+        raise WireError(f"tensor {name!r}: unknown dtype code {code}")
+    if ndim > MAX_NDIM:
+        raise WireError(f"tensor {name!r}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
+    shape = tuple(reader.take(_U64, f"tensor {name!r} shape")[0] for _ in range(ndim))
+    if any(dim > max_bytes for dim in shape):
+        # No real tensor of this message could have such a dimension (an empty one need not).
+        raise WireError(f"tensor {name!r}: a dimension of {list(shape)} exceeds the message size cap {max_bytes}")
+    (nbytes,) = reader.take(_U64, f"tensor {name!r} byte length")
+    expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes != expected:
+        raise WireError(f"tensor {name!r}: byte length {nbytes} does not match {dtype} x {list(shape)} = {expected}")
+    return dtype, shape, nbytes
+
+
+def _tensor_frame(frame: memoryview, name: str, dtype: torch.dtype, shape: tuple[int, ...],
+                  nbytes: int) -> torch.Tensor:
+    """Tensor ``name`` over its frame, which must hold exactly the ``nbytes`` its entry announced."""
+    if frame.nbytes != nbytes:
+        raise WireError(f"tensor {name!r}: frame holds {frame.nbytes} bytes, header says {nbytes}")
+    try:
+        return _as_tensor(frame, dtype, shape)
+    except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"tensor {name!r}: torch cannot lay out {dtype} x {list(shape)} ({type(exc).__name__})") from None
+
+
+def _tensors(reader: _Reader, views: list[memoryview], count: int, max_bytes: int) -> dict[str, torch.Tensor]:
+    """The ``count`` tensors of the table, by name (each name once), over frames 1..count."""
     tensors: dict[str, torch.Tensor] = {}
     for index in range(count):
-        (name_len,) = reader.take(_NAME_LEN, f"tensor {index} name length")
-        if name_len > MAX_NAME_BYTES:
-            raise WireError(f"tensor {index}: name of {name_len} bytes exceeds {MAX_NAME_BYTES}")
-        try:
-            name = reader.take_bytes(name_len, f"tensor {index} name").decode()
-        except UnicodeDecodeError:
-            raise WireError(f"tensor {index}: name is not valid UTF-8") from None
+        name = _tensor_name(reader, index)
         if name in tensors:
             raise WireError(f"tensor name {name!r} appears twice")
-        code, ndim = reader.take(_DTYPE_NDIM, f"tensor {name!r} dtype")
-        dtype = DTYPES.get(code)
-        if dtype is None:
-            raise WireError(f"tensor {name!r}: unknown dtype code {code}")
-        if ndim > MAX_NDIM:
-            raise WireError(f"tensor {name!r}: {ndim} dimensions exceed the limit of {MAX_NDIM}")
-        shape = tuple(reader.take(_U64, f"tensor {name!r} shape")[0] for _ in range(ndim))
-        if any(dim > max_bytes for dim in shape):
-            # No real tensor of this message could have such a dimension (an empty one need not).
-            raise WireError(f"tensor {name!r}: a dimension of {list(shape)} exceeds the message size cap {max_bytes}")
-        (nbytes,) = reader.take(_U64, f"tensor {name!r} byte length")
-        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if nbytes != expected:
-            raise WireError(f"tensor {name!r}: byte length {nbytes} does not match {dtype} x {list(shape)} = {expected}")
-        frame = views[index + 1]
-        if frame.nbytes != nbytes:
-            raise WireError(f"tensor {name!r}: frame holds {frame.nbytes} bytes, header says {nbytes}")
-        try:
-            tensors[name] = _as_tensor(frame, dtype, shape)
-        except (RuntimeError, TypeError, ValueError, OverflowError) as exc:
-            raise WireError(f"tensor {name!r}: torch cannot lay out {dtype} x {list(shape)} ({type(exc).__name__})") from None
+        dtype, shape, nbytes = _tensor_layout(reader, name, max_bytes)
+        tensors[name] = _tensor_frame(views[index + 1], name, dtype, shape, nbytes)
+    return tensors
 
-    meta: dict[str, Any] = {}
-    if meta_len:
-        raw = reader.take_bytes(meta_len, "metadata")
-        try:
-            meta = json.loads(raw)
-        except (UnicodeDecodeError, ValueError, RecursionError):
-            raise WireError("metadata is not valid JSON") from None
-        if not isinstance(meta, dict):
-            raise WireError("metadata must be a JSON object")
+
+def _metadata(reader: _Reader, meta_len: int) -> dict[str, Any]:
+    """The metadata after the table: a JSON object of ``meta_len`` bytes ({} for none)."""
+    if not meta_len:
+        return {}
+    raw = reader.take_bytes(meta_len, "metadata")
+    try:
+        meta = json.loads(raw)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise WireError("metadata is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise WireError("metadata must be a JSON object")
+    return meta
+
+
+def decode(frames: Sequence[Any], max_bytes: int = DEFAULT_MAX_BYTES, secret: bytes | None = None) -> Message:
+    """Decode and validate frames into a Message; raises WireError on any malformed input.
+
+    With ``secret`` only messages signed with it are accepted, checked before parsing.
+    """
+    views = _checked_views(frames, max_bytes, secret)
+    reader = _Reader(views[0])
+    kind, sender, iteration, degree, count, meta_len = _fixed_header(reader, len(views), bool(secret))
+    tensors = _tensors(reader, views, count, max_bytes)
+    meta = _metadata(reader, meta_len)
     if reader.pos != len(views[0]):
         raise WireError(f"{len(views[0]) - reader.pos} unexpected bytes after the header")
     return Message(kind=kind, sender=sender, iteration=iteration, degree=degree, tensors=tensors, meta=meta)
-
-
-def meta_number(meta: dict[str, Any], key: str, default: float | None = 0.0) -> float | None:
-    """The non-negative finite number a message's metadata holds under ``key`` (``default`` when
-    absent), or None when it holds anything else: metadata comes from peers, so check it."""
-    value = meta_real(meta, key, default)
-    return None if value is None or value < 0 else value
-
-
-def meta_real(meta: dict[str, Any], key: str, default: float | None = 0.0) -> float | None:
-    """The finite number (of either sign) a message's metadata holds under ``key`` (``default``
-    when absent), or None when it holds anything else (null, a string, a bool, NaN)."""
-    value = meta.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)

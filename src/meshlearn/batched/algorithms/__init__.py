@@ -1,13 +1,8 @@
-"""The batched engine's algorithms: one file each, registered by name (``BATCHED_ALGORITHMS``)."""
+"""The batched engine's algorithms: the interface (``base``), the round runner of every
+``RoundAlgorithm`` (``rounds``), the runtimes of the built-in algorithms that need their own, one
+file each, and ``make_batched_algorithm``, which picks one by name."""
 
-from meshlearn.batched.algorithms.base import (
-    BATCHED_ALGORITHMS,
-    BatchedAlgorithm,
-    BatchedContext,
-    Traffic,
-    register_batched,
-)
-from meshlearn.batched.algorithms.runtimes import batched_algorithm_class
+from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
+from meshlearn.batched.algorithms.runtimes import make_batched_algorithm
 
-__all__ = ["BATCHED_ALGORITHMS", "BatchedAlgorithm", "BatchedContext", "Traffic", "batched_algorithm_class",
-           "register_batched"]
+__all__ = ["BatchedAlgorithm", "BatchedContext", "Traffic", "make_batched_algorithm"]

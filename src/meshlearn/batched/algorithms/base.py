@@ -1,4 +1,4 @@
-"""The batched engine's algorithm interface and registry: how all nodes exchange and merge at once."""
+"""The batched engine's algorithm interface: how all nodes exchange and merge at once."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from meshlearn.batched.shards import Collective, HaloPlan, Shard
 from meshlearn.batched.stacked import StackedState
 from meshlearn.checkpoint import Stateful
 from meshlearn.config import ExperimentConfig
-from meshlearn.plugins import Registry
 from meshlearn.topology import Graph
 
 
@@ -103,14 +102,3 @@ class BatchedAlgorithm(Stateful, ABC):
         """Per node of this block (numbered from 0) that saw any: the peers whose models it refused
         or found deviant, and those it suspects (as a process-engine node's ``peers_report``)."""
         return {}
-
-
-BATCHED_ALGORITHMS: Registry[type[BatchedAlgorithm]] = Registry(
-    "runtime of the batched engine", built_in={name: f"meshlearn.batched.algorithms.{name}"
-                                                 for name in ("local", "dpsgd", "gossip", "leader")})
-
-
-def register_batched(cls: type[BatchedAlgorithm]) -> type[BatchedAlgorithm]:
-    """Class decorator adding the batched engine's own runtime for the algorithm ``cls.name`` (one
-    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``runtimes``)."""
-    return BATCHED_ALGORITHMS.add(cls.name, cls)

@@ -10,17 +10,17 @@ import numpy as np
 import torch
 
 from meshlearn.aggregation.base import get_rule
-from meshlearn.batched.algorithms.base import BatchedContext, Traffic, register_batched
+from meshlearn.batched.algorithms.base import BatchedContext, Traffic
 from meshlearn.batched.algorithms.rounds import BatchedRounds, heard_counts
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.mixing import ChunkedMixing, Links
 from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
+from meshlearn.definitions.base import Exchange
 from meshlearn.definitions.dpsgd import DpsgdDefinition
 from meshlearn.topology.sampling import Round
 
 
-@register_batched
 class BatchedDPSGD(BatchedRounds):
     """Synchronous D-PSGD (Lian et al. 2017): ``X <- W X``, a neighbour whose model missed the
     deadline left out and its weight given to the node's own model. Over a lossy network, per
@@ -28,12 +28,10 @@ class BatchedDPSGD(BatchedRounds):
     and those that arrived (``RobustMixing``); with a ``sharing`` scheme, what each node's scheme
     makes of the rows (``SharedMixing``). Bad nodes (``byzantine``) send what their attack forges."""
 
-    name = "dpsgd"
-    definition = DpsgdDefinition
     state_fields = (*BatchedRounds.state_fields, "variant")
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic):
-        super().__init__(ctx, traffic)
+        super().__init__(ctx, traffic, DpsgdDefinition)
         config, state = ctx.config, ctx.stacked.state
         self.bad = BadNodes(config, ctx.shard.start, state, ctx.links, ctx.local)
         links = self.bad.links  # the local links, those out of a bad node reading its forged row
@@ -50,9 +48,10 @@ class BatchedDPSGD(BatchedRounds):
         elif chunk_elements:
             self.variant = ChunkedMixing(links, ctx.graph, config.dpsgd.missing_chunks, chunk_elements)
 
-    def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
+    def _exchange(self, exchange: Exchange, sent: torch.Tensor | None = None) -> dict[str, np.ndarray]:
         if self.variant is None:
-            return super()._exchange(iteration)
+            return super()._exchange(exchange, sent)
+        iteration = exchange.iteration
         ctx, state, network, variant = self.ctx, self.ctx.stacked.state, self.ctx.network, self.variant
         senders, receivers = ctx.links.sender.cpu().numpy(), ctx.links.receiver.cpu().numpy()
         columns = {}

@@ -27,16 +27,15 @@ import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.algorithms.gossipstate import Fetch, GossipState, Reply
 from meshlearn.batched.algorithms.base import (
     AsyncDriver,
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
-    register_batched,
 )
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
+from meshlearn.definitions.gossipstate import Fetch, GossipState, Reply
 from meshlearn.definitions.settings import GossipSettings
 
 DONE, REQUEST, HOLD_END, REPLY, DEADLINE = range(5)
@@ -68,7 +67,6 @@ class _Node:
     finished: bool = False
 
 
-@register_batched
 class BatchedGossip(BatchedAlgorithm):
     """dpwa's asynchronous pairwise averaging over the topology's neighbours, in modelled time."""
 

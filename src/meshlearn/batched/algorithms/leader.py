@@ -18,22 +18,20 @@ from __future__ import annotations
 import torch
 
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.algorithms.leaderstate import LeaderState, Push
 from meshlearn.batched.algorithms.base import (
     AsyncDriver,
     BatchedAlgorithm,
     BatchedContext,
     Traffic,
-    register_batched,
 )
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
+from meshlearn.definitions.leaderstate import LeaderState, Push
 
 DONE, PUSH, REPLY, BARRIER = range(4)
 LEADER = 0
 
 
-@register_batched
 class BatchedLeader(BatchedAlgorithm):
     """Leader aggregation over every node of the run, in modelled time (asynchronous or synchronous)."""
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshlearn.batched.algorithms.base import BatchedAlgorithm, register_batched
+from meshlearn.batched.algorithms.base import BatchedAlgorithm
 
 
-@register_batched
 class BatchedLocal(BatchedAlgorithm):
     """Each node keeps its own model."""
 

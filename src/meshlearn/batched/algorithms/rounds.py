@@ -3,42 +3,40 @@ node at once (B = N), each round's links gathered over the modelled network."""
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import numpy as np
 import torch
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.mixing import Links, heard_weights, weighted_sums
-from meshlearn.definitions.base import RoundAlgorithm
+from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
 
 class BatchedRounds(BatchedAlgorithm):
-    """Each iteration: the round's links and weights from the definition, every node's payload,
-    who heard whom in time from the modelled network, and the definition's merge: for a
-    ``linear`` one, of one sparse product (weights of late links zero); else of the stacked
-    payloads each node received. ``definition`` is set per algorithm (``definitions.base.engine_class``).
+    """Runs the ``RoundAlgorithm`` it is given (``definition``, its class) for every node. Each
+    iteration, each of its exchanges: the definition's ``Exchange`` (the round's links and
+    weights), every node's payload, who heard whom in time from the modelled network, and the
+    definition's merge: for a ``linear`` one, of one sparse product (weights of late links zero);
+    else of the stacked payloads each node received.
 
     Under torchrun (a static graph) this process holds a block of the nodes: the links into it are
     ``ctx.local`` and the rows its links read (``sources``) are the block's payloads, then those
     the other blocks send. Every process models the whole run's network (the same draws)."""
 
-    definition: ClassVar[type[RoundAlgorithm]]
     state_fields = ("state", "_done_at")
 
-    def __init__(self, ctx: BatchedContext, traffic: Traffic):
+    def __init__(self, ctx: BatchedContext, traffic: Traffic, definition: type[RoundAlgorithm]):
+        self.name = definition.name
         super().__init__(ctx, traffic)
         config = ctx.config
-        settings = config.settings_of(self.name) if self.definition.settings is not None else None
+        settings = config.settings_of(self.name) if definition.settings is not None else None
         self.rounds = rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed)
-        self.rules = self.definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
-                                    ranks=list(ctx.shard.ranks))
+        self.rules = definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
+                                ranks=list(ctx.shard.ranks))
         self.network = ctx.network
         self.state = self.rules.begin(ctx.stacked.state)
-        self._round: tuple[Round, Links, Links, torch.Tensor] | None = None
+        self._round: tuple[Round, tuple[float, ...], Links, Links, torch.Tensor] | None = None
         self._done_at: np.ndarray | None = None  # overlapping: when each node's exchange under way ends (modelled)
-        self._made: torch.Tensor | None = None  # the next exchange's payload, where made already
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.stacked.state, self.state, iteration)
@@ -55,22 +53,22 @@ class BatchedRounds(BatchedAlgorithm):
         nodes = self.ctx.config.nodes
         record = {"comm": np.zeros(nodes), "received": np.zeros(nodes, dtype=np.int64),
                   "missing": np.zeros(nodes, dtype=np.int64)}
-        sent, clocks = None, self.ctx.clocks
+        sent, first, clocks = None, None, self.ctx.clocks
         if self.rules.overlaps:  # the process engine's models, its exchange modelled beside the next local steps
             if self._done_at is not None:  # the exchange of the iteration before: waited for what it did not hide
                 record["comm"] = np.maximum(0.0, self._done_at - clocks.now)
                 clocks.now = np.maximum(clocks.now, self._done_at)
                 self._done_at = None
-            sent = self.rules.push(self.ctx.stacked.state, self.state, iteration,
+            first = self.rules.exchange(iteration, 0)
+            sent = self.rules.push(self.ctx.stacked.state, self.state, first,
                                    last=iteration + 1 == self.ctx.config.iterations)
             if sent is None:  # the last: the outcome of the one before, no new exchange
                 return record
         started = clocks.now.copy()
         counts = {}
         for phase in range(self.rules.phases):
-            self.rules.phase = phase
-            self._made = sent if phase == 0 else None
-            for name, values in self._exchange(iteration).items():
+            exchange = first if phase == 0 and first is not None else self.rules.exchange(iteration, phase)
+            for name, values in self._exchange(exchange, sent if phase == 0 else None).items():
                 counts[name] = counts[name] + values if name in counts else values
         if self.rules.overlaps:  # the next steps start now; the exchange ends when it ends
             self._done_at, clocks.now = clocks.now.copy(), started
@@ -78,25 +76,25 @@ class BatchedRounds(BatchedAlgorithm):
         return {**record, **{name: record[name] + values if name in record else values
                              for name, values in counts.items()}}
 
-    def _exchange(self, iteration: int) -> dict[str, np.ndarray]:
-        """One exchange of the iteration, for every node."""
+    def _exchange(self, exchange: Exchange, sent: torch.Tensor | None = None) -> dict[str, np.ndarray]:
+        """One exchange of the iteration, for every node (``sent``: its payload, where made already:
+        an overlapped exchange's push)."""
         own = self.ctx.stacked.state
-        everyone, links, own_weight = self._links(self.rules.round(iteration))
-        sent, self._made = self._made, None  # the payload, where made already (an overlapped exchange's push)
+        everyone, links, own_weight = self._links(exchange)
         if sent is None:
-            sent = self.rules.payload(own, self.state, iteration)
+            sent = self.rules.payload(own, self.state, exchange)
         self.network.carry(sent.shape[1] * sent.element_size())
         arrived, waited = self.network.gather(everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy(),
                                               self.silent())
         heard = torch.from_numpy(arrived).to(links.weight.device)[links.ids]
-        weight, own_weight = heard_weights(links, own_weight, heard, self.rules.keeps_missing)
-        source = self.sources(sent, iteration)
+        weight, own_weight = heard_weights(links, own_weight, heard, exchange.keeps_missing)
+        source = self.sources(sent, exchange.iteration)
         if self.rules.linear:
             mixed = weighted_sums(links, weight, own_weight, source, sent, self._fresh(sent, own))
-            self.rules.merge(own, self.state, mixed, iteration)
+            self.rules.merge(own, self.state, mixed, exchange)
         else:
             received, weights = links.stack(source[links.sender]), links.stack(weight)
-            self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, iteration)
+            self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, exchange)
         return {"comm": waited, **heard_counts(everyone, arrived)}
 
     def _fresh(self, sent: torch.Tensor, own: torch.Tensor) -> bool:
@@ -124,14 +122,15 @@ class BatchedRounds(BatchedAlgorithm):
         links = Links.of_round(exchange, self.ctx.stacked.state.device)
         return links, links
 
-    def _links(self, exchange: Round) -> tuple[Links, Links, torch.Tensor]:
-        """``links_of`` the round and each node's own weight (the last round's again when unchanged)."""
-        if self._round is None or self._round[0] is not exchange:
-            everyone, links = self.links_of(exchange)
-            own = torch.tensor(self.rules.own_weights(exchange, list(self.ctx.shard.ranks)), dtype=torch.float64,
-                               device=links.weight.device)
-            self._round = (exchange, everyone, links, own)
-        return self._round[1:]
+    def _links(self, exchange: Exchange) -> tuple[Links, Links, torch.Tensor]:
+        """``links_of`` the exchange's round and each node's own weight, as a tensor (the last
+        exchange's again when its round and own weights are the same objects)."""
+        cached = self._round
+        if cached is None or cached[0] is not exchange.round or cached[1] is not exchange.own_weights:
+            everyone, links = self.links_of(exchange.round)
+            own = torch.tensor(exchange.own_weights, dtype=torch.float64, device=links.weight.device)
+            self._round = cached = (exchange.round, exchange.own_weights, everyone, links, own)
+        return cached[2:]
 
 
 def heard_counts(links: Links, arrived: np.ndarray) -> dict[str, np.ndarray]:

@@ -1,14 +1,23 @@
-"""Which class of the batched engine runs an algorithm: its own runtime (``register_batched``), or
-the round runner of a ``RoundAlgorithm`` definition."""
+"""Which object of the batched engine runs an algorithm: its own runtime, for the built-in
+algorithms that have one, or the round runner given the algorithm's ``RoundAlgorithm`` definition."""
 
 from __future__ import annotations
 
-from meshlearn.batched.algorithms.base import BATCHED_ALGORITHMS, BatchedAlgorithm
+from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
+from meshlearn.batched.algorithms.dpsgd import BatchedDPSGD
+from meshlearn.batched.algorithms.gossip import BatchedGossip
+from meshlearn.batched.algorithms.leader import BatchedLeader
+from meshlearn.batched.algorithms.local import BatchedLocal
 from meshlearn.batched.algorithms.rounds import BatchedRounds
-from meshlearn.definitions.base import engine_class
+from meshlearn.definitions.base import round_algorithm
+
+_RUNTIMES: dict[str, type[BatchedAlgorithm]] = {"local": BatchedLocal, "dpsgd": BatchedDPSGD, "gossip": BatchedGossip,
+                                                "leader": BatchedLeader}
 
 
-def batched_algorithm_class(name: str) -> type[BatchedAlgorithm]:
-    """The batched engine's class for the algorithm registered under ``name`` (ConfigError if none
-    is): its own runtime, or the runner of a ``RoundAlgorithm``."""
-    return engine_class(name, BATCHED_ALGORITHMS, BatchedRounds, "batched")
+def make_batched_algorithm(name: str, ctx: BatchedContext, traffic: Traffic) -> BatchedAlgorithm:
+    """The batched engine's runtime of the algorithm registered under ``name``, for the nodes of
+    ``ctx``: its own, or the round runner of a ``RoundAlgorithm`` (ConfigError if it is neither)."""
+    if name in _RUNTIMES:
+        return _RUNTIMES[name](ctx, traffic)
+    return BatchedRounds(ctx, traffic, round_algorithm(name, "batched"))

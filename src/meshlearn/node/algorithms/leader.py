@@ -46,10 +46,13 @@ import time
 import numpy as np
 import torch
 
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
-from meshlearn.algorithms.election import Election
-from meshlearn.algorithms.leaderstate import LeaderState, Push
-from meshlearn.algorithms.secure import (
+from meshlearn.definitions.leaderstate import LeaderState, Push
+from meshlearn.definitions.settings import LeaderSettings
+from meshlearn.errors import ConfigError, WireError
+from meshlearn.meta import meta_number, meta_real
+from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
+from meshlearn.node.algorithms.election import Election
+from meshlearn.node.algorithms.secure import (
     OPEN_BYTES,
     SEALED_BYTES,
     SecureAggregationFailed,
@@ -62,15 +65,18 @@ from meshlearn.algorithms.secure import (
     unpack,
     weighted_mean,
 )
-from meshlearn.definitions.settings import LeaderSettings
-from meshlearn.errors import ConfigError, WireError
-from meshlearn.privacy.central import central_report, clip_update, leader_generator, noised
+from meshlearn.privacy.central import (
+    central_report,
+    clip_update,
+    leader_generator,
+    noised,
+)
 from meshlearn.privacy.masking import RING_LIMIT
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
 from meshlearn.transport.hub import Answer, HubEndpoint
 from meshlearn.transport.served import Caller, is_refusal
-from meshlearn.wire import Message, meta_number, meta_real
+from meshlearn.wire import Message
 
 log = logging.getLogger(__name__)
 RETRY = 0.2  # seconds before asking again a member that says it does not lead (yet)
@@ -80,7 +86,6 @@ PING_TIMEOUT = 3.0
 LEAD_POLL = 0.01  # seconds between looks at its own book of a leader waiting for its cycle's answer
 
 
-@register_runtime
 class Leader(Algorithm):
     """Leader aggregation with fail-over, asynchronous or synchronous (see the module docstring)."""
 
@@ -237,7 +242,7 @@ class Leader(Algorithm):
             self.election.resolve()
 
     def _secure_exchange(self, push: Push) -> torch.Tensor | None:
-        """Secure aggregation (``algorithms.secure``): this member's contribution masked, pushed, and
+        """Secure aggregation (``node.algorithms.secure``): this member's contribution masked, pushed, and
         unmasked with the others' through the leader the session was set up with."""
         ctx, limit = self.ctx, len(self.election.members) + 1
         if self._pusher is None:
@@ -425,7 +430,7 @@ class Leader(Algorithm):
         return self.release([sender]).get(sender)
 
     def _respond_secure(self, op: str, sender: int, request) -> Answer | None:
-        """Secure aggregation's requests (``algorithms.secure``): recorded, then answered by ``release``."""
+        """Secure aggregation's requests (``node.algorithms.secure``): recorded, then answered by ``release``."""
         book, secure = self._lead(), self._secure
         if op == "join":
             raise WireError("a join of a secure session, which takes no newcomers")
@@ -485,7 +490,7 @@ class Leader(Algorithm):
                        "sa.k": pack(round_.offered_to(sender), SEALED_BYTES)}, {"status": "ok"})
 
     def _release_secure(self, held: list[int]) -> dict[int, Answer]:
-        """The answers secure aggregation can give now to ``held`` requests (see ``algorithms.secure``)."""
+        """The answers secure aggregation can give now to ``held`` requests (see ``node.algorithms.secure``)."""
         book, secure, answers = self.state, self._secure, {}
         for sender in held:
             with self._lock:

@@ -1,4 +1,5 @@
-"""The algorithm interface and its registry: how a node exchanges and merges models."""
+"""The process engine's algorithm interface: how a node exchanges and merges models; and the local
+baseline's runtime (no exchange)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.checkpoint import Stateful
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
-from meshlearn.plugins import Registry
 from meshlearn.settings import Settings
 from meshlearn.topology import Graph
 from meshlearn.transport.base import Endpoint, Unconnected
@@ -165,17 +165,6 @@ class Algorithm(Stateful, ABC):
         self.ctx.transport.check()
 
 
-ALGORITHMS: Registry[type[Algorithm]] = Registry("algorithm of the process engine", built_in={
-    name: f"meshlearn.algorithms.{name}" for name in ("dpsgd", "gossip", "leader")})
-
-
-def register_runtime(cls: type[Algorithm]) -> type[Algorithm]:
-    """Class decorator adding the process engine's own runtime for the algorithm ``cls.name`` (one
-    registered in ``definitions``); a ``RoundAlgorithm`` needs none (``runtimes``)."""
-    return ALGORITHMS.add(cls.name, cls)
-
-
-@register_runtime
 class LocalOnly(Algorithm):
     """No exchange: each node trains alone (a baseline)."""
 

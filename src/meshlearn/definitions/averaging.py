@@ -1,5 +1,7 @@
 """Averaging kernels on whole flat buffers, and D-PSGD's missing-value rules (``definitions.dpsgd``)
-applied to one node's models where only some chunks or values arrived."""
+applied to one node's models where only some chunks or values arrived: the process engine's
+averages for its node, and the step with a sharing scheme both engines take (``merge_shares_``).
+Torch at import: no module the configuration imports loads this one."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from meshlearn.definitions.dpsgd import MissingValueRule
-from meshlearn.wire import Message
 
 if TYPE_CHECKING:
     from meshlearn.sharing import Shared, Sharing
@@ -80,12 +81,3 @@ def merge_shares_(scheme: "Sharing", state: torch.Tensor, weights: dict[int, flo
         average_shares_(state, [(weights[j], degrees[j], s.values, s.mask) for j, s in shared.items()], rule)
     scheme.averaged(state)
     return lost
-
-
-def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
-                     rule: MissingValueRule) -> None:
-    """In place: Metropolis-Hastings averaging where some chunks of some models are missing
-    (``received``: each neighbour's weight and message; ``masked_average_`` per chunk)."""
-    chunk_elements = received[0][1].chunks.chunk_bytes // state.element_size() if received else 1
-    masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, msg.chunks.present)
-                                        for weight, msg in received], rule, chunk_elements)

@@ -11,19 +11,24 @@ import time
 import torch
 
 from meshlearn.aggregation.suspects import refusal
-from meshlearn.algorithms.averaging import chunked_average_, merge_shares_
-from meshlearn.algorithms.base import AlgorithmContext, register_runtime
-from meshlearn.algorithms.rounds import RoundRunner
-from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, DpsgdDefinition, robust_merge
+from meshlearn.definitions.averaging import masked_average_, merge_shares_
+from meshlearn.definitions.base import Exchange
+from meshlearn.definitions.dpsgd import (
+    MISSING_CHUNK_RULES,
+    DpsgdDefinition,
+    MissingValueRule,
+    robust_merge,
+)
 from meshlearn.definitions.settings import DpsgdSettings
 from meshlearn.errors import ConfigError
+from meshlearn.node.algorithms.base import AlgorithmContext
+from meshlearn.node.algorithms.rounds import RoundRunner
 from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.wire import Kind, Message
 
 log = logging.getLogger(__name__)
 
 
-@register_runtime
 class DPSGD(RoundRunner):
     """Synchronous decentralized parallel SGD (Lian et al. 2017), as in DecentralizePy.
 
@@ -44,13 +49,11 @@ class DPSGD(RoundRunner):
     (``peer_sampling``) its peers and their weights change every iteration.
     """
 
-    name = "dpsgd"
-    definition = DpsgdDefinition
     takes_lossy = True
     state_fields = (*RoundRunner.state_fields, "sharing")
 
     def __init__(self, ctx: AlgorithmContext):
-        super().__init__(ctx)
+        super().__init__(ctx, DpsgdDefinition)
         settings = ctx.settings or DpsgdSettings()
         self.missing_chunk_rule = MISSING_CHUNK_RULES[settings.missing_chunks]  # chosen once
         state = ctx.flat.state
@@ -77,24 +80,24 @@ class DPSGD(RoundRunner):
         if at is None or self.growing is None or at < 1:
             raise ConfigError("a node joining a D-PSGD group must be told the round it joins at (1 or later)")
         self.growing.join(ctx.rank, at)
-        self._iteration = at - 1
-        senders = list(self.rules.round(at - 1).receive_from[ctx.rank])
+        exchange = self.rules.exchange(at - 1)
+        senders = list(exchange.round.receive_from[ctx.rank])
         received = ctx.transport.gather(at - 1, senders)
         own = ctx.flat.state.detach()
-        usable = self.admit(received, lambda msg: self.payload_problem(msg, own))
+        usable = self.admit(received, lambda msg: self.payload_problem(msg, own, exchange))
         if not usable:
             raise ConfigError(f"a node joining at round {at} heard no member's model in round {at - 1}")
         own.copy_(torch.stack([self.vector(received[j], own) for j in usable]).mean(0))
         ctx.transport.recycle(received.values())
         self.joined_at = at
 
-    def _exchange(self, iteration: int, tag: int) -> dict[str, float]:
+    def _exchange(self, exchange: Exchange, tag: int, sent: torch.Tensor | None = None) -> dict[str, float]:
         ctx = self.ctx
         if self.sharing is None and not (ctx.transport.lossy or self.rule.robust or ctx.attack is not None):
-            return super()._exchange(iteration, tag)  # the plain average
-        exchange, rank = self.rules.round(iteration), ctx.rank
-        self.targets, self.neighbours = list(exchange.send_to[rank]), list(exchange.receive_from[rank])
-        self.weights = dict(exchange.weights[rank])
+            return super()._exchange(exchange, tag, sent)  # the plain average
+        iteration, peers, rank = exchange.iteration, exchange.round, ctx.rank
+        self.targets, self.neighbours = list(peers.send_to[rank]), list(peers.receive_from[rank])
+        self.weights = dict(peers.weights[rank])
         if self.sharing is not None:
             return self._exchange_shares(iteration)
         t0 = time.perf_counter()
@@ -107,7 +110,7 @@ class DPSGD(RoundRunner):
         if received is None:
             received = ctx.transport.gather(iteration, self.neighbours)
         t2 = time.perf_counter()
-        usable = self.admit(received, self._problem)
+        usable = self.admit(received, lambda msg: self._problem(msg, exchange))
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
         chunked = bool(partial) or (ctx.transport.lossy and bool(usable) and len(usable) < len(self.neighbours))
         own = ctx.flat.state.detach().unsqueeze(0)
@@ -117,7 +120,7 @@ class DPSGD(RoundRunner):
             chunked_average_(ctx.flat.state, 1.0 - sum(self.weights.values()),
                              [(self.weights[j], received[j]) for j in usable], self.missing_chunk_rule)
         else:
-            self._merge(own, own, received, usable, exchange, iteration)
+            self._merge(own, own, received, usable, exchange)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
@@ -172,12 +175,12 @@ class DPSGD(RoundRunner):
         sent = state if ctx.attack is None else ctx.outgoing(state, iteration, seen)
         self.send(self.targets, sent, iteration, len(self.neighbours))
 
-    def _problem(self, msg: Message) -> str | None:
-        """Why a received model must not be aggregated: another size or dtype, NaN or Inf (in the
-        chunks that arrived, over a lossy transport); None if it may."""
+    def _problem(self, msg: Message, exchange: Exchange) -> str | None:
+        """Why a received model of ``exchange`` must not be aggregated: another size or dtype, NaN or
+        Inf (in the chunks that arrived, over a lossy transport); None if it may."""
         chunks = msg.chunks
         if chunks is None:
-            return self.payload_problem(msg, self.ctx.flat.state)
+            return self.payload_problem(msg, self.ctx.flat.state, exchange)
         return self.ctx.flat.check_compatible(msg.tensors) or \
             refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
 
@@ -198,3 +201,11 @@ class DPSGD(RoundRunner):
             self.watch.count_deviant(usable, deviant[0])
         state.copy_(result[0])
 
+
+def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tuple[float, Message]],
+                     rule: MissingValueRule) -> None:
+    """In place: Metropolis-Hastings averaging where some chunks of some models are missing
+    (``received``: each neighbour's weight and message; ``masked_average_`` per chunk)."""
+    chunk_elements = received[0][1].chunks.chunk_bytes // state.element_size() if received else 1
+    masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, msg.chunks.present)
+                                        for weight, msg in received], rule, chunk_elements)

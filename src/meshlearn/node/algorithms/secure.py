@@ -34,7 +34,13 @@ import torch
 
 from meshlearn.errors import WireError
 from meshlearn.flat import segment_ranges
-from meshlearn.privacy.masking import KEY_BYTES, OPEN_BYTES, SEALED_BYTES, check_public, decode
+from meshlearn.privacy.masking import (
+    KEY_BYTES,
+    OPEN_BYTES,
+    SEALED_BYTES,
+    check_public,
+    decode,
+)
 from meshlearn.privacy.secagg import MaskedPush, Offer, SecureCycle, SecureMember
 
 log = logging.getLogger(__name__)

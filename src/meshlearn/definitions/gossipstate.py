@@ -30,7 +30,7 @@ from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.suspects import PeerWatch, refusal
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
-from meshlearn.wire import meta_number, meta_real
+from meshlearn.meta import meta_number, meta_real
 
 ROBUST_PEERS = 2  # peers' models a robust rule compares before a gossiping node moves at all
 NO_ANSWER, REFUSED, DIVERGED, MERGED = "no answer", "refused", "diverged", "merged"

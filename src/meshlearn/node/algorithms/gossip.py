@@ -30,7 +30,7 @@ starts from the first peer's state that it can use, whole, with that peer's cloc
 iteration that clock has reached.
 
 A node's decisions (fetch or not, whom, judging the answer, the factor, dpwa's clock) are a
-``GossipState`` (``algorithms.gossipstate``), which the batched engine drives too; ``GossipAverager``
+``GossipState`` (``definitions.gossipstate``), which the batched engine drives too; ``GossipAverager``
 carries its fetches over a ``PullEndpoint`` from the training thread.
 """
 
@@ -45,26 +45,20 @@ import torch
 
 from meshlearn.aggregation.base import AggregationRule
 from meshlearn.aggregation.suspects import PeerWatch
-from meshlearn.algorithms.base import Algorithm, AlgorithmContext, register_runtime
-from meshlearn.algorithms.gossipstate import (
+from meshlearn.clock import SYSTEM, Clock
+from meshlearn.definitions.gossipstate import (
     DIVERGED,
-    ROBUST_PEERS,
     Fetch,
     GossipState,
     PeerScores,
     Reply,
-    interpolation_factor,
-    robust_target,
 )
-from meshlearn.clock import SYSTEM, Clock
 from meshlearn.definitions.settings import GossipSettings
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
 from meshlearn.transport.pull import PullEndpoint
 from meshlearn.wire import Message
-
-__all__ = ["ROBUST_PEERS", "Gossip", "GossipAverager", "GossipSettings", "GossipState", "PeerScores",
-           "interpolation_factor", "robust_target"]
 
 
 class GossipAverager:
@@ -178,7 +172,6 @@ class GossipAverager:
         return Reply.read(reply.meta, () if problem else [reply.tensors[name] for name in self.flat.ranges], problem)
 
 
-@register_runtime
 class Gossip(Algorithm):
     """Asynchronous pairwise averaging over the topology's neighbours (dpwa's scheme): an
     exchange around every local step, as dpwa's adapter does around every batch."""
