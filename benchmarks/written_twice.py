@@ -76,6 +76,13 @@ AFTER = {
         [N + "leader.py::Leader.after_local_steps", N + "leader.py::Leader._exchange", N + "leader.py::Leader._lead",
          N + "leader.py::Leader.respond", N + "leader.py::Leader.release"],
         [B + "algorithms/leader.py::BatchedLeader", B + "algorithms/leader.py::_LeaderRun"]),
+    "each engine's part of an iteration (the order of its steps: iterations.drive, once)": (
+        ["src/meshlearn/node/iterations.py::NodeIterations"], [B + "engine.py::_Lockstep"]),
+    "restoring a run from its checkpoint": (
+        ["src/meshlearn/node/node.py::Node._restore"], [B + "engine.py::BatchedSimulation._restore"]),
+    "an iteration's phases and the overlapped exchange": (
+        [N + "rounds.py::RoundRunner.after_local_steps", N + "rounds.py::RoundRunner._phases"],
+        [B + "algorithms/rounds.py::BatchedRounds.after_local_steps"]),
 }
 LAYOUTS = {"before": BEFORE, "after": AFTER}
 

@@ -10,7 +10,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
 # Higher number = higher layer. Shared modules are layer 0: any layer may use them, they use only each other.
 LAYERS = {"wire": 1, "transport": 2, "definitions": 3, "aggregation": 3, "attacks": 3, "sharing": 3, "config": 4,
-          "training": 4, "node": 4, "batched": 4, "sim": 5, "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
+          "training": 4, "iterations": 4, "node": 4, "batched": 4, "sim": 5, "adapter": 5, "network": 5, "dashboard": 5, "cli": 6}
 SHARED = {"errors", "settings", "clock", "lazy", "flat", "netem", "metrics", "evaluation", "sgd", "plots", "runlog", "topology", "data", "models",
           "threads", "plugins", "tblog", "accepting", "optim", "sparselog", "layout", "tasks", "schedule", "outer", "checkpoint",
           "privacy", "suggest", "exiting", "enginesettings", "meta"}

@@ -53,6 +53,7 @@ from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
 from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.iterations import IterationSteps, drive, evaluation_due
 from meshlearn.metrics import Evaluation
 from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import saved_activation_bytes, step_flops
@@ -274,40 +275,9 @@ class BatchedSimulation:
     def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
         """Every node takes each iteration's steps together, then the algorithm exchanges; returns
         the evaluation of the final models (every metric: the last iteration's, not a second pass)."""
-        config, shard, collective, clocks = run.config, run.shard, run.collective, run.clocks
-        outer = run.outer
-        checkpoints = self._checkpoints(run)
-        for iteration in range(run.first, config.iterations):
-            if not config.lr_schedule.constant:  # every node at this iteration: the process engine's rate
-                run.sgd.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
-            run.algorithm.before_local_steps(iteration)
-            trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
-            losses = run.train(trainers)
-            compute = clocks.train(run.steps, None if trainers is None else [shard.start + r for r in trainers])
-            columns = {"train": compute, "encode": np.zeros(config.nodes), "average": np.zeros(config.nodes),
-                       **run.algorithm.after_local_steps(iteration)}
-            if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step, every node's
-                config.outer.step(run.stacked.params, outer, run.algorithm.aggregated(iteration))
-            train_loss = collective.gather(losses)
-            columns["t"] = clocks.now
-            done = iteration + 1
-            evaluation = consensus = None
-            if run.evaluates_after(done):
-                evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
-                validation = collective.gather(_evaluations(run, on=run.validation)) if run.validation else None
-                on_shards = collective.gather(_shard_evaluations(run)) if config.train_evaluate else None
-                consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
-            if run.log is not None:
-                columns["train_loss"] = train_loss
-                run.write_iteration(iteration, _lists(columns))
-                if evaluation:
-                    run.write_evaluation(done, evaluation, clocks.now, consensus, validation, on_shards)
-            if self.progress is not None:
-                self.progress(done)
-            if checkpoints is not None and config.checkpoint_due(done):
-                checkpoints.save(done, self._parts(run), wall=time.perf_counter() - run.began, engine="batched",
-                                 step_time=self.step_time)
-        return evaluation
+        steps = _Lockstep(run, self._checkpoints(run), self)
+        drive(steps, run.config, run.first)
+        return steps.evaluation
 
     def _checkpoints(self, run: "_Run") -> RunCheckpoints | None:
         """Where this run keeps its checkpoints: none for an asynchronous algorithm, under
@@ -317,7 +287,7 @@ class BatchedSimulation:
             return None
         return RunCheckpoints(self.log_path.parent.parent, "nodes", config.fingerprint(), config.checkpoint_keep)
 
-    def _parts(self, run: "_Run") -> dict[str, Any]:
+    def parts_of(self, run: "_Run") -> dict[str, Any]:
         """What a checkpoint keeps: every part of the run that changes as it trains."""
         parts = {"stacked": run.stacked, "sgd": run.sgd, "loaders": run.batches.loaders, "clocks": run.clocks,
                  "traffic": run.traffic, "network": run.algorithm.ctx.network, "algorithm": run.algorithm,
@@ -334,7 +304,7 @@ class BatchedSimulation:
             raise CheckpointError(f"a batched {run.config.algorithm} run keeps no checkpoints (asynchronous, "
                                   "under torchrun, or checkpoint_every 0): it cannot be resumed; run it again")
         meta, tree = checkpoints.load(self.resume)
-        values = checkpoints.restore(tree, self._parts(run), run.stacked.state.device)
+        values = checkpoints.restore(tree, self.parts_of(run), run.stacked.state.device)
         torch.set_rng_state(values["torch_rng"])
         if "cuda_rng" in values:
             torch.cuda.set_rng_state(values["cuda_rng"].cpu(), run.stacked.state.device)
@@ -346,6 +316,66 @@ class BatchedSimulation:
         if run.log is not None:
             truncate_log(self.log_path, self.resume)
             run.log.write(columnar_event("resumed", run.ranks, {}, iteration=self.resume, time=time.time()))
+
+
+class _Lockstep(IterationSteps):
+    """The batched engine's part of each iteration (``iterations.drive``) for every node at once:
+    ``checkpoints`` where the run keeps them (None: never); ``evaluation`` the latest iteration's."""
+
+    def __init__(self, run: "_Run", checkpoints: RunCheckpoints | None, simulation: "BatchedSimulation"):
+        self.run, self.checkpoints, self.simulation = run, checkpoints, simulation
+        self.evaluation: list[tuple[int, Evaluation]] | None = None
+
+    def set_lr(self, lr: float) -> None:
+        self.run.sgd.set_lr(lr)
+
+    def begin(self, iteration: int) -> None:
+        self.run.algorithm.before_local_steps(iteration)
+
+    def train(self, iteration: int) -> list:
+        """Each node's losses of the iteration's steps (the clocks advanced by their modelled time)."""
+        run = self.run
+        trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
+        losses = run.train(trainers)
+        self.compute = run.clocks.train(run.steps, None if trainers is None else
+                                        [run.shard.start + r for r in trainers])
+        return losses
+
+    def exchange(self, iteration: int, losses: list) -> tuple[list, dict]:
+        nodes = self.run.config.nodes
+        columns = {"train": self.compute, "encode": np.zeros(nodes), "average": np.zeros(nodes),
+                   **self.run.algorithm.after_local_steps(iteration)}
+        return losses, columns
+
+    def outer_step(self, iteration: int) -> None:
+        run = self.run  # the exchange's result is an aggregate: the outer optimizer's step, every node's
+        run.config.outer.step(run.stacked.params, run.outer, run.algorithm.aggregated(iteration))
+
+    def finish(self, iteration: int, record: tuple[list, dict], evaluate: bool) -> None:
+        run, (losses, columns) = self.run, record
+        config, collective = run.config, run.collective
+        train_loss = collective.gather(losses)
+        columns["t"] = run.clocks.now
+        done = iteration + 1
+        evaluation = consensus = validation = on_shards = None
+        if evaluate:
+            evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
+            validation = collective.gather(_evaluations(run, on=run.validation)) if run.validation else None
+            on_shards = collective.gather(_shard_evaluations(run)) if config.train_evaluate else None
+            consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
+        self.evaluation = evaluation
+        if run.log is not None:
+            columns["train_loss"] = train_loss
+            run.write_iteration(iteration, _lists(columns))
+            if evaluation:
+                run.write_evaluation(done, evaluation, run.clocks.now, consensus, validation, on_shards)
+        if self.simulation.progress is not None:
+            self.simulation.progress(done)
+
+    def save(self, done: int) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.save(done, self.simulation.parts_of(self.run), wall=time.perf_counter() - self.run.began,
+                                  engine="batched", step_time=self.simulation.step_time)
 
 
 @dataclass
@@ -404,7 +434,7 @@ class _Run:
 
     def evaluates_after(self, done: int) -> bool:
         """Whether the nodes are evaluated once ``done`` iterations are done."""
-        return done % self.config.test_after == 0 or done == self.config.iterations
+        return evaluation_due(done, self.config)
 
     def write_iteration(self, iteration: int, columns: dict[str, list]) -> None:
         if self.shard.count == 1:  # each process counts its own nodes' traffic

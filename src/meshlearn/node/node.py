@@ -14,8 +14,10 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
 from meshlearn.evaluation import evaluate_model
 from meshlearn.flat import FlatState
+from meshlearn.iterations import drive
 from meshlearn.metrics import Evaluation
 from meshlearn.node.algorithms import Algorithm, AlgorithmContext, make_algorithm
+from meshlearn.node.iterations import NodeIterations
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator, secret_seed
 from meshlearn.runlog import JsonlLog, truncate_log
@@ -170,17 +172,32 @@ class Node:
             self.privacy.steps = self.resume * self.steps
         return meta, tree
 
-    def _save(self, done: int, outer: dict | None, elapsed: float) -> None:
+    def _say_started(self, tree: dict) -> None:
+        """The log's first event of this run: resumed from a checkpoint (its algorithm's state
+        restored from ``tree``), or started."""
+        if self.resume is not None:
+            self.checkpoints.restore({"algorithm": tree["algorithm"]}, {"algorithm": self.algorithm}, self.device)
+            self.write({"event": "resumed", "rank": self.rank, "iteration": self.resume, "time": time.time()})
+            return
+        self.write({
+            "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
+            "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
+            "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
+            "byzantine": None if self.behaviour is None else str(self.behaviour),
+        })
+
+    def save(self, done: int, outer: dict | None, elapsed: float) -> None:
+        """Keep this node's checkpoint after ``done`` iterations (``outer``: its outer optimizer's state)."""
         self.checkpoints.save(done, self._parts(outer), elapsed=elapsed, rank=self.rank)
 
-    def _write(self, event: dict) -> None:
+    def write(self, event: dict) -> None:
+        """Add ``event`` to the node's log (none without one)."""
         if self.log is not None:
             self.log.write(event)
 
     def run(self, peers: Mapping[int, str]) -> dict:
         """Connect to the neighbours (id -> address), run every iteration, and return a summary."""
         config = self.config
-        evaluates = config.node_evaluates(self.rank)
         try:
             outer = config.outer.begin(self.flat.params.detach().unsqueeze(0)) if config.outer.active else None
             meta, tree = self._restore(outer) if self.resume is not None else ({}, {})
@@ -188,71 +205,23 @@ class Node:
             self.algorithm.start()
             if self.algorithm.joined_at is not None and outer is not None:  # a newcomer: the outer optimizer
                 outer = config.outer.begin(self.flat.params.detach().unsqueeze(0))  # from the group's model
-            if self.resume is not None:
-                self.checkpoints.restore({"algorithm": tree["algorithm"]}, {"algorithm": self.algorithm}, self.device)
-                self._write({"event": "resumed", "rank": self.rank, "iteration": self.resume, "time": time.time()})
-            else:
-                self._write({
-                    "event": "start", "rank": self.rank, "neighbours": self.graph.neighbours(self.rank),
-                    "samples": len(self.loader.indices), "parameters": self.flat.params.numel(),
-                    "state_bytes": self.flat.nbytes, "threads": torch.get_num_threads(), "time": time.time(),
-                    "byzantine": None if self.behaviour is None else str(self.behaviour),
-                })
-            start = time.perf_counter() - float(meta.get("elapsed", 0.0))
-            last: Evaluation | None = None
+            self._say_started(tree)
+            iterations = NodeIterations(self, outer, time.perf_counter() - float(meta.get("elapsed", 0.0)))
             first = self.resume if self.resume is not None else (self.algorithm.joined_at or 0)  # a newcomer's
-            for iteration in range(first, config.iterations):
-                if not config.lr_schedule.constant:
-                    self.optimizer.set_lr(config.lr * config.lr_schedule.factor(iteration, config.iterations))
-                self.algorithm.before_local_steps(iteration)
-                losses, train_time = [], 0.0
-                idle = self.skips_idle and not self.algorithm.trains(iteration)
-                for _ in range(0 if idle else self.steps):
-                    self.algorithm.before_step()
-                    t0 = time.perf_counter()
-                    losses.append(self.train_step())
-                    train_time += time.perf_counter() - t0
-                    self.algorithm.after_step(losses[-1])
-                train_loss = sum(losses) / len(losses) if losses else None
-                record = self.algorithm.after_local_steps(iteration, train_loss)
-                if outer is not None:  # the exchange's result is an aggregate: the outer optimizer's step
-                    with torch.no_grad():
-                        config.outer.step(self.flat.params.detach().unsqueeze(0), outer,
-                                          self.algorithm.aggregated(iteration))
-                self.algorithm.check()
-                record.update(event="iteration", iteration=iteration, train=train_time, train_loss=train_loss,
-                              bytes_sent=self.transport.stats.bytes_sent)
-                done = iteration + 1
-                if evaluates and (done % config.test_after == 0 or done == config.iterations):
-                    t2 = time.perf_counter()
-                    last = self.evaluate(full=done == config.iterations)  # the last one is also the final one
-                    record["eval"] = time.perf_counter() - t2
-                    self._write({
-                        "event": "eval", "iteration": done, "t": time.perf_counter() - start,
-                        "test_loss": last.loss, "test_acc": last.accuracy, **self.validate(), **self.evaluate_shard(),
-                        **({} if last.perplexity is None else {"test_perplexity": last.perplexity}),
-                        **({} if self.privacy is None else {"epsilon": self.privacy.budget.epsilon(done * self.steps)}),
-                        "bytes_sent": self.transport.stats.bytes_sent,  # accuracy against bytes
-                    })
-                    record.update(test_acc=last.accuracy, test_loss=last.loss)  # for the iteration hooks
-                record["t"] = time.perf_counter() - start
-                self._write(record)
-                for hook in self.hooks:
-                    hook(self, iteration, record)
-                if self.checkpoints is not None and config.checkpoint_due(done):
-                    self._save(done, outer, time.perf_counter() - start)
+            drive(iterations, config, first)
+            last = iterations.last
             final = (last if last is not None and config.iterations > 0 else self.evaluate(full=True)) \
-                if evaluates else None
+                if iterations.evaluates else None
             self.algorithm.stop()
             summary = {
-                "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - start,
+                "event": "final", "rank": self.rank, "elapsed": time.perf_counter() - iterations.start,
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.as_dict(),
                 "peers": self.peers_report(),
                 **({} if self.privacy is None else {"privacy": self.privacy.budget.report(self.privacy.steps)}),
                 **self.algorithm.privacy_report(),
             }
-            self._write(summary)
+            self.write(summary)
             return summary
         finally:
             self.transport.close()
