@@ -74,6 +74,9 @@ class _KeyWatch:
         self._thread.join(10)
 
 
+# slow (about 45 s): the default run keeps each listener's own limits (tests/test_listener_limits.py: out of
+# descriptors, one left) and the dashboard's flood of idle connections (tests/test_dashboard.py)
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux) to lower the file limit")
 def test_a_task_completes_and_key_answers_while_strangers_hold_connections_and_flood_the_dashboard(procs):
     dashboard = free_port()

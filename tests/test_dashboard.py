@@ -281,6 +281,9 @@ def test_the_registry_keeps_its_history_across_a_restart(tmp_path):
 
 # ---- the bootstrap's page in a real browser ---------------------------------------------------
 
+# slow (about 35 s): the default run keeps a simulation's page live in chromium (below) and the task board's
+# curves, faults and result (test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports)
+@pytest.mark.slow
 @pytest.mark.timeout(280)
 def test_the_bootstraps_page_lists_providers_and_follows_a_task_live_in_chromium(procs, tmp_path):
     # the task waits at its providers' 20th and 60th steps (of 600) until the page has shown each point

@@ -66,13 +66,13 @@ SLOW_PLACES = (("leader", "p0"), ("gossip", "p2"), ("dpsgd", "p2"))
                                                *(pytest.param(a, k, marks=pytest.mark.slow) for a, k in SLOW_PLACES)])
 def test_a_provider_that_frees_up_takes_the_place_and_shard_of_one_the_task_lost(procs, algorithm, killed):
     # the task's providers hold at their 7th step (cycle 3) while one is killed, and at their 41st (cycle 20 of
-    # 600) until the spare has joined: a fast task cannot end before it joins, a slow machine only waits longer
+    # 90) until the spare has joined: a fast task cannot end before it joins, a slow machine only waits longer
     hold = Hold(procs.folder, 7, 41)
     bootstrap, ids = start_network(procs, 3, ttl=4.0, provider_args=("--models-module", MODELS),
                                    provider_env=hold.env)
     folder = procs.folder / "task"
     task = procs.start("task", "request", "--bootstrap", bootstrap, "--output", str(folder), *HELD_TASK,
-                       "--algorithm", algorithm, "--epochs", "20", "--aggregate-every", "2", "--providers", "3",
+                       "--algorithm", algorithm, "--epochs", "6", "--aggregate-every", "2", "--providers", "3",
                        "--min-providers", "2", "--peer-timeout", "10")  # the spare is up: it joins in a second
     hold.wait_held(procs, ids)
     if algorithm != "dpsgd":

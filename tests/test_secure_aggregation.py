@@ -51,6 +51,9 @@ def test_the_leader_sees_only_masked_models_and_their_weighted_mean(tmp_path):
     assert secure["loss"] == pytest.approx(plain["loss"], rel=1e-3)
 
 
+# slow (about 70 s): the default run keeps a secure task's leader view (above) and the dropped-member rules
+# (tests/test_secagg.py: masks removed, a silent survivor rebuilt, a dropped member back the cycle after)
+@pytest.mark.slow
 def test_a_member_killed_mid_task_does_not_stop_the_secure_cycles(tmp_path, monkeypatch):
     """A network FedAvg task with secure aggregation and DP-SGD (bootstrap, 4 providers, requester on
     loopback): a follower SIGKILLed mid-training is dropped from the cycle it misses, whose aggregate

@@ -166,8 +166,9 @@ def _gossip_checks(clean_run: Outcome, run: Outcome, kind: str) -> None:
 ALGORITHM_CHECKS = {"leader": _leader_checks, "dpsgd": _dpsgd_checks, "gossip": _gossip_checks}
 
 
-QUICK = [("leader", kind) for kind in KINDS] + [("dpsgd", "replay"), ("gossip", "replay")]  # every kind: the leader's
-SLOW = [(algorithm, kind) for algorithm in ("dpsgd", "gossip") for kind in KINDS if (algorithm, kind) not in QUICK]
+# quick: three kinds on the leader, a replay on each of the others; every other pair runs with -m slow
+QUICK = [("leader", kind) for kind in ("flip", "truncate", "replay")] + [("dpsgd", "replay"), ("gossip", "replay")]
+SLOW = [(algorithm, kind) for algorithm in ("leader", "dpsgd", "gossip") for kind in KINDS if (algorithm, kind) not in QUICK]
 
 
 @pytest.mark.parametrize("algorithm, kind", QUICK)
