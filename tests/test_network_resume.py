@@ -60,6 +60,9 @@ def _refuses_bad_resumes(procs: Processes, bootstrap: str, task_id: str, folder)
     assert (folder / "task.json").read_bytes() == record
 
 
+# slow (about 70 s: the task runs whole, then cut and resumed): the default run keeps the resume's rules below
+# (only the claiming key claims a task again, never a done one; the requester keeps only whole checkpoints)
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["fedavg"])
 def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs, algorithm):
     hold = Hold(procs.folder, HOLD_AT, armed=False)  # the whole run trains straight through
