@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -95,39 +96,37 @@ class DPSGD(RoundRunner):
         ctx = self.ctx
         if self.sharing is None and not (ctx.transport.lossy or self.rule.robust or ctx.attack is not None):
             return super()._exchange(exchange, tag, sent)  # the plain average
-        iteration, peers, rank = exchange.iteration, exchange.round, ctx.rank
-        self.targets, self.neighbours = list(peers.send_to[rank]), list(peers.receive_from[rank])
-        self.weights = dict(peers.weights[rank])
+        iteration, links = exchange.iteration, _Links.of(exchange, ctx.rank)
         if self.sharing is not None:
-            return self._exchange_shares(iteration)
+            return self._exchange_shares(iteration, links)
         t0 = time.perf_counter()
         received = None
         if ctx.attack is not None and ctx.attack.rushing:
             # it sees its honest neighbours' models before it sends (and skips its colluders')
-            received = ctx.transport.gather(iteration, [j for j in self.neighbours if j not in ctx.colluders])
+            received = ctx.transport.gather(iteration, [j for j in links.neighbours if j not in ctx.colluders])
         t1 = time.perf_counter()
-        self._send(iteration, received)
+        self._send(iteration, received, links)
         if received is None:
-            received = ctx.transport.gather(iteration, self.neighbours)
+            received = ctx.transport.gather(iteration, links.neighbours)
         t2 = time.perf_counter()
         usable = self.admit(received, lambda msg: self._problem(msg, exchange))
         partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
-        chunked = bool(partial) or (ctx.transport.lossy and bool(usable) and len(usable) < len(self.neighbours))
+        chunked = bool(partial) or (ctx.transport.lossy and bool(usable) and len(usable) < len(links.neighbours))
         own = ctx.flat.state.detach().unsqueeze(0)
         if self.rule.robust:
-            self._aggregate_robust(usable, received, chunked)
+            self._aggregate_robust(usable, received, chunked, links)
         elif chunked:
-            chunked_average_(ctx.flat.state, 1.0 - sum(self.weights.values()),
-                             [(self.weights[j], received[j]) for j in usable], self.missing_chunk_rule)
+            chunked_average_(ctx.flat.state, 1.0 - sum(links.weights.values()),
+                             [(links.weights[j], received[j]) for j in usable], self.missing_chunk_rule)
         else:
             self._merge(own, own, received, usable, exchange)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
-                "missing": len(self.neighbours) - len(usable), "partial": len(partial),
+                "missing": len(links.neighbours) - len(usable), "partial": len(partial),
                 "chunks_missing": sum(m.chunks.missing for m in partial)}
 
-    def _exchange_shares(self, iteration: int) -> dict[str, float]:
+    def _exchange_shares(self, iteration: int, links: "_Links") -> dict[str, float]:
         """Send what the sharing scheme makes of the model, then average what the neighbours sent
         (each value over those who sent it), or let the scheme update the model (CHOCO-SGD). Over
         UDP a neighbour's message may come in part: the scheme reads what its rule can place."""
@@ -135,9 +134,9 @@ class DPSGD(RoundRunner):
         t0 = time.perf_counter()
         tensors = sharing.encode(ctx.outgoing(state.detach(), iteration), ctx.rank, iteration)
         t1 = time.perf_counter()
-        message = Message(Kind.MODEL, ctx.rank, iteration, len(self.neighbours), tensors)
-        ctx.transport.broadcast(self.targets, message)
-        received = ctx.transport.gather(iteration, self.neighbours)
+        message = Message(Kind.MODEL, ctx.rank, iteration, len(links.neighbours), tensors)
+        ctx.transport.broadcast(links.targets, message)
+        received = ctx.transport.gather(iteration, links.neighbours)
         t2 = time.perf_counter()
         shared: dict[int, Shared] = {}
         partial = chunks_missing = 0
@@ -156,16 +155,16 @@ class DPSGD(RoundRunner):
             if share is not None:
                 shared[sender] = share
         degrees = {sender: received[sender].degree for sender in shared}
-        for sender in merge_shares_(sharing, state, self.weights, shared, degrees, self.missing_chunk_rule):
+        for sender in merge_shares_(sharing, state, links.weights, shared, degrees, self.missing_chunk_rule):
             # expected over lossy links; the run log counts it (missing)
             log.debug("node %d: missed an update of %d: its estimate is out of step until each value is sent again",
                       ctx.rank, sender)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),
-                "missing": len(self.neighbours) - len(shared), "partial": partial, "chunks_missing": chunks_missing}
+                "missing": len(links.neighbours) - len(shared), "partial": partial, "chunks_missing": chunks_missing}
 
-    def _send(self, iteration: int, received: dict[int, Message] | None) -> None:
+    def _send(self, iteration: int, received: dict[int, Message] | None, links: "_Links") -> None:
         """Send this node's model (or, for a bad node, what it forges) to every neighbour."""
         ctx, state = self.ctx, self.ctx.flat.state.detach()
         seen = None
@@ -173,7 +172,7 @@ class DPSGD(RoundRunner):
             seen = torch.stack([self.vector(received[j], state) for j in sorted(received)
                                 if ctx.flat.check_compatible(received[j].tensors) is None])
         sent = state if ctx.attack is None else ctx.outgoing(state, iteration, seen)
-        self.send(self.targets, sent, iteration, len(self.neighbours))
+        self.send(links.targets, sent, iteration, len(links.neighbours))
 
     def _problem(self, msg: Message, exchange: Exchange) -> str | None:
         """Why a received model of ``exchange`` must not be aggregated: another size or dtype, NaN or
@@ -184,13 +183,14 @@ class DPSGD(RoundRunner):
         return self.ctx.flat.check_compatible(msg.tensors) or \
             refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
 
-    def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool) -> None:
+    def _aggregate_robust(self, usable: list[int], received: dict[int, Message], chunked: bool,
+                          links: "_Links") -> None:
         """The node's model <- the rule over it and the models in ``usable`` (per chunk of what
         arrived, when ``chunked``): D-PSGD's ``robust_merge``, for this one node."""
         state = self.ctx.flat.state
         vectors = state.new_zeros((1, 0, state.numel())) if not usable else \
             torch.stack([self.vector(received[j], state) for j in usable]).unsqueeze(0).to(state.device)
-        weights = torch.tensor([[self.weights[j] for j in usable]], dtype=torch.float64)
+        weights = torch.tensor([[links.weights[j] for j in usable]], dtype=torch.float64)
         present, chunk_elements = None, 0
         if chunked:
             present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(state.device)
@@ -209,3 +209,18 @@ def chunked_average_(state: torch.Tensor, own_weight: float, received: list[tupl
     chunk_elements = received[0][1].chunks.chunk_bytes // state.element_size() if received else 1
     masked_average_(state, own_weight, [(weight, msg.degree, msg.chunks.vector, msg.chunks.present)
                                         for weight, msg in received], rule, chunk_elements)
+
+
+@dataclass(frozen=True)
+class _Links:
+    """One node's links in one exchange: whom it sends to, whom it hears from, and each sender's
+    weight, passed to every step of the exchange (none kept on the runtime between calls)."""
+
+    targets: list[int]
+    neighbours: list[int]
+    weights: dict[int, float]
+
+    @classmethod
+    def of(cls, exchange: Exchange, rank: int) -> "_Links":
+        peers = exchange.round
+        return cls(list(peers.send_to[rank]), list(peers.receive_from[rank]), dict(peers.weights[rank]))
