@@ -332,18 +332,18 @@ class _Lockstep(IterationSteps):
     def begin(self, iteration: int) -> None:
         self.run.algorithm.before_local_steps(iteration)
 
-    def train(self, iteration: int) -> list:
-        """Each node's losses of the iteration's steps (the clocks advanced by their modelled time)."""
+    def train(self, iteration: int) -> tuple[list, np.ndarray]:
+        """(each node's losses of the iteration's steps, their modelled compute time; the clocks
+        advanced by it)."""
         run = self.run
         trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
         losses = run.train(trainers)
-        self.compute = run.clocks.train(run.steps, None if trainers is None else
+        return losses, run.clocks.train(run.steps, None if trainers is None else
                                         [run.shard.start + r for r in trainers])
-        return losses
 
-    def exchange(self, iteration: int, losses: list) -> tuple[list, dict]:
-        nodes = self.run.config.nodes
-        columns = {"train": self.compute, "encode": np.zeros(nodes), "average": np.zeros(nodes),
+    def exchange(self, iteration: int, trained: tuple[list, np.ndarray]) -> tuple[list, dict]:
+        (losses, compute), nodes = trained, self.run.config.nodes
+        columns = {"train": compute, "encode": np.zeros(nodes), "average": np.zeros(nodes),
                    **self.run.algorithm.after_local_steps(iteration)}
         return losses, columns
 
