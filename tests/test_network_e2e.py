@@ -171,7 +171,7 @@ def test_a_fedavg_task_with_an_outer_optimizer_completes_between_providers(netwo
     assert yaml.safe_load((folder / "task.yaml").read_text())["task"]["outer"] == "nesterov:lr=0.7,momentum=0.9"
     code, out = _request(procs, "req-outer-async", bootstrap, *TASK, "--algorithm", "leader", "--outer", "adam",
                          "--wait", "0")  # the asynchronous leader answers each push at once: no round to step after
-    assert code == 2 and "needs aggregations every provider takes at once" in out and "Traceback" not in out
+    assert code == 2 and "needs aggregations every member takes at once" in out and "Traceback" not in out
     code, out = _request(procs, "req-outer-int8", bootstrap, *TASK, "--algorithm", "fedavg", "--fedavg-compress",
                          "int8", "--wait", "0")  # the simulators' quantized changes: not in network tasks (yet)
     assert code == 2 and "run in simulations" in out and "Traceback" not in out

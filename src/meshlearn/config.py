@@ -175,14 +175,6 @@ class ExperimentConfig(TrainingSettings):
         return self
 
     @model_validator(mode="after")
-    def _outer_fits(self) -> "ExperimentConfig":
-        if self.outer.active and self.algorithm == "leader" and not self.leader.sync:
-            raise ConfigError(f"outer {self.outer.spec} with the leader needs synchronous cycles (every member "
-                              "answered with one aggregate, from one model before it): add leader_sync true, or use "
-                              "outer none")
-        return self
-
-    @model_validator(mode="after")
     def _secure_fits(self) -> "ExperimentConfig":
         if self.leader.secure:
             _require("secure_aggregation true", "secure_aggregation false", [
@@ -297,7 +289,8 @@ class ExperimentConfig(TrainingSettings):
 
     @model_validator(mode="after")
     def _algorithm_fits(self) -> "ExperimentConfig":
-        problem = algorithm_refusal(self) if self.algorithm in DEFINITIONS else None  # a user's: once loaded
+        problem = algorithm_refusal(self) or definition(self.algorithm).conflict(self) \
+            if self.algorithm in DEFINITIONS else None  # a user's: once loaded
         if problem:
             raise ValueError(problem)
         return self

@@ -17,8 +17,9 @@ loads. The rules use tensor methods only."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from meshlearn.definitions.needs import Needs
 from meshlearn.errors import ConfigError
@@ -37,15 +38,18 @@ class Exchange:
     """One exchange of an iteration, as a ``RoundAlgorithm`` gives it (``exchange``) and both engines
     carry it out: ``round`` (whom each node sends to and hears from, each sender's weight), each of
     the definition's rows' weight on its own payload (``own_weights``, in the order of its
-    ``ranks``) and whether a sender not heard in time leaves its weight to the node's own payload
-    (``keeps_missing``). The engines hand it to the exchange's ``payload``, ``payload_problem``,
-    ``merge`` and ``merge_stack``."""
+    ``ranks``), whether a sender not heard in time leaves its weight to the node's own payload
+    (``keeps_missing``) and whether a node pools several senders' payloads in it (``pools``: the
+    run's robust rule replaces the weighted sum there) or takes one sender's whole (FedAvg's
+    answer: the weighted sum, whatever the rule). The engines hand it to the exchange's
+    ``payload``, ``payload_problem``, ``merge`` and ``merge_stack``."""
 
     iteration: int
     phase: int  # of the iteration's exchanges (``phases``): 0, 1, ...
     round: Round
     own_weights: tuple[float, ...]
     keeps_missing: bool = True
+    pools: bool = True
 
 
 class Definition:
@@ -58,6 +62,14 @@ class Definition:
     summary: ClassVar[str] = ""
     needs: ClassVar[Needs] = Needs()
     settings: ClassVar[type[Settings] | None] = None
+
+    @classmethod
+    def conflict(cls, run: "Settings") -> str | None:
+        """Why the rest of a run's training settings ``run`` (a ``TrainingSettings``: the experiment's
+        configuration or a network task's) cannot go with this algorithm, beyond what its ``needs``
+        say (those the configuration checks for every algorithm), in one line naming the settings
+        to change; or None. The configuration and the network's task checks call it."""
+        return None
 
     @classmethod
     def uses_graph(cls) -> bool:
@@ -87,6 +99,7 @@ class RoundAlgorithm(Definition):
     keeps_missing: ClassVar[bool] = True  # a sender not heard in time leaves its weight to the node's own payload
     phases: ClassVar[int] = 1
     talks_to: ClassVar[str] = "neighbours"
+    missing_chunks: str = "per-chunk"  # over a lossy transport (``needs.lossy``): the rule of ``MISSING_CHUNK_RULES``
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None,
                  shard_sizes: Sequence[int] = (), ranks: Sequence[int] = ()):
@@ -107,7 +120,7 @@ class RoundAlgorithm(Definition):
         """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""
         return self.rounds.round(iteration)
 
-    def trains(self, iteration: int) -> "Sequence[int] | None":
+    def trains(self, iteration: int) -> Sequence[int] | None:
         """The nodes whose local steps ``iteration`` asks for (None: every node). The others skip
         them (their models would not be used): no batch drawn, no step, no modelled compute."""
         return None
@@ -120,22 +133,22 @@ class RoundAlgorithm(Definition):
         is lost."""
         return [1.0 - sum(exchange.weights[rank].values()) for rank in ranks]
 
-    def begin(self, own: "Tensor") -> State:
+    def begin(self, own: Tensor) -> State:
         """The algorithm's per-node tensors, made once from the nodes' first models ``own`` [B, P]."""
         return {}
 
-    def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
+    def start_round(self, own: Tensor, state: State, iteration: int) -> None:
         """Called with the models ``own`` each node starts ``iteration``'s local steps from (after
         any outer step of the iteration before)."""
 
-    def settle(self, own: "Tensor", state: State, iteration: int) -> None:
+    def settle(self, own: Tensor, state: State, iteration: int) -> None:
         """For an algorithm that ``overlaps``: called at ``iteration``, after its local steps, once the
         exchange of the iteration before is over and this iteration's push is made (its payload
         copied aside), to have the models take that exchange's outcome. The engines then start this
         iteration's exchange, which must read and write only the algorithm's state, never ``own``
         (the process engine runs it beside the next local steps); none starts at the last iteration."""
 
-    def push(self, own: "Tensor", state: State, exchange: Exchange, last: bool) -> "Tensor | None":
+    def push(self, own: Tensor, state: State, exchange: Exchange, last: bool) -> Tensor | None:
         """For an algorithm that ``overlaps``, after an iteration's local steps, once the exchange
         of the iteration before is over: the payload of the iteration's first ``exchange`` (None at
         the ``last`` iteration, which starts no exchange), then ``settle``. Both engines call it,
@@ -144,28 +157,28 @@ class RoundAlgorithm(Definition):
         self.settle(own, state, exchange.iteration)
         return sent
 
-    def span(self, iteration: int) -> "tuple[int, int] | None":
+    def span(self, iteration: int) -> tuple[int, int] | None:
         """The part [a, b) of the state ``iteration``'s exchange aggregates (an outer optimizer steps
         only it); None: all of it."""
         return None
 
-    def payload_problem(self, payload: "Tensor", exchange: Exchange) -> str | None:
+    def payload_problem(self, payload: Tensor, exchange: Exchange) -> str | None:
         """Why a payload received from another process must not be merged, beyond its size, type and
         finite values, which the engine checks (a quantized one that does not decode), or None."""
         return None
 
-    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
+    def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """What each node sends in ``exchange``, [B, Q] (every peer gets the same). An engine may write
         into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent."""
         return own
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
+    def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """In place: each node's model and state from ``mixed`` [B, Q], the weighted sum of its own
         payload and those it received (for a ``linear`` algorithm)."""
         own.copy_(mixed)
 
-    def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
-                    own_weight: "Tensor", exchange: Exchange) -> None:
+    def merge_stack(self, own: Tensor, state: State, sent: Tensor, received: Tensor, weights: Tensor,
+                    own_weight: Tensor, exchange: Exchange) -> None:
         """In place: each node's model and state from its own payload ``sent`` [B, Q] and those it
         ``received`` [B, K, Q] with their ``weights`` [B, K] (0 where none came) and ``own_weight``
         [B]. Override it (and set ``linear`` False) for a rule other than the weighted sum."""

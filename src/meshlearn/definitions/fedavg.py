@@ -33,7 +33,8 @@ the outer optimizer steps it, and before the next steps it is mixed with the par
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshlearn.definitions.base import (
     Exchange,
@@ -74,10 +75,22 @@ class FedAvg(RoundAlgorithm):
 
     name = "fedavg"
     summary = "a parameter server, node 0, averages by samples: the federated baseline; the topology is not used"
-    needs = Needs(network=True, outer=True)
+    needs = Needs(network=True, outer=True, robust=True, byzantine=True)
     settings = FedAvgSettings
     phases = 2  # the drawn push to the server; the server answers everyone
     talks_to = "server"
+
+    @classmethod
+    def conflict(cls, run) -> str | None:
+        """A robust rule needs the models themselves at the server (not quantized changes, decoded one
+        by one), and the server must be honest (a bad server's answer is everyone's model)."""
+        if run.aggregation != "mean" and run.fedavg.compress != "none":
+            return (f"aggregation {run.aggregation} with fedavg needs fedavg_compress none (the server's rule "
+                    "needs each client's model, not its quantized change)")
+        if hasattr(run, "attackers") and SERVER in run.attackers():  # a simulation's bad nodes
+            return (f"byzantine node {SERVER} is fedavg's server, whose answer every node takes: name only "
+                    "clients (1 and up) as bad nodes")
+        return None
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None,
                  shard_sizes: Sequence[int] = (), ranks: Sequence[int] = ()):
@@ -121,7 +134,7 @@ class FedAvg(RoundAlgorithm):
         averaged. Phase 1: the server sends to everyone, each taking it whole (keeping nothing of
         its own); only a node that did not hear it keeps its own model."""
         if phase == 1:
-            return Exchange(iteration, phase, self._answer, self._answer_weights, keeps_missing=True)
+            return Exchange(iteration, phase, self._answer, self._answer_weights, keeps_missing=True, pools=False)
         n, nobody = self.nodes, ()
         chosen = participants(self.seed, iteration, n, self.fraction)
         server = self.samples[SERVER] if SERVER in chosen else 0.0
@@ -131,7 +144,7 @@ class FedAvg(RoundAlgorithm):
         return Exchange(iteration, phase, push, tuple(server if rank == SERVER else 1.0 for rank in self.ranks),
                         keeps_missing=False)
 
-    def begin(self, own: "Tensor") -> State:
+    def begin(self, own: Tensor) -> State:
         """The last average the server sent (kept by the server's row only); with ``compress``, every
         row's model at the round's start and its error feedback; with ``overlap``, what an exchange
         under way reads (the models as sent, and as at the round's start) and writes (its outcome),
@@ -161,7 +174,7 @@ class FedAvg(RoundAlgorithm):
             return None
         return self.merged(iteration) or (0, 0)
 
-    def start_round(self, own: "Tensor", state: State, iteration: int) -> None:
+    def start_round(self, own: Tensor, state: State, iteration: int) -> None:
         """The part the models took an outcome of last iteration, as each node starts its steps from
         it (after any outer step): with ``compress``, where its next change starts; with
         ``overlap``, mixed with the node's own part as trained meanwhile (Streaming DiLoCo's
@@ -175,7 +188,7 @@ class FedAvg(RoundAlgorithm):
         if self.overlaps:
             own[:, a:b].mul_(1 - self.mix).add_(state["local"][:, a:b], alpha=self.mix)
 
-    def settle(self, own: "Tensor", state: State, iteration: int) -> None:
+    def settle(self, own: Tensor, state: State, iteration: int) -> None:
         """With ``overlap``, at ``iteration`` once the exchange of the iteration before is over: each
         node's part as trained is kept aside (``start_round`` mixes it back) and the models take
         the exchange's outcome, for the outer step."""
@@ -186,14 +199,14 @@ class FedAvg(RoundAlgorithm):
         state["local"][:, a:b] = own[:, a:b]
         own[:, a:b] = state["late"][:, a:b]
 
-    def _rows(self, own: "Tensor", state: State) -> tuple["Tensor", "Tensor | None", "Tensor"]:
+    def _rows(self, own: Tensor, state: State) -> tuple[Tensor, Tensor | None, Tensor]:
         """What the exchange reads as the models and as the models at the round's start, and where
         it writes its outcome: the models themselves, or (``overlap``) copies apart from them."""
         if not self.overlaps:
             return own, state.get("before"), own
         return state["sent"], state.get("base"), state["late"]
 
-    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
+    def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """The part's model, then a 1 (what the weighted sum adds up to the weight that came); with
         ``compress``, the quantized change: each drawn client's in the push, the server's average
         in its answer (the other rows send nothing, and their error feedback is left alone). With
@@ -225,14 +238,14 @@ class FedAvg(RoundAlgorithm):
             codec.encode_(state.pop("average"), state["error"][row, a:b], SERVER, tag, sent[row])
         return sent
 
-    def payload_problem(self, payload: "Tensor", exchange: Exchange) -> str | None:
+    def payload_problem(self, payload: Tensor, exchange: Exchange) -> str | None:
         """With ``compress``: why a received change cannot be decoded."""
         if not self.bits:
             return None
         a, b = self._part(exchange.iteration)
         return self._codec(b - a, self._dtype).problem(payload)
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
+    def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """Each row's part: the weighted sum over the weight that came; the server with nothing
         come keeps the last average."""
         a, b = self._part(exchange.iteration)
@@ -250,8 +263,8 @@ class FedAvg(RoundAlgorithm):
         if row is not None:
             state["global"][a:b] = outcome[row, a:b]
 
-    def merge_stack(self, own: "Tensor", state: State, sent: "Tensor", received: "Tensor", weights: "Tensor",
-                    own_weight: "Tensor", exchange: Exchange) -> None:
+    def merge_stack(self, own: Tensor, state: State, sent: Tensor, received: Tensor, weights: Tensor,
+                    own_weight: Tensor, exchange: Exchange) -> None:
         """With ``compress``. The push: the server's average change, by samples, of its own (exact)
         and the decoded changes that came (none come: no change). The answer: every row that has it
         (the server's own) takes its model at the round's start minus the decoded average; one that

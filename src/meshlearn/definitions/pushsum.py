@@ -17,7 +17,8 @@ peer sampling (``epidemic:S``: each node pushes to S peers drawn per round) or t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
@@ -27,6 +28,7 @@ from meshlearn.definitions.base import (
     State,
     register_algorithm,
 )
+from meshlearn.definitions.needs import Needs
 from meshlearn.settings import Settings
 from meshlearn.topology.sampling import Round, Rounds
 
@@ -52,6 +54,7 @@ class PushSum(RoundAlgorithm):
     name = "pushsum"
     settings = PushSumSettings
     keeps_missing = False  # a share that did not arrive is lost to x and w alike: x / w stays unbiased
+    needs = Needs(dynamic=True, byzantine=True)  # bad nodes may forge what they push; see the module on the rest
     summary = "Stochastic Gradient Push, Assran et al. 2019: push-sum over directed and time-varying graphs"
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None,
@@ -70,11 +73,11 @@ class PushSum(RoundAlgorithm):
         """What each node keeps of its own push: the same share as it sends each peer."""
         return [1.0 / (len(exchange.send_to[rank]) + 1) for rank in ranks]
 
-    def begin(self, own: "Tensor") -> State:
+    def begin(self, own: Tensor) -> State:
         """``x`` = the first model, ``w`` = 1 (so ``z = x / w`` is the model)."""
         return {"x": own.clone(), "w": own.new_ones(own.shape[0])}
 
-    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
+    def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """``x`` plus the local steps' update (``own - x / w``), then ``w``: [B, P + 1]."""
         x, w = state["x"], state["w"]
         update = own - x / w[:, None]
@@ -84,7 +87,7 @@ class PushSum(RoundAlgorithm):
         sent[:, -1] = w
         return sent
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
+    def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """The pushed sums are the new ``x`` and ``w``; the model is ``x / w``."""
         state["x"].copy_(mixed[:, :-1])
         state["w"].copy_(mixed[:, -1])

@@ -26,6 +26,7 @@ from meshlearn.definitions.base import (
     State,
     register_algorithm,
 )
+from meshlearn.definitions.needs import Needs
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -36,13 +37,14 @@ class GradientTracking(RoundAlgorithm):
     """DSGT: average ``x + d`` and the tracker ``d`` with the neighbours; step along the tracked update."""
 
     name = "tracking"
+    needs = Needs(dynamic=True, byzantine=True)  # bad nodes may forge what they push; see the module on the rest
     summary = "gradient tracking as DSGT, Pu and Nedić 2021: D-PSGD along the tracked average update, for non-IID data"
 
-    def begin(self, own: "Tensor") -> State:
+    def begin(self, own: Tensor) -> State:
         """The model the local steps started from, the last update, and ``W d`` of the last round (zero)."""
         return {"start": own.clone(), "update": own.new_zeros(own.shape), "mixed": own.new_zeros(own.shape)}
 
-    def payload(self, own: "Tensor", state: State, exchange: Exchange) -> "Tensor":
+    def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """``[x + d, d]`` with ``d = W d_previous + u - u_previous``: [B, 2P]."""
         start, update, mixed = state["start"], state["update"], state["mixed"]
         size = own.shape[1]
@@ -54,7 +56,7 @@ class GradientTracking(RoundAlgorithm):
         sent[:, :size] = start + tracker
         return sent
 
-    def merge(self, own: "Tensor", state: State, mixed: "Tensor", exchange: Exchange) -> None:
+    def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """The new model is ``W (x + d)``; ``W d`` is kept for the next round's tracker."""
         size = own.shape[1]
         state["mixed"].copy_(mixed[:, size:])

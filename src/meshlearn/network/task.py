@@ -70,6 +70,7 @@ class TaskSettings(TrainingSettings):
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
+    _valid_for_algorithm = model_validator(mode="after")(lambda self: definition_fits(self))
     _valid_fedavg = model_validator(mode="after")(lambda self: fedavg_fits(self))
 
 
@@ -281,9 +282,18 @@ def outer_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
     """``task`` if its algorithm takes its outer optimizer (fedavg, dpsgd, gossip, the leader's
     synchronous cycles: each provider steps after each of its iterations); else ValueError in one line."""
     takes = task.algorithm in DEFINITIONS and definition(task.algorithm).needs.outer
-    if task.outer.active and (not takes or (task.algorithm == "leader" and not task.leader.sync)):
+    if task.outer.active and not takes:
         raise ValueError(f"outer {task.outer.spec} needs aggregations every provider takes at once: use "
                          "algorithm fedavg, dpsgd or gossip, or leader with --leader-sync true")
+    return task
+
+
+def definition_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
+    """``task`` unless its algorithm's own checks (``Definition.conflict``) refuse the rest of it;
+    else ValueError in one line."""
+    problem = definition(task.algorithm).conflict(task) if task.algorithm in DEFINITIONS else None
+    if problem:
+        raise ValueError(problem)
     return task
 
 
