@@ -27,6 +27,7 @@ from meshlearn.enginesettings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError, about
 from meshlearn.netem import NetemSpec
 from meshlearn.optim import parse_optimizer
+from meshlearn.privacy.mechanism import active_mechanisms
 from meshlearn.settings import Settings
 from meshlearn.sharing.spec import SHARING_HELP, parse_sharing
 from meshlearn.suggest import did_you_mean
@@ -175,30 +176,9 @@ class ExperimentConfig(TrainingSettings):
         return self
 
     @model_validator(mode="after")
-    def _secure_fits(self) -> "ExperimentConfig":
-        if self.leader.secure:
-            _require("secure_aggregation true", "secure_aggregation false", [
-                (self.algorithm != "leader", "algorithm leader with leader_sync true (FedAvg whose server fails over: "
-                 "leader_fraction F)"),
-                (not self.leader.sync, "leader_sync true (masks cancel only in the sum of one cycle's models)"),
-                (self.engine != "process", "engine process (members agree on masks between real processes)"),
-                (self.nodes < 3, "at least 3 nodes (with 2, the leader would learn the other's model)"),
-                (secure_draw(self.leader.fraction, self.nodes) < 3, f"leader_fraction drawing at least 3 of the "
-                 f"{self.nodes} nodes (fewer, and the leader would learn another's model from the sum)"),
-                *secure_conflicts(self.aggregation, bool(self.byzantine))])
-        return self
-
-    @model_validator(mode="after")
-    def _central_dp_fits(self) -> "ExperimentConfig":
-        if self.leader.central_dp.active:
-            _require("central_dp", "central_dp none", [
-                (self.algorithm != "leader", "algorithm leader with leader_sync true (FedAvg whose server fails over: "
-                 "leader_fraction F)"),
-                (not self.leader.sync, "leader_sync true (every member clips its update over one cycle)"),
-                (self.leader.weighting != "equal", "leader_weighting equal (the noise is sized to one member's "
-                 "clipped update, which counts the same as every other)"),
-                (self.engine != "process", "engine process"),
-                (self.aggregation != "mean", "aggregation mean")])
+    def _privacy_fits(self) -> "ExperimentConfig":
+        for mechanism in active_mechanisms(self):  # DP-SGD, secure aggregation, central DP, a module's
+            _require(*mechanism.asked, mechanism.conflicts(self))
         return self
 
     @model_validator(mode="after")
@@ -373,20 +353,6 @@ def algorithm_refusal(config: ExperimentConfig) -> str | None:
 def _either(names: list[str]) -> str:
     """``a``, ``a or b``, ``a, b or c``."""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
-
-
-def secure_draw(fraction: float, members: int) -> int:
-    """How many of ``members`` a cycle of the leader takes at ``fraction`` (FedAvg's draw)."""
-    from meshlearn.sharing.base import share_count
-
-    return share_count(fraction, members)
-
-
-def secure_conflicts(aggregation: str, byzantine: bool) -> list[tuple[bool, str]]:
-    """What secure aggregation cannot go with, for ``_require``: rules and attacks that need each model."""
-    return [(aggregation != "mean", f"aggregation mean ({aggregation} needs each member's model, which secure "
-             "aggregation hides from the leader)"),
-            (byzantine, "no byzantine nodes (attacks forge and watch individual models)")]
 
 
 def _require(what: str, otherwise: str, needs: list[tuple[bool, str]]) -> None:

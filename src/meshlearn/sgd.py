@@ -79,16 +79,24 @@ class StackedSGD(Stateful):
             part.index_add_(0, rows, grads, alpha=-self.lr)
 
 
-def local_step(model: torch.nn.Module, parameters: list[torch.Tensor], optimizer: StackedSGD, x: torch.Tensor,
-               y: torch.Tensor, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-               ) -> torch.Tensor:
-    """One SGD step of ``model`` on the batch (``x``, ``y``): the loss (``loss_of(outputs,
-    targets)``, the task's; cross-entropy by default), its gradient with respect to ``parameters``
-    (the model's, in the order of the flat vector ``optimizer`` updates as one row), the update.
-    Returns the loss (a process-engine node's step)."""
+def local_gradient(model: torch.nn.Module, parameters: list[torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                   loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient [1, P] of ``model``'s loss on the batch (``x``, ``y``: ``loss_of(outputs,
+    targets)``, the task's; cross-entropy by default) with respect to ``parameters`` (the model's,
+    in the order of the flat vector an optimizer updates as one row), and the loss."""
     model.train()
     outputs = model(x)
     loss = loss_of(outputs, y) if loss_of is not None else torch.nn.functional.cross_entropy(outputs, y)
     grads = torch.autograd.grad(loss, parameters, allow_unused=True, materialize_grads=True)
-    optimizer.step(torch.cat([g.reshape(1, -1) for g in grads], 1))
+    return torch.cat([g.reshape(1, -1) for g in grads], 1), loss
+
+
+def local_step(model: torch.nn.Module, parameters: list[torch.Tensor], optimizer: StackedSGD, x: torch.Tensor,
+               y: torch.Tensor, loss_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+               ) -> torch.Tensor:
+    """One SGD step of ``model`` on the batch: ``local_gradient``, then ``optimizer``'s update.
+    Returns the loss (a process-engine node's step)."""
+    grads, loss = local_gradient(model, parameters, x, y, loss_of)
+    optimizer.step(grads)
     return loss

@@ -1,12 +1,14 @@
-"""Bad nodes in the batched engine: what each sends in place of its model, as in the process engine.
+"""Bad nodes in the batched engine: what each sends in place of its payload, as in the process engine.
 
-A bad node still trains and averages honestly for itself; only what its neighbours receive is
-forged (``meshlearn.attacks``). The forged rows are kept apart from the state: the links out of a
-bad node read its forged row, the node's own row stays its true model.
+A bad node still trains and merges honestly for itself; only what the nodes hearing it receive is
+forged (``meshlearn.attacks``), from the payload its algorithm sends (for D-PSGD its model). The
+forged rows are kept apart from the payloads: the links out of a bad node read its forged row, the
+node's own row stays its true payload.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from meshlearn.attacks.forge import Attack, make_attack
@@ -16,9 +18,9 @@ from meshlearn.config import ExperimentConfig
 
 class BadNodes:
     """The bad nodes of this process's block (``start`` is its first global rank) and what they
-    send; ``links`` are the run's, ``local`` those into the block. ``skipped``: per link of the
-    run, whether its receiver ignores it (a rushing bad node takes its honest neighbours' models
-    only)."""
+    send. Built with the block's first models ``state``, the run's ``links`` and those into the
+    block (``local``): a static graph's, the links ``silent`` and ``reading`` answer for first
+    (they answer for any exchange's links)."""
 
     def __init__(self, config: ExperimentConfig, start: int, state: torch.Tensor, links: Links, local: Links):
         self.seed = config.seed
@@ -31,20 +33,15 @@ class BadNodes:
         # any bad node of the run (every process must exchange the same number of times)
         everyone = {rank: make_attack(spec) for rank, spec in config.attackers().items()}
         self.rushing = any(attack.rushing for attack in everyone.values())
-        # a rushing bad node takes (and sees) its honest neighbours' models only, as in the process engine
-        rushing = torch.tensor([rank for rank, attack in everyone.items() if attack.rushing], dtype=torch.int64)
-        bad = torch.tensor(sorted(everyone), dtype=torch.int64)
-        receiver, sender = links.receiver.cpu(), links.sender_rank.cpu()
-        self.skipped = (torch.isin(receiver, rushing) & torch.isin(sender, bad)).numpy()  # per link of the run
-        self._skipped_local = torch.from_numpy(self.skipped).to(local.receiver.device)[local.ids]
-        self.initial = state[rows].clone()  # each bad node's first model (``stale``)
-        self.local = local
-        # the links out of a bad node of this block read its forged row, after the extended state
-        sender = local.sender.clone()
-        for k, row in enumerate(rows):
-            sender[local.sender == row] = local.columns + k
-        self.links = Links(local.nodes, local.columns + len(rows), local.receiver, sender, local.sender_rank,
-                           local.weight, local.ids)
+        # a rushing bad node takes (and sees) its honest neighbours' payloads only, as in the process engine
+        self._rushing = torch.tensor([rank for rank, attack in everyone.items() if attack.rushing], dtype=torch.int64)
+        self._bad = torch.tensor(sorted(everyone), dtype=torch.int64)
+        # each bad node's first payload of each width (``stale``): of the model's, its first model
+        self.initial: dict[int, torch.Tensor] = {state.shape[1]: state[rows].clone()}
+        self._silent: tuple[Links | None, np.ndarray] = (None, np.zeros(0, dtype=bool))  # the last links' (a cache)
+        self._reading: tuple[Links | None, Links | None] = (None, None)  # the same
+        self.silent(links)
+        self.reading(local)
 
     def __bool__(self) -> bool:
         return bool(self.attacks)
@@ -54,15 +51,44 @@ class BadNodes:
         """The bad nodes' rows in this block."""
         return [row for row, _ in self.attacks]
 
-    def forge(self, state: torch.Tensor, iteration: int, seen: torch.Tensor | None = None) -> torch.Tensor:
-        """``[bad nodes, P]``: what each bad node sends at ``iteration`` (``seen``: the extended
-        true state, the neighbours' models a rushing attack looks at)."""
-        out = state.new_empty(len(self.attacks), state.shape[1])
+    def silent(self, links: Links) -> np.ndarray:
+        """Per link of ``links`` (every link of an exchange), whether its receiver ignores it: a
+        rushing bad node's link from a bad node (the last links' answer is kept)."""
+        if self._silent[0] is not links:
+            receiver, sender = links.receiver.cpu(), links.sender_rank.cpu()
+            self._silent = (links, (torch.isin(receiver, self._rushing) & torch.isin(sender, self._bad)).numpy())
+        return self._silent[1]
+
+    def reading(self, local: Links) -> Links:
+        """``local`` (links into the block, senders indexing the block's rows, then other blocks')
+        with those out of a bad node of this block reading its forged row, after those rows (the
+        last links' answer is kept)."""
+        if self._reading[0] is not local:
+            sender = local.sender.clone()
+            for k, row in enumerate(self.rows):
+                sender[local.sender == row] = local.columns + k
+            self._reading = (local, Links(local.nodes, local.columns + len(self.attacks), local.receiver, sender,
+                                          local.sender_rank, local.weight, local.ids))
+        return self._reading[1]
+
+    def forge(self, sent: torch.Tensor, iteration: int, local: Links, silent: np.ndarray,
+              seen: torch.Tensor | None = None, tail: int = 0) -> torch.Tensor:
+        """``[bad nodes, Q]``: what each bad node sends at ``iteration`` for its payload row of
+        ``sent``. A rushing attack looks at ``seen`` (the true payloads the exchange's ``local``
+        links read) over its links, less those ``silent`` says it ignores (per link of the run).
+        The payload's last ``tail`` values are sent as they are (the definition's ``honest_tail``)."""
+        if sent.shape[1] not in self.initial:
+            self.initial[sent.shape[1]] = sent[self.rows].clone()
+        initial = self.initial[sent.shape[1]]
+        ignored = None if seen is None else torch.from_numpy(silent).to(local.receiver.device)[local.ids]
+        out = sent[self.rows].clone() if tail else sent.new_empty(len(self.attacks), sent.shape[1])
+        width = sent.shape[1] - tail  # what an attack forges
         for k, (row, attack) in enumerate(self.attacks):
             neighbours = None
-            if attack.rushing and seen is not None:
-                neighbours = seen[self.local.sender[(self.local.receiver == row) & ~self._skipped_local]]
-            out[k] = attack.sent(state[row], self.initial[k], self.seed, self.start + row, iteration, neighbours)
+            if attack.rushing and ignored is not None:
+                neighbours = seen[local.sender[(local.receiver == row) & ~ignored], :width]
+            out[k, :width] = attack.sent(sent[row, :width], initial[k, :width], self.seed, self.start + row, iteration,
+                                         neighbours)
         return out
 
     def forge_row(self, row: int, own: torch.Tensor, iteration: int) -> torch.Tensor:
@@ -70,7 +96,7 @@ class BadNodes:
         node; asynchronous algorithms, where a rushing attack sees no neighbours)."""
         k = next((k for k, (bad_row, _) in enumerate(self.attacks) if bad_row == row), None)
         return own if k is None else \
-            self.attacks[k][1].sent(own, self.initial[k], self.seed, self.start + row, iteration)
+            self.attacks[k][1].sent(own, self.initial[own.numel()][k], self.seed, self.start + row, iteration)
 
     def sent(self, state: torch.Tensor, forged: torch.Tensor) -> torch.Tensor:
         """The block's rows as its nodes send them (for other blocks)."""

@@ -37,7 +37,6 @@ from meshlearn.batched.memory import keep_freed_memory
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels, has_convolutions
 from meshlearn.batched.network import ModelledNetwork
-from meshlearn.batched.privacy import BatchedPrivacy
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import WorkerChoice, available_cores, intra_op_threads
@@ -60,6 +59,7 @@ from meshlearn.models.cost import saved_activation_bytes, step_flops
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
 from meshlearn.privacy.dpsgd import secret_seed
+from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event, truncate_log
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
@@ -197,7 +197,7 @@ class BatchedSimulation:
             finish = run.clocks.now
         reports = run.algorithm.peers_report()
         peers = run.collective.gather([reports.get(rank - self.shard.start) for rank in self.shard.ranks])
-        privacy = {} if run.privacy is None else {"privacy": run.collective.gather(run.privacy.reports())}
+        privacy = _privacy_columns(run)
         if run.log is None:
             return {}
         # the run's final model (node 0's, in the first process), as the process engine's node 0 keeps it
@@ -232,8 +232,12 @@ class BatchedSimulation:
         stacked = self.stacked = StackedState(model, shard.size, device)
         vectorized = vectorize(config, model)
         chunk = training_chunk(config, model, dataset.normalize(dataset.train_x[:1])[0]) if vectorized else 0
+        steps = config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1)
+        privacy = Privacy.of(config, PrivateNodes(tuple(range(shard.start, shard.stop)),
+                                                  tuple(len(part) for part in parts[shard.start:shard.stop]), steps,
+                                                  str(device), stacked.param_count))
         models = NodeModels(stacked, vectorized, chunk, *worker_counts(config),
-                            loss_of=task_of(dataset).loss, clip=config.dp.max_grad_norm if config.dp.active else None)
+                            loss_of=task_of(dataset).loss, clip=privacy.clip_norm)
         links = Links.of(graph, device)
         sender, receiver = links.sender.cpu().numpy(), links.receiver.cpu().numpy()
         plan, local = None, links
@@ -252,24 +256,21 @@ class BatchedSimulation:
             ModelledNetwork(config, clocks, traffic)), traffic)
         optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
         outer = config.outer.begin(stacked.params) if config.outer.active and not algorithm.asynchronous else None
-        models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients
+        if not privacy.changes_steps:  # a privacy mechanism's step needs the gradients
+            models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients
         return _Run(
             config=config, shard=shard, collective=collective, dataset=dataset, validation=validation,
             shards=parts[shard.start:shard.stop], stacked=stacked,
             models=models,
             sgd=optimizer,
             batches=NodeBatches(dataset, parts[shard.start:shard.stop], config.batch_size,
-                                secret_seed() if config.dp.active and not config.dp.seeded else config.seed, device,
+                                secret_seed() if secret_batches(config) else config.seed, device,
                                 first_rank=shard.start, flipped=flipped_labels(config, shard.start, shard.stop)),
             clocks=clocks, traffic=traffic, algorithm=algorithm, ranks=list(range(config.nodes)),
             evaluating=[rank for rank in shard.ranks if config.node_evaluates(rank)],
             samples=[len(part) for part in parts], outer=outer,
             log=JsonlLog(self.log_path, append=self.resume is not None) if shard.main else None,
-            steps=config.rounds * (_batches_per_epoch(parts, config.batch_size) if config.full_epochs else 1),
-            privacy=None if not config.dp.active else BatchedPrivacy.of(
-                config, [len(part) for part in parts[shard.start:shard.stop]], shard.start, device,
-                config.iterations * config.rounds * (_batches_per_epoch(parts, config.batch_size)
-                                                     if config.full_epochs else 1)),
+            steps=steps, privacy=privacy,
             skips_idle=steps_rows_apart(config.optimizer))
 
     def _lockstep(self, run: "_Run") -> list[tuple[int, Evaluation]]:
@@ -309,13 +310,19 @@ class BatchedSimulation:
         if "cuda_rng" in values:
             torch.cuda.set_rng_state(values["cuda_rng"].cpu(), run.stacked.state.device)
         run.first = self.resume
-        if run.privacy is not None:  # DP-SGD: the epsilon counts the steps before the checkpoint too
-            run.privacy.steps = [self.resume * run.steps] * len(run.privacy.steps)
+        run.privacy.resumed(self.resume)  # DP-SGD: the epsilon counts the steps before the checkpoint too
         self.step_time = float(meta.get("step_time", self.step_time))  # a measured one: the run's first measure
         run.began = time.perf_counter() - float(meta.get("wall", 0.0))
         if run.log is not None:
             truncate_log(self.log_path, self.resume)
             run.log.write(columnar_event("resumed", run.ranks, {}, iteration=self.resume, time=time.time()))
+
+
+def _privacy_columns(run: _Run) -> dict[str, list]:
+    """Each node's privacy report (``Privacy.report``: DP-SGD's epsilon) as the final event's columns,
+    gathered from every process."""
+    reports = [run.privacy.report(row) for row in range(run.shard.size)]
+    return {key: run.collective.gather([report[key] for report in reports]) for key in (reports[0] if reports else {})}
 
 
 class _Lockstep(IterationSteps):
@@ -404,7 +411,7 @@ class _Run:
     began: float = field(default_factory=time.perf_counter)
     steps: int = 1  # local steps per iteration: rounds, or rounds x the shards' batches (full_epochs)
     skips_idle: bool = True  # nodes an iteration does not ask to train skip it (steps_rows_apart)
-    privacy: BatchedPrivacy | None = None  # DP-SGD: each node's budget and noise
+    privacy: Privacy = field(default_factory=Privacy)  # the active privacy mechanisms (DP-SGD's noise)
 
     def train(self, rows: list[int] | None = None) -> list[float | None]:
         """This iteration's local steps of every node of the block (or of ``rows`` only: the others
@@ -422,8 +429,7 @@ class _Run:
         the optimizer's update (taken in the workers where it is fused: ``NodeModels.fuse``); the
         ranks that stepped and their losses."""
         ranks, grads, loss = self.models.gradients(self.batches.next(rows))
-        if self.privacy is not None:  # DP-SGD: the clipped sums, noised and over the batch
-            self.privacy.noise(ranks, grads)
+        self.privacy.local_step(ranks, grads)  # the privacy mechanisms' step (DP-SGD: the clipped sums noised)
         if grads is not None:
             every = len(ranks) == self.shard.size
             if every and not bool((ranks == torch.arange(len(ranks), device=ranks.device)).all()):

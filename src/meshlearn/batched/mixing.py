@@ -1,4 +1,5 @@
-"""D-PSGD's averaging step for every node at once: one sparse product with the mixing matrix."""
+"""A round's weighted sums for every node at once: one sparse product with the mixing matrix, or,
+over a lossy network, per chunk of what arrived."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlearn.checkpoint import Stateful
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.topology import Graph, mh_row
 from meshlearn.topology.sampling import Round
@@ -33,7 +33,7 @@ class Links:
     ids: torch.Tensor
 
     @classmethod
-    def of(cls, graph: Graph, device: torch.device | str = "cpu") -> "Links":
+    def of(cls, graph: Graph, device: torch.device | str = "cpu") -> Links:
         """Every link of ``graph``."""
         receivers, senders, weights = [], [], []
         for i in range(graph.n):
@@ -48,7 +48,7 @@ class Links:
                    torch.arange(len(receivers), device=device))
 
     @classmethod
-    def of_round(cls, exchange: "Round", device: torch.device | str = "cpu") -> "Links":
+    def of_round(cls, exchange: Round, device: torch.device | str = "cpu") -> Links:
         """The links of one round of a dynamic topology (``topology.sampling``), with its weights."""
         receivers, senders, weights = [], [], []
         for i, heard in enumerate(exchange.receive_from):
@@ -62,7 +62,7 @@ class Links:
                    torch.tensor(weights, dtype=torch.float64, device=device),
                    torch.arange(len(receivers), device=device))
 
-    def local(self, start: int, stop: int, extended: dict[int, int]) -> "Links":
+    def local(self, start: int, stop: int, extended: dict[int, int]) -> Links:
         """The links into global ranks ``start .. stop - 1``, receivers numbered from 0 and senders
         by ``extended`` (global rank -> row of the block's extended state)."""
         keep = (self.receiver >= start) & (self.receiver < stop)
@@ -149,23 +149,24 @@ def heard_weights(links: Links, own_weight: torch.Tensor, heard: torch.Tensor,
     return weight, own_weight + links.incoming(links.weight - weight) if keeps_missing else own_weight
 
 
-class ChunkedMixing(Stateful):
-    """D-PSGD's average when some chunks of some models are missing (a lossy UDP link), for every
-    node at once: per chunk, D-PSGD's ``missing_chunks`` rule (``definitions.dpsgd``, the process
-    engine's too) weighs each neighbour whose chunk arrived, and the node keeps the rest. A
-    neighbour none of whose chunks arrived counts as not heard, as there."""
+class ChunkedMixing:
+    """The weighted sum of the payloads when some chunks of some are missing (a lossy UDP link),
+    for every node at once: per chunk, a ``missing_chunks`` rule (``definitions.dpsgd``, the
+    process engine's too) weighs each sender whose chunk arrived, and the node keeps the rest. A
+    sender none of whose chunks arrived counts as not heard, as there. The senders' degrees are
+    ``graph``'s (None: the links' own, the links into each sender; one process)."""
 
     BLOCK_ELEMENTS = 1 << 24  # links x state elements gathered at once (bounds memory)
 
-    def __init__(self, links: Links, graph: Graph, rule: str, chunk_elements: int):
+    def __init__(self, links: Links, graph: Graph | None, rule: str, chunk_elements: int):
         if rule not in MISSING_CHUNK_RULES:
             raise ValueError(f"unknown missing-chunk rule {rule!r}")
         self.links = links
         self.rule = MISSING_CHUNK_RULES[rule]
         self.chunk_elements = chunk_elements
         self.own_weight = 1.0 - links.incoming(links.weight)  # each node's Metropolis-Hastings self weight
-        degree = torch.tensor([graph.degree(i) for i in range(graph.n)], dtype=torch.float64,
-                              device=links.weight.device)
+        degree = torch.bincount(links.receiver, minlength=links.nodes).to(torch.float64) if graph is None else \
+            torch.tensor([graph.degree(i) for i in range(graph.n)], dtype=torch.float64, device=links.weight.device)
         self.sender_degree = links.stack(degree[links.sender_rank])
         self.link_weight = links.stack(links.weight)
 
@@ -181,14 +182,21 @@ class ChunkedMixing(Stateful):
     def mix_(self, state: torch.Tensor, arrived: torch.Tensor, source: torch.Tensor | None = None) -> None:
         """Average every node's row with the chunks of its neighbours' rows that arrived, in place
         (``source``: the rows the links' senders index, when they are more than ``state``'s own)."""
-        source = state if source is None else source
+        state.copy_(self.mixed(state, arrived, source))
+
+    @torch.no_grad()
+    def mixed(self, sent: torch.Tensor, arrived: torch.Tensor, source: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, Q]``: every node's payload row of ``sent`` averaged with the chunks of its senders'
+        rows that arrived (``arrived``: [links, chunks]; ``source``: the rows the links' senders
+        index, when they are more than ``sent``'s own)."""
+        source = sent if source is None else source
         links = self.links
         weight, own = self.weights(arrived)
-        chunk_of = torch.arange(state.shape[1], device=state.device) // self.chunk_elements
-        mixed = state * own[:, chunk_of].to(state.dtype)
-        block = max(1, self.BLOCK_ELEMENTS // max(1, state.shape[1]))
+        chunk_of = torch.arange(sent.shape[1], device=sent.device) // self.chunk_elements
+        mixed = sent * own[:, chunk_of].to(sent.dtype)
+        block = max(1, self.BLOCK_ELEMENTS // max(1, sent.shape[1]))
         for start in range(0, len(links), block):
             part = slice(start, start + block)
-            contribution = source[links.sender[part]] * weight[part][:, chunk_of].to(state.dtype)
+            contribution = source[links.sender[part]] * weight[part][:, chunk_of].to(sent.dtype)
             mixed.index_add_(0, links.receiver[part], contribution)
-        state.copy_(mixed)
+        return mixed

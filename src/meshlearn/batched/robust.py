@@ -1,5 +1,5 @@
-"""D-PSGD's step with a robust aggregation rule, for every node at once: each node's rule over its
-own row and the rows its neighbours sent that arrived (per chunk, where chunks were lost)."""
+"""A round's merge under a robust aggregation rule, for every node at once: each node's rule over
+its own payload and the payloads its senders sent that arrived (per chunk, where chunks were lost)."""
 
 from __future__ import annotations
 
@@ -14,60 +14,91 @@ from meshlearn.definitions.dpsgd import robust_merge
 
 
 class RobustMixing(Stateful):
-    """Nodes of equal in-degree are aggregated together, ``[B, 1 + degree, P]`` at a time (B
-    bounded so that one block stays under ``BLOCK_ELEMENTS``). A node's own weight is its
-    Metropolis-Hastings weight plus those of the links that did not arrive, as in the process
-    engine. Counts, per link, the models that were deviant (``deviant``), for suspicion."""
+    """Nodes of equal in-degree are aggregated together, ``[B, 1 + degree, Q]`` at a time (B
+    bounded so that one block stays under ``BLOCK_ELEMENTS``), by ``robust_merge`` (the algorithm
+    layer's, the process engine's too). Counts, per pair of receiver and sender, the payloads heard
+    (``heard``) and those that were deviant (``deviant``), for suspicion: ``pairs`` holds each
+    pair's key, ``receiver * nodes + sender``, sorted (the links of an exchange may change)."""
 
     BLOCK_ELEMENTS = 1 << 25
-    state_fields = ("deviant", "heard")
+    state_fields = ("pairs", "heard", "deviant")
 
-    def __init__(self, links: Links, rule: AggregationRule, chunk_elements: int = 0):
-        self.links = links
+    def __init__(self, rule: AggregationRule, nodes: int, chunk_elements: int = 0):
         self.rule = rule
+        self.nodes = nodes  # of the run: senders' ranks are below it
         self.chunk_elements = chunk_elements
-        receiver = links.receiver.cpu().numpy()
-        degree = np.bincount(receiver, minlength=links.nodes)
-        first = np.concatenate([[0], np.cumsum(degree)[:-1]])  # links are sorted by receiver
-        self.groups = []  # (nodes [B], their links [B, d])
-        for d in sorted(set(degree.tolist()) - {0}):
-            nodes = np.flatnonzero(degree == d)
-            positions = first[nodes][:, None] + np.arange(d)[None, :]
-            device = links.receiver.device
-            self.groups.append((torch.as_tensor(nodes, device=device), torch.as_tensor(positions, device=device)))
-        self.deviant = np.zeros(len(links), dtype=np.int64)
-        self.heard = np.zeros(len(links), dtype=np.int64)
+        self.pairs = np.zeros(0, dtype=np.int64)
+        self.heard = np.zeros(0, dtype=np.int64)
+        self.deviant = np.zeros(0, dtype=np.int64)
+        self._groups: tuple[Links | None, list[tuple[torch.Tensor, torch.Tensor]]] = (None, [])  # the last links'
+
+    def groups(self, links: Links) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The receivers of ``links`` by in-degree: (nodes [B], their links [B, d]) per degree d."""
+        if self._groups[0] is not links:
+            receiver = links.receiver.cpu().numpy()
+            degree = np.bincount(receiver, minlength=links.nodes)
+            first = np.concatenate([[0], np.cumsum(degree)[:-1]])  # links are sorted by receiver
+            groups, device = [], links.receiver.device
+            for d in sorted(set(degree.tolist()) - {0}):
+                nodes = np.flatnonzero(degree == d)
+                positions = first[nodes][:, None] + np.arange(d)[None, :]
+                groups.append((torch.as_tensor(nodes, device=device), torch.as_tensor(positions, device=device)))
+            self._groups = (links, groups)
+        return self._groups[1]
 
     @torch.no_grad()
-    def mix_(self, state: torch.Tensor, source: torch.Tensor, arrived: torch.Tensor) -> None:
-        """Every node's row <- the rule over it and its neighbours' rows of ``source`` (the rows the
-        links' senders index: what they sent) that arrived: ``arrived`` is ``[links]`` (whole
-        models) or ``[links, chunks]``."""
-        links = self.links
+    def mixed(self, links: Links, sent: torch.Tensor, source: torch.Tensor, arrived: torch.Tensor,
+              own_weight: torch.Tensor) -> torch.Tensor:
+        """``[B, Q]``: every node's rule over its own payload row of ``sent`` (weight ``own_weight``
+        [B]: its own, plus what it keeps of senders not heard; 0: left out) and its links' sender
+        rows of ``source`` that arrived (``arrived``: ``[links]``, whole payloads, or ``[links,
+        chunks]``). A node that heard nobody gets its weighted sum, ``own_weight`` times its payload,
+        as in the process engine."""
         present = arrived if arrived.dim() == 2 else arrived[:, None]
         heard = present.any(1)
-        self.heard += heard.cpu().numpy()
         weight = links.weight * heard.to(links.weight.dtype)
-        result = state.clone()  # a node without neighbours keeps its model
-        for nodes, positions in self.groups:
-            d = positions.shape[1]
-            block = max(1, self.BLOCK_ELEMENTS // ((d + 1) * max(1, state.shape[1])))
+        result = sent * own_weight.to(sent.dtype)[:, None]
+        deviant = torch.zeros(len(links), dtype=torch.bool)
+        for nodes, positions in self.groups(links):
+            pooled = heard[positions].any(1)
+            nodes, positions = nodes[pooled], positions[pooled]
+            block = max(1, self.BLOCK_ELEMENTS // ((positions.shape[1] + 1) * max(1, sent.shape[1])))
             for start in range(0, len(nodes), block):
                 rows, where = nodes[start:start + block], positions[start:start + block]
-                out, deviant = robust_merge(self.rule, state[rows], source[links.sender[where]], weight[where],
-                                            present[where], self.chunk_elements)
-                if deviant is not None:
-                    np.add.at(self.deviant, where.cpu().numpy()[deviant.cpu().numpy()], 1)
+                out, flags = robust_merge(self.rule, sent[rows], source[links.sender[where]], weight[where],
+                                          present[where], self.chunk_elements, own_weight=own_weight[rows])
+                if flags is not None:
+                    deviant[where[flags].cpu()] = True
                 result[rows] = out
-        state.copy_(result)
+        self._count(links, heard.cpu().numpy(), deviant.numpy())
+        return result
+
+    def _count(self, links: Links, heard: np.ndarray, deviant: np.ndarray) -> None:
+        """Add one exchange's ``heard`` and ``deviant`` flags (per link of ``links``) to the pairs' counts."""
+        keys = links.receiver.cpu().numpy() * self.nodes + links.sender_rank.cpu().numpy()
+        if not np.isin(keys, self.pairs).all():
+            pairs = np.union1d(self.pairs, keys)
+            place = np.searchsorted(pairs, self.pairs)
+            self.heard, self.deviant = _spread(self.heard, place, len(pairs)), _spread(self.deviant, place, len(pairs))
+            self.pairs = pairs
+        place = np.searchsorted(self.pairs, keys)
+        np.add.at(self.heard, place, heard.astype(np.int64))
+        np.add.at(self.deviant, place, deviant.astype(np.int64))
 
     def reports(self) -> dict[int, dict]:
-        """Per node that found any neighbour's model deviant, its ``PeerWatch`` report (the
-        process engine's), from the counts per link."""
+        """Per node that found any sender's payload deviant, its ``PeerWatch`` report (the
+        process engine's), from the counts per pair."""
         watches: dict[int, PeerWatch] = {}
-        receiver = self.links.receiver.cpu().numpy()
-        sender = self.links.sender_rank.cpu().numpy()
-        for link in np.flatnonzero(self.deviant):
-            watch = watches.setdefault(int(receiver[link]), PeerWatch())
-            watch.peers[int(sender[link])] = PeerRecord(heard=int(self.heard[link]), deviant=int(self.deviant[link]))
+        for key in self.pairs[np.flatnonzero(self.deviant)]:
+            place = np.searchsorted(self.pairs, key)
+            receiver, sender = divmod(int(key), self.nodes)
+            watch = watches.setdefault(receiver, PeerWatch())
+            watch.peers[sender] = PeerRecord(heard=int(self.heard[place]), deviant=int(self.deviant[place]))
         return {rank: watch.report() for rank, watch in watches.items()}
+
+
+def _spread(counts: np.ndarray, place: np.ndarray, size: int) -> np.ndarray:
+    """``counts`` moved to positions ``place`` of an array of ``size`` zeros."""
+    out = np.zeros(size, dtype=np.int64)
+    out[place] = counts
+    return out

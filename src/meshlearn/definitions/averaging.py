@@ -68,8 +68,8 @@ def average_shares_(state: torch.Tensor, shares: list[tuple[float, int, torch.Te
                                  for w, degree, values, mask in shares], rule)
 
 
-def merge_shares_(scheme: "Sharing", state: torch.Tensor, weights: dict[int, float], shared: dict[int, "Shared"],
-                  degrees: "dict[int, int] | list[int]", rule: MissingValueRule) -> list[int]:
+def merge_shares_(scheme: Sharing, state: torch.Tensor, weights: dict[int, float], shared: dict[int, Shared],
+                  degrees: dict[int, int] | list[int], rule: MissingValueRule) -> list[int]:
     """In place: one node's D-PSGD step with a sharing scheme, in both engines: the scheme's own
     update where it makes one (CHOCO-SGD, over every neighbour's ``weights``), else the average of
     ``state`` with the neighbours' ``shared`` values (``average_shares_``, senders' ``degrees``);

@@ -64,7 +64,7 @@ class Definition:
     settings: ClassVar[type[Settings] | None] = None
 
     @classmethod
-    def conflict(cls, run: "Settings") -> str | None:
+    def conflict(cls, run: Settings) -> str | None:
         """Why the rest of a run's training settings ``run`` (a ``TrainingSettings``: the experiment's
         configuration or a network task's) cannot go with this algorithm, beyond what its ``needs``
         say (those the configuration checks for every algorithm), in one line naming the settings
@@ -99,6 +99,7 @@ class RoundAlgorithm(Definition):
     keeps_missing: ClassVar[bool] = True  # a sender not heard in time leaves its weight to the node's own payload
     phases: ClassVar[int] = 1
     talks_to: ClassVar[str] = "neighbours"
+    honest_tail: ClassVar[int] = 0  # a payload's last values a bad node sends as they are (its receivers check them)
     missing_chunks: str = "per-chunk"  # over a lossy transport (``needs.lossy``): the rule of ``MISSING_CHUNK_RULES``
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: Settings | None = None,
@@ -115,6 +116,16 @@ class RoundAlgorithm(Definition):
         if self._own[0] is not exchange:
             self._own = (exchange, tuple(self.own_weights(exchange, self.ranks)))
         return Exchange(iteration, phase, exchange, self._own[1], self.keeps_missing)
+
+    def merge_refusal(self, robust_rule: str, lossy: bool) -> str | None:
+        """Why the run's robust rule (``robust_rule``, "" for none) or its ``lossy`` transport cannot
+        replace this definition's merge (one line), or None: both need the weighted sum (``linear``),
+        which they take per chunk or by the rule; the engines' round runners ask it when built."""
+        if self.linear or not (robust_rule or lossy):
+            return None
+        fix = f"use aggregation mean (not {robust_rule})" if robust_rule else "use transport tcp"
+        what = "a robust rule could replace" if robust_rule else "that could be taken per chunk of what arrived"
+        return f"algorithm {self.name} with these settings merges by its own rule, not a weighted sum {what}: {fix}"
 
     def round(self, iteration: int) -> Round:
         """Whom each node sends to and hears from in ``iteration``, and the weight of each sender."""

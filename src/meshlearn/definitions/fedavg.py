@@ -78,6 +78,7 @@ class FedAvg(RoundAlgorithm):
     needs = Needs(network=True, outer=True, robust=True, byzantine=True)
     settings = FedAvgSettings
     phases = 2  # the drawn push to the server; the server answers everyone
+    honest_tail = 1  # the 1 after the model: a payload with another is refused, so an attack forges the model only
     talks_to = "server"
 
     @classmethod
@@ -87,6 +88,8 @@ class FedAvg(RoundAlgorithm):
         if run.aggregation != "mean" and run.fedavg.compress != "none":
             return (f"aggregation {run.aggregation} with fedavg needs fedavg_compress none (the server's rule "
                     "needs each client's model, not its quantized change)")
+        if run.fedavg.compress != "none" and getattr(run, "byzantine", ""):
+            return "byzantine nodes with fedavg need fedavg_compress none (attacks forge models, not quantized changes)"
         if hasattr(run, "attackers") and SERVER in run.attackers():  # a simulation's bad nodes
             return (f"byzantine node {SERVER} is fedavg's server, whose answer every node takes: name only "
                     "clients (1 and up) as bad nodes")
@@ -239,9 +242,12 @@ class FedAvg(RoundAlgorithm):
         return sent
 
     def payload_problem(self, payload: Tensor, exchange: Exchange) -> str | None:
-        """With ``compress``: why a received change cannot be decoded."""
+        """Why a received payload cannot be averaged: a model whose last value is not the 1 the
+        server's sum divides by (a client that sends another would set its own weight); with
+        ``compress``, a change that cannot be decoded."""
         if not self.bits:
-            return None
+            last = float(payload[-1])
+            return None if last == 1.0 else f"its last value is {last:g}, not 1 (FedAvg weighs clients by samples)"
         a, b = self._part(exchange.iteration)
         return self._codec(b - a, self._dtype).problem(payload)
 

@@ -64,6 +64,10 @@ class LeaderSettings(Settings):
                          "cycle's weighted sum (docs/privacy.md)")
     central_dp: CentralDPSettings = Field(CentralDPSettings(), description=CENTRAL_DP_HELP)
 
+    def drawn(self, members: int) -> int:
+        """How many of ``members`` a synchronous cycle takes at ``fraction`` (``drawn``)."""
+        return drawn(self.fraction, members)
+
 
 class FedAvgSettings(Settings):
     """FedAvg's settings (flat names: ``fedavg_fraction``, ``fedavg_compress``, ``fedavg_fragments``,
@@ -88,6 +92,10 @@ class FedAvgSettings(Settings):
     mix: float = Field(0.5, ge=0, le=1, description="with overlap: the share of its own part, as trained meanwhile, a "
                        "node keeps when the exchange's outcome comes (Streaming DiLoCo's alpha)")
 
+    def drawn(self, nodes: int) -> int:
+        """How many of ``nodes`` a round takes at ``fraction`` (``drawn``)."""
+        return drawn(self.fraction, nodes)
+
     @model_validator(mode="after")
     def _every_node_with_fragments(self) -> "FedAvgSettings":
         for name, asked in (("fedavg_fragments", self.fragments > 1), ("fedavg_overlap", self.overlap)):
@@ -95,3 +103,10 @@ class FedAvgSettings(Settings):
                 raise ValueError(f"{name} needs fedavg_fraction 1 (every node trains every iteration, and takes "
                                  "each exchange's outcome)")
         return self
+
+
+def drawn(fraction: float, members: int) -> int:
+    """How many of ``members`` a ``fraction``'s draw takes (FedAvg's, at least one)."""
+    from meshlearn.sharing.base import share_count
+
+    return share_count(fraction, members)

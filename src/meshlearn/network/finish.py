@@ -268,17 +268,9 @@ class Finisher:
         self._keep(metrics, model_bytes)
 
     def _privacy(self, contributions: dict[str, dict]) -> dict:
-        """DP-SGD: the epsilon each provider spent (from its shard's size and the steps of the run), as a
-        simulation's summary says it."""
-        privacy = self.node.privacy
-        if privacy is None:
-            return {}
-        from meshlearn.privacy.budget import PrivacyBudget, privacy_summary
-
-        reports = [PrivacyBudget.of(privacy.budget.settings, privacy.batch_size, c["samples"] or 1,
-                                    privacy.budget.total_steps).report(privacy.steps)
-                   for c in contributions.values() if c.get("samples")]
-        return {"privacy": privacy_summary(reports or [privacy.budget.report(privacy.steps)])}
+        """What the privacy mechanisms say of the task (DP-SGD: the epsilon each provider spent, from its
+        shard's size and the steps of the run, as a simulation's summary says it; central DP's)."""
+        return self.node.privacy.group_report([c.get("samples") for c in contributions.values()])
 
     def _fetch_result(self, leader: int) -> None:
         reply = call(self._address(leader), "task.results", {"task": self.spec.task_id}, self.ctx.secret,

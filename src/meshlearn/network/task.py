@@ -11,11 +11,12 @@ from pydantic import Field, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
 from meshlearn.aggregation.spec import check_rule
-from meshlearn.config import ExperimentConfig, secure_conflicts, secure_draw
+from meshlearn.config import ExperimentConfig
 from meshlearn.data.specs import DATASETS, KINDS, parse_spec
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
+from meshlearn.privacy.mechanism import active_mechanisms
 from meshlearn.settings import Settings
 from meshlearn.training import TrainingSettings
 from meshlearn.transport.settings import TcpSettings, UdpSettings
@@ -309,28 +310,15 @@ def fedavg_fits(task: "TaskRequest | TaskSpec") -> "TaskRequest | TaskSpec":
 
 
 def privacy_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) -> "TaskRequest | TaskSpec":
-    """``task`` unless it asks secure aggregation or central DP of what cannot have them (an algorithm
-    other than fedavg or the synchronous leader, a robust rule; for secure aggregation also fewer than 3
+    """``task`` unless a privacy mechanism it asks for cannot run with the rest of it (each active
+    mechanism's ``task_conflicts``: for secure aggregation and central DP an algorithm other than
+    fedavg or the synchronous leader, a robust rule; for secure aggregation also fewer than 3
     providers, or providers joining as it runs); else ValueError in one line."""
-    central = task.leader.central_dp
-    if central.active and (task.algorithm not in ("leader", "fedavg") or (task.algorithm == "leader" and (
-            not task.leader.sync or task.leader.weighting != "equal")) or task.aggregation != "mean"):
-        raise ValueError("--central-dp needs algorithm fedavg, or leader with --leader-sync true and "
-                         "--leader-weighting equal, and --aggregation mean; or leave --central-dp out")
-    if not task.leader.secure:
-        return task
-    needs = [(task.algorithm not in ("leader", "fedavg"), f"algorithm fedavg or leader (not {task.algorithm})"),
-             (task.algorithm == "leader" and not task.leader.sync, "--leader-sync true (masks cancel only in the "
-              "sum of one cycle's models)"),
-             (len_peers < 3, "at least 3 providers (with 2, the leader would learn the other's model)"),
-             (secure_draw(task.fedavg.fraction if task.algorithm == "fedavg" else task.leader.fraction, len_peers) < 3,
-              "a fraction drawing at least 3 providers each cycle (fewer, and the leader would learn another's model)"),
-             (joins, "every provider from the start (a newcomer has no share of the members' keys): leave "
-              "--min-providers out"),
-             *secure_conflicts(task.aggregation, False)]
-    for lacking, need in needs:
-        if lacking:
-            raise ValueError(f"--secure-aggregation true needs {need}; or leave --secure-aggregation out")
+    for mechanism in active_mechanisms(task):
+        asked, left_out = mechanism.flag
+        for lacking, need in mechanism.task_conflicts(task, len_peers, joins):
+            if lacking:
+                raise ValueError(f"{asked} needs {need}; or leave {left_out} out")
     return task
 
 

@@ -79,7 +79,7 @@ class NodeIterations(IterationSteps):
             "event": "eval", "iteration": done, "t": time.perf_counter() - self.start,
             "test_loss": last.loss, "test_acc": last.accuracy, **node.validate(), **node.evaluate_shard(),
             **({} if last.perplexity is None else {"test_perplexity": last.perplexity}),
-            **({} if node.privacy is None else {"epsilon": node.privacy.budget.epsilon(done * node.steps)}),
+            **node.privacy.progress(0, done),  # DP-SGD: the epsilon spent so far
             "bytes_sent": node.transport.stats.bytes_sent,  # accuracy against bytes
         }
 

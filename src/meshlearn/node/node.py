@@ -19,9 +19,10 @@ from meshlearn.metrics import Evaluation
 from meshlearn.node.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.node.iterations import NodeIterations
 from meshlearn.optim import make_optimizer, steps_rows_apart
-from meshlearn.privacy.dpsgd import PrivateTraining, noise_generator, secret_seed
+from meshlearn.privacy.dpsgd import PrivateGradients, clipped_gradient, secret_seed
+from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
 from meshlearn.runlog import JsonlLog, truncate_log
-from meshlearn.sgd import local_step
+from meshlearn.sgd import local_gradient, local_step
 from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
 from meshlearn.topology.sampling import dynamic_rounds
@@ -71,13 +72,13 @@ class Node:
         self.parameters = list(self.model.parameters())  # views into self.flat.params, in its order
         self.optimizer = make_optimizer(config.optimizer, self.flat.params.unsqueeze(0), config.lr, config.momentum,
                                         config.weight_decay)
-        secret = config.dp.active and not config.dp.seeded  # DP-SGD: batches and noise no one can draw again
-        self.loader = ShardLoader(dataset, indices, config.batch_size,
-                                  seed=secret_seed() if secret else loader_seed(config.seed, rank))
+        self.loader = ShardLoader(dataset, indices, config.batch_size,  # DP-SGD: batches no one can draw again
+                                  seed=secret_seed() if secret_batches(config) else loader_seed(config.seed, rank))
         self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
-        self.privacy = None if not config.dp.active else PrivateTraining.of(
-            config.dp, self.model, config.batch_size, len(indices), config.iterations * self.steps, self.task.loss,
-            noise_generator(config.seed, rank, self.device, seeded=not secret))
+        self.privacy = Privacy.of(config, PrivateNodes((rank,), (len(indices),), self.steps, str(self.device),
+                                                       self.flat.params.numel()))
+        self.per_example = None if self.privacy.clip_norm is None else PrivateGradients(  # DP-SGD's clipped sums
+            self.model, self.privacy.clip_norm, self.task.loss)
         self.skips_idle = steps_rows_apart(config.optimizer)  # an iteration not asking for its steps is skipped
         self.transport = make_transport(self.flat)
         transport = self.transport
@@ -91,7 +92,7 @@ class Node:
             sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining,
-            members=None if members is None else tuple(members)))
+            members=None if members is None else tuple(members), privacy=self.privacy))
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)
@@ -125,9 +126,18 @@ class Node:
         if self.attack is not None and self.attack.flips_labels:
             y = LabelFlip.flip(y, self.dataset.num_classes)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-        if self.privacy is not None:
-            return float(self.privacy.step(self.model, self.optimizer, x, y))
+        if self.privacy.changes_steps:
+            return self._private_step(x, y)
         return float(local_step(self.model, self.parameters, self.optimizer, x, y, self.task.loss).detach())
+
+    def _private_step(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """A step the privacy mechanisms change: the batch's gradient (each example's clipped and
+        summed, where one asks: DP-SGD), their ``local_step`` (DP-SGD's noise), the update; the loss."""
+        grads, loss = (local_gradient(self.model, self.parameters, x, y, self.task.loss) if self.per_example is None
+                       else clipped_gradient(self.model, self.per_example.names, self.per_example, x, y))
+        self.privacy.local_step((0,), grads)
+        self.optimizer.step(grads)
+        return float(loss.detach())
 
     def evaluate(self, full: bool = False) -> Evaluation:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
@@ -168,8 +178,7 @@ class Node:
         self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items() if name in counters})
         if self.log is not None:
             truncate_log(self.log.path, self.resume)
-        if self.privacy is not None:  # DP-SGD: the epsilon counts the steps before the checkpoint too
-            self.privacy.steps = self.resume * self.steps
+        self.privacy.resumed(self.resume)  # DP-SGD: the epsilon counts the steps before the checkpoint too
         return meta, tree
 
     def _say_started(self, tree: dict) -> None:
@@ -218,8 +227,7 @@ class Node:
                 "stats": self.transport.stats.as_dict() | self.transport.extra_stats(),
                 "metrics": None if final is None else final.as_dict(),
                 "peers": self.peers_report(),
-                **({} if self.privacy is None else {"privacy": self.privacy.budget.report(self.privacy.steps)}),
-                **self.algorithm.privacy_report(),
+                **self.privacy.report(0),  # DP-SGD's epsilon, central DP's
             }
             self.write(summary)
             return summary

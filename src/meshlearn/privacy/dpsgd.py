@@ -1,8 +1,9 @@
 """DP-SGD's gradient (Abadi et al. 2016) for both engines: each example's gradient by ``torch.func``
 (``vmap`` of ``grad`` over the batch, so no per-example loop), clipped to ``max_grad_norm`` over all
 parameters, summed; then Gaussian noise of ``noise_multiplier * max_grad_norm`` added to the sum,
-divided by the batch size. A process-engine node calls ``clipped_sum`` on its model; the batched
-engine ``vmap``s it over its nodes' rows. Noise comes from each node's own generator, seeded from
+divided by the batch size. A process-engine node calls ``clipped_gradient`` on its model; the
+batched engine ``vmap``s ``clipped_sum`` over its nodes' rows; the DP-SGD mechanism
+(``privacy.mechanisms``) adds the noise to either. Noise comes from each node's own generator, seeded from
 the run's seed and its rank, so a node draws the same noise in either engine.
 
 Noise and the batches a node samples must be secret: an adversary who can draw them again could
@@ -16,7 +17,7 @@ BatchNorm (training mode) mixes the batch, so a model holding it is refused (``c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -24,9 +25,6 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.functional import cross_entropy
 
 from meshlearn.errors import ConfigError
-
-if TYPE_CHECKING:
-    from meshlearn.privacy.budget import PrivacyBudget
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 NOISE_SALT = 0xD9  # a node's noise generator's seed: (seed, rank, this)
@@ -62,6 +60,7 @@ class PrivateGradients:
     def __init__(self, model: nn.Module, max_grad_norm: float, loss_of: LossOf | None = None):
         check_model(model)
         self.model = model
+        self.names = [name for name, _ in model.named_parameters()]  # in the order of a flat parameter row
         self.max_grad_norm = max_grad_norm
         self.loss_of = loss_of or cross_entropy
         self._per_example = vmap(grad_and_value(self._loss), in_dims=(None, None, 0, 0), randomness="different")
@@ -89,42 +88,24 @@ def noisy_mean(sums: torch.Tensor, noise_multiplier: float, max_grad_norm: float
     return sums.add_(noise, alpha=noise_multiplier * max_grad_norm).div_(batch_size)
 
 
-def private_step(model: nn.Module, names: list[str], gradients: PrivateGradients, optimizer, x: torch.Tensor,
-                 y: torch.Tensor, noise_multiplier: float, batch_size: int, generator: torch.Generator
-                 ) -> torch.Tensor:
-    """One DP-SGD step of a process-engine node's ``model`` (its parameters ``names``, in the order of
-    the flat vector ``optimizer`` updates): the batch's mean loss."""
+def clipped_gradient(model: nn.Module, names: list[str], gradients: PrivateGradients, x: torch.Tensor,
+                     y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A process-engine node's clipped sum of per-example gradients of ``model`` on the batch, as
+    one row [1, P] (its parameters ``names``, in the order of the flat vector its optimizer
+    updates), and the batch's mean loss."""
     model.train()
     params = {name: p.detach() for name, p in model.named_parameters()}
     buffers = {name: b for name, b in model.named_buffers()}
     sums, loss = gradients.clipped_sum(params, buffers, x, y)
-    flat = torch.cat([sums[name].reshape(-1) for name in names])
-    optimizer.step(noisy_mean(flat, noise_multiplier, gradients.max_grad_norm, batch_size, generator).unsqueeze(0))
+    return torch.cat([sums[name].reshape(-1) for name in names]).unsqueeze(0), loss
+
+
+def private_step(model: nn.Module, names: list[str], gradients: PrivateGradients, optimizer, x: torch.Tensor,
+                 y: torch.Tensor, noise_multiplier: float, batch_size: int, generator: torch.Generator
+                 ) -> torch.Tensor:
+    """One DP-SGD step of a process-engine node's ``model``: its ``clipped_gradient``, noised and
+    over the batch (``noisy_mean``), then ``optimizer``'s update; the batch's mean loss."""
+    flat, loss = clipped_gradient(model, names, gradients, x, y)
+    noisy_mean(flat[0], noise_multiplier, gradients.max_grad_norm, batch_size, generator)
+    optimizer.step(flat)
     return loss
-
-
-class PrivateTraining:
-    """A process-engine node's DP-SGD: its budget (``PrivacyBudget``), per-example gradients, noise
-    generator, and the steps it has taken."""
-
-    def __init__(self, budget: "PrivacyBudget", gradients: PrivateGradients, batch_size: int,
-                 generator: torch.Generator):
-        self.budget, self.gradients, self.batch_size, self.generator = budget, gradients, batch_size, generator
-        self.names = [name for name, _ in gradients.model.named_parameters()]
-        self.steps = 0
-
-    @classmethod
-    def of(cls, settings, model: nn.Module, batch_size: int, shard_size: int, total_steps: int,
-           loss_of: LossOf | None, generator: torch.Generator) -> PrivateTraining:
-        """The DP-SGD of a node training ``model`` on ``shard_size`` examples (``dp`` ``settings``)."""
-        from meshlearn.privacy.budget import PrivacyBudget
-
-        return cls(PrivacyBudget.of(settings, batch_size, shard_size, total_steps),
-                   PrivateGradients(model, settings.max_grad_norm, loss_of), batch_size, generator)
-
-    def step(self, model: nn.Module, optimizer, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One DP-SGD step (``private_step``); the batch's mean loss."""
-        loss = private_step(model, self.names, self.gradients, optimizer, x, y, self.budget.noise_multiplier,
-                            self.batch_size, self.generator)
-        self.steps += 1
-        return loss

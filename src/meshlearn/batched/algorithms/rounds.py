@@ -6,9 +6,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from meshlearn.aggregation.base import get_rule
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
-from meshlearn.batched.mixing import Links, heard_weights, weighted_sums
+from meshlearn.batched.byzantine import BadNodes
+from meshlearn.batched.mixing import ChunkedMixing, Links, heard_weights, weighted_sums
+from meshlearn.batched.robust import RobustMixing
+from meshlearn.batched.sharing import SharedMixing
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
+from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
 
@@ -19,11 +24,20 @@ class BatchedRounds(BatchedAlgorithm):
     definition's merge: for a ``linear`` one, of one sparse product (weights of late links zero);
     else of the stacked payloads each node received.
 
+    The exchange features the definition's declaration takes work on its payloads: with a robust
+    ``aggregation`` rule, in an exchange that ``pools``, each node's rule over its own payload and
+    those that arrived is what its merge takes (``RobustMixing``); over a lossy network, the
+    weighted sum per chunk of what arrived (``ChunkedMixing``, by the definition's
+    ``missing_chunks`` rule); bad nodes (``byzantine``) send what their attack forges from their
+    payload; a ``sharing`` scheme (D-PSGD's) replaces payload and merge with each node's scheme
+    on its model (``SharedMixing``). Without any, the plain path: no more than the weighted sum.
+
     Under torchrun (a static graph) this process holds a block of the nodes: the links into it are
     ``ctx.local`` and the rows its links read (``sources``) are the block's payloads, then those
-    the other blocks send. Every process models the whole run's network (the same draws)."""
+    the other blocks send, then its bad nodes' forged ones. Every process models the whole run's
+    network (the same draws)."""
 
-    state_fields = ("state", "_done_at")
+    state_fields = ("state", "_done_at", "variant")
 
     def __init__(self, ctx: BatchedContext, traffic: Traffic, definition: type[RoundAlgorithm]):
         self.name = definition.name
@@ -37,6 +51,25 @@ class BatchedRounds(BatchedAlgorithm):
         self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, tuple[float, ...], Links, Links, torch.Tensor] | None = None
         self._done_at: np.ndarray | None = None  # overlapping: when each node's exchange under way ends (modelled)
+        self.bad = BadNodes(config, ctx.shard.start, ctx.stacked.state, ctx.links, ctx.local)
+        self.lossy = ctx.network.lossy  # the configuration runs only a definition that declares it so
+        self.variant: SharedMixing | RobustMixing | None = self._variant()  # None: the weighted sum
+        self._chunked: tuple[Links | None, ChunkedMixing | None] = (None, None)  # the last links' (a cache)
+
+    def _variant(self) -> SharedMixing | RobustMixing | None:
+        """What replaces the weighted sum in this run: a sharing scheme, a robust rule, or nothing
+        (ConfigError, in one line, where the definition's merge is not the weighted sum it needs)."""
+        ctx, config, rules = self.ctx, self.ctx.config, self.rules
+        state = ctx.stacked.state
+        if config.sharing != "full":
+            return SharedMixing(config.sharing, state, ctx.local, [ctx.graph.degree(i) for i in range(ctx.graph.n)],
+                                rules.missing_chunks, config.seed, ctx.network.chunk_bytes)
+        rule = get_rule(config.aggregation)
+        problem = rules.merge_refusal(config.aggregation if rule.robust else "", self.lossy)
+        if problem:
+            raise ConfigError(problem)
+        chunk_elements = ctx.network.chunk_bytes // state.element_size() if self.lossy else 0
+        return RobustMixing(rule, config.nodes, chunk_elements) if rule.robust else None
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.stacked.state, self.state, iteration)
@@ -79,23 +112,77 @@ class BatchedRounds(BatchedAlgorithm):
     def _exchange(self, exchange: Exchange, sent: torch.Tensor | None = None) -> dict[str, np.ndarray]:
         """One exchange of the iteration, for every node (``sent``: its payload, where made already:
         an overlapped exchange's push)."""
+        if isinstance(self.variant, SharedMixing):
+            return self._exchange_shares(exchange)
         own = self.ctx.stacked.state
         everyone, links, own_weight = self._links(exchange)
         if sent is None:
             sent = self.rules.payload(own, self.state, exchange)
         self.network.carry(sent.shape[1] * sent.element_size())
-        arrived, waited = self.network.gather(everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy(),
-                                              self.silent())
-        heard = torch.from_numpy(arrived).to(links.weight.device)[links.ids]
-        weight, own_weight = heard_weights(links, own_weight, heard, exchange.keeps_missing)
-        source = self.sources(sent, exchange.iteration)
-        if self.rules.linear:
+        silent = self.bad.silent(everyone) if self.bad.rushing else None  # the run's: the same in every process
+        arrived, waited, columns = self._gather(everyone, self._chunks(sent), silent)
+        present = torch.from_numpy(arrived).to(links.weight.device)[links.ids]
+        source = self.sources(sent, exchange.iteration, links, silent)
+        if self.bad:
+            links = self.bad.reading(links)
+        self._merge(exchange, links, own, sent, source, present, own_weight, everyone is self.ctx.links)
+        return {"comm": waited, **heard_counts(everyone, arrived.any(1) if arrived.ndim == 2 else arrived), **columns}
+
+    def _merge(self, exchange: Exchange, links: Links, own: torch.Tensor, sent: torch.Tensor, source: torch.Tensor,
+               present: torch.Tensor, own_weight: torch.Tensor, static: bool) -> None:
+        """The definition's merge of what came over ``links`` (into this block's nodes, reading
+        ``source``): ``present`` per link (whole payloads) or per link and chunk; ``own_weight``
+        each node's weight on its own payload ``sent``; ``static``: the links are the graph's."""
+        if present.dim() == 2 and not (isinstance(self.variant, RobustMixing) and exchange.pools):
+            self.rules.merge(own, self.state, self._chunked_mixing(links, static).mixed(sent, present, source), exchange)
+            return
+        weight, own_weight = heard_weights(links, own_weight, present if present.dim() == 1 else present.any(1),
+                                           exchange.keeps_missing)
+        if isinstance(self.variant, RobustMixing) and exchange.pools:
+            self.rules.merge(own, self.state, self.variant.mixed(links, sent, source, present, own_weight), exchange)
+        elif self.rules.linear:
             mixed = weighted_sums(links, weight, own_weight, source, sent, self._fresh(sent, own))
             self.rules.merge(own, self.state, mixed, exchange)
         else:
             received, weights = links.stack(source[links.sender]), links.stack(weight)
             self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, exchange)
-        return {"comm": waited, **heard_counts(everyone, arrived)}
+
+    def _exchange_shares(self, exchange: Exchange) -> dict[str, np.ndarray]:
+        """An exchange with a sharing scheme (``SharedMixing``): what each node's scheme makes of
+        its model, and its merge of what arrived of its neighbours' (the payload and merge of the
+        definition are not used)."""
+        everyone, links, _ = self._links(exchange)
+        arrived, waited, columns = self._gather(everyone, self.variant.chunks, None)
+        self.variant.mix_(self.ctx.stacked.state, torch.from_numpy(arrived).to(links.weight.device)[links.ids],
+                          exchange.iteration)
+        return {"comm": waited, **heard_counts(everyone, arrived.any(1) if arrived.ndim == 2 else arrived), **columns}
+
+    def _gather(self, everyone: Links, chunks: int,
+                silent: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+        """Every link's message over the modelled network (``silent`` links send nothing): per link,
+        whether it arrived in time (``chunks`` > 0: per link and chunk, whether each did), each
+        node's waiting time, and the run log's columns of lost chunks."""
+        sender, receiver = everyone.sender.cpu().numpy(), everyone.receiver.cpu().numpy()
+        if not chunks:
+            arrived, waited = self.network.gather(sender, receiver, silent)
+            return arrived, waited, {}
+        silent = np.zeros(len(sender), dtype=bool) if silent is None else silent
+        present, waited, lost = self.network.gather_chunks(sender, receiver, chunks, silent)
+        return present, waited, {"chunks_missing": lost}
+
+    def _chunks(self, sent: torch.Tensor) -> int:
+        """Chunks of a payload row of ``sent`` over a lossy network (0: messages arrive whole or not at all)."""
+        if not self.lossy:
+            return 0
+        return -(-sent.shape[1] // (self.network.chunk_bytes // sent.element_size()))
+
+    def _chunked_mixing(self, links: Links, static: bool) -> ChunkedMixing:
+        """The per-chunk weighted sum over ``links`` (the senders' degrees: the graph's where ``static``)."""
+        if self._chunked[0] is not links:
+            chunk_elements = self.network.chunk_bytes // self.ctx.stacked.state.element_size()
+            self._chunked = (links, ChunkedMixing(links, self.ctx.graph if static else None, self.rules.missing_chunks,
+                                                  chunk_elements))
+        return self._chunked[1]
 
     def _fresh(self, sent: torch.Tensor, own: torch.Tensor) -> bool:
         """Whether the payload ``sent`` is a tensor of its own (not the models nor the definition's
@@ -104,15 +191,24 @@ class BatchedRounds(BatchedAlgorithm):
         storage = sent.untyped_storage().data_ptr()
         return all(tensor.untyped_storage().data_ptr() != storage for tensor in held)
 
-    def sources(self, sent: torch.Tensor, iteration: int) -> torch.Tensor:
+    def sources(self, sent: torch.Tensor, iteration: int, links: Links | None = None,
+                silent: np.ndarray | None = None) -> torch.Tensor:
         """The rows the links' senders index: this block's payloads ``sent``, then (under torchrun)
-        those of the other blocks."""
+        those of the other blocks, then this block's bad nodes' forged rows (``links``: the
+        exchange's into this block; ``silent``: per link of the run, whether its receiver ignores it)."""
+        ctx, bad = self.ctx, self.bad
+        if not bad and not bad.rushing:
+            return self._rows(sent)
+        seen = self._rows(sent) if bad.rushing else None  # every block exchanges as often
+        if not bad:
+            return self._rows(sent)
+        forged = bad.forge(sent, iteration, links, silent, seen, self.rules.honest_tail)
+        return torch.cat([self._rows(bad.sent(sent, forged)) if ctx.plan is not None else sent, forged])
+
+    def _rows(self, sent: torch.Tensor) -> torch.Tensor:
+        """This block's payload rows ``sent``, then (under torchrun) those the other blocks send."""
         ctx = self.ctx
         return sent if ctx.plan is None else torch.cat([sent, ctx.collective.exchange(sent, ctx.plan)])
-
-    def silent(self) -> np.ndarray | None:
-        """Per link of the run, whether its receiver ignores it (None: none does)."""
-        return None
 
     def links_of(self, exchange: Round) -> tuple[Links, Links]:
         """The round's links: every link of the run, and those into this process's nodes (the
@@ -131,6 +227,9 @@ class BatchedRounds(BatchedAlgorithm):
             own = torch.tensor(exchange.own_weights, dtype=torch.float64, device=links.weight.device)
             self._round = cached = (exchange.round, exchange.own_weights, everyone, links, own)
         return cached[2:]
+
+    def peers_report(self) -> dict[int, dict]:
+        return self.variant.reports() if isinstance(self.variant, RobustMixing) else {}
 
 
 def heard_counts(links: Links, arrived: np.ndarray) -> dict[str, np.ndarray]:

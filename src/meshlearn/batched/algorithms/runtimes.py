@@ -4,15 +4,13 @@ algorithms that have one, or the round runner given the algorithm's ``RoundAlgor
 from __future__ import annotations
 
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
-from meshlearn.batched.algorithms.dpsgd import BatchedDPSGD
 from meshlearn.batched.algorithms.gossip import BatchedGossip
 from meshlearn.batched.algorithms.leader import BatchedLeader
 from meshlearn.batched.algorithms.local import BatchedLocal
 from meshlearn.batched.algorithms.rounds import BatchedRounds
 from meshlearn.definitions.base import round_algorithm
 
-_RUNTIMES: dict[str, type[BatchedAlgorithm]] = {"local": BatchedLocal, "dpsgd": BatchedDPSGD, "gossip": BatchedGossip,
-                                                "leader": BatchedLeader}
+_RUNTIMES: dict[str, type[BatchedAlgorithm]] = {"local": BatchedLocal, "gossip": BatchedGossip, "leader": BatchedLeader}
 
 
 def make_batched_algorithm(name: str, ctx: BatchedContext, traffic: Traffic) -> BatchedAlgorithm:

@@ -1,6 +1,7 @@
 """The process engine's algorithm runtimes: the ``Algorithm`` interface a node drives, the round
-runner of every ``RoundAlgorithm`` (``rounds``), and the runtimes of the built-in algorithms that
-need their own (D-PSGD's variants, gossip, the leader; ``runtimes`` picks one by name).
+runner of every ``RoundAlgorithm`` (``rounds``: D-PSGD among them, with the exchange features
+their declarations take), and the runtimes of the built-in algorithms that need their own
+(gossip, the leader; ``runtimes`` picks one by name).
 
 Names are imported on first use."""
 
@@ -8,7 +9,7 @@ from meshlearn.lazy import lazy_exports
 
 _WHERE = {
     "Algorithm": "base", "AlgorithmContext": "base", "LocalOnly": "base", "make_algorithm": "runtimes",
-    "RoundRunner": "rounds", "DPSGD": "dpsgd", "Gossip": "gossip", "GossipAverager": "gossip", "Leader": "leader",
+    "RoundRunner": "rounds", "Gossip": "gossip", "GossipAverager": "gossip", "Leader": "leader",
     "Election": "election",
 }
 __all__ = sorted(_WHERE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Mapping
 
 import torch
@@ -15,6 +15,7 @@ from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.checkpoint import Stateful
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
+from meshlearn.privacy.mechanism import Privacy
 from meshlearn.settings import Settings
 from meshlearn.topology import Graph
 from meshlearn.transport.base import Endpoint, Unconnected
@@ -31,9 +32,10 @@ if TYPE_CHECKING:
 class AlgorithmContext:
     """What an algorithm may use of its node: identity, state, link, its own settings, the run's
     shape (seed, samples in the node's shard and in every node's, iterations), the aggregation rule its node applies,
-    the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology and,
+    the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology,
     for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
-    nodes it colludes with)."""
+    nodes it colludes with), and the node's active privacy mechanisms, whose hooks an algorithm
+    calls where it pushes and aggregates (``privacy``: the leader's)."""
 
     rank: int
     flat: FlatState
@@ -53,6 +55,7 @@ class AlgorithmContext:
     colluders: frozenset[int] = frozenset()  # for a bad node: the run's other bad nodes
     joining: bool = False  # a node joining a group that already trains (a network task's newcomer)
     members: tuple[int, ...] | None = None  # a group that takes in nodes as it runs: its members now (None: every node)
+    privacy: Privacy = field(default_factory=Privacy)
 
     def outgoing(self, state: torch.Tensor, iteration: int, neighbours: torch.Tensor | None = None) -> torch.Tensor:
         """The flat model this node sends for ``state``: ``state`` itself, or what its attack forges
@@ -112,10 +115,6 @@ class Algorithm(Stateful, ABC):
 
     def task_report(self) -> dict:
         """What this algorithm adds to a network task's result (``metrics.json``): none by default."""
-        return {}
-
-    def privacy_report(self) -> dict:
-        """What this algorithm says of the privacy it gives (central DP's ``central_privacy``): none by default."""
         return {}
 
     joined_at: int | None = None  # a joining node: the iteration it starts at, once ``start`` joined the group

@@ -1,42 +1,61 @@
 """The process engine's runtime for a ``RoundAlgorithm`` (``definitions``): its rules, for this
 one node (B = 1), over the messages of each round. A payload travels as the state does: named
 segments of at most ``flat.SEGMENT_BYTES``, copied into pooled buffers when it has the model's
-size (no allocation per round)."""
+size (no allocation per round).
+
+The exchange features any definition's declaration (``needs``) may take work here on the
+exchange's payload, not on the model: a lossy transport (each value over the senders whose chunk
+of it came, by the definition's ``missing_chunks`` rule), a robust aggregation rule (in place of
+the weighted sum, in an exchange that ``pools``), bad nodes (what each sends is what its attack
+forges from its payload) and, for a definition that takes them, sharing schemes (which work on
+the model: their own send and merge)."""
 
 from __future__ import annotations
 
+import logging
 import time
-from typing import ClassVar
 
 import torch
 
 from meshlearn.aggregation.suspects import refusal
+from meshlearn.definitions.averaging import merge_shares_
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
+from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, robust_merge
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
 from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
+from meshlearn.node.algorithms.dpsgd import chunked_average_
+from meshlearn.sharing import Shared, Sharing, make_sharing
 from meshlearn.threads import GuardedThread
 from meshlearn.topology.sampling import GrowingRounds, StaticRounds
 from meshlearn.transport import Transport
 from meshlearn.wire import Kind, Message
+
+log = logging.getLogger(__name__)
 
 
 class RoundRunner(Algorithm):
     """Runs the ``RoundAlgorithm`` it is given (``definition``, its class) for this node. Each
     iteration, each of its exchanges: the definition's ``Exchange`` (the round's peers and
     weights), the payload to every peer, the payloads of the round's senders gathered (a late or
-    refused one weighs nothing), and the definition's merge over the stack of what came. A
-    subclass that handles a lossy transport itself sets ``takes_lossy``."""
+    refused one weighs nothing), and the definition's merge over what came: the weighted sum, or
+    (see the module) the run's robust rule, the per-chunk sum of what a lossy transport delivered,
+    or a sharing scheme's merge. A payload holding NaN or Inf, or of another size or dtype, is
+    refused before any rule sees it.
+
+    In a group that takes in members as it runs (a network task's ``GrowingRounds``) every member
+    takes a newcomer in at the round the requester named (``add_member``); the newcomer listens in
+    the round before it (``start``: the members' payloads, averaged) and trains from that round on.
+    With a peer sampler (``peer_sampling``) its peers and their weights change every iteration."""
 
     endpoint = Transport
     talks_to = "neighbours"
-    takes_lossy: ClassVar[bool] = False
-    state_fields = ("state",)
+    state_fields = ("state", "sharing")
 
     def __init__(self, ctx: AlgorithmContext, definition: type[RoundAlgorithm]):
         self.name = definition.name
         super().__init__(ctx)
-        if ctx.transport.lossy and not self.takes_lossy:
+        if ctx.transport.lossy and not definition.needs.lossy:
             raise ConfigError(f"algorithm {self.name} needs transport tcp (it needs every message whole)")
         self.talks_to = definition.talks_to
         if ctx.sampler is not None and self.talks_to == "neighbours":  # peers that change every round
@@ -46,11 +65,62 @@ class RoundRunner(Algorithm):
         rounds = ctx.sampler or self.growing or StaticRounds(ctx.graph)
         self.rules = definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
                                 ranks=[ctx.rank])
+        self._refuse_unmergeable(ctx)
         self.state = self.rules.begin(ctx.flat.state.detach().unsqueeze(0))
+        self.missing_chunk_rule = MISSING_CHUNK_RULES[self.rules.missing_chunks]  # over a lossy transport
+        state = ctx.flat.state
+        self.sharing: Sharing | None = None if ctx.sharing == "full" else \
+            make_sharing(ctx.sharing, state.numel(), state.dtype, ctx.seed, ctx.transport.lossy)
+        self._first: dict[int, torch.Tensor] = {}  # a bad node: its first payload of each size (``stale`` sends it)
+        if ctx.initial is not None:
+            self._first[ctx.initial.numel()] = ctx.initial  # of the model's size: its first model
         self._buffer: torch.Tensor | None = None
         self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
         self._pending: GuardedThread | None = None  # overlapping algorithms: the exchange running beside the steps
         self._counters: dict[str, float] = {}  # what the last one counted
+
+    def _refuse_unmergeable(self, ctx: AlgorithmContext) -> None:
+        """ConfigError where the run's robust rule or lossy transport would have to replace a
+        weighted sum the definition does not merge by (it merges a stack by its own rule)."""
+        problem = self.rules.merge_refusal(ctx.rule if self.rule.robust else "", ctx.transport.lossy)
+        if problem:
+            raise ConfigError(problem)
+
+    def start(self) -> None:
+        if self.sharing is not None:
+            self.sharing.start(self.ctx.flat.state)
+        if self.ctx.joining and self._grows():
+            self._listen()
+
+    def _grows(self) -> bool:
+        """Whether this runner's group takes in members as it runs (a network task's, exchanging
+        with its members as neighbours; not a server's)."""
+        return self.growing is not None and self.rules.talks_to == "neighbours"
+
+    def add_member(self, rank: int, address: str, at: int | None = None) -> None:
+        if not self._grows() or at is None or self.sharing is not None or self.rule.robust:
+            raise ConfigError(f"this {self.name} run takes in no members as it runs: only a network task with free "
+                              "slots does, at a round it names, with the full model and the mean")
+        self.growing.join(rank, at)
+        self.ctx.transport.add_peer(rank, address)
+
+    def _listen(self) -> None:
+        """A newcomer's start: the round before the one the group takes it in at, where it hears
+        the members' models and takes the plain average of those that came (sending nothing)."""
+        ctx, at = self.ctx, self.join_round
+        if at is None or at < 1:
+            raise ConfigError(f"a node joining a {self.name} group must be told the round it joins at (1 or later)")
+        self.growing.join(ctx.rank, at)
+        exchange = self.rules.exchange(at - 1)
+        senders = list(exchange.round.receive_from[ctx.rank])
+        received = ctx.transport.gather(at - 1, senders)
+        own = ctx.flat.state.detach()
+        usable = self.admit(received, lambda msg: self.payload_problem(msg, own, exchange))
+        if not usable:
+            raise ConfigError(f"a node joining at round {at} heard no member's model in round {at - 1}")
+        own.copy_(torch.stack([self.vector(received[j], own) for j in usable]).mean(0))
+        ctx.transport.recycle(received.values())
+        self.joined_at = at
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration)
@@ -127,6 +197,8 @@ class RoundRunner(Algorithm):
     def _exchange(self, exchange: Exchange, tag: int, sent: torch.Tensor | None = None) -> dict[str, float]:
         """One exchange of the iteration (``tag``: its number on the wire, one per phase; ``sent``:
         its payload, where made already: an overlapped exchange's push)."""
+        if self.sharing is not None:
+            return self._exchange_shares(exchange, tag)
         ctx, rank = self.ctx, self.ctx.rank
         own = ctx.flat.state.detach().unsqueeze(0)
         t0 = time.perf_counter()
@@ -135,16 +207,101 @@ class RoundRunner(Algorithm):
                 sent = self.rules.payload(own, self.state, exchange)
         t1 = time.perf_counter()
         senders = list(exchange.round.receive_from[rank])
-        self.send(list(exchange.round.send_to[rank]), sent[0], tag, len(senders))
-        received = ctx.transport.gather(tag, senders) if senders else {}
+        received = self._send(exchange, tag, sent[0], senders)
+        if received is None:
+            received = ctx.transport.gather(tag, senders) if senders else {}
         t2 = time.perf_counter()
         admitted = set(self.admit(received, lambda msg: self.payload_problem(msg, sent[0], exchange)))
         usable = [sender for sender in senders if sender in admitted]
-        self._merge(own, sent, received, usable, exchange)
+        counts: dict[str, float] = {}
+        chunked = False
+        if ctx.transport.lossy:
+            partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
+            chunked = bool(partial) or (bool(usable) and len(usable) < len(senders))
+            counts = {"partial": len(partial), "chunks_missing": sum(msg.chunks.missing for msg in partial)}
+        self._merge(own, sent, received, usable, exchange, chunked)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
-                "missing": len(senders) - len(usable)}
+                "missing": len(senders) - len(usable), **counts}
+
+    def _send(self, exchange: Exchange, tag: int, payload: torch.Tensor,
+              senders: list[int]) -> dict[int, Message] | None:
+        """Send ``payload`` [Q] (a bad node: what its attack forges from it) to the exchange's
+        targets. Returns the senders' messages where a rushing attack gathered them before it sent
+        (its colluders' left out), else None."""
+        ctx = self.ctx
+        targets = list(exchange.round.send_to[ctx.rank])
+        if ctx.transport.lossy and payload.numel() != ctx.flat.state.numel():
+            raise ConfigError(f"algorithm {self.name} sends {payload.numel()} values, the model {ctx.flat.state.numel()}:"
+                              " over transport udp a payload must have the model's size (use transport tcp)")
+        if ctx.attack is None or not targets:
+            self.send(targets, payload, tag, len(senders))
+            return None
+        received = None
+        if ctx.attack.rushing:  # it sees its honest senders' payloads before it sends
+            received = ctx.transport.gather(tag, [j for j in senders if j not in ctx.colluders])
+        self.send(targets, self._forged(payload, exchange.iteration, received), tag, len(senders))
+        return received
+
+    def _forged(self, payload: torch.Tensor, iteration: int, received: dict[int, Message] | None) -> torch.Tensor:
+        """What this bad node's attack forges from its honest ``payload`` [Q]: with its first payload
+        of that size, and the honest payloads it saw (``received``, for a rushing attack)."""
+        ctx = self.ctx
+        if payload.numel() not in self._first:
+            self._first[payload.numel()] = payload.detach().clone()
+        seen = None
+        if received:
+            rows = [self.vector(received[j], payload) for j in sorted(received)
+                    if self._shape_problem(received[j], payload) is None]
+            seen = torch.stack(rows) if rows else None
+        tail = self.rules.honest_tail  # the payload's last values, sent as they are (the receivers check them)
+        if not tail:
+            return ctx.attack.sent(payload, self._first[payload.numel()], ctx.seed, ctx.rank, iteration, seen)
+        forged = payload.clone()
+        forged[:-tail] = ctx.attack.sent(payload[:-tail], self._first[payload.numel()][:-tail], ctx.seed, ctx.rank,
+                                         iteration, None if seen is None else seen[:, :-tail])
+        return forged
+
+    def _exchange_shares(self, exchange: Exchange, tag: int) -> dict[str, float]:
+        """Send what the sharing scheme makes of the model, then average what the senders sent
+        (each value over those who sent it, by ``missing_chunks``; CHOCO-SGD: its own update). A
+        share that lost chunks over UDP is still used: the scheme reads what its rule can place."""
+        ctx, sharing, state = self.ctx, self.sharing, self.ctx.flat.state
+        peers = exchange.round
+        senders, weights = list(peers.receive_from[ctx.rank]), dict(peers.weights[ctx.rank])
+        t0 = time.perf_counter()
+        tensors = sharing.encode(ctx.outgoing(state.detach(), exchange.iteration), ctx.rank, exchange.iteration)
+        t1 = time.perf_counter()
+        ctx.transport.broadcast(list(peers.send_to[ctx.rank]), Message(Kind.MODEL, ctx.rank, tag, len(senders),
+                                                                       tensors))
+        received = ctx.transport.gather(tag, senders)
+        t2 = time.perf_counter()
+        shared: dict[int, Shared] = {}
+        partial = chunks_missing = 0
+        for sender in sorted(received):
+            msg = received[sender]
+            chunks = None if msg.chunks is None else (msg.chunks.present, msg.chunks.chunk_bytes)
+            try:
+                share = sharing.receive(msg.tensors, sender, msg.iteration, chunks)
+            except ValueError as exc:
+                self.watch.refused(sender, str(exc))
+                log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)
+                continue
+            self.watch.heard(sender)
+            if msg.chunks is not None and msg.chunks.missing:
+                partial, chunks_missing = partial + 1, chunks_missing + msg.chunks.missing
+            if share is not None:
+                shared[sender] = share
+        degrees = {sender: received[sender].degree for sender in shared}
+        for sender in merge_shares_(sharing, state, weights, shared, degrees, self.missing_chunk_rule):
+            # expected over lossy links; the run log counts it (missing)
+            log.debug("node %d: missed an update of %d: its estimate is out of step until each value is sent again",
+                      ctx.rank, sender)
+        ctx.transport.recycle(received.values())
+        t3 = time.perf_counter()
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),
+                "missing": len(senders) - len(shared), "partial": partial, "chunks_missing": chunks_missing}
 
     def send(self, targets: list[int], payload: torch.Tensor, tag: int, degree: int) -> None:
         """Send ``payload`` [Q] to ``targets`` as named segments (a copy: the state changes while
@@ -178,26 +335,41 @@ class RoundRunner(Algorithm):
 
     def payload_problem(self, msg: Message, sent: torch.Tensor, exchange: Exchange) -> str | None:
         """Why a received payload of ``exchange`` must not be merged (not this node's payload's
-        segments, sizes and dtype, NaN or Inf, or what the definition refuses), or None."""
+        segments, sizes and dtype, NaN or Inf in what arrived, or what the definition refuses), or None."""
+        chunks = msg.chunks
+        if chunks is None:
+            refused = next(filter(None, map(refusal, msg.tensors.values())), None)
+        else:  # only the chunks that arrived (the others read as zeros)
+            refused = refusal(chunks.vector, chunks.present, chunks.chunk_bytes // chunks.vector.element_size())
+        return self._shape_problem(msg, sent) or refused or self.rules.payload_problem(self.vector(msg, sent), exchange)
+
+    def _shape_problem(self, msg: Message, sent: torch.Tensor) -> str | None:
+        """Why a received payload is not made of this node's payload's segments, sizes and dtype, or None."""
         tensors, ranges = msg.tensors, self.ranges(sent)
         if tensors.keys() != ranges.keys() or any(tensors[name].dtype != sent.dtype or tensors[name].shape != (b - a,)
                                                   for name, (a, b) in ranges.items()):
             return f"it sent {sorted(tensors)[:3]}, not {len(ranges)} segments of {sent.numel()} {sent.dtype} values"
-        return next(filter(None, map(refusal, tensors.values())), None) or \
-            self.rules.payload_problem(self.vector(msg, sent), exchange)
+        return None
 
     def _merge(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
-               exchange: Exchange) -> None:
-        """The definition's merge of this node's payload and the ``usable`` ones received."""
+               exchange: Exchange, chunked: bool = False) -> None:
+        """The definition's merge of this node's payload and the ``usable`` ones received (``chunked``:
+        some of them, over a lossy transport, lost chunks or all of them): the run's robust rule
+        where the exchange pools, the per-chunk sum where chunks are missing, else the weighted sum."""
         heard_from = exchange.round.weights[self.ctx.rank]
         weights = [heard_from[sender] for sender in usable]
         own_weight = exchange.own_weights[0]
+        if chunked and not (self.rule.robust and exchange.pools):
+            self._merge_chunked(own, sent, received, usable, weights, own_weight, exchange)
+            return
         if exchange.keeps_missing:  # the weight of a sender not heard stays with the node's own
             own_weight += sum(w for sender, w in heard_from.items() if sender not in usable)
         with torch.no_grad():
-            if self.rules.linear:  # the weighted sum in place: into the model itself where the merge is to
+            if self.rule.robust and exchange.pools and usable:
+                self._merge_robust(own, sent, received, usable, weights, own_weight, exchange, chunked)
+            elif self.rules.linear:  # the weighted sum in place: into the model itself where the merge is to
                 # take it and the payload is the model (D-PSGD), else into one buffer kept across rounds
-                in_place = sent.data_ptr() == own.data_ptr() and type(self.rules).merge is RoundAlgorithm.merge
+                in_place = self._in_place(own, sent)
                 mixed = own if in_place else self._mixed(sent)
                 torch.mul(sent, own_weight, out=mixed)
                 for sender, weight in zip(usable, weights):
@@ -211,6 +383,44 @@ class RoundRunner(Algorithm):
                     torch.stack([self.vector(received[sender], sent[0]) for sender in usable])[None].to(sent.device)
                 self.rules.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
                                        torch.tensor([own_weight], dtype=torch.float64), exchange)
+
+    def _merge_robust(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
+                      weights: list[float], own_weight: float, exchange: Exchange, chunked: bool) -> None:
+        """The run's robust rule over this node's payload (weighing ``own_weight``) and the ``usable``
+        ones with their ``weights`` (per chunk of what arrived, when ``chunked``): ``robust_merge``,
+        for this one node; its result is what the definition's merge takes (D-PSGD: the model).
+        Received payloads found deviant from it are counted against their senders."""
+        stack = torch.stack([self.vector(received[j], sent[0]) for j in usable]).unsqueeze(0).to(sent.device)
+        present, chunk_elements = None, 0
+        if chunked:
+            present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(sent.device)
+            chunk_elements = received[usable[0]].chunks.chunk_bytes // sent.element_size()
+        mixed, deviant = robust_merge(self.rule, sent, stack, torch.tensor([weights], dtype=torch.float64), present,
+                                      chunk_elements, own_weight=torch.tensor([own_weight], dtype=torch.float64))
+        if deviant is not None:
+            self.watch.count_deviant(usable, deviant[0])
+        if self._in_place(own, sent):
+            own.copy_(mixed)
+        else:
+            self.rules.merge(own, self.state, mixed, exchange)
+
+    def _merge_chunked(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
+                       weights: list[float], own_weight: float, exchange: Exchange) -> None:
+        """The weighted sum per chunk of what a lossy transport delivered (``missing_chunks``: how a
+        missing chunk's weight is shared out; a sender not heard at all weighs nothing), then the
+        definition's merge of it."""
+        in_place = self._in_place(own, sent)
+        mixed = own if in_place else self._mixed(sent).copy_(sent)
+        with torch.no_grad():
+            chunked_average_(mixed[0], own_weight, [(w, received[j]) for j, w in zip(usable, weights)],
+                             self.missing_chunk_rule)
+            if not in_place:
+                self.rules.merge(own, self.state, mixed, exchange)
+
+    def _in_place(self, own: torch.Tensor, sent: torch.Tensor) -> bool:
+        """Whether the merge's input may be written into the model itself: the payload is the model
+        and the definition's merge is to take the mixed payload as it is (D-PSGD)."""
+        return sent.data_ptr() == own.data_ptr() and type(self.rules).merge is RoundAlgorithm.merge
 
     def _mixed(self, sent: torch.Tensor) -> torch.Tensor:
         """The buffer the weighted sum goes into (one, reused while the payload's shape holds)."""

@@ -1,16 +1,16 @@
 """Which object of the process engine runs an algorithm: its own runtime, for the built-in
-algorithms that have one, or the round runner given the algorithm's ``RoundAlgorithm`` definition."""
+algorithms that have one (local, gossip, the leader), or the round runner given the algorithm's
+``RoundAlgorithm`` definition (D-PSGD, push-sum, gradient tracking, FedAvg, a user's)."""
 
 from __future__ import annotations
 
 from meshlearn.definitions.base import round_algorithm
 from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext, LocalOnly
-from meshlearn.node.algorithms.dpsgd import DPSGD
 from meshlearn.node.algorithms.gossip import Gossip
 from meshlearn.node.algorithms.leader import Leader
 from meshlearn.node.algorithms.rounds import RoundRunner
 
-_RUNTIMES: dict[str, type[Algorithm]] = {"local": LocalOnly, "dpsgd": DPSGD, "gossip": Gossip, "leader": Leader}
+_RUNTIMES: dict[str, type[Algorithm]] = {"local": LocalOnly, "gossip": Gossip, "leader": Leader}
 
 
 def make_algorithm(name: str, ctx: AlgorithmContext) -> Algorithm:

@@ -285,10 +285,13 @@ Call = Callable[[dict, dict], "object | None"]  # (meta, tensors) -> the leader'
 
 class SecurePusher:
     """A member's side: its ``SecureMember``, the members and keys of its next cycle, and the calls
-    of the setup, each cycle's push and its reveal to the leader it set up with (``call``)."""
+    of the setup, each cycle's push and its reveal to the leader it set up with (``call``). ``mask``
+    makes a cycle's push from its contribution: the secure aggregation mechanism's ``masked_push``
+    (``privacy.mechanism``)."""
 
-    def __init__(self, rank: int, length: int, limit: int):
+    def __init__(self, rank: int, length: int, limit: int, mask: Callable[..., MaskedPush]):
         self.member = SecureMember(rank)
+        self.mask = mask
         self.rank, self.length, self.limit = rank, length, limit
         self.leader: int | None = None  # the leader of the session (set up with it)
         self.members: list[int] = []  # the next cycle's
@@ -312,7 +315,7 @@ class SecurePusher:
         it with the others; the leader's last answer, which holds the cycle's aggregate (or says
         ``keep``: no weight came, each member keeps its own model)."""
         if self.rank in self.members:
-            push = self.member.mask(cycle, contribution, self.members, self.publics)
+            push = self.mask(self.member, cycle, contribution, self.members, self.publics)
             audit("sent", cycle, self.rank, contribution)
         else:  # dropped from the session: it only offers keys, and takes the aggregates
             push = self.member.observe(cycle, self.members)
