@@ -55,13 +55,13 @@ def _final_columns(log: Path) -> list[dict]:
 
 
 def test_a_toy_mechanism_registered_by_a_module_changes_both_engines_steps_alike(tmp_path):
-    toy = {**VALUES, "models_module": str(TOY)}
+    toy = {**VALUES, "models_module": str(TOY), "privacy": "toy-perturbation"}
     batched = batched_states(toy, tmp_path / "toy", "on").clone()
     assert "toy-perturbation" in PRIVACY_MECHANISMS.extensions()  # the module's one registration
     finals = _final_columns(tmp_path / "toy" / "on" / COLUMNAR_LOG)
     assert [event["toy_privacy"] for event in finals] == [{"steps": STEPS}] * VALUES["nodes"]  # each node's steps
 
-    plain = batched_states(VALUES, tmp_path / "plain", "on")  # registered, but this run does not name it
+    plain = batched_states({**VALUES, "models_module": str(TOY)}, tmp_path / "plain", "on")  # registered, not asked
     assert all("toy_privacy" not in event for event in _final_columns(tmp_path / "plain" / "on" / COLUMNAR_LOG))
     assert (batched - plain).abs().max() > 1e-3  # the perturbation changed what every node learnt
 
@@ -73,7 +73,13 @@ def test_a_toy_mechanism_registered_by_a_module_changes_both_engines_steps_alike
 
 def test_a_mechanisms_conflicts_are_checked_with_the_configuration():
     load_user_module(TOY)
-    with pytest.raises(ConfigError, match="models_module toy_privacy.py needs dp none .*; or use another "
-                                          "models_module"):
-        make_config({**VALUES, "models_module": str(TOY), "dp": "noise_multiplier=1"})
+    with pytest.raises(ConfigError, match="privacy toy-perturbation needs dp none .*; or use privacy without it"):
+        make_config({**VALUES, "models_module": str(TOY), "privacy": "toy-perturbation", "dp": "noise_multiplier=1"})
+    with pytest.raises(ConfigError, match="dp-sgd is built in: ask for it by its own setting"):
+        make_config({**VALUES, "privacy": "dp-sgd"})
     make_config({**VALUES, "dp": "noise_multiplier=1"})  # a run that does not use it is not refused
+
+
+def test_a_mechanism_no_module_registered_is_refused_in_one_line_when_the_run_starts(tmp_path):
+    with pytest.raises(ConfigError, match="unknown privacy mechanism 'toy-perturbatio'.*did you mean"):
+        batched_states({**VALUES, "models_module": str(TOY), "privacy": "toy-perturbatio"}, tmp_path / "typo", "on")

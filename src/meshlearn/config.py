@@ -177,7 +177,7 @@ class ExperimentConfig(TrainingSettings):
 
     @model_validator(mode="after")
     def _privacy_fits(self) -> "ExperimentConfig":
-        for mechanism in active_mechanisms(self):  # DP-SGD, secure aggregation, central DP, a module's
+        for mechanism in active_mechanisms(self, loaded=not self.models_module):  # DP-SGD, secure aggregation, central DP, a module's
             _require(*mechanism.asked, mechanism.conflicts(self))
         return self
 

@@ -66,6 +66,9 @@ class TrainingSettings(Settings):
                                                                 "datagrams, tolerates loss)")
     outer: OuterOptimizer = Field(OuterOptimizer(), description=OUTER_HELP)
     dp: DPSettings = Field(DPSettings(), description=DP_HELP)
+    privacy: list[str] = Field([], max_length=8, description="privacy mechanisms a --models-module file registers, "
+                               "by name (NAME[,NAME]; the built-in ones are asked by their own settings: dp, "
+                               "secure_aggregation, central_dp)")
     # the algorithms' sections, each named as its algorithm (``ALGORITHM_SECTIONS``)
     dpsgd: DpsgdSettings = Field(DpsgdSettings(), description="D-PSGD")
     gossip: GossipSettings = Field(GossipSettings(), description="gossip (dpwa)")
@@ -126,6 +129,25 @@ class TrainingSettings(Settings):
         if not value.strip():
             raise ValueError("must not be empty")
         return value.strip()
+
+    @field_validator("privacy", mode="before")
+    @classmethod
+    def _privacy_names(cls, value: Any) -> Any:
+        """``"a, b"`` (a flag) or a list (a file, a task spec) -> the names, once each; a built-in
+        mechanism named here is refused: its own settings ask for it."""
+        from meshlearn.privacy.mechanism import BUILT_IN
+
+        names = value.split(",") if isinstance(value, str) else value
+        if not isinstance(names, list | tuple):
+            return value  # the type's error
+        names = list(dict.fromkeys(str(name).strip() for name in names if str(name).strip()))
+        for name in names:
+            if len(name) > NAME_CHARS:
+                raise ValueError(f"a privacy mechanism's name is at most {NAME_CHARS} characters")
+            if name in BUILT_IN:
+                raise ValueError(f"{name} is built in: ask for it by its own setting (dp, secure_aggregation, "
+                                 "central_dp), not by privacy")
+        return names
 
     @field_validator("aggregation")
     @classmethod

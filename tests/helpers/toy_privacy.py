@@ -1,9 +1,8 @@
 """A toy privacy mechanism in one file with one registration (tests/test_privacy_registry.py): every
 local step of every node adds one fixed perturbation, drawn once from the run's seed, to the node's
-gradient, and the node's final event says how many steps it perturbed. It acts in the runs that name
-this file as their models module, and refuses to go with DP-SGD."""
-
-from pathlib import Path
+gradient, and the node's final event says how many steps it perturbed. It acts in the runs that ask
+for it by name (``privacy: toy-perturbation``, ``--privacy toy-perturbation``), and refuses to go with
+DP-SGD."""
 
 import torch
 
@@ -17,11 +16,7 @@ class ToyPerturbation(PrivacyMechanism):
     """A seeded perturbation of each local step (see the module)."""
 
     name = "toy-perturbation"
-    asked = ("models_module toy_privacy.py", "another models_module")
-
-    @classmethod
-    def active(cls, settings) -> bool:
-        return Path(getattr(settings, "models_module", None) or "").name == Path(__file__).name
+    asked = ("privacy toy-perturbation", "privacy without it")
 
     @classmethod
     def conflicts(cls, config):

@@ -314,7 +314,7 @@ def privacy_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) ->
     mechanism's ``task_conflicts``: for secure aggregation and central DP an algorithm other than
     fedavg or the synchronous leader, a robust rule; for secure aggregation also fewer than 3
     providers, or providers joining as it runs); else ValueError in one line."""
-    for mechanism in active_mechanisms(task):
+    for mechanism in active_mechanisms(task, loaded=False):  # a provider refuses a name it has not loaded
         asked, left_out = mechanism.flag
         for lacking, need in mechanism.task_conflicts(task, len_peers, joins):
             if lacking:

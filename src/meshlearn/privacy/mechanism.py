@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from meshlearn.errors import ConfigError
 from meshlearn.plugins import Registry
 
 if TYPE_CHECKING:
@@ -61,8 +62,9 @@ class PrivacyMechanism:
     @classmethod
     def active(cls, settings: Any) -> bool:
         """Whether a run (an ``ExperimentConfig``) or a network task (its request or spec) with
-        ``settings`` uses this mechanism."""
-        return False
+        ``settings`` uses this mechanism: by default, where its ``privacy`` setting names it (a
+        mechanism a module registers); the built-in ones read their own settings."""
+        return cls.name in getattr(settings, "privacy", ())
 
     @classmethod
     def conflicts(cls, config: Any) -> Conflicts:
@@ -142,9 +144,15 @@ def register_privacy(cls: type[PrivacyMechanism]) -> type[PrivacyMechanism]:
     return PRIVACY_MECHANISMS.add(cls.name, cls)
 
 
-def active_mechanisms(settings: Any) -> list[type[PrivacyMechanism]]:
+def active_mechanisms(settings: Any, loaded: bool = True) -> list[type[PrivacyMechanism]]:
     """The registered mechanisms ``settings`` (a run's or a network task's) makes active: the
-    built-in ones first, then those a module registered, by name."""
+    built-in ones first, then those a module registered, by name. ``loaded``: the run's module has
+    loaded, so a name its ``privacy`` setting gives that nothing registered is refused (ConfigError);
+    else (a configuration being checked before its module loads) it is left for then."""
+    unknown = [name for name in getattr(settings, "privacy", ()) if name not in PRIVACY_MECHANISMS]
+    if unknown and loaded:
+        raise ConfigError(f"{PRIVACY_MECHANISMS.unknown(unknown[0])}, or register yours in the --models-module file "
+                          "the run names", setting="privacy", value=unknown[0])
     names = [*BUILT_IN, *PRIVACY_MECHANISMS.extensions()]
     return [mechanism for mechanism in map(PRIVACY_MECHANISMS.get, names) if mechanism.active(settings)]
 
