@@ -19,6 +19,7 @@ import pytest
 from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
 from meshlearn.network.task import TaskRequest, TaskSettings, TaskSpec
+from meshlearn.plugins import load_user_module
 from meshlearn.training import ALGORITHM_SECTIONS, TrainingSettings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
@@ -120,6 +121,18 @@ def test_a_user_algorithms_setting_is_checked_as_a_flag_and_as_a_file_key(tmp_pa
     file = _simulate("--config", "run.yaml", cwd=tmp_path)
     assert file.returncode == 2 and "half_step_pull 3: Input should be less than or equal to 1" in file.stderr
     assert len(file.stderr.strip().splitlines()) == 1, file.stderr
+
+
+def test_a_user_algorithms_section_in_a_file_is_read_as_a_built_in_ones():
+    """``half-step: {pull: 0.4}`` (its name, as ``fedavg:`` is a built-in one's section) reaches the
+    class it declares, as its flat key does; a bad value is refused by that class."""
+    load_user_module(EXAMPLE)
+    for section in ("half-step", "half_step"):
+        config = ExperimentConfig(algorithm="half-step", models_module=str(EXAMPLE), **{section: {"pull": 0.4}})
+        assert config.settings_of("half-step").pull == 0.4 and config.algorithm_settings == {"pull": 0.4}
+    with pytest.raises(ConfigError, match="Input should be less than or equal to 1"):
+        ExperimentConfig(algorithm="half-step", models_module=str(EXAMPLE), **{"half-step": {"pull": 3}}) \
+            .settings_of("half-step")
 
 
 def test_settings_of_a_built_in_algorithm_stay_in_its_section():

@@ -83,23 +83,29 @@ class TrainingSettings(Settings):
     @model_validator(mode="before")
     @classmethod
     def _route_user_settings(cls, values: Any) -> Any:
-        """A registered user algorithm's settings given flat (its flags, or keys of a file) go into
+        """A registered user algorithm's settings given flat (its flags, or keys of a file) or as a
+        section named as the algorithm (``half-step: {pull: 0.5}``, as a built-in one's) go into
         ``algorithm_settings`` (its module must be loaded for its names to be known)."""
         if not isinstance(values, dict) or str(values.get("algorithm", "")).strip() in ALGORITHM_SECTIONS:
             return values
-        declared = user_settings_class(str(values.get("algorithm", "")).strip())
+        name = str(values.get("algorithm", "")).strip()
+        declared = user_settings_class(name)
         given = [flat for flat in (declared.flat_names() if declared else {}) if flat in values]
-        if not given:
+        sections = [key for key in dict.fromkeys((name, name.replace("-", "_"))) if declared and
+                    isinstance(values.get(key), dict)]
+        if not given and not sections:
             return values
         values = dict(values)
         routed = dict(values.get("algorithm_settings") or {})
+        for key in sections:
+            routed.update(values.pop(key))
         for flat in given:
             routed[declared.flat_names()[flat]] = values.pop(flat)
         values["algorithm_settings"] = routed
         return values
 
     @model_validator(mode="after")
-    def _settings_where_they_belong(self) -> "TrainingSettings":
+    def _settings_where_they_belong(self) -> TrainingSettings:
         if self.algorithm_settings and self.algorithm in ALGORITHM_SECTIONS:
             raise ConfigError(f"algorithm_settings is for an algorithm registered by --models-module; "
                               f"{self.algorithm}'s settings are its own section ({self.algorithm}: or its flags)")
