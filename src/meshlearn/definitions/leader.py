@@ -1,6 +1,6 @@
 """Leader aggregation's declaration (CloudMesh). Its runtimes drive one leader's book,
-``definitions.leaderstate.LeaderState``: ``node.algorithms.leader`` (process engine) and
-``batched.algorithms.leader``."""
+``definitions.leaderstate.LeaderState``, and one member's decisions, ``definitions.leadermember.LeaderMember``:
+``node.algorithms.leader`` (process engine) and ``batched.algorithms.leader``."""
 
 from meshlearn.definitions.base import Definition, register_algorithm
 from meshlearn.definitions.needs import Needs

@@ -101,6 +101,15 @@ class Push:
         return cls(state, samples, iteration, iteration + 1 == iterations, loss)
 
 
+def drawn_of(settings: LeaderSettings, seed: int) -> Callable[[int, list[int]], list[int]] | None:
+    """With ``fraction`` below 1, who of a group (every member, sorted) is drawn for a cycle: ``(cycle,
+    group) -> members``, seeded with ``seed`` (``fedavg.participants``: every member draws the same);
+    None where every member always is."""
+    if settings.fraction == 1:
+        return None
+    return lambda cycle, group: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
+
+
 class LeaderState:
     """The leader's view of the group, by member rank (thread-safe)."""
 
@@ -141,10 +150,8 @@ class LeaderState:
         where ``first_barrier``. With ``fraction`` below 1, each synchronous cycle's aggregate takes
         the models of the members of ``group`` (all of them, sorted; by default ``members``) drawn
         for it from ``seed`` (``fedavg.participants``: every member draws the same)."""
-        drawn = None if settings.fraction == 1 else \
-            lambda cycle, group: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
         book = cls(members, me, peer_timeout, start and settings.first_barrier, settings.weighting, rule=rule,
-                   clock=clock, watch=watch, sync=settings.sync, drawn=drawn)
+                   clock=clock, watch=watch, sync=settings.sync, drawn=drawn_of(settings, seed))
         book.group = sorted(members if group is None else group)
         book.taken_over = not start
         return book
@@ -201,6 +208,12 @@ class LeaderState:
         return self.submit(member, push.state, push.samples, push.final, copy=copy, cycle=push.cycle, loss=push.loss)
 
     # --- when answers may go ------------------------------------------------------------------
+
+    def first_deadline(self) -> float | None:
+        """When (on the book's clock) the first cycle stops waiting for latecomers; None where it
+        does not wait, or no longer does."""
+        with self._cond:
+            return self._started + self.peer_timeout if self._first_open else None
 
     def release(self, held: list[int]) -> dict[int, torch.Tensor]:
         """The answers to those of the ``held`` pushes (by member, in their order) that may have

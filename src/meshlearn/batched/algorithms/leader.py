@@ -9,8 +9,10 @@ staleness-weighted aggregate, except that the first cycle waits for every member
 latency to reach the leader (none for the leader's own), and the answer one to come back. Members
 keep pinging a living leader in the process engine, so none is ever counted lost here.
 Synchronous (``leader.sync``): the book holds every push until each member pushed its cycle, as
-the process engine's does, and answers all of them with that cycle's aggregate. Each event kind
-is a method of ``_LeaderRun``.
+the process engine's does, and answers all of them with that cycle's aggregate. A member's
+decisions (its cycle, its push and its loss, the seconds it waited, when it is finished) are its
+``LeaderMember``, the process engine's own, reading the modelled time; each event kind is a method
+of ``_LeaderRun``, which only carries pushes and answers.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from meshlearn.batched.algorithms.base import (
 )
 from meshlearn.batched.byzantine import BadNodes
 from meshlearn.batched.events import EventQueue, ModelledClock, PendingSteps
-from meshlearn.definitions.leaderstate import LeaderState, Push
+from meshlearn.definitions.leadermember import LeaderMember
+from meshlearn.definitions.leaderstate import LeaderState
 
 DONE, PUSH, REPLY, BARRIER = range(4)
 LEADER = 0
@@ -66,16 +69,14 @@ class _LeaderRun:
     def __init__(self, algorithm: BatchedLeader, driver: AsyncDriver):
         ctx = algorithm.ctx
         self.algorithm, self.driver, self.config, self.traffic = algorithm, driver, ctx.config, algorithm.traffic
-        self.state, self.clocks, self.samples = ctx.stacked.state, ctx.clocks, ctx.samples
+        self.state, self.clocks = ctx.stacked.state, ctx.clocks
         self.size = ctx.stacked.row_bytes
         self.clock = ModelledClock()
         self.book = algorithm.book(self.clock)
-        nodes = self.config.nodes
         self.answers: dict[int, torch.Tensor] = {}  # the aggregate each member was answered with
         self.held: list[int] = []  # pushes the book may not answer yet
-        self.iteration = [0] * nodes
-        self.pushed_at = [0.0] * nodes
-        self.losses: dict[int, list[float]] = {rank: [] for rank in range(nodes)}  # since each one's last push
+        self.members = [LeaderMember(ctx.samples[rank], self.config.iterations, self.clock)
+                        for rank in range(self.config.nodes)]  # each member's decisions, as a process engine's
         self.events = EventQueue()
         self.steps = PendingSteps(driver.train, self.config.rounds)
         self.handlers = {DONE: self.done, PUSH: self.push_arrives, BARRIER: self.barrier, REPLY: self.reply}
@@ -85,8 +86,9 @@ class _LeaderRun:
         nodes = self.config.nodes
         for rank in range(nodes):
             self.start(rank, 0.0)
-        if self.algorithm.settings.first_barrier:
-            self.events.push(self.config.tcp.wait_timeout, BARRIER, LEADER)
+        barrier = self.book.first_deadline()
+        if barrier is not None:
+            self.events.push(barrier, BARRIER, LEADER)
         while self.events:
             now, (kind, rank) = self.events.pop()
             self.clock.now = now
@@ -96,7 +98,7 @@ class _LeaderRun:
 
     def start(self, rank: int, now: float) -> None:
         """Member ``rank`` starts its next iteration's local steps, or is finished."""
-        if self.iteration[rank] == self.config.iterations:
+        if self.members[rank].finished:
             self.driver.finished(rank, now)
             return
         self.steps.start(rank)
@@ -105,18 +107,16 @@ class _LeaderRun:
     def done(self, rank: int, now: float) -> None:
         """Member ``rank``'s local steps are trained: it pushes its model to the leader."""
         for member, trained in self.steps.settle(rank).items():  # every started iteration, together
-            self.losses[member] += trained
-        self.pushed_at[rank] = now
+            self.members[member].trained(*trained)
+        self.members[rank].pushing()
         self._send(PUSH, rank, rank, now)
 
     def push_arrives(self, rank: int, now: float) -> None:
         """Member ``rank``'s push reaches the leader: recorded in the book, answered once it may be."""
         if rank != LEADER:
             self.traffic.received(LEADER, self.size)
-        iteration, trained = self.iteration[rank], self.losses[rank]  # the local steps that made this model
-        state = self.algorithm.bad.forge_row(rank, self.state[rank], iteration)
-        self.book.take(rank, Push.after(state, self.samples[rank], iteration, self.config.iterations,
-                                        sum(trained) / len(trained) if trained else None))
+        member = self.members[rank]
+        self.book.take(rank, member.push(self.algorithm.bad.forge_row(rank, self.state[rank], member.cycle)))
         self.held.append(rank)
         self.release(now)
 
@@ -129,13 +129,11 @@ class _LeaderRun:
         if rank != LEADER:
             self.traffic.received(rank, self.size)
         self.state[rank].copy_(self.answers.pop(rank))  # (an outer step follows in ``record``, as in the process engine)
-        done = self.iteration[rank]
-        self.iteration[rank] += 1
-        losses = self.losses[rank]
+        member = self.members[rank]
+        done = member.cycle
         self.driver.record(rank, done, now, {
-            "train": self.config.rounds * float(self.clocks.step_seconds[rank]), "comm": now - self.pushed_at[rank],
-            "leader": LEADER, "train_loss": sum(losses) / len(losses) if losses else None})
-        self.losses[rank] = []
+            "train": self.config.rounds * float(self.clocks.step_seconds[rank]), "comm": member.answered(),
+            "leader": LEADER, "train_loss": member.loss})
         self.start(rank, now)
 
     def release(self, now: float) -> None:

@@ -35,6 +35,11 @@ every living member pushed it, all with one aggregate (``LeaderState``); with ``
 that aggregate takes the models of a seeded share of the members each cycle (``fedavg.participants``):
 FedAvg, whose server is the leader and fails over as the leader does. A new leader starts its book
 empty: the members push their cycle to it again, and it answers once every living member did.
+
+A member's decisions (its cycle, its push, the seconds it waited, what its model weighs where it
+says so itself, when it sends a refused push again) are its ``LeaderMember``, the leader's its book
+(``LeaderState``): both engines drive the same two state machines; this runtime carries them over
+the hub endpoint, the election's fail-over and secure aggregation.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import time
 import numpy as np
 import torch
 
+from meshlearn.definitions.leadermember import LeaderMember
 from meshlearn.definitions.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import ConfigError, WireError
@@ -65,12 +71,6 @@ from meshlearn.node.algorithms.secure import (
     unpack,
     weighted_mean,
 )
-from meshlearn.privacy.central import (
-    central_report,
-    clip_update,
-    leader_generator,
-    noised,
-)
 from meshlearn.privacy.masking import RING_LIMIT
 from meshlearn.sparselog import SparseLog
 from meshlearn.threads import GuardedThread
@@ -80,8 +80,6 @@ from meshlearn.wire import Message
 
 log = logging.getLogger(__name__)
 RETRY = 0.2  # seconds before asking again a member that says it does not lead (yet)
-REFUSED_BACKOFF = 0.05  # seconds before sending again a push refused on the way, doubled at each refusal in a row ...
-MAX_REFUSED_BACKOFF = 1.0  # ... up to this
 PING_TIMEOUT = 3.0
 LEAD_POLL = 0.01  # seconds between looks at its own book of a leader waiting for its cycle's answer
 
@@ -100,6 +98,7 @@ class Leader(Algorithm):
         self.timeout = self.hub.settings.wait_timeout
         self.election: Election | None = None  # from start(), once the group is known
         self.state: LeaderState | None = None  # while this member leads
+        self.member = LeaderMember(ctx.samples, ctx.iterations, settings=self.settings, seed=ctx.seed, rank=ctx.rank)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._callers = threading.local()  # each thread calls through its own sockets
@@ -109,9 +108,8 @@ class Leader(Algorithm):
         self._pusher: SecurePusher | None = None  # secure aggregation: this member's side
         self._held_ops: dict[int, tuple[str, int]] = {}  # secure: what each held request is (op, cycle)
         self._secure_lock = threading.RLock()  # a push's record and a cycle's close, one at a time
-        self._cycle_start: torch.Tensor | None = None  # central DP: the model this member's cycle started from
-        self._cycles = 0  # central DP: the aggregates this member took
-        self._noise_generator = leader_generator(ctx.seed, self.settings.central_dp.seeded)  # central DP
+        self.privacy = ctx.privacy  # its hooks: the push (central DP's clipping, secure aggregation's masks), the
+        # aggregate (central DP's noise)
         self.hub.serve(self)
 
     # --- the training thread ------------------------------------------------------------------
@@ -123,7 +121,7 @@ class Leader(Algorithm):
             self._lead(start=True)
         if self.ctx.joining:
             self._join_group()
-        self._cycle_start = self.ctx.flat.state.detach().to("cpu", copy=True)  # central DP: the cycle's start
+        self.privacy.begin(self.ctx.flat.state.detach())  # central DP: the first cycle's start
         self._watcher = GuardedThread(self.election.watch, f"leader-watch-{self.ctx.rank}",
                                       (self._stop, max(0.2, self.timeout / 4)))
         self._watcher.start()
@@ -155,23 +153,23 @@ class Leader(Algorithm):
                 return
             time.sleep(RETRY)  # not the leader (yet), or refused on the way: ask again
             self._follow(reply)
+
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        ctx = self.ctx
-        t0 = time.perf_counter()
+        """This member's cycle ``iteration``, as its ``LeaderMember`` decides: its push, then the aggregate
+        it trains on from."""
+        ctx, member = self.ctx, self.member
+        member.trained(train_loss)
+        member.pushing(iteration)
         state = ctx.outgoing(ctx.flat.state.detach(), iteration).to("cpu", copy=True)
-        central = self.settings.central_dp
-        if central.active:  # DP-FedAvg: this member's update over the cycle clipped
-            clip_update(state, self._cycle_start, ctx.flat.params.numel(), central.clip)
-        push = Push.after(state, ctx.samples, iteration, ctx.iterations, train_loss)
-        aggregate = self._secure_exchange(push) if self.settings.secure else self._exchange(push)
+        self.privacy.before_push(state)  # DP-FedAvg: this member's update over the cycle clipped
+        push = member.push(state)
+        aggregate = self._secure_exchange(push) if self.privacy.masks else self._exchange(push)
+        comm = member.answered()
         t1 = time.perf_counter()
-        kept = aggregate is None  # secure aggregation: no weight came, each member keeps its own model
-        if not kept:
+        if aggregate is not None:  # (None: secure aggregation's cycle without weight, each member keeps its model)
             ctx.flat.state.copy_(aggregate)
-        if central.active and not kept:  # (kept: the next update counts from the last aggregate)
-            self._cycle_start.copy_(aggregate)
-            self._cycles += 1
-        return {"comm": t1 - t0, "average": time.perf_counter() - t1, "leader": self.election.leader}
+            self.privacy.after_aggregate(aggregate)  # central DP: the next update counts from it
+        return {"comm": comm, "average": time.perf_counter() - t1, "leader": self.election.leader}
 
     def check(self) -> None:
         super().check()
@@ -197,7 +195,6 @@ class Leader(Algorithm):
         """Give the leader this member's ``push`` and take its aggregate back, following
         fail-over, and sending the push again when it is refused on the way."""
         ctx = self.ctx
-        refused = 0  # in a row
         while True:
             leader = self.election.leader
             if leader == ctx.rank:
@@ -207,8 +204,7 @@ class Leader(Algorithm):
                 continue  # a lower member was taken back: it leads, and gets the push
             self._step_down()
             reply = self._caller().call(leader, self.timeout, ctx.flat.segments_of(push.state),
-                                        {"op": "push", "samples": ctx.samples, "final": push.final, "cycle": push.cycle,
-                                         "loss": None if push.loss is None else min(push.loss, 1e30)},
+                                        {"op": "push", **LeaderMember.fields(push)},
                                         patience=lambda: not self.election.is_dead(leader) and not self._stop.is_set())
             if reply is None:  # no answer: the leader is gone
                 self.election.mark_dead(leader)
@@ -216,10 +212,9 @@ class Leader(Algorithm):
             elif reply.meta.get("status") == "ok" and ctx.flat.check_compatible(reply.tensors) is None:
                 return torch.cat([reply.tensors[name] for name in ctx.flat.ranges])
             elif is_refusal(reply):  # damaged on the way: the same leader, again
-                refused += 1
                 self._refusals.warning("push", "node %d: the push of cycle %d to %d was refused on the way, sent "
                                        "again: %s", ctx.rank, push.cycle, leader, reply.meta.get("reason"))
-                time.sleep(min(MAX_REFUSED_BACKOFF, REFUSED_BACKOFF * 2 ** (refused - 1)))
+                time.sleep(self.member.refused())
             else:  # it does not lead (yet), or is closing: ask again shortly
                 time.sleep(RETRY)
                 self._follow(reply)
@@ -246,7 +241,7 @@ class Leader(Algorithm):
         unmasked with the others' through the leader the session was set up with."""
         ctx, limit = self.ctx, len(self.election.members) + 1
         if self._pusher is None:
-            self._pusher = SecurePusher(ctx.rank, ctx.flat.state.numel() + 1, limit)
+            self._pusher = SecurePusher(ctx.rank, ctx.flat.state.numel() + 1, limit, self.privacy.masked_push)
         pusher, leader = self._pusher, self.election.leader
         if pusher.leader is not None and leader != pusher.leader and self.election.recheck(pusher.leader):
             leader = self.election.leader  # only suspected: it answers again
@@ -256,9 +251,7 @@ class Leader(Algorithm):
         call = self._local_call if leader == ctx.rank else self._remote_call(leader)
         if pusher.leader is None:
             pusher.set_up(leader, push.cycle, call, sorted(self.election.members))
-        reply = pusher.exchange(push.cycle, self._contribution(push), {
-            "samples": push.samples, "final": push.final,
-            "loss": None if push.loss is None else min(push.loss, 1e30)}, call)
+        reply = pusher.exchange(push.cycle, self._contribution(push), LeaderMember.fields(push), call)
         if reply.meta.get("keep"):
             return None
         problem = ctx.flat.check_compatible({k: v for k, v in reply.tensors.items() if not k.startswith("sa.")})
@@ -269,14 +262,8 @@ class Leader(Algorithm):
     def _contribution(self, push: Push) -> np.ndarray:
         """What this member adds to a cycle's sum: its model times its weight (its samples, 1 where the
         weighting is equal, 0 where a fraction's draw left it out or its model is not finite), then the
-        weight."""
-        from meshlearn.definitions.fedavg import participants
-
-        weight = 1.0 if self.settings.weighting == "equal" else float(push.samples)
-        if self.settings.fraction < 1:
-            group = sorted(self.election.members)
-            drawn = {group[i] for i in participants(self.ctx.seed, push.cycle, len(group), self.settings.fraction)}
-            weight = weight if self.ctx.rank in drawn else 0.0
+        weight (``LeaderMember.weight``)."""
+        weight = self.member.weight(push.cycle, sorted(self.election.members))
         state = push.state.to(torch.float64)
         if not bool(torch.isfinite(state).all()) or float(state.abs().max()) * max(weight, 1.0) * \
                 len(self.election.members) >= RING_LIMIT:
@@ -320,34 +307,18 @@ class Leader(Algorithm):
                 self.state = LeaderState.of(self.settings, alive, self.ctx.rank, self.ctx.seed, self.timeout,
                                             start=start, group=self.election.members, rule=self.rule,
                                             watch=self.watch)
-                if self.settings.central_dp.active:
-                    self.state.noise = self._noised
-                if self.settings.secure:
+                self.state.noise = self.privacy.noise  # central DP's, on each cycle's aggregate (None: none)
+                if self.privacy.masks:
                     self._secure = SecureBook(self.ctx.flat.state.numel() + 1, self.state.heard_lately,
                                               len(self.election.members) + 1)
             return self.state
-
-    def _noised(self, aggregate: torch.Tensor, count: int) -> torch.Tensor:
-        """Central DP: a cycle's aggregate of ``count`` clipped models with the leader's noise."""
-        central = self.settings.central_dp
-        return noised(aggregate, self.ctx.flat.params.numel(), central.noise_multiplier, central.clip, count,
-                      self._noise_generator)
-
-    def privacy_report(self) -> dict:
-        """Central DP: the epsilon each member spent over the cycles it took (the fraction's draws)."""
-        central = self.settings.central_dp
-        if not central.active:
-            return {}
-        return {"central_privacy": central_report(central.noise_multiplier, central.clip, central.delta,
-                                                  self.settings.fraction, self._cycles)}
 
     def task_report(self) -> dict:
         """Synchronous: how many models each cycle's aggregate took, of the cycles this member led."""
         book = self.state
         if book is None or not book.sync:
-            return self.privacy_report()
-        return {"cycle_models": {str(cycle): count for cycle, count in sorted(book.rounds.items())},
-                **self.privacy_report()}
+            return {}
+        return {"cycle_models": {str(cycle): count for cycle, count in sorted(book.rounds.items())}}
 
     # --- calls to other members (from the training and the watcher thread) ----------------------
 
@@ -379,7 +350,7 @@ class Leader(Algorithm):
         """Drop this member's book if it no longer leads (a lower member was taken back): a later turn
         to lead starts a fresh book, not one whose members all look silent. Secure aggregation keeps
         its session's book (a session never changes leader)."""
-        if self.settings.secure:
+        if self.privacy.masks:
             return
         with self._lock:
             if self.state is not None and self.election.leader != self.ctx.rank:
@@ -406,7 +377,7 @@ class Leader(Algorithm):
                 return Answer(meta={"status": "not-leader"})
             election.poke()  # a member pushes here: perhaps the leader this one knows is gone
             return self._not_leader()
-        if self.settings.secure:
+        if self.privacy.masks:
             return self._respond_secure(op, sender, request)
         if op == "join":  # a newcomer: a member from now on, given the group's model and cycle
             samples = meta_number(request.meta, "samples")
@@ -417,6 +388,11 @@ class Leader(Algorithm):
                 return Answer(meta={"status": "not-yet"})
             model, cycle = joined
             return Answer(self.ctx.flat.segments_of(model), {"status": "ok", "cycle": cycle})
+        return self._take(sender, request)
+
+    def _take(self, sender: int, request: Message) -> Answer | None:
+        """A member's push: checked, recorded in the book, and answered if the book allows it now (else
+        held by the hub until ``release`` answers it)."""
         fields = _push_fields(request.meta)
         problem = self.ctx.flat.check_compatible(request.tensors) or (None if fields else "bad samples, final or cycle")
         if problem:
@@ -540,12 +516,12 @@ class Leader(Algorithm):
     def _secure_aggregate(self, total: np.ndarray) -> torch.Tensor:
         """The unmasked weighted mean; with central DP, noised for its count of models (equal weighting:
         the total weight, which leaves out the members a fraction's draw did not take)."""
-        mean = weighted_mean(total, self.ctx.flat.state.dtype)
-        return self._noised(mean, int(round(total[-1]))) if self.settings.central_dp.active else mean
+        mean, noise = weighted_mean(total, self.ctx.flat.state.dtype), self.privacy.noise
+        return mean if noise is None else noise(mean, int(round(total[-1])))
 
     def release(self, held: list[int]) -> dict[int, Answer]:
         """Answers for those of the ``held`` pushes (by member) that the book allows now."""
-        if self.settings.secure:
+        if self.privacy.masks:
             return self._release_secure(held) if self._secure is not None else {}
         if self.election is not None and self.election.leader != self.ctx.rank:  # stepped down
             return dict.fromkeys(held, self._not_leader())
