@@ -5,10 +5,19 @@ Each rule is a pair of lists of places (``file::Qualified.name``, or ``file::*``
 file), the process engine's and the batched engine's; a side's count is its code lines (not blank,
 not comments, not docstrings). A pair counts both sides while both restate the rule; once one side
 calls the other's single implementation, the rule drops out and what is still restated (glue that
-applies it) is listed as its own pair. The lists are written for a commit's layout:
-``--layout before`` for the tree before issue 35 (220d4f4), ``--layout after`` for main after it.
+applies it) is listed as its own pair. A place is listed while it restates a decision the other
+engine's code makes too (which weight a node's own payload gets, what a sender not heard means,
+when a rule replaces the weighted sum, what a bad node sends, the order of an iteration's steps or
+of the calls into a state machine); an engine's own mechanics around the one implementation (the
+process engine's messages, sockets and threads, the batched engine's link tensors and modelled
+clocks) are not, nor is a side that only calls the one implementation (``definitions/``,
+``aggregation/``, ``attacks/``, ``sharing/``, ``iterations.py``). The lists are written for a
+commit's layout: ``--layout before`` for the tree before issue 35 (220d4f4), ``--layout features``
+for the exchange features on the round runners (cc3a6dc, with the leader's members' side of
+cbd2f49), ``--layout after`` for main after the cuts that followed.
 
     python3 benchmarks/written_twice.py --root /path/to/tree --layout before
+    python3 benchmarks/written_twice.py --root /path/to/tree --layout features
     python3 benchmarks/written_twice.py --root . --layout after
 """
 
@@ -57,34 +66,68 @@ BEFORE = {
         [B + "algorithms/fedavg.py::BatchedFedAvg"]),
 }
 AFTER = {
-    "sharing schemes' exchange": ([N + "dpsgd.py::DPSGD._exchange_shares"], [B + "sharing.py::SharedMixing"]),
-    "what a bad node sends": ([N + "base.py::AlgorithmContext.outgoing"], BEFORE["what a bad node sends"][1]),
-    "the glue around D-PSGD's robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
-        [N + "dpsgd.py::DPSGD._aggregate_robust"],
-        [B + "robust.py::RobustMixing.__init__", B + "robust.py::RobustMixing.mix_"]),
-    "D-PSGD's exchange: its variants (the plain average: each engine's round runner, as for every RoundAlgorithm)": (
-        [N + "dpsgd.py::DPSGD.__init__", N + "dpsgd.py::DPSGD._exchange", N + "dpsgd.py::DPSGD._send"],
-        [B + "algorithms/dpsgd.py::BatchedDPSGD"]),
-    "applying the missing-value rule (the rule itself: definitions/dpsgd.py, once)": (
+    "an iteration's exchanges: phases and the overlapped one (their order: definitions/exchange.run_exchanges, "
+    "once; each engine's wait and start of the overlapped one are its own mechanics)": ([], []),
+    "a merge: which rule replaces the weighted sum, the weight a sender not heard leaves with the node "
+    "(definitions/exchange.merge_came, once; each engine's sums over its messages or links are its own)": ([], []),
+    "the glue around the robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
+        [N + "rounds.py::_Came.robust"], [B + "robust.py::RobustMixing.mixed"]),
+    "applying the missing-chunk rule (the rules: definitions/dpsgd.MISSING_CHUNK_RULES, once)": (
         ["src/meshlearn/definitions/averaging.py::masked_average_"],
-        [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mix_"]),
-    "gossip: the order a node calls its GossipState in (its decisions: definitions/gossipstate.py, once)": (
+        [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mixed"]),
+    "sharing schemes' exchange (reading and merging what came: definitions/averaging.take_shares_, once)": ([], []),
+    "what a bad node sends (its first payload of each width, the honest tail: definitions/exchange.BadSenders, "
+    "once); whom a rushing one sees": ([N + "rounds.py::RoundRunner._rushing"],
+                                      [B + "byzantine.py::BadNodes.silent", B + "byzantine.py::BadNodes.forge"]),
+    "gossip: the order a node calls its GossipState in (its decisions, what it publishes too: "
+    "definitions/gossipstate.py, once; each engine carries fetches and waits for them its own way)": (
         [N + "gossip.py::GossipAverager.update_send", N + "gossip.py::GossipAverager.update_wait",
-         N + "gossip.py::GossipAverager._judged"],
-        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.merge"]),
-    "leader (members' side; the leader's book is one, LeaderState)": (
-        [N + "leader.py::Leader.after_local_steps", N + "leader.py::Leader._exchange", N + "leader.py::Leader._lead",
-         N + "leader.py::Leader.respond", N + "leader.py::Leader.release"],
-        [B + "algorithms/leader.py::BatchedLeader", B + "algorithms/leader.py::_LeaderRun"]),
-    "each engine's part of an iteration (the order of its steps: iterations.drive, once)": (
-        ["src/meshlearn/node/iterations.py::NodeIterations"], [B + "engine.py::_Lockstep"]),
-    "restoring a run from its checkpoint": (
+         N + "gossip.py::GossipAverager._publish"],
+        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.publish",
+         B + "algorithms/gossip.py::_GossipRun.merge"]),
+    "leader: the order a member calls its LeaderMember and the leader its book in (their decisions: "
+    "definitions/leadermember.py and leaderstate.py, once)": (
+        [N + "leader.py::Leader.after_local_steps", N + "leader.py::Leader._take", N + "leader.py::Leader.release"],
+        [B + "algorithms/leader.py::_LeaderRun.done", B + "algorithms/leader.py::_LeaderRun.push_arrives",
+         B + "algorithms/leader.py::_LeaderRun.reply", B + "algorithms/leader.py::_LeaderRun.release"]),
+    "each engine's part of an iteration: whom it asks to train, what it records (the order of its steps: "
+    "iterations.drive; which evaluations an eval event holds and their fields: iterations.py, once)": (
+        ["src/meshlearn/node/iterations.py::NodeIterations._idle", "src/meshlearn/node/iterations.py::NodeIterations.finish"],
+        [B + "engine.py::_Lockstep._trainers", B + "engine.py::_Lockstep.finish"]),
+    "restoring a run from its checkpoint (iterations.restore_run, once)": (
         ["src/meshlearn/node/node.py::Node._restore"], [B + "engine.py::BatchedSimulation._restore"]),
-    "an iteration's phases and the overlapped exchange": (
+}
+FEATURES = {  # the lists above, for the tree before the cuts that moved those rules into one place
+    "an iteration's exchanges: phases and the overlapped one": (
         [N + "rounds.py::RoundRunner.after_local_steps", N + "rounds.py::RoundRunner._phases"],
         [B + "algorithms/rounds.py::BatchedRounds.after_local_steps"]),
+    "a merge: which rule replaces the weighted sum, the weight a sender not heard leaves with the node": (
+        [N + "rounds.py::RoundRunner._merge"], [B + "algorithms/rounds.py::BatchedRounds._merge", B + "mixing.py::heard_weights"]),
+    "the glue around the robust step (the step itself: definitions/dpsgd.robust_merge, once)": (
+        [N + "rounds.py::RoundRunner._merge_robust"], [B + "robust.py::RobustMixing.mixed"]),
+    "applying the missing-chunk rule (the rules: definitions/dpsgd.MISSING_CHUNK_RULES, once)": (
+        ["src/meshlearn/definitions/averaging.py::masked_average_"],
+        [B + "mixing.py::ChunkedMixing.weights", B + "mixing.py::ChunkedMixing.mixed"]),
+    "sharing schemes' exchange (the step: definitions/averaging.merge_shares_, once)": (
+        [N + "rounds.py::RoundRunner._exchange_shares"], [B + "sharing.py::SharedMixing.mix_", B + "sharing.py::_read"]),
+    "what a bad node sends (its first payload of each width, the honest tail); whom a rushing one sees": (
+        [N + "base.py::AlgorithmContext.outgoing", N + "rounds.py::RoundRunner._forged", N + "rounds.py::RoundRunner._send"],
+        [B + "byzantine.py::BadNodes.forge", B + "byzantine.py::BadNodes.forge_row", B + "byzantine.py::BadNodes.silent"]),
+    "gossip: the order a node calls its GossipState in (its decisions: definitions/gossipstate.py, once)": (
+        [N + "gossip.py::GossipAverager.update_send", N + "gossip.py::GossipAverager.update_wait",
+         N + "gossip.py::GossipAverager._publish"],
+        [B + "algorithms/gossip.py::_GossipRun.start", B + "algorithms/gossip.py::_GossipRun.done",
+         B + "algorithms/gossip.py::_GossipRun.merge"]),
+    **{rule: places for rule, places in AFTER.items() if rule.startswith("leader")},  # the same places there
+    "each engine's part of an iteration (the order of its steps: iterations.drive, once)": (
+        ["src/meshlearn/node/iterations.py::NodeIterations.train", "src/meshlearn/node/iterations.py::NodeIterations.finish",
+         "src/meshlearn/node/iterations.py::NodeIterations._evaluation_event", "src/meshlearn/node/node.py::Node.validate",
+         "src/meshlearn/node/node.py::Node.evaluate_shard"],
+        [B + "engine.py::_Lockstep.train", B + "engine.py::_Lockstep.finish", B + "engine.py::_Run.write_evaluation"]),
+    "restoring a run from its checkpoint": (
+        ["src/meshlearn/node/node.py::Node._restore"], [B + "engine.py::BatchedSimulation._restore"]),
 }
-LAYOUTS = {"before": BEFORE, "after": AFTER}
+LAYOUTS = {"before": BEFORE, "features": FEATURES, "after": AFTER}
 
 
 def code_lines(path: Path, qualname: str) -> int:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from meshlearn.attacks.forge import Attack, make_attack
+from meshlearn.attacks.forge import make_attack
 from meshlearn.batched.mixing import Links
 from meshlearn.config import ExperimentConfig
+from meshlearn.definitions.exchange import BadSenders
 
 
 class BadNodes:
@@ -23,33 +24,29 @@ class BadNodes:
     (they answer for any exchange's links)."""
 
     def __init__(self, config: ExperimentConfig, start: int, state: torch.Tensor, links: Links, local: Links):
-        self.seed = config.seed
         size = state.shape[0]
-        self.attacks: list[tuple[int, Attack]] = [
-            (rank - start, make_attack(spec)) for rank, spec in sorted(config.attackers().items())
-            if start <= rank < start + size]
-        rows = [row for row, _ in self.attacks]
-        self.start = start
+        attacks = [(rank - start, rank, make_attack(spec)) for rank, spec in sorted(config.attackers().items())
+                   if start <= rank < start + size]
+        # what they send (the algorithm layer's, the process engine's too), from their first models
+        self.senders = BadSenders(attacks, config.seed, state[[row for row, _, _ in attacks]].clone())
         # any bad node of the run (every process must exchange the same number of times)
         everyone = {rank: make_attack(spec) for rank, spec in config.attackers().items()}
         self.rushing = any(attack.rushing for attack in everyone.values())
         # a rushing bad node takes (and sees) its honest neighbours' payloads only, as in the process engine
         self._rushing = torch.tensor([rank for rank, attack in everyone.items() if attack.rushing], dtype=torch.int64)
         self._bad = torch.tensor(sorted(everyone), dtype=torch.int64)
-        # each bad node's first payload of each width (``stale``): of the model's, its first model
-        self.initial: dict[int, torch.Tensor] = {state.shape[1]: state[rows].clone()}
         self._silent: tuple[Links | None, np.ndarray] = (None, np.zeros(0, dtype=bool))  # the last links' (a cache)
         self._reading: tuple[Links | None, Links | None] = (None, None)  # the same
         self.silent(links)
         self.reading(local)
 
     def __bool__(self) -> bool:
-        return bool(self.attacks)
+        return bool(self.senders)
 
     @property
     def rows(self) -> list[int]:
         """The bad nodes' rows in this block."""
-        return [row for row, _ in self.attacks]
+        return self.senders.rows
 
     def silent(self, links: Links) -> np.ndarray:
         """Per link of ``links`` (every link of an exchange), whether its receiver ignores it: a
@@ -67,36 +64,25 @@ class BadNodes:
             sender = local.sender.clone()
             for k, row in enumerate(self.rows):
                 sender[local.sender == row] = local.columns + k
-            self._reading = (local, Links(local.nodes, local.columns + len(self.attacks), local.receiver, sender,
+            self._reading = (local, Links(local.nodes, local.columns + len(self.rows), local.receiver, sender,
                                           local.sender_rank, local.weight, local.ids))
         return self._reading[1]
 
     def forge(self, sent: torch.Tensor, iteration: int, local: Links, silent: np.ndarray,
               seen: torch.Tensor | None = None, tail: int = 0) -> torch.Tensor:
         """``[bad nodes, Q]``: what each bad node sends at ``iteration`` for its payload row of
-        ``sent``. A rushing attack looks at ``seen`` (the true payloads the exchange's ``local``
-        links read) over its links, less those ``silent`` says it ignores (per link of the run).
-        The payload's last ``tail`` values are sent as they are (the definition's ``honest_tail``)."""
-        if sent.shape[1] not in self.initial:
-            self.initial[sent.shape[1]] = sent[self.rows].clone()
-        initial = self.initial[sent.shape[1]]
+        ``sent`` (``BadSenders.forged``). A rushing attack looks at ``seen`` (the true payloads the
+        exchange's ``local`` links read) over its links, less those ``silent`` says it ignores (per
+        link of the run). The payload's last ``tail`` values are sent as they are (``honest_tail``)."""
         ignored = None if seen is None else torch.from_numpy(silent).to(local.receiver.device)[local.ids]
-        out = sent[self.rows].clone() if tail else sent.new_empty(len(self.attacks), sent.shape[1])
-        width = sent.shape[1] - tail  # what an attack forges
-        for k, (row, attack) in enumerate(self.attacks):
-            neighbours = None
-            if attack.rushing and ignored is not None:
-                neighbours = seen[local.sender[(local.receiver == row) & ~ignored], :width]
-            out[k, :width] = attack.sent(sent[row, :width], initial[k, :width], self.seed, self.start + row, iteration,
-                                         neighbours)
-        return out
+        neighbours = [seen[local.sender[(local.receiver == row) & ~ignored]] if attack.rushing and ignored is not None
+                      else None for row, _, attack in self.senders.attacks]
+        return self.senders.forged(sent, iteration, neighbours, tail)
 
     def forge_row(self, row: int, own: torch.Tensor, iteration: int) -> torch.Tensor:
         """What node ``row`` sends for its model ``own`` at ``iteration`` (``own`` for an honest
         node; asynchronous algorithms, where a rushing attack sees no neighbours)."""
-        k = next((k for k, (bad_row, _) in enumerate(self.attacks) if bad_row == row), None)
-        return own if k is None else \
-            self.attacks[k][1].sent(own, self.initial[own.numel()][k], self.seed, self.start + row, iteration)
+        return self.senders.forged_row(row, own, iteration)
 
     def sent(self, state: torch.Tensor, forged: torch.Tensor) -> torch.Tensor:
         """The block's rows as its nodes send them (for other blocks)."""

@@ -52,7 +52,14 @@ from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
 from meshlearn.errors import CheckpointError, ConfigError
 from meshlearn.flat import FlatState
-from meshlearn.iterations import IterationSteps, drive, evaluation_due
+from meshlearn.iterations import (
+    IterationSteps,
+    drive,
+    evaluation_due,
+    evaluation_fields,
+    more_evaluations,
+    restore_run,
+)
 from meshlearn.metrics import Evaluation
 from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.models.cost import saved_activation_bytes, step_flops
@@ -60,7 +67,7 @@ from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.plugins import load_user_module
 from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
-from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event, truncate_log
+from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
 from meshlearn.sgd import local_step
 from meshlearn.sharing import make_sharing
 from meshlearn.tasks import task_of
@@ -299,22 +306,17 @@ class BatchedSimulation:
 
     def _restore(self, run: "_Run") -> None:
         """Continue from the checkpoint of ``resume`` iterations: every part as it was, the log cut
-        back to it (only once the checkpoint has loaded: a bad one leaves the folder as it was)."""
+        back to it (``restore_run``)."""
         checkpoints = self._checkpoints(run)
         if checkpoints is None:
             raise CheckpointError(f"a batched {run.config.algorithm} run keeps no checkpoints (asynchronous, "
                                   "under torchrun, or checkpoint_every 0): it cannot be resumed; run it again")
-        meta, tree = checkpoints.load(self.resume)
-        values = checkpoints.restore(tree, self.parts_of(run), run.stacked.state.device)
-        torch.set_rng_state(values["torch_rng"])
-        if "cuda_rng" in values:
-            torch.cuda.set_rng_state(values["cuda_rng"].cpu(), run.stacked.state.device)
+        meta, _, _ = restore_run(checkpoints, self.resume, self.parts_of(run), run.stacked.state.device, run.privacy,
+                                 self.log_path if run.log is not None else None)
         run.first = self.resume
-        run.privacy.resumed(self.resume)  # DP-SGD: the epsilon counts the steps before the checkpoint too
         self.step_time = float(meta.get("step_time", self.step_time))  # a measured one: the run's first measure
         run.began = time.perf_counter() - float(meta.get("wall", 0.0))
         if run.log is not None:
-            truncate_log(self.log_path, self.resume)
             run.log.write(columnar_event("resumed", run.ranks, {}, iteration=self.resume, time=time.time()))
 
 
@@ -342,11 +344,15 @@ class _Lockstep(IterationSteps):
     def train(self, iteration: int) -> tuple[list, np.ndarray]:
         """(each node's losses of the iteration's steps, their modelled compute time; the clocks
         advanced by it)."""
-        run = self.run
-        trainers = run.algorithm.trainers(iteration) if run.skips_idle else None
+        run, trainers = self.run, self._trainers(iteration)
         losses = run.train(trainers)
         return losses, run.clocks.train(run.steps, None if trainers is None else
                                         [run.shard.start + r for r in trainers])
+
+    def _trainers(self, iteration: int) -> list[int] | None:
+        """The nodes that take ``iteration``'s steps: those asked for them, where the optimizer
+        allows the others to skip them (None: every node)."""
+        return self.run.algorithm.trainers(iteration) if self.run.skips_idle else None
 
     def exchange(self, iteration: int, trained: tuple[list, np.ndarray]) -> tuple[list, dict]:
         (losses, compute), nodes = trained, self.run.config.nodes
@@ -358,17 +364,15 @@ class _Lockstep(IterationSteps):
         run = self.run  # the exchange's result is an aggregate: the outer optimizer's step, every node's
         run.config.outer.step(run.stacked.params, run.outer, run.algorithm.aggregated(iteration))
 
-    def finish(self, iteration: int, record: tuple[list, dict], evaluate: bool) -> None:
+    def finish(self, iteration: int, record: tuple[list, dict], evaluate: bool, full: bool = False) -> None:
         run, (losses, columns) = self.run, record
-        config, collective = run.config, run.collective
+        collective = run.collective
         train_loss = collective.gather(losses)
         columns["t"] = run.clocks.now
         done = iteration + 1
         evaluation = consensus = validation = on_shards = None
         if evaluate:
-            evaluation = collective.gather(_evaluations(run, full=done == config.iterations))
-            validation = collective.gather(_evaluations(run, on=run.validation)) if run.validation else None
-            on_shards = collective.gather(_shard_evaluations(run)) if config.train_evaluate else None
+            evaluation, validation, on_shards = _evaluated(run, full, gather=collective.gather)
             consensus = consensus_distance(collective.sum_(run.stacked.consensus_sums()))
         self.evaluation = evaluation
         if run.log is not None:
@@ -452,14 +456,10 @@ class _Run:
                          validation: list[tuple[int, Evaluation]] | None = None,
                          on_shards: list[tuple[int, Evaluation]] | None = None) -> None:
         tested = [rank for rank, _ in evaluation]
-        columns = {"t": [float(times[r]) for r in tested], "test_loss": [e.loss for _, e in evaluation],
-                   "test_acc": [e.accuracy for _, e in evaluation]}
-        if evaluation and evaluation[0][1].perplexity is not None:  # a language model's
-            columns["test_perplexity"] = [e.perplexity for _, e in evaluation]
-        if validation:
-            columns.update(val_loss=[e.loss for _, e in validation], val_acc=[e.accuracy for _, e in validation])
-        if on_shards:
-            columns.update(shard_loss=[e.loss for _, e in on_shards], shard_acc=[e.accuracy for _, e in on_shards])
+        fields = [evaluation_fields(test, *(None if more is None else more[k][1] for more in (validation, on_shards)))
+                  for k, (_, test) in enumerate(evaluation)]
+        columns = {"t": [float(times[r]) for r in tested],
+                   **{name: [node[name] for node in fields] for name in (fields[0] if fields else ())}}
         if self.shard.count == 1:  # as write_iteration: each process counts its own nodes' traffic
             columns["bytes_sent"] = [int(self.traffic.counters["bytes_sent"][r]) for r in tested]
         self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus))
@@ -511,14 +511,22 @@ class _Asynchronous:
             run.write_iteration(iteration, columns)
         rows = self.snapshots.pop(iteration, None)
         if rows is not None:
-            evaluation = _evaluations(run, rows=rows)
-            validation = _evaluations(run, rows=rows, on=run.validation) if run.validation else None
-            on_shards = _shard_evaluations(run, rows) if run.config.train_evaluate else None
+            evaluation, validation, on_shards = _evaluated(run, rows=rows)
             consensus = consensus_distance(run.stacked.consensus_sums(rows))
             if run.log is not None:
                 run.write_evaluation(done, evaluation, columns["t"], consensus, validation, on_shards)
         if self.progress is not None:
             self.progress(done)
+
+
+def _evaluated(run: _Run, full: bool = False, rows: torch.Tensor | None = None,
+               gather: Callable[[list], list] = lambda results: results) -> tuple[list, list | None, list | None]:
+    """What an eval event holds of this process's evaluating nodes, of their current models or of
+    ``rows``: their test evaluations (every metric where ``full``) and ``more_evaluations``, each
+    list through ``gather`` (every process's, under torchrun)."""
+    return gather(_evaluations(run, full=full, rows=rows)), *more_evaluations(
+        run.config, run.validation, lambda: gather(_evaluations(run, rows=rows, on=run.validation)),
+        lambda: gather(_shard_evaluations(run, rows)))
 
 
 def _shard_evaluations(run: _Run, rows: torch.Tensor | None = None) -> list[tuple[int, Evaluation]]:

@@ -3,6 +3,8 @@ its own payload and the payloads its senders sent that arrived (per chunk, where
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -48,23 +50,19 @@ class RobustMixing(Stateful):
 
     @torch.no_grad()
     def mixed(self, links: Links, sent: torch.Tensor, source: torch.Tensor, arrived: torch.Tensor,
-              own_weight: torch.Tensor) -> torch.Tensor:
+              weight: torch.Tensor, own_weight: torch.Tensor) -> torch.Tensor:
         """``[B, Q]``: every node's rule over its own payload row of ``sent`` (weight ``own_weight``
         [B]: its own, plus what it keeps of senders not heard; 0: left out) and its links' sender
         rows of ``source`` that arrived (``arrived``: ``[links]``, whole payloads, or ``[links,
-        chunks]``). A node that heard nobody gets its weighted sum, ``own_weight`` times its payload,
-        as in the process engine."""
+        chunks]``; ``weight``: each link's, 0 where nothing arrived). A node that heard nobody gets
+        its weighted sum, ``own_weight`` times its payload, as in the process engine."""
         present = arrived if arrived.dim() == 2 else arrived[:, None]
         heard = present.any(1)
-        weight = links.weight * heard.to(links.weight.dtype)
         result = sent * own_weight.to(sent.dtype)[:, None]
         deviant = torch.zeros(len(links), dtype=torch.bool)
         for nodes, positions in self.groups(links):
-            pooled = heard[positions].any(1)
-            nodes, positions = nodes[pooled], positions[pooled]
-            block = max(1, self.BLOCK_ELEMENTS // ((positions.shape[1] + 1) * max(1, sent.shape[1])))
-            for start in range(0, len(nodes), block):
-                rows, where = nodes[start:start + block], positions[start:start + block]
+            pooled = heard[positions].any(1)  # a node that heard nobody keeps its weighted sum
+            for rows, where in self.blocks(nodes[pooled], positions[pooled], sent.shape[1]):
                 out, flags = robust_merge(self.rule, sent[rows], source[links.sender[where]], weight[where],
                                           present[where], self.chunk_elements, own_weight=own_weight[rows])
                 if flags is not None:
@@ -72,6 +70,14 @@ class RobustMixing(Stateful):
                 result[rows] = out
         self._count(links, heard.cpu().numpy(), deviant.numpy())
         return result
+
+    def blocks(self, nodes: torch.Tensor, positions: torch.Tensor,
+               width: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """``nodes`` [B] of one in-degree d with their links' ``positions`` [B, d], in blocks that
+        keep ``[block, 1 + d, width]`` under ``BLOCK_ELEMENTS``."""
+        block = max(1, self.BLOCK_ELEMENTS // ((positions.shape[1] + 1) * max(1, width)))
+        for start in range(0, len(nodes), block):
+            yield nodes[start:start + block], positions[start:start + block]
 
     def _count(self, links: Links, heard: np.ndarray, deviant: np.ndarray) -> None:
         """Add one exchange's ``heard`` and ``deviant`` flags (per link of ``links``) to the pairs' counts."""

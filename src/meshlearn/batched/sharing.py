@@ -6,11 +6,13 @@ receiver's scheme reads what its rule can place (``Sharing.receive``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from meshlearn.batched.mixing import Links
 from meshlearn.checkpoint import Stateful
-from meshlearn.definitions.averaging import merge_shares_
+from meshlearn.definitions.averaging import take_shares_
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.sharing import Shared, Sharing, make_sharing
 
@@ -48,26 +50,24 @@ class SharedMixing(Stateful):
         whole = [_read(scheme, tensors, rank, iteration) for rank, (scheme, tensors) in enumerate(zip(self.schemes, sent))]
         arrived = arrived.cpu()
         for rank, scheme in enumerate(self.schemes):
-            heard = {}
-            for link, j, _ in self.incoming[rank]:
-                chunks = arrived[link]
-                share = None
-                if bool(chunks.all()):
-                    share = whole[j]
-                elif bool(chunks.any()):
-                    tensors = scheme.layout().received(sent[j], chunks, self.chunk_bytes)
-                    share = _read(scheme, tensors, j, iteration, (chunks, self.chunk_bytes))
-                if share is not None:
-                    heard[j] = share
-            merge_shares_(scheme, state[rank], {j: w for _, j, w in self.incoming[rank]}, heard, self.degrees,
-                          self.rule)
+            came = [(j, self._receive(scheme, sent[j], whole[j], arrived[link], j, iteration))
+                    for link, j, _ in self.incoming[rank] if bool(arrived[link].any())]
+            take_shares_(scheme, state[rank], {j: w for _, j, w in self.incoming[rank]}, came, self.degrees, self.rule)
+
+    def _receive(self, scheme: Sharing, tensors: dict[str, torch.Tensor], whole: Shared | None, chunks: torch.Tensor,
+                 sender: int, iteration: int) -> Callable[[], Shared | None]:
+        """How ``scheme`` reads ``sender``'s message ``tensors`` of which ``chunks`` arrived: ``whole``
+        (its read, once for every receiver) where all did, else what came of it."""
+        if bool(chunks.all()):
+            return lambda: whole
+        return lambda: scheme.receive(scheme.layout().received(tensors, chunks, self.chunk_bytes), sender, iteration,
+                                      (chunks, self.chunk_bytes))
 
 
-def _read(scheme: Sharing, tensors: dict[str, torch.Tensor], sender: int, iteration: int,
-          chunks: tuple[torch.Tensor, int] | None = None) -> Shared | None:
-    """What ``scheme`` reads of ``sender``'s message; None where it refuses it (a diverged model's
-    NaN), as the process engine's node refuses that neighbour's model."""
+def _read(scheme: Sharing, tensors: dict[str, torch.Tensor], sender: int, iteration: int) -> Shared | None:
+    """What ``scheme`` reads of ``sender``'s whole message; None where it refuses it (a diverged
+    model's NaN), as the process engine's node refuses that neighbour's model."""
     try:
-        return scheme.receive(tensors, sender, iteration, chunks)
+        return scheme.receive(tensors, sender, iteration)
     except ValueError:
         return None

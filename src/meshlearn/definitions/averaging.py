@@ -1,11 +1,12 @@
 """Averaging kernels on whole flat buffers, and D-PSGD's missing-value rules (``definitions.dpsgd``)
 applied to one node's models where only some chunks or values arrived: the process engine's
-averages for its node, and the step with a sharing scheme both engines take (``merge_shares_``).
+averages for its node, and the step with a sharing scheme both engines take (``take_shares_``).
 Torch at import: no module the configuration imports loads this one."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -81,3 +82,33 @@ def merge_shares_(scheme: Sharing, state: torch.Tensor, weights: dict[int, float
         average_shares_(state, [(weights[j], degrees[j], s.values, s.mask) for j, s in shared.items()], rule)
     scheme.averaged(state)
     return lost
+
+
+class Taken(NamedTuple):
+    """What ``take_shares_`` took of the messages that arrived."""
+
+    read: list[int]  # the senders whose messages the scheme read (not refused)
+    shared: dict[int, Shared]  # what it could place of each
+    lost: list[int]  # the senders whose updates it lost track of
+
+
+def take_shares_(scheme: Sharing, state: torch.Tensor, weights: dict[int, float],
+                 arrived: Iterable[tuple[int, Callable[[], Shared | None]]], degrees: dict[int, int] | list[int],
+                 rule: MissingValueRule, refused: Callable[[int, str], None] | None = None) -> Taken:
+    """In place: one node's D-PSGD step with a sharing scheme over the messages that ``arrived``
+    (both engines): each sender's ``receive()`` (the scheme's read of what came of its message, in
+    part where chunks were lost), one the scheme refuses (ValueError: a diverged model's NaN) left
+    out and told to ``refused``, one it can place nothing of (None) not heard; then ``merge_shares_``."""
+    read: list[int] = []
+    shared: dict[int, Shared] = {}
+    for sender, receive in arrived:
+        try:
+            share = receive()
+        except ValueError as exc:
+            if refused is not None:
+                refused(sender, str(exc))
+            continue
+        read.append(sender)
+        if share is not None:
+            shared[sender] = share
+    return Taken(read, shared, merge_shares_(scheme, state, weights, shared, degrees, rule))

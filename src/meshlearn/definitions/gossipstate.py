@@ -6,7 +6,7 @@ leader's book for both).
 interpolated with the peers'), the fetch it has pending, and, with a robust rule, each peer's
 latest pulled model. Its events are short methods, called by both engines in one order:
 ``start_step`` (before a local step: maybe start a fetch, handed to the engine to send),
-``trained`` (a step done; ``meta`` is what the node publishes with its trained state), ``judge``
+``publish`` (a step done, ``trained``: the state it publishes and ``meta``, what goes with it), ``judge``
 (the fetch ended: with a ``Reply``, read from what the peer published, or with none) and ``move``
 (a merged verdict moves the node's model: a lerp toward the peer, or a robust rule's merge), the
 two together ``take``.
@@ -234,6 +234,14 @@ class GossipState:
     def trained(self, steps: float = 1.0) -> None:
         """``steps`` local steps done: dpwa's clock counts them."""
         self.clock += steps
+
+    def publish(self, state: torch.Tensor, loss: float | None, steps: float = 1.0,
+                forge: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+        """After ``steps`` local steps (``trained``; 0: none since the last publish), what the node
+        publishes: its ``state`` (a bad node's: what its ``forge(state, steps trained)`` makes of
+        it) and the ``meta`` that goes with it, its ``loss`` after them."""
+        self.trained(steps)
+        return (state if forge is None else forge(state, int(self.clock))), self.meta(loss)
 
     def meta(self, loss: float | None) -> dict[str, float | None]:
         """What the node publishes with its state (read back by ``Reply.read``): dpwa's clock and

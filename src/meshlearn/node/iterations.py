@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from meshlearn.iterations import IterationSteps
+from meshlearn.iterations import IterationSteps, evaluation_fields
 from meshlearn.metrics import Evaluation
 
 if TYPE_CHECKING:
@@ -35,14 +35,17 @@ class NodeIterations(IterationSteps):
         """(the mean loss of the local steps, or None where none ran; their seconds)."""
         node = self.node
         losses, train_time = [], 0.0
-        idle = node.skips_idle and not node.algorithm.trains(iteration)  # an iteration not asking for its steps
-        for _ in range(0 if idle else node.steps):
+        for _ in range(0 if self._idle(iteration) else node.steps):
             node.algorithm.before_step()
             t0 = time.perf_counter()
             losses.append(node.train_step())
             train_time += time.perf_counter() - t0
             node.algorithm.after_step(losses[-1])
         return (sum(losses) / len(losses) if losses else None), train_time
+
+    def _idle(self, iteration: int) -> bool:
+        """Whether the node skips ``iteration``'s steps: not asked for them, where its optimizer allows."""
+        return self.node.skips_idle and not self.node.algorithm.trains(iteration)
 
     def exchange(self, iteration: int, trained: tuple[float | None, float]) -> dict:
         train_loss, train_time = trained
@@ -56,16 +59,15 @@ class NodeIterations(IterationSteps):
             node.config.outer.step(node.flat.params.detach().unsqueeze(0), self.outer,
                                    node.algorithm.aggregated(iteration))
 
-    def finish(self, iteration: int, record: dict, evaluate: bool) -> None:
+    def finish(self, iteration: int, record: dict, evaluate: bool, full: bool = False) -> None:
         node = self.node
         node.algorithm.check()
         record.update(event="iteration", iteration=iteration, bytes_sent=node.transport.stats.bytes_sent)
-        done = iteration + 1
         if evaluate and self.evaluates:
             t2 = time.perf_counter()
-            self.last = node.evaluate(full=done == node.config.iterations)  # the last one is also the final one
+            self.last = node.evaluate(full=full)  # the last one is also the final one
             record["eval"] = time.perf_counter() - t2
-            node.write(self._evaluation_event(done))
+            node.write(self._evaluation_event(iteration + 1))
             record.update(test_acc=self.last.accuracy, test_loss=self.last.loss)  # for the iteration hooks
         record["t"] = time.perf_counter() - self.start
         node.write(record)
@@ -74,11 +76,10 @@ class NodeIterations(IterationSteps):
 
     def _evaluation_event(self, done: int) -> dict:
         """The log's eval event after ``done`` iterations (the test evaluation ``last``)."""
-        node, last = self.node, self.last
+        node = self.node
         return {
             "event": "eval", "iteration": done, "t": time.perf_counter() - self.start,
-            "test_loss": last.loss, "test_acc": last.accuracy, **node.validate(), **node.evaluate_shard(),
-            **({} if last.perplexity is None else {"test_perplexity": last.perplexity}),
+            **evaluation_fields(self.last, *node.evaluations()),
             **node.privacy.progress(0, done),  # DP-SGD: the epsilon spent so far
             "bytes_sent": node.transport.stats.bytes_sent,  # accuracy against bytes
         }

@@ -14,14 +14,14 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import Dataset, ShardLoader, loader_seed, shard_as_test_set, split_validation
 from meshlearn.evaluation import evaluate_model
 from meshlearn.flat import FlatState
-from meshlearn.iterations import drive
+from meshlearn.iterations import drive, more_evaluations, restore_run
 from meshlearn.metrics import Evaluation
 from meshlearn.node.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.node.iterations import NodeIterations
 from meshlearn.optim import make_optimizer, steps_rows_apart
 from meshlearn.privacy.dpsgd import PrivateGradients, clipped_gradient, secret_seed
 from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
-from meshlearn.runlog import JsonlLog, truncate_log
+from meshlearn.runlog import JsonlLog
 from meshlearn.sgd import local_gradient, local_step
 from meshlearn.tasks import task_of
 from meshlearn.topology import Graph
@@ -143,22 +143,18 @@ class Node:
         """Loss and accuracy on the test set (limited by ``eval_samples``); all metrics if ``full``."""
         return evaluate_model(self.model, self.dataset, self.device, self.config.eval_samples, full)
 
-    def validate(self) -> dict[str, float]:
-        """Loss and accuracy on the validation set, as an eval event's fields (none without one)."""
-        if self.validation is None:
-            return {}
-        result = evaluate_model(self.model, self.validation, self.device, self.config.eval_samples)
-        return {"val_loss": result.loss, "val_acc": result.accuracy}
+    def evaluations(self) -> tuple[Evaluation | None, Evaluation | None]:
+        """The evaluations an eval event holds beyond the test set's (``more_evaluations``): on the
+        validation set, and over the node's whole training shard."""
+        return more_evaluations(self.config, self.validation, self._validate, self._evaluate_shard)
 
-    def evaluate_shard(self) -> dict[str, float]:
-        """Loss and accuracy over the node's whole training shard, as an eval event's fields (none
-        unless ``train_evaluate``)."""
-        if not self.config.train_evaluate:
-            return {}
+    def _validate(self) -> Evaluation:
+        return evaluate_model(self.model, self.validation, self.device, self.config.eval_samples)
+
+    def _evaluate_shard(self) -> Evaluation:
         if self._shard_set is None:
             self._shard_set = shard_as_test_set(self.dataset, self.loader.indices)
-        result = evaluate_model(self.model, self._shard_set, self.device)
-        return {"shard_loss": result.loss, "shard_acc": result.accuracy}
+        return evaluate_model(self.model, self._shard_set, self.device)
 
     def _parts(self, outer: dict | None, algorithm: bool = True) -> dict:
         """What a checkpoint keeps of this node (``algorithm``: its algorithm's state too)."""
@@ -167,18 +163,14 @@ class Node:
         return {**parts, "algorithm": self.algorithm} if algorithm else parts
 
     def _restore(self, outer: dict | None) -> tuple[dict, dict]:
-        """Load this node's checkpoint of ``resume`` into its model, optimizer, batch order,
-        outer state, random generator and counters (its algorithm's state: ``_restore_algorithm``,
-        once it has started); cut its log back to it. Returns (meta, the checkpoint's tree)."""
-        meta, tree = self.checkpoints.load(self.resume)
-        values = self.checkpoints.restore({name: tree[name] for name in tree if name != "algorithm"},
-                                          self._parts(outer, algorithm=False), self.device)
-        torch.set_rng_state(values["torch_rng"])
+        """Load this node's checkpoint of ``resume`` into its model, optimizer, batch order, outer
+        state, random generator and counters (``restore_run``; its algorithm's state:
+        ``_say_started``, once it has started); cut its log back to it. Returns (meta, the
+        checkpoint's tree)."""
+        meta, tree, values = restore_run(self.checkpoints, self.resume, self._parts(outer, algorithm=False),
+                                         self.device, self.privacy, None if self.log is None else self.log.path)
         counters = self.transport.stats.as_dict()  # what this transport counts
         self.transport.stats.add(**{name: int(count) for name, count in values["stats"].items() if name in counters})
-        if self.log is not None:
-            truncate_log(self.log.path, self.resume)
-        self.privacy.resumed(self.resume)  # DP-SGD: the epsilon counts the steps before the checkpoint too
         return meta, tree
 
     def _say_started(self, tree: dict) -> None:

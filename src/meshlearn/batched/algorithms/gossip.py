@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -161,10 +162,7 @@ class _GossipRun:
         for trained, (loss,) in self.steps.settle(rank).items():  # every started step, computed together
             self.nodes[trained].loss = loss
             self.nodes[trained].losses.append(loss)
-        gossip = self.gossips[rank]
-        gossip.trained()
-        self.published[rank].copy_(self.algorithm.bad.forge_row(rank, self.state[rank], int(gossip.clock)))
-        self.meta[rank] = gossip.meta(me.loss)  # as the process engine publishes them: this step's
+        self.publish(rank)
         for client, asked in me.held:
             self.answer(rank, client, asked, now)
         me.held.clear()
@@ -173,6 +171,13 @@ class _GossipRun:
             self.merge(rank, now)
         else:
             me.waiting = True  # until its answer comes, or its fetch's deadline
+
+    def publish(self, rank: int) -> None:
+        """Node ``rank``'s step is trained: the state and meta it publishes now (its ``GossipState``'s
+        ``publish``, as the process engine's), what its fetches are answered with from now on."""
+        state, self.meta[rank] = self.gossips[rank].publish(self.state[rank], self.nodes[rank].loss,
+                                                            forge=partial(self.algorithm.bad.forge_row, rank))
+        self.published[rank].copy_(state)
 
     def request(self, rank: int, other: int, number: int, now: float) -> None:
         """Node ``other``'s fetch reaches ``rank``: gone, held for its next publish (fresh), or answered."""

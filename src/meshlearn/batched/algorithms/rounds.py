@@ -3,16 +3,19 @@ node at once (B = N), each round's links gathered over the modelled network."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 from meshlearn.aggregation.base import get_rule
 from meshlearn.batched.algorithms.base import BatchedAlgorithm, BatchedContext, Traffic
 from meshlearn.batched.byzantine import BadNodes
-from meshlearn.batched.mixing import ChunkedMixing, Links, heard_weights, weighted_sums
+from meshlearn.batched.mixing import ChunkedMixing, Links, weighted_sums
 from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
+from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
 from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
@@ -83,31 +86,35 @@ class BatchedRounds(BatchedAlgorithm):
 
     @torch.no_grad()
     def after_local_steps(self, iteration: int) -> dict[str, np.ndarray]:
-        nodes = self.ctx.config.nodes
+        return run_exchanges(self.rules, self.ctx.stacked.state, self.state, iteration, self.ctx.config.iterations,
+                             self._phases, self._join, self._overlap)
+
+    def _phases(self, iteration: int, sent: torch.Tensor | None = None,
+                first: Exchange | None = None) -> dict[str, np.ndarray]:
+        """Every exchange of the iteration (``sent``: the first one's payload, where made already,
+        for the exchange ``first``)."""
+        return phases(self.rules, iteration, lambda exchange, tag, made: self._exchange(exchange, made), first, sent)
+
+    def _join(self) -> dict[str, np.ndarray]:
+        """The record of an iteration of an overlapping definition so far: ``comm``, each node's wait
+        for what the local steps did not hide of the exchange of the iteration before (modelled)."""
+        nodes, clocks = self.ctx.config.nodes, self.ctx.clocks
         record = {"comm": np.zeros(nodes), "received": np.zeros(nodes, dtype=np.int64),
                   "missing": np.zeros(nodes, dtype=np.int64)}
-        sent, first, clocks = None, None, self.ctx.clocks
-        if self.rules.overlaps:  # the process engine's models, its exchange modelled beside the next local steps
-            if self._done_at is not None:  # the exchange of the iteration before: waited for what it did not hide
-                record["comm"] = np.maximum(0.0, self._done_at - clocks.now)
-                clocks.now = np.maximum(clocks.now, self._done_at)
-                self._done_at = None
-            first = self.rules.exchange(iteration, 0)
-            sent = self.rules.push(self.ctx.stacked.state, self.state, first,
-                                   last=iteration + 1 == self.ctx.config.iterations)
-            if sent is None:  # the last: the outcome of the one before, no new exchange
-                return record
+        if self._done_at is not None:
+            record["comm"] = np.maximum(0.0, self._done_at - clocks.now)
+            clocks.now = np.maximum(clocks.now, self._done_at)
+            self._done_at = None
+        return record
+
+    def _overlap(self, exchanges: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """Run ``exchanges`` now, modelled beside the next local steps: those start when they
+        start, and the exchange ends when it ends (``_join`` waits for it). Its counters."""
+        clocks = self.ctx.clocks
         started = clocks.now.copy()
-        counts = {}
-        for phase in range(self.rules.phases):
-            exchange = first if phase == 0 and first is not None else self.rules.exchange(iteration, phase)
-            for name, values in self._exchange(exchange, sent if phase == 0 else None).items():
-                counts[name] = counts[name] + values if name in counts else values
-        if self.rules.overlaps:  # the next steps start now; the exchange ends when it ends
-            self._done_at, clocks.now = clocks.now.copy(), started
-            counts["exchange"] = counts.pop("comm")
-        return {**record, **{name: record[name] + values if name in record else values
-                             for name, values in counts.items()}}
+        counts = exchanges()
+        self._done_at, clocks.now = clocks.now.copy(), started
+        return counts
 
     def _exchange(self, exchange: Exchange, sent: torch.Tensor | None = None) -> dict[str, np.ndarray]:
         """One exchange of the iteration, for every node (``sent``: its payload, where made already:
@@ -125,27 +132,10 @@ class BatchedRounds(BatchedAlgorithm):
         source = self.sources(sent, exchange.iteration, links, silent)
         if self.bad:
             links = self.bad.reading(links)
-        self._merge(exchange, links, own, sent, source, present, own_weight, everyone is self.ctx.links)
+        merge_came(self.rules, exchange, own, self.state, sent,
+                   _LinksCame(self, links, own, sent, source, present, own_weight, everyone is self.ctx.links),
+                   isinstance(self.variant, RobustMixing), present.dim() == 2)
         return {"comm": waited, **heard_counts(everyone, arrived.any(1) if arrived.ndim == 2 else arrived), **columns}
-
-    def _merge(self, exchange: Exchange, links: Links, own: torch.Tensor, sent: torch.Tensor, source: torch.Tensor,
-               present: torch.Tensor, own_weight: torch.Tensor, static: bool) -> None:
-        """The definition's merge of what came over ``links`` (into this block's nodes, reading
-        ``source``): ``present`` per link (whole payloads) or per link and chunk; ``own_weight``
-        each node's weight on its own payload ``sent``; ``static``: the links are the graph's."""
-        if present.dim() == 2 and not (isinstance(self.variant, RobustMixing) and exchange.pools):
-            self.rules.merge(own, self.state, self._chunked_mixing(links, static).mixed(sent, present, source), exchange)
-            return
-        weight, own_weight = heard_weights(links, own_weight, present if present.dim() == 1 else present.any(1),
-                                           exchange.keeps_missing)
-        if isinstance(self.variant, RobustMixing) and exchange.pools:
-            self.rules.merge(own, self.state, self.variant.mixed(links, sent, source, present, own_weight), exchange)
-        elif self.rules.linear:
-            mixed = weighted_sums(links, weight, own_weight, source, sent, self._fresh(sent, own))
-            self.rules.merge(own, self.state, mixed, exchange)
-        else:
-            received, weights = links.stack(source[links.sender]), links.stack(weight)
-            self.rules.merge_stack(own, self.state, sent, received, weights, own_weight, exchange)
 
     def _exchange_shares(self, exchange: Exchange) -> dict[str, np.ndarray]:
         """An exchange with a sharing scheme (``SharedMixing``): what each node's scheme makes of
@@ -238,3 +228,35 @@ def heard_counts(links: Links, arrived: np.ndarray) -> dict[str, np.ndarray]:
     receiver = links.receiver.cpu().numpy()
     received = np.bincount(receiver, weights=arrived, minlength=links.nodes).astype(np.int64)
     return {"received": received, "missing": np.bincount(receiver, minlength=links.nodes) - received}
+
+
+class _LinksCame:
+    """What came over an exchange's ``links`` into this block's nodes (``definitions.exchange.Came``):
+    ``present`` per link (whole payloads) or per link and chunk, the links' senders reading
+    ``source``; each node's payload row of ``sent`` and its ``own_weight``; ``static``: the
+    links are the graph's."""
+
+    def __init__(self, runner: BatchedRounds, links: Links, own: torch.Tensor, sent: torch.Tensor,
+                 source: torch.Tensor, present: torch.Tensor, own_weight: torch.Tensor, static: bool):
+        self.runner, self.links, self.own, self.sent, self.source = runner, links, own, sent, source
+        self.present, self.own_weight, self.static = present, own_weight, static
+
+    def weights(self) -> torch.Tensor:
+        heard = self.present if self.present.dim() == 1 else self.present.any(1)
+        return self.links.weight * heard.to(self.links.weight.dtype)
+
+    def unheard(self, weights: torch.Tensor) -> torch.Tensor:
+        return self.links.incoming(self.links.weight - weights)
+
+    def chunked_sum(self) -> torch.Tensor:
+        return self.runner._chunked_mixing(self.links, self.static).mixed(self.sent, self.present, self.source)
+
+    def robust(self, weights: torch.Tensor, own_weight: torch.Tensor) -> torch.Tensor:
+        return self.runner.variant.mixed(self.links, self.sent, self.source, self.present, weights, own_weight)
+
+    def weighted_sum(self, weights: torch.Tensor, own_weight: torch.Tensor) -> torch.Tensor:
+        return weighted_sums(self.links, weights, own_weight, self.source, self.sent,
+                             self.runner._fresh(self.sent, self.own))
+
+    def stack(self, weights: torch.Tensor, own_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.links.stack(self.source[self.links.sender]), self.links.stack(weights), own_weight

@@ -13,6 +13,7 @@ import torch
 from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.checkpoint import Stateful
+from meshlearn.definitions.exchange import BadSenders
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.privacy.mechanism import Privacy
@@ -34,8 +35,8 @@ class AlgorithmContext:
     shape (seed, samples in the node's shard and in every node's, iterations), the aggregation rule its node applies,
     the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology,
     for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
-    nodes it colludes with), and the node's active privacy mechanisms, whose hooks an algorithm
-    calls where it pushes and aggregates (``privacy``: the leader's)."""
+    nodes it colludes with; ``bad``: what it sends), and the node's active privacy mechanisms,
+    whose hooks an algorithm calls where it pushes and aggregates (``privacy``: the leader's)."""
 
     rank: int
     flat: FlatState
@@ -56,14 +57,16 @@ class AlgorithmContext:
     joining: bool = False  # a node joining a group that already trains (a network task's newcomer)
     members: tuple[int, ...] | None = None  # a group that takes in nodes as it runs: its members now (None: every node)
     privacy: Privacy = field(default_factory=Privacy)
+    bad: BadSenders = field(init=False)  # what this node sends in place of its payloads (nothing else: honest)
 
-    def outgoing(self, state: torch.Tensor, iteration: int, neighbours: torch.Tensor | None = None) -> torch.Tensor:
-        """The flat model this node sends for ``state``: ``state`` itself, or what its attack forges
-        (``neighbours``: the models it saw this round, for a rushing attack)."""
-        if self.attack is None:
-            return state
-        initial = self.initial if self.initial is not None else state
-        return self.attack.sent(state, initial, self.seed, self.rank, iteration, neighbours)
+    def __post_init__(self) -> None:
+        self.bad = BadSenders([] if self.attack is None else [(0, self.rank, self.attack)], self.seed,
+                              None if self.initial is None else self.initial.unsqueeze(0))
+
+    def outgoing(self, state: torch.Tensor, iteration: int) -> torch.Tensor:
+        """The flat model this node sends for ``state`` where no attack sees its peers' models
+        first: ``state`` itself, or what its attack forges (``BadSenders.forged_row``)."""
+        return self.bad.forged_row(0, state, iteration)
 
 
 class Algorithm(Stateful, ABC):
@@ -106,9 +109,13 @@ class Algorithm(Stateful, ABC):
                 usable.append(sender)
                 self.watch.heard(sender)
             else:
-                self.watch.refused(sender, problem)
-                log.warning("node %d: refused the model of %d: %s", self.ctx.rank, sender, problem)
+                self.refuse(sender, problem)
         return usable
+
+    def refuse(self, sender: int, problem: str) -> None:
+        """Refuse ``sender``'s message (``problem``: why): counted against it and logged."""
+        self.watch.refused(sender, problem)
+        log.warning("node %d: refused the model of %d: %s", self.ctx.rank, sender, problem)
 
     def start(self) -> None:
         """Called once the transport is connected, before the first iteration."""

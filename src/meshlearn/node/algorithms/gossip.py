@@ -52,6 +52,7 @@ from meshlearn.definitions.gossipstate import (
     GossipState,
     PeerScores,
     Reply,
+    Verdict,
 )
 from meshlearn.definitions.settings import GossipSettings
 from meshlearn.errors import ConfigError
@@ -105,19 +106,17 @@ class GossipAverager:
         """Send ``fetch`` over the endpoint (its answer arrives on a fetch thread)."""
         self._pending_answer = self.endpoint.fetch(fetch.peer, self.node.settings.timeout, fetch.wait)
 
-    def _publish(self, loss: float | None) -> None:
-        vector = self.flat.state.detach()
-        if self.forge is not None:
-            vector = self.forge(vector, int(self.node.clock))
-        self.endpoint.publish(self.flat.segments_of(vector.to("cpu", copy=True)), self.node.meta(loss))
+    def _publish(self, loss: float | None, steps: float = 0.0) -> None:
+        """Publish the state after ``steps`` more local steps (``GossipState.publish``)."""
+        vector, meta = self.node.publish(self.flat.state.detach(), loss, steps, self.forge)
+        self.endpoint.publish(self.flat.segments_of(vector.to("cpu", copy=True)), meta)
 
     def update_wait(self, loss: float | None, steps: float = 1.0) -> dict[str, float]:
         """Count ``steps`` trained and publish the trained state; wait for the fetch started by
         ``update_send`` (never past its timeout) and interpolate with the peer. Returns what
         happened, for the run log."""
-        self.node.trained(steps)
         self._time_step()
-        self._publish(loss)
+        self._publish(loss, steps)
         self._trained_published = True
         fetch = self.node.fetch
         if fetch is None:
@@ -126,10 +125,7 @@ class GossipAverager:
         reply = self._answer(max(0.0, fetch.deadline - started) + 0.05)
         waited = self.node.time.monotonic() - started
         verdict, average = self.node.take(None if reply is None else self._judged(reply), loss, self.flat.state)
-        record = {"fetched": verdict.peer, "factor": verdict.factor, "comm": waited}
-        if not verdict.merged:
-            return {**record, "failed": 1, **({"diverged": 1} if verdict.outcome == DIVERGED else {})}
-        return {**record, "average": average}
+        return _step_record(verdict, waited, average)
 
     def _answer(self, timeout: float) -> Message | None:
         """The pending fetch's answer, or None after ``timeout`` seconds (the fetch thread ends the
@@ -170,6 +166,15 @@ class GossipAverager:
         """A fetch's answer as ``GossipState.judge`` reads it: its segments in this state's order."""
         problem = self.flat.check_compatible(reply.tensors)
         return Reply.read(reply.meta, () if problem else [reply.tensors[name] for name in self.flat.ranges], problem)
+
+
+def _step_record(verdict: Verdict, waited: float, average: float) -> dict[str, float]:
+    """What ``update_wait`` returns for the run log: the fetch's ``verdict``, the seconds ``waited``
+    for it and, merged, those its ``average`` took."""
+    record = {"fetched": verdict.peer, "factor": verdict.factor, "comm": waited}
+    if not verdict.merged:
+        return {**record, "failed": 1, **({"diverged": 1} if verdict.outcome == DIVERGED else {})}
+    return {**record, "average": average}
 
 
 class Gossip(Algorithm):

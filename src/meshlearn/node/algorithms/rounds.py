@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
 from meshlearn.aggregation.suspects import refusal
-from meshlearn.definitions.averaging import merge_shares_
+from meshlearn.definitions.averaging import take_shares_
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, robust_merge
+from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
 from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
@@ -71,9 +73,6 @@ class RoundRunner(Algorithm):
         state = ctx.flat.state
         self.sharing: Sharing | None = None if ctx.sharing == "full" else \
             make_sharing(ctx.sharing, state.numel(), state.dtype, ctx.seed, ctx.transport.lossy)
-        self._first: dict[int, torch.Tensor] = {}  # a bad node: its first payload of each size (``stale`` sends it)
-        if ctx.initial is not None:
-            self._first[ctx.initial.numel()] = ctx.initial  # of the model's size: its first model
         self._buffer: torch.Tensor | None = None
         self._ranges: dict[int, dict[str, tuple[int, int]]] = {}
         self._pending: GuardedThread | None = None  # overlapping algorithms: the exchange running beside the steps
@@ -133,49 +132,38 @@ class RoundRunner(Algorithm):
         return chosen is None or self.ctx.rank in chosen
 
     def after_local_steps(self, iteration: int, train_loss: float | None = None) -> dict[str, float]:
-        if not self.rules.overlaps:
-            return self._phases(iteration)
-        # the exchange of the iteration before ran beside these local steps: its outcome, then this one's push
-        t0 = time.perf_counter()
-        record = self._join()
-        waited = time.perf_counter() - t0
-        record["comm"] = waited  # what the local steps did not hide (the exchange's own time is in "exchange")
-        first = self.rules.exchange(iteration, 0)
-        with torch.no_grad():
-            sent = self.rules.push(self.ctx.flat.state.detach().unsqueeze(0), self.state, first,
-                                   last=iteration + 1 == self.ctx.iterations)
-        if sent is not None:
-            self._pending = GuardedThread(self._overlapped, f"exchange-{self.ctx.rank}", (iteration, sent, first))
-            self._pending.start()
-        return record
+        return run_exchanges(self.rules, self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration,
+                             self.ctx.iterations, self._phases, self._join, self._overlap)
 
     def _phases(self, iteration: int, sent: torch.Tensor | None = None,
                 first: Exchange | None = None) -> dict[str, float]:
         """Every exchange of the iteration (``sent``: the first one's payload, where made already,
         for the exchange ``first``)."""
-        record = {"encode": 0.0, "comm": 0.0, "average": 0.0, "received": 0, "missing": 0}
-        for phase in range(self.rules.phases):
-            exchange = first if phase == 0 and first is not None else self.rules.exchange(iteration, phase)
-            tag = iteration * self.rules.phases + phase
-            for name, value in self._exchange(exchange, tag, sent if phase == 0 else None).items():
-                record[name] = record.get(name, 0) + value
-        return record
+        return phases(self.rules, iteration, self._exchange, first, sent)
 
-    def _overlapped(self, iteration: int, sent: torch.Tensor, first: Exchange) -> None:
+    def _overlap(self, exchanges: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """Start ``exchanges`` on the exchange thread, beside the next local steps (its counters:
+        at its ``_join``)."""
+        self._pending = GuardedThread(self._overlapped, f"exchange-{self.ctx.rank}", (exchanges,))
+        self._pending.start()
+        return {}
+
+    def _overlapped(self, exchanges: Callable[[], dict[str, float]]) -> None:
         """The exchange thread's work: the iteration's exchanges, their counters kept for ``_join``."""
         with torch.no_grad():
-            self._counters = self._phases(iteration, sent, first)
+            self._counters = exchanges()
 
     def _join(self) -> dict[str, float]:
-        """Wait for the exchange under way (raising what ended it, if it failed); its counters, the
-        seconds it took as ``exchange`` ({} when none was under way)."""
+        """Wait for the exchange under way (raising what ended it, if it failed); its counters
+        ({} when none was under way) and ``comm``, the seconds waited for it."""
+        t0 = time.perf_counter()
         pending, self._pending = self._pending, None
-        if pending is None:
-            return {}
-        pending.join()
-        pending.raise_if_failed()
-        counters = dict(self._counters)
-        counters["exchange"] = counters.pop("comm", 0.0)
+        counters = {}
+        if pending is not None:
+            pending.join()
+            pending.raise_if_failed()
+            counters = dict(self._counters)
+        counters["comm"] = time.perf_counter() - t0  # what the local steps did not hide
         return counters
 
     def state_dict(self) -> dict:
@@ -207,7 +195,7 @@ class RoundRunner(Algorithm):
                 sent = self.rules.payload(own, self.state, exchange)
         t1 = time.perf_counter()
         senders = list(exchange.round.receive_from[rank])
-        received = self._send(exchange, tag, sent[0], senders)
+        received = self._send(exchange, tag, sent, senders)
         if received is None:
             received = ctx.transport.gather(tag, senders) if senders else {}
         t2 = time.perf_counter()
@@ -219,49 +207,38 @@ class RoundRunner(Algorithm):
             partial = [received[j] for j in usable if received[j].chunks is not None and received[j].chunks.missing]
             chunked = bool(partial) or (bool(usable) and len(usable) < len(senders))
             counts = {"partial": len(partial), "chunks_missing": sum(msg.chunks.missing for msg in partial)}
-        self._merge(own, sent, received, usable, exchange, chunked)
+        with torch.no_grad():
+            merge_came(self.rules, exchange, own, self.state, sent,
+                       _Came(self, own, sent, received, usable, exchange, chunked), self.rule.robust, chunked)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
         return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(usable),
                 "missing": len(senders) - len(usable), **counts}
 
-    def _send(self, exchange: Exchange, tag: int, payload: torch.Tensor,
+    def _send(self, exchange: Exchange, tag: int, sent: torch.Tensor,
               senders: list[int]) -> dict[int, Message] | None:
-        """Send ``payload`` [Q] (a bad node: what its attack forges from it) to the exchange's
-        targets. Returns the senders' messages where a rushing attack gathered them before it sent
-        (its colluders' left out), else None."""
+        """Send the payload ``sent`` [1, Q] (a bad node: what its attack forges from it) to the
+        exchange's targets. Returns the senders' messages where a rushing attack gathered them
+        before it sent (its colluders' left out), else None."""
         ctx = self.ctx
         targets = list(exchange.round.send_to[ctx.rank])
-        if ctx.transport.lossy and payload.numel() != ctx.flat.state.numel():
-            raise ConfigError(f"algorithm {self.name} sends {payload.numel()} values, the model {ctx.flat.state.numel()}:"
+        if ctx.transport.lossy and sent.shape[1] != ctx.flat.state.numel():
+            raise ConfigError(f"algorithm {self.name} sends {sent.shape[1]} values, the model {ctx.flat.state.numel()}:"
                               " over transport udp a payload must have the model's size (use transport tcp)")
-        if ctx.attack is None or not targets:
-            self.send(targets, payload, tag, len(senders))
+        if not ctx.bad or not targets:
+            self.send(targets, sent[0], tag, len(senders))
             return None
-        received = None
-        if ctx.attack.rushing:  # it sees its honest senders' payloads before it sends
-            received = ctx.transport.gather(tag, [j for j in senders if j not in ctx.colluders])
-        self.send(targets, self._forged(payload, exchange.iteration, received), tag, len(senders))
+        received, seen = self._rushing(tag, senders, sent[0]) if ctx.attack.rushing else (None, None)
+        self.send(targets, ctx.bad.forged(sent, exchange.iteration, [seen], self.rules.honest_tail)[0], tag,
+                  len(senders))
         return received
 
-    def _forged(self, payload: torch.Tensor, iteration: int, received: dict[int, Message] | None) -> torch.Tensor:
-        """What this bad node's attack forges from its honest ``payload`` [Q]: with its first payload
-        of that size, and the honest payloads it saw (``received``, for a rushing attack)."""
-        ctx = self.ctx
-        if payload.numel() not in self._first:
-            self._first[payload.numel()] = payload.detach().clone()
-        seen = None
-        if received:
-            rows = [self.vector(received[j], payload) for j in sorted(received)
-                    if self._shape_problem(received[j], payload) is None]
-            seen = torch.stack(rows) if rows else None
-        tail = self.rules.honest_tail  # the payload's last values, sent as they are (the receivers check them)
-        if not tail:
-            return ctx.attack.sent(payload, self._first[payload.numel()], ctx.seed, ctx.rank, iteration, seen)
-        forged = payload.clone()
-        forged[:-tail] = ctx.attack.sent(payload[:-tail], self._first[payload.numel()][:-tail], ctx.seed, ctx.rank,
-                                         iteration, None if seen is None else seen[:, :-tail])
-        return forged
+    def _rushing(self, tag: int, senders: list[int], like: torch.Tensor) -> tuple[dict[int, Message], torch.Tensor | None]:
+        """A rushing bad node sees its honest senders' payloads (its colluders' left out) before it
+        sends: their messages, and the payloads [D, Q] of those like its own (None: none)."""
+        received = self.ctx.transport.gather(tag, [j for j in senders if j not in self.ctx.colluders])
+        rows = [self.vector(received[j], like) for j in sorted(received) if self._shape_problem(received[j], like) is None]
+        return received, torch.stack(rows) if rows else None
 
     def _exchange_shares(self, exchange: Exchange, tag: int) -> dict[str, float]:
         """Send what the sharing scheme makes of the model, then average what the senders sent
@@ -277,31 +254,24 @@ class RoundRunner(Algorithm):
                                                                        tensors))
         received = ctx.transport.gather(tag, senders)
         t2 = time.perf_counter()
-        shared: dict[int, Shared] = {}
-        partial = chunks_missing = 0
-        for sender in sorted(received):
-            msg = received[sender]
-            chunks = None if msg.chunks is None else (msg.chunks.present, msg.chunks.chunk_bytes)
-            try:
-                share = sharing.receive(msg.tensors, sender, msg.iteration, chunks)
-            except ValueError as exc:
-                self.watch.refused(sender, str(exc))
-                log.warning("node %d: refused the model of %d: %s", ctx.rank, sender, exc)
-                continue
+        taken = take_shares_(sharing, state, weights, [(j, self._share_of(received[j], j)) for j in sorted(received)],
+                             {j: msg.degree for j, msg in received.items()}, self.missing_chunk_rule, self.refuse)
+        for sender in taken.read:
             self.watch.heard(sender)
-            if msg.chunks is not None and msg.chunks.missing:
-                partial, chunks_missing = partial + 1, chunks_missing + msg.chunks.missing
-            if share is not None:
-                shared[sender] = share
-        degrees = {sender: received[sender].degree for sender in shared}
-        for sender in merge_shares_(sharing, state, weights, shared, degrees, self.missing_chunk_rule):
-            # expected over lossy links; the run log counts it (missing)
+        chunks = [received[j].chunks for j in taken.read if received[j].chunks is not None]
+        missing = [read.missing for read in chunks if read.missing]  # per message that lost chunks, how many
+        for sender in taken.lost:  # expected over lossy links; the run log counts it (missing)
             log.debug("node %d: missed an update of %d: its estimate is out of step until each value is sent again",
                       ctx.rank, sender)
         ctx.transport.recycle(received.values())
         t3 = time.perf_counter()
-        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(shared),
-                "missing": len(senders) - len(shared), "partial": partial, "chunks_missing": chunks_missing}
+        return {"encode": t1 - t0, "comm": t2 - t1, "average": t3 - t2, "received": len(taken.shared),
+                "missing": len(senders) - len(taken.shared), "partial": len(missing), "chunks_missing": sum(missing)}
+
+    def _share_of(self, msg: Message, sender: int) -> Callable[[], Shared | None]:
+        """How this node's sharing scheme reads ``sender``'s message (what came of it)."""
+        chunks = None if msg.chunks is None else (msg.chunks.present, msg.chunks.chunk_bytes)
+        return lambda: self.sharing.receive(msg.tensors, sender, msg.iteration, chunks)
 
     def send(self, targets: list[int], payload: torch.Tensor, tag: int, degree: int) -> None:
         """Send ``payload`` [Q] to ``targets`` as named segments (a copy: the state changes while
@@ -351,72 +321,6 @@ class RoundRunner(Algorithm):
             return f"it sent {sorted(tensors)[:3]}, not {len(ranges)} segments of {sent.numel()} {sent.dtype} values"
         return None
 
-    def _merge(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
-               exchange: Exchange, chunked: bool = False) -> None:
-        """The definition's merge of this node's payload and the ``usable`` ones received (``chunked``:
-        some of them, over a lossy transport, lost chunks or all of them): the run's robust rule
-        where the exchange pools, the per-chunk sum where chunks are missing, else the weighted sum."""
-        heard_from = exchange.round.weights[self.ctx.rank]
-        weights = [heard_from[sender] for sender in usable]
-        own_weight = exchange.own_weights[0]
-        if chunked and not (self.rule.robust and exchange.pools):
-            self._merge_chunked(own, sent, received, usable, weights, own_weight, exchange)
-            return
-        if exchange.keeps_missing:  # the weight of a sender not heard stays with the node's own
-            own_weight += sum(w for sender, w in heard_from.items() if sender not in usable)
-        with torch.no_grad():
-            if self.rule.robust and exchange.pools and usable:
-                self._merge_robust(own, sent, received, usable, weights, own_weight, exchange, chunked)
-            elif self.rules.linear:  # the weighted sum in place: into the model itself where the merge is to
-                # take it and the payload is the model (D-PSGD), else into one buffer kept across rounds
-                in_place = self._in_place(own, sent)
-                mixed = own if in_place else self._mixed(sent)
-                torch.mul(sent, own_weight, out=mixed)
-                for sender, weight in zip(usable, weights):
-                    for name, (a, b) in self.ranges(sent[0]).items():
-                        mixed[0, a:b].add_(received[sender].tensors[name].to(mixed.device, non_blocking=True),
-                                           alpha=weight)
-                if not in_place:
-                    self.rules.merge(own, self.state, mixed, exchange)
-            else:
-                stack = sent.new_zeros((1, 0, sent.shape[1])) if not usable else \
-                    torch.stack([self.vector(received[sender], sent[0]) for sender in usable])[None].to(sent.device)
-                self.rules.merge_stack(own, self.state, sent, stack, torch.tensor([weights], dtype=torch.float64),
-                                       torch.tensor([own_weight], dtype=torch.float64), exchange)
-
-    def _merge_robust(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
-                      weights: list[float], own_weight: float, exchange: Exchange, chunked: bool) -> None:
-        """The run's robust rule over this node's payload (weighing ``own_weight``) and the ``usable``
-        ones with their ``weights`` (per chunk of what arrived, when ``chunked``): ``robust_merge``,
-        for this one node; its result is what the definition's merge takes (D-PSGD: the model).
-        Received payloads found deviant from it are counted against their senders."""
-        stack = torch.stack([self.vector(received[j], sent[0]) for j in usable]).unsqueeze(0).to(sent.device)
-        present, chunk_elements = None, 0
-        if chunked:
-            present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(sent.device)
-            chunk_elements = received[usable[0]].chunks.chunk_bytes // sent.element_size()
-        mixed, deviant = robust_merge(self.rule, sent, stack, torch.tensor([weights], dtype=torch.float64), present,
-                                      chunk_elements, own_weight=torch.tensor([own_weight], dtype=torch.float64))
-        if deviant is not None:
-            self.watch.count_deviant(usable, deviant[0])
-        if self._in_place(own, sent):
-            own.copy_(mixed)
-        else:
-            self.rules.merge(own, self.state, mixed, exchange)
-
-    def _merge_chunked(self, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message], usable: list[int],
-                       weights: list[float], own_weight: float, exchange: Exchange) -> None:
-        """The weighted sum per chunk of what a lossy transport delivered (``missing_chunks``: how a
-        missing chunk's weight is shared out; a sender not heard at all weighs nothing), then the
-        definition's merge of it."""
-        in_place = self._in_place(own, sent)
-        mixed = own if in_place else self._mixed(sent).copy_(sent)
-        with torch.no_grad():
-            chunked_average_(mixed[0], own_weight, [(w, received[j]) for j, w in zip(usable, weights)],
-                             self.missing_chunk_rule)
-            if not in_place:
-                self.rules.merge(own, self.state, mixed, exchange)
-
     def _in_place(self, own: torch.Tensor, sent: torch.Tensor) -> bool:
         """Whether the merge's input may be written into the model itself: the payload is the model
         and the definition's merge is to take the mixed payload as it is (D-PSGD)."""
@@ -427,3 +331,72 @@ class RoundRunner(Algorithm):
         if self._buffer is None or self._buffer.shape != sent.shape or self._buffer.dtype != sent.dtype:
             self._buffer = torch.empty_like(sent)
         return self._buffer
+
+
+class _Came:
+    """What came to this node in one exchange (``definitions.exchange.Came``): the messages of
+    its ``usable`` senders (``chunked``: some lost chunks over a lossy transport, or did not come)
+    for its payload ``sent`` [1, Q]; each way of merging them over the messages' segments, into
+    the model ``own`` itself where the runner may (``_in_place``), else into its kept buffer."""
+
+    def __init__(self, runner: RoundRunner, own: torch.Tensor, sent: torch.Tensor, received: dict[int, Message],
+                 usable: list[int], exchange: Exchange, chunked: bool):
+        self.runner, self.own, self.sent, self.received, self.usable = runner, own, sent, received, usable
+        self.heard_from, self.chunked = exchange.round.weights[runner.ctx.rank], chunked
+        self.own_weight = exchange.own_weights[0]
+
+    def weights(self) -> list[float]:
+        return [self.heard_from[sender] for sender in self.usable]
+
+    def unheard(self, weights: list[float]) -> float:
+        return sum(w for sender, w in self.heard_from.items() if sender not in self.usable)
+
+    def _into(self) -> torch.Tensor:
+        """Where a sum goes: the model itself (``_in_place``), else the runner's buffer."""
+        return self.own if self.runner._in_place(self.own, self.sent) else self.runner._mixed(self.sent)
+
+    def chunked_sum(self) -> torch.Tensor:
+        mixed = self._into()
+        if mixed is not self.own:
+            mixed.copy_(self.sent)
+        chunked_average_(mixed[0], self.own_weight, [(w, self.received[j]) for j, w in zip(self.usable, self.weights())],
+                         self.runner.missing_chunk_rule)
+        return mixed
+
+    def weighted_sum(self, weights: list[float], own_weight: float) -> torch.Tensor:
+        mixed, sent = self._into(), self.sent
+        torch.mul(sent, own_weight, out=mixed)
+        for sender, weight in zip(self.usable, weights):
+            for name, (a, b) in self.runner.ranges(sent[0]).items():
+                mixed[0, a:b].add_(self.received[sender].tensors[name].to(mixed.device, non_blocking=True),
+                                   alpha=weight)
+        return mixed
+
+    def _stacked(self) -> torch.Tensor:
+        """The usable payloads as a stack [1, K, Q]."""
+        sent = self.sent
+        if not self.usable:
+            return sent.new_zeros((1, 0, sent.shape[1]))
+        return torch.stack([self.runner.vector(self.received[j], sent[0]) for j in self.usable])[None].to(sent.device)
+
+    def stack(self, weights: list[float], own_weight: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (self._stacked(), torch.tensor([weights], dtype=torch.float64),
+                torch.tensor([own_weight], dtype=torch.float64))
+
+    def robust(self, weights: list[float], own_weight: float) -> torch.Tensor:
+        """``robust_merge`` for this one node (per chunk of what arrived, when ``chunked``); the
+        received payloads found deviant from its result are counted against their senders. A node
+        that heard nobody keeps its weighted sum."""
+        sent, received, usable = self.sent, self.received, self.usable
+        if not usable:
+            return self.weighted_sum(weights, own_weight)
+        present, chunk_elements = None, 0
+        if self.chunked:
+            present = torch.stack([received[j].chunks.present for j in usable]).unsqueeze(0).to(sent.device)
+            chunk_elements = received[usable[0]].chunks.chunk_bytes // sent.element_size()
+        mixed, deviant = robust_merge(self.runner.rule, sent, self._stacked(),
+                                      torch.tensor([weights], dtype=torch.float64), present, chunk_elements,
+                                      own_weight=torch.tensor([own_weight], dtype=torch.float64))
+        if deviant is not None:
+            self.runner.watch.count_deviant(usable, deviant[0])
+        return mixed
