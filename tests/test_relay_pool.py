@@ -87,6 +87,9 @@ def _loopback_aliases_work() -> bool:
     return True
 
 
+# slow (about 35 s): the default run keeps the pool's rules below (eviction of the never-registered, the
+# bounds per key and address, allocations closed with their work), each on a bootstrap of its own
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux) to set the file limit")
 @pytest.mark.skipif(not _loopback_aliases_work(), reason="needs 127.0.0.0/8 on loopback (Linux)")
 def test_40_insider_keys_on_8_addresses_leave_room_for_a_new_provider_behind_nat_and_its_task(procs):
