@@ -20,6 +20,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.errors import ConfigError
 from meshlearn.network.task import TaskRequest, TaskSettings, TaskSpec
 from meshlearn.plugins import load_user_module
+from meshlearn.definitions.base import DEFINITIONS, definition
 from meshlearn.training import ALGORITHM_SECTIONS, TrainingSettings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
@@ -77,6 +78,15 @@ def test_the_three_schemas_share_every_training_field():
     for schema in (ExperimentConfig, TaskSettings, TaskRequest, TaskSpec):
         assert set(TrainingSettings.model_fields) <= set(schema.model_fields), schema.__name__
     assert set(ALGORITHM_SECTIONS) == {"dpsgd", "gossip", "leader", "fedavg", "pushsum"}
+
+
+def test_each_built_in_algorithms_section_is_the_settings_class_its_definition_declares():
+    """A built-in algorithm's section is a typed field of ``TrainingSettings`` named as the algorithm;
+    its type is the one its registered definition declares, and an algorithm declaring none has none."""
+    for name in sorted(set(DEFINITIONS.names()) - set(DEFINITIONS.extensions())):  # a user's: algorithm_settings
+        declared = definition(name).settings
+        field = TrainingSettings.model_fields.get(name)
+        assert (field.annotation if field else None) is declared, name
 
 
 def test_a_network_task_keeps_its_own_defaults_with_the_training_fields_bounds():
