@@ -26,10 +26,12 @@ from meshlearn.config import (
     make_config,
     read_config_file,
 )
+from meshlearn.definitions.base import DEFINITIONS
 from meshlearn.errors import MeshlearnError, about
 from meshlearn.exiting import exit_now
 from meshlearn.plugins import load_user_module
 from meshlearn.suggest import closest, did_you_mean
+from meshlearn.training import user_settings_class
 
 DEMO = {
     "nodes": 8,
@@ -230,13 +232,21 @@ SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PS
                   "batched": "the batched engine"}
 
 
-def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = ()) -> None:
+def _add_config_flags(parser: argparse.ArgumentParser, leave_out: tuple[str, ...] = (),
+                      user_algorithms: bool = True) -> None:
     """One flag per experiment setting (flat names), grouped by what they are about; defaults stay
-    in the settings models. ``leave_out``: settings this command does not take."""
+    in the settings models. ``leave_out``: settings this command does not take. ``user_algorithms``:
+    the settings of the algorithms a loaded ``--models-module`` registered too, a group each."""
     where = {name: title for title, names in FLAG_GROUPS.items() for name in names}
-    grouped: dict[str, list] = {title: [] for title in [*FLAG_GROUPS, *SECTION_GROUPS.values(), "other settings"]}
+    users = {flat: f"algorithm {algorithm} (--models-module)" for algorithm in DEFINITIONS.extensions()
+             if (declared := user_settings_class(algorithm)) is not None for flat in declared.flat_names()}
+    grouped: dict[str, list] = {title: [] for title in [*FLAG_GROUPS, *SECTION_GROUPS.values(), *users.values(),
+                                                         "other settings"]}
     for name, field in flat_fields():
-        if name in leave_out:
+        if name in leave_out or (name in users and not user_algorithms):
+            continue
+        if name in users:
+            grouped[users[name]].append((name, field))
             continue
         section = FLAT_ROUTES[name][0][0] if name in FLAT_ROUTES else None
         grouped[where.get(name) or SECTION_GROUPS.get(section, "other settings")].append((name, field))
@@ -398,18 +408,19 @@ def _watched_experiment(experiment, args: argparse.Namespace) -> Path:
         return run_experiment(experiment, progress=not args.quiet, around_run=each_run, resume=not args.restart)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(user_algorithms: bool = True) -> argparse.ArgumentParser:
     """The `meshlearn` command line: the local commands (demo, simulate, experiment, sample, node)
-    and the network's (``cli.network``)."""
+    and the network's (``cli.network``); ``user_algorithms``: with the flags of the settings of the
+    algorithms a loaded ``--models-module`` registered."""
     parser = _Parser(prog="meshlearn", description="Peer-to-peer training of PyTorch models.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (before the command: meshlearn -v simulate ...)")
     parser.add_argument("--version", action="version", version=f"meshlearn {_version()}")
     sub = parser.commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     _add_demo(sub)
-    _add_simulate(sub)
+    _add_simulate(sub, user_algorithms)
     _add_experiment(sub)
     _add_sample(sub)
-    _add_node(sub)
+    _add_node(sub, user_algorithms)
     add_network_commands(sub)
     return parser
 
@@ -422,7 +433,7 @@ def _add_demo(sub) -> None:
     demo.set_defaults(func=cmd_demo)
 
 
-def _add_simulate(sub) -> None:
+def _add_simulate(sub, user_algorithms: bool = True) -> None:
     """Add the ``simulate`` command: N nodes on this machine, with every config flag."""
     about_simulate = "run N nodes on this machine (a process each, or all in one process with --engine batched)"
     simulate = sub.add_parser("simulate", help=about_simulate, description=about_simulate[:1].upper() +
@@ -432,7 +443,7 @@ def _add_simulate(sub) -> None:
     simulate.add_argument("--resume", metavar="FOLDER", help="continue the interrupted run in this results folder "
                           "from its newest checkpoint, with its own settings (default: a new run)")
     add_live_flags(simulate)
-    _add_config_flags(simulate)
+    _add_config_flags(simulate, user_algorithms=user_algorithms)
     simulate.show_common(COMMON_FLAGS)
     simulate.set_defaults(func=cmd_simulate)
 
@@ -469,7 +480,7 @@ def _add_sample(sub) -> None:
     sample.set_defaults(func=cmd_sample)
 
 
-def _add_node(sub) -> None:
+def _add_node(sub, user_algorithms: bool = True) -> None:
     """Add the ``node`` command: one node of a multi-machine experiment."""
     node = sub.add_parser("node", help="run one node of a multi-machine experiment",
                           description="Run one node of a multi-machine experiment.")
@@ -478,7 +489,7 @@ def _add_node(sub) -> None:
     node.add_argument("--rank", required=True, type=int, help="this node's rank")
     # --output (from the config flags) defaults to runs/<addresses file name> for `node`: all ranks share it;
     # a node is one process of the process engine, so it takes no --engine
-    _add_config_flags(node, leave_out=("engine",))
+    _add_config_flags(node, leave_out=("engine",), user_algorithms=user_algorithms)
     node.show_common(NODE_FLAGS)
     node.set_defaults(func=cmd_node)
 

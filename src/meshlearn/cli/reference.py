@@ -107,7 +107,7 @@ def _adapter() -> list[str]:
 
 def settings_reference() -> str:
     """The Markdown text of ``docs/settings.md``."""
-    parser = build_parser()
+    parser = build_parser(user_algorithms=False)  # the built-in settings (not a module's loaded by now)
     commands = parser.commands
     summaries = {action.dest: action.help for action in commands._choices_actions}
     lines = [HEADER]

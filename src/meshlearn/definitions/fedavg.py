@@ -75,7 +75,10 @@ class FedAvg(RoundAlgorithm):
 
     name = "fedavg"
     summary = "a parameter server, node 0, averages by samples: the federated baseline; the topology is not used"
-    needs = Needs(network=True, outer=True, robust=True, byzantine=True)
+    needs = Needs(network=True, outer=True, robust=True, byzantine=True, why_not=(
+        ("lossy", "its answer is a model each client takes whole"),
+        ("sharing", "it has its own: fedavg_compress"),
+        ("dynamic", "its clients talk to node 0 only")))
     settings = FedAvgSettings
     phases = 2  # the drawn push to the server; the server answers everyone
     honest_tail = 1  # the 1 after the model: a payload with another is refused, so an attack forges the model only

@@ -36,6 +36,13 @@ class Needs:
     torchrun: bool = False
     network: bool = False
     outer: bool = False
+    why_not: tuple[tuple[str, str], ...] = ()  # (feature, why it does not take it): said with a refusal
+
+    def reason(self, feature: str) -> str:
+        """Why it does not take ``feature`` (``lossy``, ``sharing``, ``robust``, ``byzantine``,
+        ``dynamic``, ``outer``), as its declaration says: `` (why)``, or "" where it says nothing."""
+        why = dict(self.why_not).get(feature)
+        return f" ({why})" if why else ""
 
 
 @dataclass(frozen=True)
@@ -59,12 +66,12 @@ def refusal(name: str, needs: Needs, run: RunShape) -> str | None:
     if run.transport != "tcp" and not needs.lossy:
         if needs.endpoint in ("pull", "hub"):
             return f"{name} exchanges models by request and answer over TCP: use transport tcp"
-        return f"algorithm {name} needs transport tcp (every message whole)"
+        return f"algorithm {name} needs transport tcp" + (needs.reason("lossy") or " (every message whole)")
     lacking = [
-        (not accepts_sharing(needs, run.sharing), "sharing full"),
-        (run.aggregation != "mean" and not needs.robust, "aggregation mean"),
-        (run.byzantine and not needs.byzantine, "no byzantine nodes"),
-        (bool(run.dynamic) and not needs.dynamic, f"a static topology (not {run.dynamic})"),
+        (not accepts_sharing(needs, run.sharing), "sharing full" + needs.reason("sharing")),
+        (run.aggregation != "mean" and not needs.robust, "aggregation mean" + needs.reason("robust")),
+        (run.byzantine and not needs.byzantine, "no byzantine nodes" + needs.reason("byzantine")),
+        (bool(run.dynamic) and not needs.dynamic, f"a static topology (not {run.dynamic})" + needs.reason("dynamic")),
         (run.engine == "batched" and not needs.synchronous and run.full_epochs,
          "rounds counted in mini-batches on the batched engine (not full_epochs): or use the process engine"),
         (run.engine == "batched" and not needs.synchronous and not run.plain_sgd,

@@ -54,7 +54,9 @@ class PushSum(RoundAlgorithm):
     name = "pushsum"
     settings = PushSumSettings
     keeps_missing = False  # a share that did not arrive is lost to x and w alike: x / w stays unbiased
-    needs = Needs(dynamic=True, byzantine=True)  # bad nodes may forge what they push; see the module on the rest
+    needs = Needs(dynamic=True, byzantine=True, why_not=(
+        ("lossy", "a lost chunk would change the numerator x but not the weight w, and x / w would drift"),
+        ("robust", "a robust rule over numerators of different weights is no push-sum step")))
     summary = "Stochastic Gradient Push, Assran et al. 2019: push-sum over directed and time-varying graphs"
 
     def __init__(self, rounds: Rounds, nodes: int, seed: int, settings: PushSumSettings | None = None,

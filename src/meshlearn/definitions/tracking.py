@@ -37,7 +37,11 @@ class GradientTracking(RoundAlgorithm):
     """DSGT: average ``x + d`` and the tracker ``d`` with the neighbours; step along the tracked update."""
 
     name = "tracking"
-    needs = Needs(dynamic=True, byzantine=True)  # bad nodes may forge what they push; see the module on the rest
+    needs = Needs(dynamic=True, byzantine=True, why_not=(
+        ("lossy", ("the tracker follows the average update only under doubly stochastic weights, which lost "
+                   "chunks' per-chunk weights are not")),
+        ("robust", ("the tracker follows the average update only under doubly stochastic weights, which a "
+                    "robust rule's are not"))))
     summary = "gradient tracking as DSGT, Pu and Nedić 2021: D-PSGD along the tracked average update, for non-IID data"
 
     def begin(self, own: Tensor) -> State:
