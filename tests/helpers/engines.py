@@ -33,8 +33,9 @@ def batched_states(values: dict, tmp_path, vectorize: str) -> torch.Tensor:
 def metropolis_average(links, state: torch.Tensor, arrived: torch.Tensor | None = None) -> torch.Tensor:
     """The batched engine's D-PSGD average of ``state`` over ``links`` (``arrived``: per link,
     whether its model came in time; a late one's weight stays with the receiver's own)."""
-    from meshlearn.batched.mixing import heard_weights, mixing_matrix
+    from meshlearn.batched.mixing import mixing_matrix
 
     heard = torch.ones(len(links), dtype=torch.bool) if arrived is None else arrived
-    weight, own = heard_weights(links, 1.0 - links.incoming(links.weight), heard)
+    weight = links.weight * heard.to(links.weight.dtype)  # a late link weighs nothing ...
+    own = 1.0 - links.incoming(links.weight) + links.incoming(links.weight - weight)  # ... its share stays home
     return torch.sparse.mm(mixing_matrix(links, weight, own, state.dtype), state)

@@ -140,15 +140,6 @@ def weighted_sums(links: Links, weight: torch.Tensor, own: torch.Tensor, source:
     return sent
 
 
-def heard_weights(links: Links, own_weight: torch.Tensor, heard: torch.Tensor,
-                  keeps_missing: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each link's weight where its message was ``heard`` in time (0 where not), and each node's
-    own weight: ``own_weight``, plus (``keeps_missing``, D-PSGD's rule) the weights of the links it
-    did not hear, so a node whose neighbour missed the deadline keeps that share of its own model."""
-    weight = links.weight * heard.to(links.weight.dtype)
-    return weight, own_weight + links.incoming(links.weight - weight) if keeps_missing else own_weight
-
-
 class ChunkedMixing:
     """The weighted sum of the payloads when some chunks of some are missing (a lossy UDP link),
     for every node at once: per chunk, a ``missing_chunks`` rule (``definitions.dpsgd``, the
