@@ -37,7 +37,7 @@ import torch
 
 from meshlearn.data import ShardLoader, load_dataset
 from meshlearn.models import build_model
-from meshlearn.network.task import dataset_spec
+from meshlearn.network.task.spec import dataset_spec
 from meshlearn.node import evaluate_model
 
 ROOT = Path(__file__).resolve().parents[1]

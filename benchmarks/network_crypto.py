@@ -37,9 +37,9 @@ import zmq
 from secure_channels import _socket_receiver
 
 from meshlearn.flat import SEGMENT_BYTES
-from meshlearn.network.identity import KeyPair
-from meshlearn.network.relay import Relay, RelayAgent
-from meshlearn.network.rpc import RpcServer, call
+from meshlearn.network.channel.identity import KeyPair
+from meshlearn.network.channel.relay import Relay, RelayAgent
+from meshlearn.network.channel.rpc import RpcServer, call
 from meshlearn.transport import TcpTransport
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.wire import Kind, Message, encode

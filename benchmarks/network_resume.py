@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from helpers.netproc import Processes, repeated_pairs, start_network  # noqa: E402
 
-from meshlearn.network.taskstate import KeptCheckpoints  # noqa: E402
+from meshlearn.network.task.state import KeptCheckpoints  # noqa: E402
 
 
 def _reached(procs: Processes, ids: list[str]) -> list[int]:

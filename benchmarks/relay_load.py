@@ -33,12 +33,12 @@ ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b
 
 
 def relay_module(revision: str | None):
-    """meshlearn.network.relay, from this tree or from a git revision (its SparseLog import
+    """meshlearn.network.channel.relay, from this tree or from a git revision (its SparseLog import
     adjusted to where the module lives now)."""
     if revision is None:
-        import meshlearn.network.relay as module
+        import meshlearn.network.channel.relay as module
         return module
-    text = subprocess.run(["git", "show", f"{revision}:src/meshlearn/network/relay.py"], capture_output=True,
+    text = subprocess.run(["git", "show", f"{revision}:src/meshlearn/network/channel/relay.py"], capture_output=True,
                           text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
     text = text.replace("meshlearn.network.sparselog", "meshlearn.sparselog")
     path = Path(tempfile.mkdtemp()) / "relay_at_revision.py"

@@ -132,8 +132,8 @@ def test_request_weights_that_do_not_fit_the_model_are_refused_first(tmp_path, p
 
 def test_a_dead_bootstrap_or_a_taken_dashboard_port_is_said_before_any_work(tmp_path):
     from meshlearn.errors import Unreachable
-    from meshlearn.network.identity import KeyPair
-    from meshlearn.network.rpc import call
+    from meshlearn.network.channel.identity import KeyPair
+    from meshlearn.network.channel.rpc import call
 
     dead = f"127.0.0.1:{free_port()}"
     with pytest.raises(Unreachable, match="connections refused"):  # known from the refusals, not a 60 s timeout
@@ -417,7 +417,7 @@ def test_ctrl_c_stops_a_provider_still_waiting_for_its_bootstrap():
     import os
     import signal
 
-    from meshlearn.network.identity import KeyPair
+    from meshlearn.network.channel.identity import KeyPair
 
     # pinned: a provider may start before its bootstrap only if it knows the key to expect
     provider = subprocess.Popen([sys.executable, "-m", "meshlearn", "provider", "--bootstrap",

@@ -22,7 +22,7 @@ from helpers.netproc import free_port, running_in_thread, start_network
 
 from meshlearn.cli.main import main
 from meshlearn.errors import BadMessage, UserInputError
-from meshlearn.network.taskboard import TaskBoard
+from meshlearn.network.bootstrap.taskboard import TaskBoard
 
 DIGITS_TASK = ("--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16")
 
@@ -257,7 +257,7 @@ def test_the_task_board_says_which_tasks_were_reported_before_the_bootstrap_rest
 
 def test_the_registry_keeps_its_history_across_a_restart(tmp_path):
     from meshlearn.clock import FakeClock
-    from meshlearn.network.registry import ProviderInfo, Registry
+    from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
 
     clock = FakeClock()
     registry = Registry(tmp_path / "r.sqlite", clock).open()
@@ -569,8 +569,8 @@ def test_a_task_from_before_a_bootstrap_restart_shows_its_record_not_empty_live_
     registry status and providers, and says it has no live data, instead of "claimed 0/?" and
     empty charts; a task claimed since, with no report yet, has no empty charts either."""
     from meshlearn.dashboard.server import DashboardServer
-    from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-    from meshlearn.network.registry import ProviderInfo, Registry
+    from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
+    from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
 
     state = tmp_path / "b.sqlite"
     earlier = Registry(state).open()
@@ -828,7 +828,7 @@ def statistics_mean(values: list[float]) -> float:
 
 def test_the_requesters_watch_reports_progress_lost_providers_and_leader_changes():
     from meshlearn.clock import FakeClock
-    from meshlearn.network.taskwatch import TaskWatch
+    from meshlearn.network.requester.taskwatch import TaskWatch
 
     sent, clock = [], FakeClock()
     watch = TaskWatch(sent.append, clock=clock)

@@ -28,11 +28,11 @@ from meshlearn.checkpoint import CheckpointStore, RunCheckpoints, Stateful, capt
 from meshlearn.dashboard.access import TokenGate
 from meshlearn.errors import AuthError, BadMessage, CheckpointError, NetworkError, WireError
 from meshlearn.layout import TensorLayout
-from meshlearn.network.datashare import dataset_from_shards, download
-from meshlearn.network.envelope import Envelope, field_of, seal, unseal
-from meshlearn.network.identity import peer_key
-from meshlearn.network.task import TaskSpec
-from meshlearn.network.taskboard import TaskBoard
+from meshlearn.network.bootstrap.taskboard import TaskBoard
+from meshlearn.network.channel.envelope import Envelope, field_of, seal, unseal
+from meshlearn.network.channel.identity import peer_key
+from meshlearn.network.task.datashare import dataset_from_shards, download
+from meshlearn.network.task.spec import TaskSpec
 from meshlearn.transport.udp.reassembly import Reassembler
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.auth import frames_mac

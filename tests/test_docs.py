@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshlearn.cli.reference import settings_reference
-from meshlearn.network.rpcs import DOC_BEGIN, DOC_END, authorization_table
+from meshlearn.network.protocol.rpcs import DOC_BEGIN, DOC_END, authorization_table
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -34,7 +34,7 @@ def test_the_security_page_s_table_of_requests_is_what_their_declarations_genera
     assert text.count(DOC_BEGIN) == 1 and text.count(DOC_END) == 1, "docs/security.md lost its table's markers"
     written = text.split(DOC_BEGIN + "\n")[1].split(DOC_END)[0]
     assert written == authorization_table(), \
-        "docs/security.md's table of requests is out of date: put the output of python3 -m meshlearn.network.rpcs " \
+        "docs/security.md's table of requests is out of date: put the output of python3 -m meshlearn.network.protocol.rpcs " \
         "between its markers"
 
 

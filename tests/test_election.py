@@ -265,10 +265,10 @@ def test_a_provider_that_does_not_lead_names_its_leader_and_a_follower_that_gave
     from torch import nn
 
     from meshlearn.flat import FlatState
-    from meshlearn.network.finish import Finisher
-    from meshlearn.network.rpc import RpcServer
-    from meshlearn.network.task import TaskSpec
-    from meshlearn.network.taskrun import ProviderContext
+    from meshlearn.network.channel.rpc import RpcServer
+    from meshlearn.network.provider.finish import Finisher
+    from meshlearn.network.provider.taskrun import ProviderContext
+    from meshlearn.network.task.spec import TaskSpec
 
     secret = b"election-test-secret"
     servers = [RpcServer(f"p{i}", "127.0.0.1", 0, secret, {}) for i in range(3)]

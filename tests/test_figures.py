@@ -188,7 +188,7 @@ def test_the_iteration_time_split_fits_a_long_title(close_figures):
 
 def test_a_tasks_confusion_png_says_what_it_shows_and_fits(tmp_path, close_figures):
     """A network task's confusion matrix was titled only by its task id."""
-    from meshlearn.network import results
+    from meshlearn.network.task import results
 
     metrics = {"confusion": [[50, 3], [2, 45]], "accuracy": 0.95, "class_names": ["cat", "dog"]}
     name = "task 3f2a91c0 (mlp on digits, leader, 2 providers)"

@@ -57,7 +57,7 @@ def test_a_newcomer_in_a_lost_members_place_takes_the_next_rank_and_the_lost_one
 
 def test_a_provider_in_a_lost_ones_place_trains_on_its_shard():
     from meshlearn.errors import BadMessage
-    from meshlearn.network.task import Peer, TaskSpec
+    from meshlearn.network.task.spec import Peer, TaskSpec
 
     peers = [Peer(id=f"p{i}", address=f"tcp://127.0.0.1:{9000 + i}") for i in range(3)]
     spec = TaskSpec(task_id="t", model="mlp", epochs=1, batch_size=8, lr=0.1, algorithm="dpsgd", aggregate_every=1,

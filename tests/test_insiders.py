@@ -9,17 +9,16 @@ import json
 import signal
 
 import pytest
-from safetensors.torch import save as save_safetensors
-
 from helpers.hold import MODELS, Hold
 from helpers.netproc import SECRET, requester_keys, start_network
 from helpers.waiting import wait_until
+from safetensors.torch import save as save_safetensors
 
 from meshlearn.data import load_dataset
 from meshlearn.errors import RemoteError
 from meshlearn.models import build_model
-from meshlearn.network.identity import KeyPair, load_or_create_key
-from meshlearn.network.rpc import call
+from meshlearn.network.channel.identity import KeyPair, load_or_create_key
+from meshlearn.network.channel.rpc import call
 from meshlearn.wire import Kind, Message, encode
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]

@@ -373,8 +373,8 @@ def _windows(n, t, dtype=torch.uint8):
      (torch.zeros(2, 1, 8, 8), torch.zeros(2)), "a mean and a positive std per channel"),
 ])
 def test_a_provider_refuses_text_shards_that_do_not_fit_their_description(meta, train, test, problem):
-    from meshlearn.network.datashare import dataset_from_shards
-    from meshlearn.network.envelope import NetworkError
+    from meshlearn.network.channel.envelope import NetworkError
+    from meshlearn.network.task.datashare import dataset_from_shards
 
     with pytest.raises(NetworkError, match=problem):
         dataset_from_shards(meta, train, test)

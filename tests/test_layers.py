@@ -217,3 +217,42 @@ def test_the_batched_engine_loads_no_sockets_and_the_configuration_no_torch():
                              "make_config({'algorithm': 'gossip'}); print('torch' in sys.modules)", "meshlearn.config"],
                             capture_output=True, text=True, check=True)
     assert config.stdout.split() == ["[]", "False"]
+
+
+# The network's own floors (docs/architecture.md): the channel carries bytes between keys, the task is
+# what both sides share, the protocol declares every request, the bootstrap and the provider serve
+# side by side, the requester sits on top.
+NETWORK_FLOORS = {"channel": 1, "task": 2, "protocol": 3, "bootstrap": 4, "provider": 4, "requester": 5}
+NETWORK_MODULES = sorted((SRC / "network").rglob("*.py"))
+
+
+def _network_part(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if parts[:2] == ["meshlearn", "network"] and len(parts) > 2 else None
+
+
+@pytest.mark.parametrize("path", NETWORK_MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_the_network_packages_import_down(path):
+    """Each module of network/ sits in one of its packages, and imports only its own package's
+    modules and the packages below it; the bootstrap and the provider never import each other."""
+    own = _network_part(_module_name(path))
+    if own is None:  # network/__init__.py
+        return
+    assert own in NETWORK_FLOORS, f"network/{own} is in none of the network's packages: add it to NETWORK_FLOORS"
+    for name in _imports(path):
+        other = _network_part(name)
+        if other is None or other == own or other not in NETWORK_FLOORS:
+            continue
+        assert NETWORK_FLOORS[other] < NETWORK_FLOORS[own], \
+            f"network/{own} (floor {NETWORK_FLOORS[own]}) imports {name} (floor {NETWORK_FLOORS[other]})"
+
+
+def test_network_modules_and_classes_stay_small():
+    """No module of network/ over 600 lines and no class over 300: a newcomer reads one job at a time."""
+    for path in NETWORK_MODULES:
+        lines = len(path.read_text().splitlines())
+        assert lines <= 600, f"{path.relative_to(SRC)} has {lines} lines: split it by job"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= 300, f"{path.relative_to(SRC)}: class {node.name} has {size} lines: split it"

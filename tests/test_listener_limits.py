@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from helpers.waiting import wait_until
 
-from meshlearn.network.identity import KeyPair
-from meshlearn.network.rpc import call
+from meshlearn.network.channel.identity import KeyPair
+from meshlearn.network.channel.rpc import call
 
 LIMIT = 64  # the server process's open-file limit: a flood of this size runs it out
 FLOOD = 120  # connections opened at it (more than LIMIT)
@@ -39,8 +39,8 @@ sys.stdin.read()
 server.stop()
 """
 _RPC = _LIMITED + """
-from meshlearn.network.identity import KeyPair
-from meshlearn.network.rpc import RpcServer
+from meshlearn.network.channel.identity import KeyPair
+from meshlearn.network.channel.rpc import RpcServer
 server = RpcServer("limited", "127.0.0.1", 0, sys.argv[1].encode(), {"ping": lambda request: {"name": "limited"}},
                    keys=KeyPair.generate())
 server.start()

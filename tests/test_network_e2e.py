@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 
 from meshlearn.data import load_dataset
 from meshlearn.models import build_model
-from meshlearn.network.addresses import SOME_PUBLIC_ADDRESS, source_address_toward
-from meshlearn.network.requester import Requester
-from meshlearn.network.rpc import call
-from meshlearn.network.task import TaskRequest
+from meshlearn.network.channel.addresses import SOME_PUBLIC_ADDRESS, source_address_toward
+from meshlearn.network.channel.rpc import call
+from meshlearn.network.requester.service import Requester
+from meshlearn.network.task.spec import TaskRequest
 
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16"]
 
@@ -351,7 +351,7 @@ def test_simulated_leader_aggregation_matches_the_networks_on_the_same_partition
     """`meshlearn simulate --algorithm leader` runs CloudMesh's scheme as the providers do: same
     shards, initial model and batch order; asynchrony moves the result by about a point at most."""
     from meshlearn.config import make_config
-    from meshlearn.network.task import TaskSpec
+    from meshlearn.network.task.spec import TaskSpec
     from meshlearn.sim import simulate
 
     procs, bootstrap, ids = network

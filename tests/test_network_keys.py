@@ -15,16 +15,16 @@ from helpers.netproc import running_in_thread
 from helpers.waiting import wait_until
 
 from meshlearn.errors import AuthError, KeyMismatch, KeyRefused, UserInputError
-from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-from meshlearn.network.identity import (
+from meshlearn.network.bootstrap.registry import Registry
+from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
+from meshlearn.network.channel.identity import (
     KeyPair,
     key_text,
     load_or_create_key,
     use_identity,
 )
-from meshlearn.network.pinning import KnownBootstraps, resolve_bootstrap
-from meshlearn.network.registry import Registry
-from meshlearn.network.rpc import RemoteError, RpcServer, call
+from meshlearn.network.channel.pinning import KnownBootstraps, resolve_bootstrap
+from meshlearn.network.channel.rpc import RemoteError, RpcServer, call
 
 SECRET = b"keys-test-secret-0123"
 
@@ -65,7 +65,7 @@ def test_a_refused_key_is_said_even_when_the_handshake_fails_before_the_request_
     """The request is held between the connection and its sending until the server has refused the
     key: the call still ends within its timeout, naming the refusal, and never blocks in its send
     (a send is bounded by the call's timeout: a run under load once blocked there for 300 s)."""
-    from meshlearn.network import rpc
+    from meshlearn.network.channel import rpc
 
     revoked = KeyPair.generate()
     use_identity(revoked)

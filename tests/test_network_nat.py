@@ -68,7 +68,7 @@ def test_providers_and_a_requester_behind_nat_train_through_the_relay_and_only_c
                 probe.connect((lab.home_ip(i), ports[i]))
 
     from meshlearn.data import load_dataset
-    from meshlearn.network.task import dataset_spec
+    from meshlearn.network.task.spec import dataset_spec
 
     images = load_dataset(dataset_spec("digits")).train_x.numpy().astype(np.float32)
     secrets = [w for image in images[:40] for w in _windows(image.tobytes(), 2)]

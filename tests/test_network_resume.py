@@ -99,7 +99,7 @@ def test_a_task_killed_whole_mid_training_resumes_from_its_last_checkpoint(procs
 
 def test_the_bootstrap_lets_only_the_claiming_key_claim_a_task_again_and_never_a_done_one(tmp_path):
     from meshlearn.errors import BadMessage
-    from meshlearn.network.registry import ProviderInfo, Registry
+    from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
 
     reg = Registry(tmp_path / "r.sqlite").open()
     for i in range(4):
@@ -117,9 +117,9 @@ def test_the_bootstrap_lets_only_the_claiming_key_claim_a_task_again_and_never_a
 
 def test_the_requester_keeps_a_checkpoint_only_whole_of_its_task_and_from_the_provider_it_names(tmp_path):
     from meshlearn.checkpoint import RunCheckpoints
-    from meshlearn.network.envelope import BadMessage, Envelope
-    from meshlearn.network.task import TaskSpec
-    from meshlearn.network.taskstate import KeptCheckpoints, checkpoint_name
+    from meshlearn.network.channel.envelope import BadMessage, Envelope
+    from meshlearn.network.task.spec import TaskSpec
+    from meshlearn.network.task.state import KeptCheckpoints, checkpoint_name
 
     spec = TaskSpec(task_id="t1", model="mlp", epochs=2, batch_size=8, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,

@@ -11,9 +11,9 @@ from helpers.waiting import wait_until
 
 from meshlearn.clock import FakeClock
 from meshlearn.errors import UserInputError
-from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-from meshlearn.network.datashare import FileShare, check_name, download
-from meshlearn.network.envelope import (
+from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
+from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
+from meshlearn.network.channel.envelope import (
     AuthError,
     BadMessage,
     Envelope,
@@ -22,10 +22,10 @@ from meshlearn.network.envelope import (
     seal,
     unseal,
 )
-from meshlearn.network.registry import ProviderInfo, Registry
-from meshlearn.network.rpc import RemoteError, RpcServer, call, parse_address
-from meshlearn.network.task import TaskSpec, dataset_spec, validate_request
-from meshlearn.network.taskaccess import TaskAccess
+from meshlearn.network.channel.rpc import RemoteError, RpcServer, call, parse_address
+from meshlearn.network.task.access import TaskAccess
+from meshlearn.network.task.datashare import FileShare, check_name, download
+from meshlearn.network.task.spec import TaskSpec, dataset_spec, validate_request
 
 SECRET = b"unit-test-secret"
 
@@ -235,7 +235,7 @@ def test_a_learning_rate_outside_the_sane_range_is_kept_with_a_warning():
 
 def test_the_memory_estimate_counts_model_optimizer_activations_and_data():
     from meshlearn.models import build_model
-    from meshlearn.network.resources import GB, RUNTIME_BYTES, estimate_memory
+    from meshlearn.network.task.resources import GB, RUNTIME_BYTES, estimate_memory
 
     model = build_model("mlp", (1, 8, 8), 10)
     params = sum(p.numel() * 4 for p in model.parameters())
@@ -257,7 +257,7 @@ def test_the_memory_estimate_counts_model_optimizer_activations_and_data():
 
 
 def test_a_provider_declaring_more_than_the_machine_has_is_refused_and_too_little_warned(tmp_path):
-    from meshlearn.network.resources import check_declared, machine_cores, machine_ram_gb
+    from meshlearn.network.task.resources import check_declared, machine_cores, machine_ram_gb
 
     with pytest.raises(UserInputError, match="more than this machine has"):
         check_declared(machine_ram_gb() + 1, None, tmp_path)
@@ -478,7 +478,7 @@ def test_task_spec_from_the_network_is_validated():
 def test_a_device_that_does_not_work_falls_back_to_the_cpu():
     import torch
 
-    from meshlearn.network.provider import detect_device
+    from meshlearn.network.provider.service import detect_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a working CUDA device")
@@ -505,8 +505,8 @@ def test_custom_models_come_only_from_a_local_module_the_operator_names(tmp_path
 
 
 def test_local_data_must_lie_under_the_providers_data_root(tmp_path):
-    from meshlearn.network.taskdata import allowed_local
-    from meshlearn.network.taskrun import ProviderContext, TaskRun
+    from meshlearn.network.provider.taskdata import allowed_local
+    from meshlearn.network.provider.taskrun import ProviderContext, TaskRun
 
     spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
@@ -530,8 +530,8 @@ def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
     import gc
     import weakref
 
-    from meshlearn.network.results import read_results
-    from meshlearn.network.taskrun import ProviderContext, RunState, TaskRun
+    from meshlearn.network.provider.taskrun import ProviderContext, RunState, TaskRun
+    from meshlearn.network.task.results import read_results
 
     spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
@@ -563,9 +563,9 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
     from torch import nn
 
     from meshlearn.flat import FlatState
-    from meshlearn.network.finish import Finisher
-    from meshlearn.network.results import read_results
-    from meshlearn.network.taskrun import ProviderContext
+    from meshlearn.network.provider.finish import Finisher
+    from meshlearn.network.provider.taskrun import ProviderContext
+    from meshlearn.network.task.results import read_results
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -613,7 +613,7 @@ def test_refusals_are_logged_with_their_address_and_not_once_each(echo_server, c
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{echo_server.address}")
     try:
-        with caplog.at_level(logging.WARNING, logger="meshlearn.network.rpc"):
+        with caplog.at_level(logging.WARNING, logger="meshlearn.network.channel.rpc"):
             for _ in range(10):
                 sock.send_multipart(seal(Envelope("echo", {}), b"another-secret"))
             assert wait_until(lambda: echo_server.rejected == 10, timeout=10)
@@ -626,7 +626,7 @@ def test_refusals_are_logged_with_their_address_and_not_once_each(echo_server, c
 def test_the_confusion_plot_names_its_task_and_labels_every_axis(tmp_path):
     import matplotlib.pyplot as plt
 
-    from meshlearn.network import results
+    from meshlearn.network.task import results
 
     fig = results.confusion_figure([[5, 1], [0, 4]], ["cat", "dog"], "task t7")
     try:
@@ -646,7 +646,7 @@ def test_a_task_shares_its_machines_cores_among_its_providers_there(tmp_path):
     """Two providers of one task on 2 cores with 2 torch threads each starved one another (the
     follower trained at a fifth of the leader's pace): a part trains with the declared cores
     divided among the task's providers that announce the same host (issue 33 item 6)."""
-    from meshlearn.network.taskrun import ProviderContext, TaskRun
+    from meshlearn.network.provider.taskrun import ProviderContext, TaskRun
 
     key = "A" * 43
     peers = [{"id": "p0", "address": f"10.0.0.1:9000@{key}"}, {"id": "p1", "address": f"10.0.0.1:9001@{key}"},

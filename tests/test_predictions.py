@@ -123,7 +123,7 @@ def test_a_network_result_gets_predictions_png_from_its_model(tmp_path):
     from safetensors.torch import save_file
 
     from meshlearn.models import build_model
-    from meshlearn.network.results import MODEL_FILE, plot_predictions
+    from meshlearn.network.task.results import MODEL_FILE, plot_predictions
 
     digits = load_dataset("digits")
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import threading
 import pytest
 from helpers.waiting import wait_until
 
-from meshlearn.network.relay import Relay, RelayAgent, fetch_key_line
+from meshlearn.network.channel.relay import Relay, RelayAgent, fetch_key_line
 
 
 @pytest.fixture
@@ -160,7 +160,7 @@ def test_an_agent_whose_allocation_the_relay_forgot_says_it_is_lost(relay, echo)
 
 def test_what_one_participant_can_make_the_relay_hold_is_capped(relay):
     from meshlearn.errors import NetworkError
-    from meshlearn.network.relay import MAX_PARKED, MAX_PER_OWNER
+    from meshlearn.network.channel.relay import MAX_PARKED, MAX_PER_OWNER
 
     tokens = [relay.allocate("key-a")[0] for _ in range(MAX_PER_OWNER)]
     with pytest.raises(NetworkError, match="holds 8 relay allocations"):
@@ -216,7 +216,7 @@ def test_insiders_and_strangers_cost_the_relay_no_thread_and_descriptors_within_
     to the agent port, 30 to each of five allocations' ports): the relay's one thread serves it
     all and holds only what its caps allow; stopping it gives every thread and descriptor back."""
     from meshlearn.errors import NetworkError
-    from meshlearn.network.relay import (
+    from meshlearn.network.channel.relay import (
         MAX_CLIENTS_PER_ADDRESS,
         MAX_GREETING_PER_ADDRESS,
         MAX_PER_OWNER,
@@ -259,7 +259,7 @@ def test_insiders_and_strangers_cost_the_relay_no_thread_and_descriptors_within_
 _LIMITED_RELAY = """
 import json, os, resource, sys
 resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from meshlearn.network.relay import Relay
+from meshlearn.network.channel.relay import Relay
 relay = Relay("127.0.0.1", 0, "127.0.0.1", key_line="THE-KEY")
 relay.start()
 hoard, reply = [], {"relay": relay.address}
@@ -328,7 +328,7 @@ def test_a_relay_out_of_descriptors_pauses_accepting_and_then_serves_again(echo,
 
 def test_without_os_splice_the_bytes_go_through_a_buffer(monkeypatch, echo):
     """Where os.splice does not exist, relay and agent copy through the loop's buffer instead."""
-    from meshlearn.network import splicer
+    from meshlearn.network.channel import splicer
 
     monkeypatch.setattr(splicer, "ZERO_COPY", False)
     relay = Relay("127.0.0.1", 0, "127.0.0.1")
@@ -350,10 +350,10 @@ def test_a_provider_the_bootstrap_cannot_dial_is_served_through_the_relay_even_a
     from, so the bootstrap does not dial it and hands it a relay allocation instead."""
     from helpers.netproc import running_in_thread
 
-    from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-    from meshlearn.network.identity import KeyPair
-    from meshlearn.network.provider import Provider, ProviderSettings
-    from meshlearn.network.rpc import call
+    from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
+    from meshlearn.network.channel.identity import KeyPair
+    from meshlearn.network.channel.rpc import call
+    from meshlearn.network.provider.service import Provider, ProviderSettings
 
     secret = b"relay-test-secret-01"
     with socket.socket() as s:

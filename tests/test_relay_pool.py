@@ -19,8 +19,8 @@ import pytest
 from helpers.netproc import SECRET, free_port
 
 from meshlearn.errors import NetworkError
-from meshlearn.network.identity import KeyPair
-from meshlearn.network.rpc import call
+from meshlearn.network.channel.identity import KeyPair
+from meshlearn.network.channel.rpc import call
 
 KEYS, ADDRESSES, IDS_PER_KEY = 40, 8, 8
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--epochs", "2",
@@ -144,8 +144,8 @@ def test_40_insider_keys_on_8_addresses_leave_room_for_a_new_provider_behind_nat
 def test_the_relay_evicts_only_allocations_of_providers_that_never_registered(monkeypatch):
     """A full pool makes room by closing the oldest unsettled allocation; one full of allocations
     serving registered work refuses the newcomer instead."""
-    from meshlearn.network import relay as relay_module
-    from meshlearn.network.relay import Holder, Relay
+    from meshlearn.network.channel import relay as relay_module
+    from meshlearn.network.channel.relay import Holder, Relay
 
     monkeypatch.setattr(relay_module, "MAX_ALLOCATIONS", 6)
     relay = Relay("127.0.0.1", 0, "127.0.0.1")
@@ -174,7 +174,7 @@ def test_registrations_are_bounded_per_key_and_address_and_only_the_silent_make_
     from dataclasses import dataclass
 
     from meshlearn.errors import BadMessage
-    from meshlearn.network.registrants import Registrants
+    from meshlearn.network.bootstrap.registrants import Registrants
 
     @dataclass
     class P:
@@ -206,8 +206,8 @@ def test_the_bootstrap_gives_allocations_for_registered_work_and_closes_them_whe
     from helpers.netproc import running_in_thread
     from helpers.waiting import wait_until
 
-    from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-    from meshlearn.network.relay import Holder
+    from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
+    from meshlearn.network.channel.relay import Holder
 
     secret = SECRET.encode()
     settings = BootstrapSettings(host="127.0.0.1", port=free_port(), relay_port=0, state=str(tmp_path / "b.sqlite"))

@@ -1,4 +1,4 @@
-"""Every request a server answers is declared (``network/rpcs.py``): who may send it, on what. The
+"""Every request a server answers is declared (``network/protocol/rpcs.py``): who may send it, on what. The
 bootstrap, a provider and a requester's data server build their dispatch tables from the
 declarations, and a server whose handlers do not match them is refused as it is built."""
 
@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from meshlearn.network import rpcs
-from meshlearn.network.bootstrap import Bootstrap, BootstrapSettings
-from meshlearn.network.datashare import FileShare
-from meshlearn.network.provider import Provider, ProviderSettings
-from meshlearn.network.requester import Requester
-from meshlearn.network.rpcs import RPCS, Server, UndeclaredRpc, dispatch, served_by
-from meshlearn.network.task import TaskRequest
+from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
+from meshlearn.network.protocol import rpcs
+from meshlearn.network.protocol.rpcs import RPCS, Server, UndeclaredRpc, dispatch, served_by
+from meshlearn.network.provider.service import Provider, ProviderSettings
+from meshlearn.network.requester.service import Requester
+from meshlearn.network.task.datashare import FileShare
+from meshlearn.network.task.spec import TaskRequest
 
 SECRET = b"unit-test-secret"
 NOWHERE = "127.0.0.1:9"  # a bootstrap address nothing here dials: the servers are built, never started

@@ -147,7 +147,7 @@ def test_settings_secure_aggregation_cannot_go_with_are_refused_in_one_line(chan
 
 
 def test_a_network_request_refuses_secure_aggregation_where_it_cannot_run():
-    from meshlearn.network.task import TaskRequest
+    from meshlearn.network.task.spec import TaskRequest
 
     base = {"data": "digits", "algorithm": "fedavg", "providers": 4, "leader": {"secure": True}}
     assert TaskRequest(**base).leader.secure

@@ -10,7 +10,7 @@ from meshlearn.config import ExperimentConfig, make_config
 from meshlearn.definitions.settings import GossipSettings, LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError
 from meshlearn.netem import NetemSpec
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.task.spec import TaskSpec
 from meshlearn.transport.settings import TcpSettings, UdpSettings
 
 # Every setting an experiment file or flag could name before the settings were split by component.
@@ -163,7 +163,7 @@ def test_a_providers_message_limit_reaches_its_server_and_its_tasks_engine_in_by
 
     from meshlearn.cli.flags import given
     from meshlearn.flat import FlatState
-    from meshlearn.network.provider import Provider, ProviderSettings
+    from meshlearn.network.provider.service import Provider, ProviderSettings
     from meshlearn.node import make_transport
 
     args = build_parser().parse_args(["provider", "--bootstrap", "127.0.0.1:1", "--workdir", str(tmp_path),

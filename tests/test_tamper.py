@@ -15,8 +15,8 @@ import torch
 from helpers.tamper import KINDS, TamperProxy
 
 from meshlearn.models import build_model
-from meshlearn.network.task import Peer, TaskSpec
-from meshlearn.network.taskdata import task_dataset
+from meshlearn.network.provider.taskdata import task_dataset
+from meshlearn.network.task.spec import Peer, TaskSpec
 from meshlearn.node import Node, make_transport
 from meshlearn.sim.inprocess import run_threads
 from meshlearn.topology import build_topology

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from meshlearn.config import ExperimentConfig
-from meshlearn.errors import ConfigError
-from meshlearn.network.task import TaskRequest, TaskSettings, TaskSpec
-from meshlearn.plugins import load_user_module
 from meshlearn.definitions.base import DEFINITIONS, definition
+from meshlearn.errors import ConfigError
+from meshlearn.network.task.spec import TaskRequest, TaskSettings, TaskSpec
+from meshlearn.plugins import load_user_module
 from meshlearn.training import ALGORITHM_SECTIONS, TrainingSettings
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "meshlearn"
@@ -33,8 +33,8 @@ from pathlib import Path
 from meshlearn.cli.main import build_parser, _resolve
 from meshlearn.cli.network import _request_values
 from meshlearn.config import make_config, read_config_file
-from meshlearn.network.requester import Requester
-from meshlearn.network.task import TaskSpec, validate_request
+from meshlearn.network.requester.service import Requester
+from meshlearn.network.task.spec import TaskSpec, validate_request
 
 work = Path(sys.argv[1])
 found = {}

@@ -1,7 +1,7 @@
 """What every listener of a service does when accept() fails for want of descriptors or memory:
 it stops accepting for a moment (the pending connection stays queued in the kernel, so a listener
 that kept trying would spin), says so in one line, and then accepts again. The relay's ports
-(``network.splicer``), the dashboard and the RPC servers (``network.rpc``) all rest this way."""
+(``network.channel.splicer``), the dashboard and the RPC servers (``network.channel.rpc``) all rest this way."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from helpers.hold import MODELS, Hold
 from helpers.netproc import SECRET, Processes, start_network
 
 from meshlearn.errors import NetworkError
-from meshlearn.network.rpc import call
+from meshlearn.network.channel.rpc import call
 
 KILLS = ("none", "follower", "leader", "bootstrap")
 STOP_WAIT = 10.0  # seconds a process gets to stop on SIGTERM

@@ -20,7 +20,7 @@ SECRET = "test-network-secret"
 def requester_keys():
     """The key pair every `meshlearn request` of this test session proves (requester.key in the
     session's $MESHLEARN_HOME): the only key a provider answers about the requester's tasks."""
-    from meshlearn.network.identity import load_or_create_key, state_home
+    from meshlearn.network.channel.identity import load_or_create_key, state_home
 
     return load_or_create_key(state_home() / "requester.key")[0]
 

@@ -12,10 +12,10 @@ from pathlib import Path
 from meshlearn.cli.flags import add_flags, given
 from meshlearn.definitions.base import definition
 from meshlearn.errors import UserInputError
-from meshlearn.network.addresses import is_wildcard, reachable_hosts
-from meshlearn.network.bootstrap import BootstrapSettings
-from meshlearn.network.provider import ProviderSettings
-from meshlearn.network.task import TaskRequest
+from meshlearn.network.bootstrap.service import BootstrapSettings
+from meshlearn.network.channel.addresses import is_wildcard, reachable_hosts
+from meshlearn.network.provider.service import ProviderSettings
+from meshlearn.network.task.spec import TaskRequest
 from meshlearn.tblog import require_tensorboard
 from meshlearn.training import ALGORITHM_SECTIONS
 
@@ -40,7 +40,7 @@ def _secret_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _secret(args: argparse.Namespace) -> bytes:
-    from meshlearn.network.envelope import resolve_secret
+    from meshlearn.network.channel.envelope import resolve_secret
 
     return resolve_secret(args.secret, args.secret_file)
 
@@ -58,7 +58,7 @@ def _bootstrap_flag(parser: argparse.ArgumentParser) -> None:
 
 def _identity(path: Path, role: str, say=print):
     """This process's key pair (made on first start), said at start with its fingerprint."""
-    from meshlearn.network.identity import load_or_create_key, use_identity
+    from meshlearn.network.channel.identity import load_or_create_key, use_identity
 
     keys, made = load_or_create_key(path)
     use_identity(keys)
@@ -68,13 +68,13 @@ def _identity(path: Path, role: str, say=print):
 
 
 def _requester_key(args: argparse.Namespace) -> Path:
-    from meshlearn.network.identity import state_home
+    from meshlearn.network.channel.identity import state_home
 
     return Path(args.key).expanduser() if args.key else state_home() / "requester.key"
 
 
 def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print, required: bool = False) -> str:
-    from meshlearn.network.pinning import KnownBootstraps, resolve_bootstrap
+    from meshlearn.network.channel.pinning import KnownBootstraps, resolve_bootstrap
 
     return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say, required=required)
 
@@ -125,7 +125,7 @@ def _writable_folder(path: Path, flag: str) -> Path:
 
 
 def cmd_bootstrap(args: argparse.Namespace) -> int:
-    from meshlearn.network.bootstrap import Bootstrap
+    from meshlearn.network.bootstrap.service import Bootstrap
     from meshlearn.transport.ports import ensure_port_free
 
     settings = BootstrapSettings(**given(args, BootstrapSettings.model_fields))
@@ -180,7 +180,7 @@ def _dashboard_of(settings: BootstrapSettings, secret: bytes, source):
 
 
 def cmd_provider(args: argparse.Namespace) -> int:
-    from meshlearn.network.provider import Provider
+    from meshlearn.network.provider.service import Provider
 
     values = given(args, ProviderSettings.model_fields)
     values["bootstrap"] = args.bootstrap
@@ -219,10 +219,10 @@ def cmd_provider(args: argparse.Namespace) -> int:
 
 def _check_declared(settings: ProviderSettings) -> None:
     """What the provider declares, against this machine: more than it has is one line, less than
-    ML's minimum a warning (network.resources.check_declared)."""
-    from meshlearn.network.identity import state_home
-    from meshlearn.network.provider import test_device
-    from meshlearn.network.resources import check_declared
+    ML's minimum a warning (network.task.resources.check_declared)."""
+    from meshlearn.network.channel.identity import state_home
+    from meshlearn.network.provider.service import test_device
+    from meshlearn.network.task.resources import check_declared
 
     test_device()  # a bad test switch is one line too
     for warning in check_declared(settings.ram_gb, settings.cores, Path(settings.workdir or state_home())):
@@ -231,14 +231,14 @@ def _check_declared(settings: ProviderSettings) -> None:
 
 def cmd_leave(args: argparse.Namespace) -> int:
     from meshlearn.errors import KeyMismatch, RemoteError, Unreachable
-    from meshlearn.network.identity import (
+    from meshlearn.network.channel.identity import (
         key_text,
         load_or_create_key,
         pinned,
         split_pinned,
         use_identity,
     )
-    from meshlearn.network.rpc import call, parse_address
+    from meshlearn.network.channel.rpc import call, parse_address
 
     address, key = split_pinned(args.provider)
     address = parse_address(address, "--provider")
@@ -266,8 +266,8 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 
 def cmd_revoke(args: argparse.Namespace) -> int:
-    from meshlearn.network.identity import key_from_text, key_text
-    from meshlearn.network.registry import Registry
+    from meshlearn.network.bootstrap.registry import Registry
+    from meshlearn.network.channel.identity import key_from_text, key_text
 
     key = key_text(key_from_text(args.key, "KEY"))
     if not Path(args.state).is_file():
@@ -300,10 +300,10 @@ def _request_values(args: argparse.Namespace) -> dict:
 def cmd_request(args: argparse.Namespace) -> int:
     import datetime
 
-    from meshlearn.network.identity import split_pinned
-    from meshlearn.network.requester import Requester, summary_line
-    from meshlearn.network.rpc import parse_address
-    from meshlearn.network.task import validate_request
+    from meshlearn.network.channel.identity import split_pinned
+    from meshlearn.network.channel.rpc import parse_address
+    from meshlearn.network.requester.service import Requester, summary_line
+    from meshlearn.network.task.spec import validate_request
 
     _port(args.port, allow_zero=True)
     if args.tensorboard:
@@ -339,8 +339,8 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
     """``request --resume TASK_ID``: the task goes on from the checkpoints its requester kept, with
     its own settings, on as many providers as it had (its own first, where they came back)."""
     from meshlearn.errors import CheckpointError
-    from meshlearn.network.requester import Requester, summary_line
-    from meshlearn.network.taskstate import (
+    from meshlearn.network.requester.service import Requester, summary_line
+    from meshlearn.network.task.state import (
         KeptCheckpoints,
         TaskRecord,
         find_task,
@@ -403,7 +403,7 @@ def _load_data(data: str, context: int, vocabulary: str):
     """The dataset ``--data`` names, read here before any network step: a path that holds no
     dataset is one line before the bootstrap is asked anything."""
     from meshlearn.data import load_dataset
-    from meshlearn.network.task import dataset_spec
+    from meshlearn.network.task.spec import dataset_spec
 
     return load_dataset(dataset_spec(data), context=context, vocabulary=vocabulary)
 
@@ -422,7 +422,7 @@ def _check_model(request, dataset) -> None:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from meshlearn.network.requester import results_of_task, summary_line
+    from meshlearn.network.requester.service import results_of_task, summary_line
 
     output = _writable_folder(Path(args.output or f"runs/task-{args.task_id}"), "--output")
     secret = _secret(args)

@@ -24,22 +24,22 @@ from meshlearn.errors import (
     UserInputError,
 )
 from meshlearn.netem import NetemSpec
-from meshlearn.network.addresses import announced_host
-from meshlearn.network.envelope import Envelope, field_of
-from meshlearn.network.identity import KeyPair, key_text, peer_key, state_home
-from meshlearn.network.relay import Allocation, Holder, hold_allocation
-from meshlearn.network.resources import machine_cores, machine_ram_gb
-from meshlearn.network.results import read_results
-from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.rpcs import Server, dispatch
-from meshlearn.network.task import TaskSpec
-from meshlearn.network.taskaccess import TaskAccess
+from meshlearn.network.channel.addresses import announced_host
+from meshlearn.network.channel.envelope import Envelope, field_of
+from meshlearn.network.channel.identity import KeyPair, key_text, peer_key, state_home
+from meshlearn.network.channel.relay import Allocation, Holder, hold_allocation
+from meshlearn.network.channel.rpc import RpcServer, call
+from meshlearn.network.protocol.rpcs import Server, dispatch
+from meshlearn.network.task.access import TaskAccess
+from meshlearn.network.task.resources import machine_cores, machine_ram_gb
+from meshlearn.network.task.results import read_results
+from meshlearn.network.task.spec import TaskSpec
 from meshlearn.plugins import load_user_module
 from meshlearn.settings import MaxMessageMb, MessageLimit
 from meshlearn.sparselog import SparseLog
 
 if TYPE_CHECKING:
-    from meshlearn.network.taskrun import ProviderContext, TaskRun
+    from meshlearn.network.provider.taskrun import ProviderContext, TaskRun
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class Provider:
 
     def run(self, ready: threading.Event | None = None) -> None:
         """Join, serve until asked to leave, finish the current task, then leave the network."""
-        from meshlearn.network import taskrun  # noqa: F401 - the task machinery loads now, not at the first task
+        from meshlearn.network.provider import taskrun  # noqa: F401 - the task machinery loads now, not at the first task
 
         s = self.settings
         limit_threads(s.cores)
@@ -421,7 +421,7 @@ class Provider:
     def _task_context(self) -> ProviderContext:
         """What a task run here may use of this provider (its limits among it: its message cap as
         given, ``max_message_mb``)."""
-        from meshlearn.network.taskrun import ProviderContext  # loads torch: not before a first task
+        from meshlearn.network.provider.taskrun import ProviderContext  # loads torch: not before a first task
 
         return ProviderContext(self.id, self.settings.host, self.secret, self.workdir, self.device,
                                Path(self.settings.data_root) if self.settings.data_root else None,
@@ -430,7 +430,7 @@ class Provider:
                                cores=self.settings.cores, relayed=self.relayed)
 
     def _assign(self, req: Envelope) -> dict:
-        from meshlearn.network.taskrun import TaskRun  # loads torch: not before a first task
+        from meshlearn.network.provider.taskrun import TaskRun  # loads torch: not before a first task
 
         spec = TaskSpec.parse(field_of(req.body, "spec", dict, max_len=10_000))
         task_key = peer_key(field_of(req.body, "key", str, max_len=64), "the task's key")
@@ -475,7 +475,7 @@ class Provider:
     def _join_task(self, req: Envelope) -> dict:
         """The requester takes another provider into its running task (``TaskRun.add_peer``), or
         withdraws one it took in (``TaskRun.withdraw``)."""
-        from meshlearn.network.task import Peer
+        from meshlearn.network.task.spec import Peer
 
         run = self._requesters_run(req)
         try:

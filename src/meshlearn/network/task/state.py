@@ -22,9 +22,9 @@ from typing import Any, Callable
 
 from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints
 from meshlearn.errors import CheckpointError
-from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
-from meshlearn.network.rpc import call
-from meshlearn.network.task import MAX_TASK_PEERS, TaskRequest, TaskSpec
+from meshlearn.network.channel.envelope import BadMessage, Envelope, NetworkError, field_of
+from meshlearn.network.channel.rpc import call
+from meshlearn.network.task.spec import MAX_TASK_PEERS, TaskRequest, TaskSpec
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, secret: bytes, se
                      before_chunk: Callable[[], None] | None = None) -> None:
     """Download provider ``index``'s checkpoint of the cycle a resumed ``spec`` goes on from into
     its place in ``folder``'s checkpoints (``download``: resumable, checksummed)."""
-    from meshlearn.network.datashare import download
+    from meshlearn.network.task.datashare import download
 
     resumed = spec.resume
     if index >= len(resumed.cycles):

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, UserInputError
+from meshlearn.network.task.resources import DEVICE_ORDER, wanted_device
 
-DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}
 CLAIM_GRACE = 300.0
 
 _SCHEMA = """
@@ -341,11 +341,6 @@ class Registry:
 def _task_record(row: tuple) -> dict:
     return {"id": row[0], "requester": row[1], "providers": json.loads(row[2]), "created": row[3], "status": row[4],
             "requester_key": row[5]}
-
-
-def wanted_device(device: str) -> str | None:
-    """The device a request's ``--device`` names (gpu is cuda), or None for any."""
-    return {"gpu": "cuda", "any": None}.get(device, device)
 
 
 def most_common_device(providers: list[ProviderInfo]) -> str | None:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlearn.errors import BadMessage
-from meshlearn.network.identity import key_in
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.channel.identity import key_in
+from meshlearn.network.task.spec import TaskSpec
 
 ACCESS_FILE = "access.json"
 

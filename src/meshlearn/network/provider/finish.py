@@ -39,10 +39,10 @@ from meshlearn.errors import (
     TaskFailed,
     Unreachable,
 )
-from meshlearn.network.envelope import Envelope, field_of
-from meshlearn.network.results import write_results
-from meshlearn.network.rpc import call
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.channel.envelope import Envelope, field_of
+from meshlearn.network.channel.rpc import call
+from meshlearn.network.task.results import write_results
+from meshlearn.network.task.spec import TaskSpec
 from meshlearn.node import Node, evaluate_model
 from meshlearn.node.algorithms.election import Election
 from meshlearn.wire import Kind, Message, decode, encode

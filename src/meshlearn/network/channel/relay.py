@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from meshlearn.errors import NetworkError, PortInUseError, Unreachable
-from meshlearn.network.addresses import is_wildcard
-from meshlearn.network.envelope import field_of
-from meshlearn.network.splicer import (
+from meshlearn.network.channel.addresses import is_wildcard
+from meshlearn.network.channel.envelope import field_of
+from meshlearn.network.channel.splicer import (
     READ,
     Acceptor,
     Loop,

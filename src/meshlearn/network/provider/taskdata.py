@@ -7,8 +7,8 @@ from typing import Callable
 
 from meshlearn.data import Dataset, load_dataset, partition_dataset
 from meshlearn.errors import BadMessage
-from meshlearn.network.datashare import dataset_from_shards, download, read_shard
-from meshlearn.network.task import TaskSpec
+from meshlearn.network.task.datashare import dataset_from_shards, download, read_shard
+from meshlearn.network.task.spec import TaskSpec
 
 
 def task_dataset(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender: str, data_root: Path | None,

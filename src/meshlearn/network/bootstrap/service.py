@@ -11,10 +11,13 @@ from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, NetworkError, UserInputError
-from meshlearn.network.addresses import is_wildcard, reachable_hosts
-from meshlearn.network.envelope import Envelope, field_of
-from meshlearn.network.filelimit import raise_open_file_limit
-from meshlearn.network.identity import (
+from meshlearn.network.bootstrap.registrants import Registrants
+from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
+from meshlearn.network.bootstrap.taskboard import TaskBoard
+from meshlearn.network.channel.addresses import is_wildcard, reachable_hosts
+from meshlearn.network.channel.envelope import Envelope, field_of
+from meshlearn.network.channel.filelimit import raise_open_file_limit
+from meshlearn.network.channel.identity import (
     KeyPair,
     fingerprint,
     key_from_text,
@@ -22,13 +25,11 @@ from meshlearn.network.identity import (
     key_text,
     pinned,
 )
-from meshlearn.network.registrants import Registrants
-from meshlearn.network.registry import DEVICE_ORDER, ProviderInfo, Registry
-from meshlearn.network.relay import Holder, Relay
-from meshlearn.network.rpc import RpcServer, call
-from meshlearn.network.rpcs import Server, dispatch
-from meshlearn.network.task import MAX_TASK_PEERS
-from meshlearn.network.taskboard import TaskBoard
+from meshlearn.network.channel.relay import Holder, Relay
+from meshlearn.network.channel.rpc import RpcServer, call
+from meshlearn.network.protocol.rpcs import Server, dispatch
+from meshlearn.network.task.resources import DEVICE_ORDER
+from meshlearn.network.task.spec import MAX_TASK_PEERS
 from meshlearn.settings import Settings
 from meshlearn.sparselog import SparseLog
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage
-from meshlearn.network.envelope import field_of
+from meshlearn.network.channel.envelope import field_of
 
 TASKS_KEPT = 100
 POINTS_KEPT = 2000  # iterations with a point, per task (the oldest go first)

@@ -23,8 +23,8 @@ from safetensors.torch import load_file, save_file
 
 from meshlearn.data import Dataset
 from meshlearn.data.vocabulary import BYTES
-from meshlearn.network.envelope import BadMessage, Envelope, NetworkError, field_of
-from meshlearn.network.rpc import call
+from meshlearn.network.channel.envelope import BadMessage, Envelope, NetworkError, field_of
+from meshlearn.network.channel.rpc import call
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ GB = 2 ** 30
 RUNTIME_BYTES = int(0.3 * GB)
 AGGREGATION_COPIES = 2  # flat copies of the model the aggregation holds besides the model itself
 MIN_RAM_GB = 2.0  # the least RAM worth declaring for ML: below it, a task's model and shard barely fit
+DEVICE_ORDER = {"cuda": 0, "mps": 1, "cpu": 2}  # a provider's device, best first
 MIN_CORES = 2  # the least cores worth declaring: with one, training and the provider's networking share it
 MIN_DISK_GB = 1.0  # the least free disk a provider's work folder needs for tasks' shards and results
 
@@ -122,3 +123,8 @@ def check_declared(ram_gb: float | None, cores: int | None, workdir: Path) -> li
                         "this provider's networking share one core, so its tasks train slower and it becomes the "
                         "bottleneck of the tasks it takes")
     return warnings
+
+
+def wanted_device(device: str) -> str | None:
+    """The device a request's ``--device`` names (gpu is cuda), or None for any."""
+    return {"gpu": "cuda", "any": None}.get(device, device)

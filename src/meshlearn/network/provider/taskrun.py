@@ -26,14 +26,14 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, ConfigError, NetworkError, TaskCancelled, TopologyError
 from meshlearn.models import build_model, load_weights
 from meshlearn.netem import NetemSpec
-from meshlearn.network.datashare import download
-from meshlearn.network.envelope import Envelope
-from meshlearn.network.finish import Finisher
-from meshlearn.network.resources import machine_cores
-from meshlearn.network.task import MAX_TASK_PEERS, WEIGHTS_FILE, Peer, TaskSpec
-from meshlearn.network.taskaccess import TaskAccess
-from meshlearn.network.taskdata import task_dataset
-from meshlearn.network.taskstate import SentCheckpoints, fetch_checkpoint
+from meshlearn.network.channel.envelope import Envelope
+from meshlearn.network.provider.finish import Finisher
+from meshlearn.network.provider.taskdata import task_dataset
+from meshlearn.network.task.access import TaskAccess
+from meshlearn.network.task.datashare import download
+from meshlearn.network.task.resources import machine_cores
+from meshlearn.network.task.spec import MAX_TASK_PEERS, WEIGHTS_FILE, Peer, TaskSpec
+from meshlearn.network.task.state import SentCheckpoints, fetch_checkpoint
 from meshlearn.node import Node, make_transport
 from meshlearn.settings import DEFAULT_MAX_MESSAGE_MB, message_bytes
 from meshlearn.topology import build_topology

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from meshlearn.errors import AuthError, KeyMismatch, KeyRefused, NetworkError, Unreachable, UserInputError
-from meshlearn.network.identity import (
+from meshlearn.network.channel.identity import (
     fingerprint,
     key_from_text,
     key_text,
@@ -15,8 +15,8 @@ from meshlearn.network.identity import (
     split_pinned,
     state_home,
 )
-from meshlearn.network.relay import fetch_key_line, refusal
-from meshlearn.network.rpc import call, parse_address
+from meshlearn.network.channel.relay import fetch_key_line, refusal
+from meshlearn.network.channel.rpc import call, parse_address
 
 PROBE_TIMEOUT = 3.0  # seconds to wait for a TCP connection to a bootstrap's port, to learn whether anything runs there
 

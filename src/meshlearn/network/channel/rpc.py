@@ -40,8 +40,8 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
-from meshlearn.network.envelope import Envelope, ReplayGuard, seal, unseal
-from meshlearn.network.identity import (
+from meshlearn.network.channel.envelope import Envelope, ReplayGuard, seal, unseal
+from meshlearn.network.channel.identity import (
     KeyPair,
     key_text,
     own_identity,

@@ -23,17 +23,18 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
-from meshlearn.network.addresses import announced_host
-from meshlearn.network.datashare import FileShare, dataset_meta, write_shard
-from meshlearn.network.envelope import Envelope
-from meshlearn.network.identity import KeyPair, key_text, pinned, split_pinned
-from meshlearn.network.registry import wanted_device
-from meshlearn.network.relay import Holder, hold_allocation
-from meshlearn.network.resources import MemoryEstimate, estimate_memory
-from meshlearn.network.results import plot_predictions, write_results
-from meshlearn.network.rpc import DEFAULT_MAX_BYTES, RpcServer, call
-from meshlearn.network.rpcs import Server, dispatch
-from meshlearn.network.task import (
+from meshlearn.network.channel.addresses import announced_host
+from meshlearn.network.channel.envelope import Envelope
+from meshlearn.network.channel.identity import KeyPair, key_text, pinned, split_pinned
+from meshlearn.network.channel.relay import Holder, hold_allocation
+from meshlearn.network.channel.rpc import DEFAULT_MAX_BYTES, RpcServer, call
+from meshlearn.network.protocol.rpcs import Server, dispatch
+from meshlearn.network.requester.taskwatch import TaskWatch
+from meshlearn.network.task.access import TaskAccess
+from meshlearn.network.task.datashare import FileShare, dataset_meta, write_shard
+from meshlearn.network.task.resources import MemoryEstimate, estimate_memory, wanted_device
+from meshlearn.network.task.results import plot_predictions, write_results
+from meshlearn.network.task.spec import (
     WEIGHTS_FILE,
     Peer,
     Resumed,
@@ -43,9 +44,7 @@ from meshlearn.network.task import (
     dataset_spec,
     new_task_id,
 )
-from meshlearn.network.taskaccess import TaskAccess
-from meshlearn.network.taskstate import KeptCheckpoints, TaskRecord, secret_digest
-from meshlearn.network.taskwatch import TaskWatch
+from meshlearn.network.task.state import KeptCheckpoints, TaskRecord, secret_digest
 from meshlearn.tblog import ScalarLog, run_folder
 from meshlearn.wire.sealed import FrameSeal
 

@@ -1,0 +1,1 @@
+"""Every request the network's servers answer, declared once, with its version."""

@@ -1,0 +1,1 @@
+"""A provider: serves requests, runs its part of a task, finishes it (the leader's result)."""
