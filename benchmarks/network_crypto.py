@@ -38,7 +38,8 @@ from secure_channels import _socket_receiver
 
 from meshlearn.flat import SEGMENT_BYTES
 from meshlearn.network.channel.identity import KeyPair
-from meshlearn.network.channel.relay import Relay, RelayAgent
+from meshlearn.network.channel.relay import Relay
+from meshlearn.network.channel.relayagent import RelayAgent
 from meshlearn.network.channel.rpc import RpcServer, call
 from meshlearn.transport import TcpTransport
 from meshlearn.transport.settings import TcpSettings

@@ -32,22 +32,36 @@ from pathlib import Path
 ZMTP_GREETING = b"\xff" + bytes(8) + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32)
 
 
-def relay_module(revision: str | None):
-    """meshlearn.network.channel.relay, from this tree or from a git revision (its SparseLog import
-    adjusted to where the module lives now)."""
+OLD_RELAY = "src/meshlearn/network/relay.py"  # the relay, one module, before network/ was split into packages
+MOVED = {"meshlearn.network.sparselog": "meshlearn.sparselog",  # what the old relay imports, and where it is now
+         "meshlearn.network.addresses": "meshlearn.network.channel.addresses",
+         "meshlearn.network.envelope": "meshlearn.network.channel.envelope",
+         "meshlearn.network.splicer": "meshlearn.network.channel.splicer"}
+
+
+def relay_classes(revision: str | None) -> tuple[type, type]:
+    """(Relay, RelayAgent), from this tree or from a git revision from before network/ was split
+    into packages, when the relay was one module (its imports adjusted to where those modules
+    live now)."""
     if revision is None:
-        import meshlearn.network.channel.relay as module
-        return module
-    text = subprocess.run(["git", "show", f"{revision}:src/meshlearn/network/channel/relay.py"], capture_output=True,
-                          text=True, check=True, cwd=Path(__file__).resolve().parents[1]).stdout
-    text = text.replace("meshlearn.network.sparselog", "meshlearn.sparselog")
+        from meshlearn.network.channel.relay import Relay
+        from meshlearn.network.channel.relayagent import RelayAgent
+        return Relay, RelayAgent
+    shown = subprocess.run(["git", "show", f"{revision}:{OLD_RELAY}"], capture_output=True, text=True, check=False,
+                           cwd=Path(__file__).resolve().parents[1])
+    if shown.returncode != 0:
+        sys.exit(f"{revision} has no {OLD_RELAY}: --git measures a revision from before network/ had packages; "
+                 "to measure a later one, check it out and run this script there")
+    text = shown.stdout
+    for old, new in MOVED.items():
+        text = text.replace(f"from {old} import", f"from {new} import")
     path = Path(tempfile.mkdtemp()) / "relay_at_revision.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location("relay_at_revision", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
-    return module
+    return module.Relay, module.RelayAgent
 
 
 def _echo_server(port_out) -> None:
@@ -81,16 +95,16 @@ def main() -> None:
     parser.add_argument("--git", help="measure the relay of this git revision instead of this tree's")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the relay's warnings about each cap it hits: not what is measured
-    relay_code = relay_module(args.git)
+    Relay, RelayAgent = relay_classes(args.git)
     print(f"relay: {args.git or 'this tree'}; {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}")
     ports = mp.Queue()
     mp.Process(target=_echo_server, args=(ports,), daemon=True).start()
     echo = ports.get()
     _count("before")
-    relay = relay_code.Relay("127.0.0.1", 0, "127.0.0.1", key_line="K")
+    relay = Relay("127.0.0.1", 0, "127.0.0.1", key_line="K")
     relay.start()
     _count("relay started")
-    with_source = "source" in inspect.signature(relay_code.Relay.allocate).parameters
+    with_source = "source" in inspect.signature(Relay.allocate).parameters
     publics = []
     for i in range(100):
         try:
@@ -101,7 +115,7 @@ def main() -> None:
             break
     _count(f"{len(publics)} allocations, a fresh key each")
     token, public = publics[0]
-    agent = relay_code.RelayAgent(relay.address, token, f"127.0.0.1:{echo}")
+    agent = RelayAgent(relay.address, token, f"127.0.0.1:{echo}")
     agent.start()
     _count("+ one agent for allocation 0")
     held = []

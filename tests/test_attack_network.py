@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers.netproc import free_port
 
-from meshlearn.network.channel.relay import fetch_key_line
+from meshlearn.network.channel.probes import fetch_key_line
 
 FLOODER = Path(__file__).parent / "helpers" / "flooder.py"
 TASK = ["--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16", "--algorithm", "leader",

@@ -23,6 +23,7 @@ from helpers.netproc import free_port, running_in_thread, start_network
 from meshlearn.cli.main import main
 from meshlearn.errors import BadMessage, UserInputError
 from meshlearn.network.bootstrap.taskboard import TaskBoard
+from meshlearn.network.protocol.bootstrapapi import TaskProgress
 
 DIGITS_TASK = ("--data", "digits", "--model", "mlp", "--lr", "0.05", "--batch-size", "16")
 
@@ -204,16 +205,21 @@ def test_the_page_gets_plain_json_even_from_a_source_with_nan_or_one_that_fails(
 
 # ---- what the bootstrap keeps for the page ----------------------------------------------------
 
+def _report(board: TaskBoard, task: str, body: dict) -> None:
+    """One report as the bootstrap takes it: validated into ``task.progress``'s model, then applied."""
+    board.report(TaskProgress.read({"task": task, **body}, "task.progress"))
+
+
 def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports():
     board = TaskBoard()
-    board.report("t1", {"providers": {"p0": {"state": "training", "iteration": 2, "iterations": 10,
+    _report(board, "t1", {"providers": {"p0": {"state": "training", "iteration": 2, "iterations": 10,
                                              "train_loss": 2.0, "test_acc": None, "evaluated_at": None}}})
-    board.report("t1", {"providers": {"p0": {"state": "training", "iteration": 4, "iterations": 10, "train_loss": 1.5,
+    _report(board, "t1", {"providers": {"p0": {"state": "training", "iteration": 4, "iterations": 10, "train_loss": 1.5,
                                              "test_acc": 0.5, "evaluated_at": 4, "leader": "p0"},
                                       "p1": {"state": "training", "iteration": 3, "iterations": 10,
                                              "train_loss": 1.7}},
                         "faults": ["provider p2 stopped answering"]})
-    board.report("t1", {"providers": {}, "result": {"accuracy": 0.9}})
+    _report(board, "t1", {"providers": {}, "result": {"accuracy": 0.9}})
     view = board.view("t1")
     assert view["curve"]["iteration"] == [2, 3, 4]
     series = {s["provider"]: s for s in view["curve"]["series"]}
@@ -221,17 +227,17 @@ def test_the_task_board_keeps_curves_faults_and_result_and_refuses_bad_reports()
     assert series["p1"]["train_loss"] == [None, 1.7, None]
     assert [f["text"] for f in view["faults"]] == ["provider p2 stopped answering"]
     assert view["result"] == {"accuracy": 0.9} and view["leader"] == "p0"
-    board.report("t2", {"providers": {}, "result": {"accuracy": 0.4, "perplexity": 7.5}})  # a language model's
+    _report(board, "t2", {"providers": {}, "result": {"accuracy": 0.4, "perplexity": 7.5}})  # a language model's
     assert board.view("t2")["result"] == {"accuracy": 0.4, "perplexity": 7.5}
-    for bad, message in [({"providers": {"p0": {"iteration": -1}}}, "at least"),
-                         ({"providers": {"p0": {"train_loss": math.nan}}}, "finite"),
-                         ({"providers": {"p0": {"state": "<script>"}}}, "not one of"),
-                         ({"providers": ["p0"]}, "wrong type"),
-                         ({"faults": ["x" * 1000]}, "short texts"),
-                         ({"providers": {"p0": {"iteration": "3"}}}, "wrong type"),
-                         ({"result": {"perplexity": math.inf}}, "finite")]:
+    for bad, message in [({"providers": {"p0": {"iteration": -1}}}, "p0.iteration': .* greater than or equal to 0"),
+                         ({"providers": {"p0": {"train_loss": math.nan}}}, "'providers.p0.train_loss': .* finite"),
+                         ({"providers": {"p0": {"state": "<script>"}}}, "'providers.p0.state': .* 'preparing', 'ready'"),
+                         ({"providers": ["p0"]}, "'providers': Input should be a valid dictionary"),
+                         ({"faults": ["x" * 1000]}, "'faults.0': String should have at most 256 characters"),
+                         ({"providers": {"p0": {"iteration": "3"}}}, "'providers.p0.iteration': .* valid integer"),
+                         ({"result": {"perplexity": math.inf}}, "'result.perplexity': .* finite number")]:
         with pytest.raises(BadMessage, match=message):
-            board.report("t1", bad)
+            _report(board, "t1", bad)
     assert board.view("t1")["curve"]["iteration"] == [2, 3, 4]  # a refused report changes nothing
     assert board.view("unknown") is None
 
@@ -251,7 +257,7 @@ def test_the_task_board_says_which_tasks_were_reported_before_the_bootstrap_rest
     assert board.page_view(running)["live"] is False and "restarted while this task ran" in \
         board.page_view(running)["note"]
     assert board.page_view(new) == {}  # claimed since, nothing reported yet
-    board.report("running", {"providers": {"p0": {"state": "training", "iteration": 3, "iterations": 10}}})
+    _report(board, "running", {"providers": {"p0": {"state": "training", "iteration": 3, "iterations": 10}}})
     assert board.page_view(running)["live"] is True and board.page_view(running)["progress"]["p0"]["iteration"] == 3
 
 
@@ -828,34 +834,37 @@ def statistics_mean(values: list[float]) -> float:
 
 def test_the_requesters_watch_reports_progress_lost_providers_and_leader_changes():
     from meshlearn.clock import FakeClock
+    from meshlearn.network.protocol.providerapi import RunStatus
     from meshlearn.network.requester.taskwatch import TaskWatch
+    from meshlearn.network.task.spec import Peer
 
     sent, clock = [], FakeClock()
     watch = TaskWatch(sent.append, clock=clock)
+    p0, p1 = Peer(id="p0", address="127.0.0.1:1"), Peer(id="p1", address="127.0.0.1:2")
 
     def status(iteration, leader, state="training"):
-        return {"state": state, "leader": leader,
-                "progress": {"iteration": iteration, "iterations": 20, "train_loss": float("nan"), "test_acc": 0.5,
-                             "evaluated_at": 4}}
+        return RunStatus(task="t", index=0, state=state, leader=leader, results=False,
+                         progress={"iteration": iteration, "iterations": 20, "train_loss": float("nan"),
+                                   "test_acc": 0.5, "evaluated_at": 4})
 
-    watch.update([({"id": "p0"}, status(4, "p0")), ({"id": "p1"}, status(5, "p0"))])
+    watch.update([(p0, status(4, "p0")), (p1, status(5, "p0"))])
     assert sent[-1]["providers"]["p0"] == {"state": "training", "iteration": 4, "iterations": 20, "train_loss": None,
                                            "test_acc": 0.5, "evaluated_at": 4, "leader": "p0"}
-    watch.update([({"id": "p0"}, status(6, "p0"))])
+    watch.update([(p0, status(6, "p0"))])
     assert len(sent) == 1  # twice a second at most
     clock.advance(1)
     watch.lost("p1")
-    watch.update([({"id": "p0"}, status(8, "p0"))])
+    watch.update([(p0, status(8, "p0"))])
     assert set(sent[-1]["providers"]) == {"p0", "p1"} and sent[-1]["providers"]["p1"]["state"] == "lost"
     assert sent[-1]["faults"] == ["provider p1 stopped answering"]
     clock.advance(1)
-    watch.update([({"id": "p0"}, status(9, "p2"))])
+    watch.update([(p0, status(9, "p2"))])
     assert sent[-1]["faults"] == ["leader changed from p0 to p2"]
     watch.finish({"accuracy": 0.9})
     assert sent[-1]["result"] == {"accuracy": 0.9} and sent[-1]["faults"] == []
     board = TaskBoard()
     for body in sent:
-        board.report("t", body)  # what the requester sends, the bootstrap takes
+        _report(board, "t", body)  # what the requester sends, the bootstrap takes
     assert board.view("t")["result"] == {"accuracy": 0.9} and len(board.view("t")["faults"]) == 2
 
 

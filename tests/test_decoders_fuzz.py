@@ -31,6 +31,8 @@ from meshlearn.layout import TensorLayout
 from meshlearn.network.bootstrap.taskboard import TaskBoard
 from meshlearn.network.channel.envelope import Envelope, field_of, seal, unseal
 from meshlearn.network.channel.identity import peer_key
+from meshlearn.network.protocol.bootstrapapi import TaskProgress
+from meshlearn.network.provider.taskdata import chunk_source
 from meshlearn.network.task.datashare import dataset_from_shards, download
 from meshlearn.network.task.spec import TaskSpec
 from meshlearn.transport.udp.reassembly import Reassembler
@@ -229,9 +231,11 @@ def test_a_body_field_raises_only_bad_message_and_what_it_returns_fits(body, kin
 def test_a_progress_report_raises_only_bad_message(body, state):
     if state:
         body["providers"] = {"p1": state}
+    report = only(BadMessage, TaskProgress.read, {"task": "t1", **body}, "task.progress")
     board = TaskBoard()
-    only(BadMessage, board.report, "t1", body)
-    json.dumps(board.view("t1"))  # what it took is fit for the page
+    if report is not None:
+        board.report(report)
+        json.dumps(board.view("t1"))  # what it took is fit for the page
 
 
 SPEC = {"task_id": "t1", "model": "mlp", "epochs": 1, "batch_size": 4, "lr": 0.1, "algorithm": "dpsgd",
@@ -258,8 +262,8 @@ def test_a_key_from_the_network_raises_only_bad_message(text):
 def test_a_manifest_entry_raises_only_network_errors(entry):
     """An entry refused, or taken: then the download stops before its first chunk (``before_chunk``)."""
     with tempfile.TemporaryDirectory() as folder:
-        only((NetworkError, _Stopped), download, "tcp://127.0.0.1:1", "f.bin", entry, Path(folder), SECRET,
-             retries=0, before_chunk=_stop)
+        only((NetworkError, _Stopped), download, chunk_source("tcp://127.0.0.1:1", SECRET, ""), "f.bin", entry,
+             Path(folder), retries=0, before_chunk=_stop)
 
 
 class _Stopped(Exception):
@@ -457,7 +461,7 @@ def test_a_body_number_too_large_for_a_float_is_a_bad_message():
     with pytest.raises(BadMessage, match="at least"):  # NaN was taken as at least anything
         field_of({"ram_gb": float("nan")}, "ram_gb", (int, float), min_value=0)
     with pytest.raises(BadMessage):  # was OverflowError
-        TaskBoard().report("t1", {"providers": {"p1": {"train_loss": 10**400}}})
+        TaskProgress.read({"task": "t1", "providers": {"p1": {"train_loss": 10**400}}}, "task.progress")
 
 
 def test_a_data_description_or_manifest_entry_out_of_range_is_a_network_error(tmp_path):
@@ -466,7 +470,7 @@ def test_a_data_description_or_manifest_entry_out_of_range_is_a_network_error(tm
     with pytest.raises(NetworkError):  # was OverflowError
         dataset_from_shards(meta, images, images)
     with pytest.raises(BadMessage, match="manifest"):  # was KeyError
-        download("tcp://127.0.0.1:1", "f.bin", {"sha256": "0" * 64}, tmp_path, SECRET, retries=0)
+        download(chunk_source("tcp://127.0.0.1:1", SECRET, ""), "f.bin", {"sha256": "0" * 64}, tmp_path, retries=0)
 
 
 def test_a_short_datagram_header_is_a_wire_error():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshlearn.cli.reference import settings_reference
-from meshlearn.network.protocol.rpcs import DOC_BEGIN, DOC_END, authorization_table
+from meshlearn.network.protocol.rpcs import DOC_BEGIN, DOC_END, authorization_table, message_list
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -29,12 +29,14 @@ def test_the_settings_reference_lists_every_setting_with_its_default():
         assert row in text
 
 
-def test_the_security_page_s_table_of_requests_is_what_their_declarations_generate():
-    text = (ROOT / "docs" / "security.md").read_text()
-    assert text.count(DOC_BEGIN) == 1 and text.count(DOC_END) == 1, "docs/security.md lost its table's markers"
+@pytest.mark.parametrize("page, generate, which", [("security.md", authorization_table, "security"),
+                                                    ("network.md", message_list, "messages")])
+def test_the_pages_generated_from_the_protocol_s_declarations_are_up_to_date(page, generate, which):
+    text = (ROOT / "docs" / page).read_text()
+    assert text.count(DOC_BEGIN) == 1 and text.count(DOC_END) == 1, f"docs/{page} lost its generated part's markers"
     written = text.split(DOC_BEGIN + "\n")[1].split(DOC_END)[0]
-    assert written == authorization_table(), \
-        "docs/security.md's table of requests is out of date: put the output of python3 -m meshlearn.network.protocol.rpcs " \
+    assert written == generate(), \
+        f"docs/{page} is out of date: put the output of python3 -m meshlearn.network.protocol.rpcs {which} " \
         "between its markers"
 
 

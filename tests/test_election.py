@@ -266,6 +266,8 @@ def test_a_provider_that_does_not_lead_names_its_leader_and_a_follower_that_gave
 
     from meshlearn.flat import FlatState
     from meshlearn.network.channel.rpc import RpcServer
+    from meshlearn.network.protocol import rpcs
+    from meshlearn.network.protocol.serving import serve
     from meshlearn.network.provider.finish import Finisher
     from meshlearn.network.provider.taskrun import ProviderContext
     from meshlearn.network.task.spec import TaskSpec
@@ -282,17 +284,18 @@ def test_a_provider_that_does_not_lead_names_its_leader_and_a_follower_that_gave
                  for i in range(3)]
     for finisher, server in zip(finishers, servers):
         finisher.attach(types.SimpleNamespace(flat=FlatState(nn.Linear(4, 2))), samples=10)
-        server.handlers.update({"agg.push": finisher.on_push, "agg.ping": finisher.on_ping})
+        handlers = {rpcs.AGG_PUSH: finisher.on_push, rpcs.AGG_PING: finisher.on_ping}
+        server.handlers.update(serve(rpcs.Server.PROVIDER, handlers, declared=tuple(handlers)))
         server.start()
     try:
         follower = finishers[2]
         follower.election.mark_dead(0)  # as after a ping answered late
-        assert follower.election.resolve() == 1 and follower._status_of(1)["leader"] == 0
+        assert follower.election.resolve() == 1 and follower._ping(1).leader == 0
         assert not follower._push_final(1, updates=3)  # refused: p1 does not lead, p0 does
         assert follower.election.leader == 0 and not follower.election.dead
         assert follower._push_final(0, updates=3) and finishers[0].book.has_final(2)
         follower.exclude(0)  # shut out: what it answers no longer brings it back
-        assert follower._status_of(0) is None and not follower.election.recheck(0)
+        assert not follower._alive(0) and not follower.election.recheck(0)
     finally:
         for server in servers:
             server.stop()

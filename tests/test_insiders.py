@@ -110,10 +110,11 @@ def test_only_the_claimer_ends_a_task_and_a_provider_it_lost_keeps_its_id(procs)
     claimed = call(bootstrap, "claim", {"task": "t-owned", "count": 2}, SECRET.encode(), timeout=10,
                    keys=owner).body["providers"]
     assert sorted(p["id"] for p in claimed) == ids
-    for kind in ("release", "task.progress", "task"):
+    for kind, body in (("release", {"task": "t-owned", "lost": ["p0"]}),
+                       ("task.progress", {"task": "t-owned", "providers": {}, "faults": []}),
+                       ("task", {"task": "t-owned"})):
         with pytest.raises(RemoteError, match="not one this key"):
-            call(bootstrap, kind, {"task": "t-owned", "lost": ["p0"], "providers": {}, "faults": []}, SECRET.encode(),
-                 timeout=10, keys=insider)
+            call(bootstrap, kind, body, SECRET.encode(), timeout=10, keys=insider)
     assert {p["status"] for p in _providers(bootstrap).values()} == {"busy"}
     record = call(bootstrap, "task", {"task": "t-owned"}, SECRET.encode(), timeout=10, keys=owner).body
     assert record["requester_key"] == owner.text and record["revoked"] == []

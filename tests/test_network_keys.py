@@ -215,7 +215,7 @@ def test_a_replayed_or_truncated_handshake_gets_nowhere(bootstrap, caplog):
             except (TimeoutError, ConnectionResetError):
                 pass
     assert _ids(bootstrap) == []  # the replayed register did not register anything
-    assert call(bootstrap.address, "ping", {}, SECRET, timeout=5).body == {"service": "bootstrap"}
+    assert call(bootstrap.address, "ping", {}, SECRET, timeout=5).body == {"service": "bootstrap", "id": None}
     assert bootstrap.server.failed_handshakes >= 1
     assert any("refused a connection" in r.getMessage() and "replayed, truncated" in r.getMessage()
                for r in caplog.records)

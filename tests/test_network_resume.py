@@ -117,7 +117,7 @@ def test_the_bootstrap_lets_only_the_claiming_key_claim_a_task_again_and_never_a
 
 def test_the_requester_keeps_a_checkpoint_only_whole_of_its_task_and_from_the_provider_it_names(tmp_path):
     from meshlearn.checkpoint import RunCheckpoints
-    from meshlearn.network.channel.envelope import BadMessage, Envelope
+    from meshlearn.network.channel.envelope import BadMessage
     from meshlearn.network.task.spec import TaskSpec
     from meshlearn.network.task.state import KeptCheckpoints, checkpoint_name
 
@@ -134,14 +134,15 @@ def test_the_requester_keeps_a_checkpoint_only_whole_of_its_task_and_from_the_pr
     kept = KeptCheckpoints(tmp_path / "requester")
     callers = []
 
-    def only_provider_1(req, index):
+    def only_provider_1(sender, index):
         callers.append(index)
-        if req.sender != "b" or index != 1:
+        if sender != "b" or index != 1:
             raise BadMessage("this key is not provider 1")
 
-    def send(body, blobs, sender="b"):
-        return kept.take(Envelope("task.checkpoint", {"task": "t1", "index": 1, "cycle": 3, **body}, blobs, sender),
-                         spec, only_provider_1)
+    def send(body, blobs, sender="b", running=spec):
+        sent = {"task": "t1", "index": 1, "cycle": 3, **body}
+        return kept.take(running, sent["task"], sent["index"], sent["cycle"], *blobs,
+                         lambda index: only_provider_1(sender, index))
 
     with pytest.raises(BadMessage, match="not provider 1"):
         send({}, files, sender="a")  # another provider's key naming provider 1
@@ -155,8 +156,7 @@ def test_the_requester_keeps_a_checkpoint_only_whole_of_its_task_and_from_the_pr
         send({"index": 5}, files)
     other = spec.model_copy(update={"lr": 0.2})  # another training: another fingerprint
     with pytest.raises(BadMessage, match="of another training"):
-        kept.take(Envelope("task.checkpoint", {"task": "t1", "index": 1, "cycle": 3}, files, "b"), other,
-                  only_provider_1)
+        send({}, files, running=other)
     assert kept.store.iterations() == []  # nothing kept of any of those
-    assert send({}, files) == {"kept": 3}
+    assert send({}, files) == 3
     assert kept.store.has(3, "provider-1") and kept.latest(2) is None  # provider 0 sent none yet

@@ -23,6 +23,7 @@ from meshlearn.network.channel.envelope import (
     unseal,
 )
 from meshlearn.network.channel.rpc import RemoteError, RpcServer, call, parse_address
+from meshlearn.network.provider.taskdata import chunk_source
 from meshlearn.network.task.access import TaskAccess
 from meshlearn.network.task.datashare import FileShare, check_name, download
 from meshlearn.network.task.spec import TaskSpec, dataset_spec, validate_request
@@ -49,6 +50,17 @@ def test_unseal_rejects_foreign_tampered_and_truncated(mutate, error, text):
     with pytest.raises(error, match=text):
         unseal(frames, SECRET if error is not AuthError or len(frames) != 3 or frames[1] == b"tampered"
                else b"another-secret", 1 << 20)
+
+
+def _dealer_of_this_version() -> zmq.Socket:
+    """A raw DEALER socket that states this release's protocol version at its handshake, as every
+    client does (``channel.handshake``): what it sends then reaches the checks after the version's."""
+    from meshlearn.network.channel.handshake import PROTOCOL_VERSION, properties
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    for prop in properties(PROTOCOL_VERSION):
+        sock.setsockopt(zmq.METADATA, prop)
+    return sock
 
 
 def test_unseal_rejects_oversized_bad_json_and_wrong_version():
@@ -99,7 +111,7 @@ def test_wrong_secret_is_refused_both_ways(echo_server):
 
 
 def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = _dealer_of_this_version()
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{echo_server.address}")
     try:
@@ -120,7 +132,7 @@ def test_garbage_and_oversized_messages_do_not_crash_the_server(echo_server):
 def test_a_replayed_request_is_refused_and_a_nan_timestamp_is_outside_the_window(echo_server):
     """A captured request sent again (a claim, a leave, a results fetch) must not act twice."""
     captured = seal(Envelope("echo", {"n": 1}, sender="someone"), SECRET)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = _dealer_of_this_version()
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{echo_server.address}")
     try:
@@ -340,9 +352,11 @@ def test_heartbeats_keep_providers_and_silence_expires_them(bootstrap, clock):
 
 def test_bootstrap_refuses_malformed_requests_and_keeps_serving(bootstrap):
     address = bootstrap.server.address
-    for body, text in [({"id": "p0"}, "missing"), ({"id": "p0", "address": "a", "ram_gb": "lots", "cores": 2,
-                                                    "device": "cpu"}, "wrong type"),
-                       ({"id": "p0", "address": "a", "ram_gb": 1, "cores": 2, "device": "tpu"}, "device")]:
+    for body, text in [({"id": "p0"}, "register: field 'address': Field required"),
+                       ({"id": "p0", "address": "a", "ram_gb": "lots", "cores": 2, "device": "cpu"},
+                        "register: field 'ram_gb': Input should be a valid number"),
+                       ({"id": "p0", "address": "a", "ram_gb": 1, "cores": 2, "device": "tpu"},
+                        "register: field 'device': Input should be 'cuda', 'mps' or 'cpu'")]:
         with pytest.raises(RemoteError, match=text):
             call(address, "register", body, SECRET, timeout=5)
     with pytest.raises(RemoteError, match="no free provider"):
@@ -353,13 +367,24 @@ def test_bootstrap_refuses_malformed_requests_and_keeps_serving(bootstrap):
 
 # ---- data transfer -----------------------------------------------------------------------
 
+def _share_handlers(share: FileShare, tmp_path) -> dict:
+    """The dispatch table of a requester's data server that serves ``share`` (its typed handlers;
+    the requester is built, never run: its bootstrap is nowhere)."""
+    from meshlearn.network.requester.service import Requester
+    from meshlearn.network.task.spec import TaskRequest
+
+    requester = Requester(TaskRequest(data_on_providers="digits", providers=1), "127.0.0.1:9", SECRET,
+                          tmp_path / "requester", say=lambda _: None)
+    return requester.handlers(share)
+
+
 def test_download_resumes_after_the_server_drops_and_checks_names(tmp_path):
     source = tmp_path / "shard-0.safetensors"
     payload = bytes(range(256)) * 4096 * 3  # 3 MiB: 12 chunks of 256 KiB
     source.write_bytes(payload)
     share = FileShare()
     share.add(source.name, source)
-    handlers = share.handlers()
+    handlers = _share_handlers(share, tmp_path)
     served = []
 
     def flaky(req):
@@ -371,12 +396,12 @@ def test_download_resumes_after_the_server_drops_and_checks_names(tmp_path):
     server.start()
     try:
         with pytest.raises(NetworkError, match="failed at byte 1310720"):
-            download(server.address, source.name, share.manifest()[source.name], tmp_path / "dest", SECRET,
-                     retries=0, chunk_bytes=256 * 1024)
+            download(chunk_source(server.address, SECRET, ""), source.name, share.manifest()[source.name],
+                     tmp_path / "dest", source=server.address, retries=0, chunk_bytes=256 * 1024)
         assert (tmp_path / "dest" / f"{source.name}.part").stat().st_size == 5 * 256 * 1024
         server.handlers["data.chunk"] = lambda req: (served.append(req.body["offset"]), handlers["data.chunk"](req))[1]
-        got = download(server.address, source.name, share.manifest()[source.name], tmp_path / "dest", SECRET,
-                       chunk_bytes=256 * 1024)
+        got = download(chunk_source(server.address, SECRET, ""), source.name, share.manifest()[source.name],
+                       tmp_path / "dest", chunk_bytes=256 * 1024)
         assert got.read_bytes() == payload
         assert served == [i * 256 * 1024 for i in range(12)]  # nothing fetched twice
         with pytest.raises(RemoteError, match="not allowed"):
@@ -395,11 +420,11 @@ def test_download_deletes_a_file_whose_hash_does_not_match(tmp_path):
     source.write_bytes(b"abc" * 1000)
     share = FileShare()
     share.add("f.bin", source)
-    server = RpcServer("share", "127.0.0.1", 0, SECRET, share.handlers())
+    server = RpcServer("share", "127.0.0.1", 0, SECRET, _share_handlers(share, tmp_path))
     server.start()
     try:
         with pytest.raises(NetworkError, match="SHA-256"):
-            download(server.address, "f.bin", {"size": 3000, "sha256": "0" * 64}, tmp_path / "d", SECRET)
+            download(chunk_source(server.address, SECRET, ""), "f.bin", {"size": 3000, "sha256": "0" * 64}, tmp_path / "d")
         assert not (tmp_path / "d" / "f.bin.part").exists() and not (tmp_path / "d" / "f.bin").exists()
     finally:
         server.stop()
@@ -410,7 +435,7 @@ def test_a_download_stops_when_its_task_is_cancelled_and_a_vanished_file_is_a_cl
     source.write_bytes(bytes(range(256)) * 4096)  # 1 MiB: 4 chunks of 256 KiB
     share = FileShare()
     share.add("f.bin", source)
-    server = RpcServer("share", "127.0.0.1", 0, SECRET, share.handlers())
+    server = RpcServer("share", "127.0.0.1", 0, SECRET, _share_handlers(share, tmp_path))
     server.start()
     asked = []
 
@@ -423,7 +448,7 @@ def test_a_download_stops_when_its_task_is_cancelled_and_a_vanished_file_is_a_cl
         asked.append(1)
     try:
         with pytest.raises(Cancelled):
-            download(server.address, "f.bin", share.manifest()["f.bin"], tmp_path / "d", SECRET,
+            download(chunk_source(server.address, SECRET, ""), "f.bin", share.manifest()["f.bin"], tmp_path / "d",
                      chunk_bytes=256 * 1024, before_chunk=cancel_after_two)
         assert share.chunks_served == 2  # no request after the cancel
         assert (tmp_path / "d" / "f.bin.part").stat().st_size == 2 * 256 * 1024  # kept for a resume
@@ -551,6 +576,22 @@ def test_a_finished_task_run_lets_go_of_its_model_and_data(tmp_path):
     assert read_results(tmp_path / "work" / "tasks" / "t1" / "result") is not None  # what `results` serves
 
 
+def test_a_runs_status_fits_its_declared_reply_with_no_engine_yet_and_a_long_error(tmp_path):
+    """task.status answers a RunStatus: a run not bound yet has no engine (""), and a failure's error,
+    however long, is cut to what the reply carries (else the requester never learns why it failed)."""
+    from meshlearn.network.protocol.providerapi import MAX_ERROR, RunStatus
+    from meshlearn.network.provider.taskrun import ProviderContext, TaskRun
+
+    spec = TaskSpec(task_id="t1", model="mlp", epochs=1, batch_size=16, lr=0.1, algorithm="leader",
+                    aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=5,
+                    peers=[{"id": "p0", "address": "127.0.0.1:1"}], data={"mode": "local", "dataset": "digits"})
+    run = TaskRun(spec, ProviderContext("p0", "127.0.0.1", SECRET, tmp_path / "work"), bytes(32), TaskAccess.of(spec, ""))
+    assert run.status().engine == "" and run.status(leaving=True).leaving
+    run.error = "RuntimeError: " + "x" * 5000
+    status = RunStatus.read(run.status().body(), "task.status")
+    assert status.error == run.error[:MAX_ERROR] and status.state == "preparing"
+
+
 def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_already_finished(tmp_path):
     """The leader died after copying the result to some providers only; one without the copy pushed
     its final model to the next leader, which had finished its own run: it used to accept the push,
@@ -563,6 +604,10 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
     from torch import nn
 
     from meshlearn.flat import FlatState
+    from meshlearn.network.protocol import rpcs
+    from meshlearn.network.protocol.providerapi import ResultMetrics
+    from meshlearn.network.protocol.rpcs import Server
+    from meshlearn.network.protocol.serving import serve
     from meshlearn.network.provider.finish import Finisher
     from meshlearn.network.provider.taskrun import ProviderContext
     from meshlearn.network.task.results import read_results
@@ -579,19 +624,23 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
                     aggregate_every="epoch", seed=1, partition="iid", eval_samples=0, peer_timeout=2,
                     peers=peers, data={"mode": "local", "dataset": "digits"})
     finishers = {i: Finisher(spec, ProviderContext(f"p{i}", "127.0.0.1", SECRET, tmp_path / f"w{i}"), i) for i in (1, 2)}
+
+    def results_of(workdir):
+        """``task.results`` as a provider serves it: the result it kept on disk."""
+        def results(message, req):
+            metrics, model, _ = read_results(workdir / "tasks" / message.task / "result")
+            return ResultMetrics(metrics=metrics), [model]
+        return results
     for i, server in servers.items():
-        workdir = tmp_path / f"w{i}"
-        server.handlers.update({
-            "agg.push": finishers[i].on_push, "agg.ping": finishers[i].on_ping, "agg.results": finishers[i].on_results,
-            "task.results": lambda req, w=workdir: (lambda found: ({"metrics": found[0]}, [found[1]]))(
-                read_results(w / "tasks" / "t9" / "result")),
-        })
+        handlers = {rpcs.AGG_PUSH: finishers[i].on_push, rpcs.AGG_PING: finishers[i].on_ping,
+                    rpcs.AGG_RESULTS: finishers[i].on_results, rpcs.TASK_RESULTS: results_of(tmp_path / f"w{i}")}
+        server.handlers.update(serve(Server.PROVIDER, handlers, declared=tuple(handlers)))
         server.start()
     try:
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         result_model = save_safetensors({k: v.detach().clone() for k, v in model.state_dict().items()})
-        finishers[1]._keep({"task": "t9", "accuracy": 0.5}, result_model)  # p1 got the copy, then ended
+        finishers[1].result.keep({"task": "t9", "accuracy": 0.5}, result_model)  # p1 got the copy, then ended
         finishers[1].release()
         follower = finishers[2]
         follower.attach(types.SimpleNamespace(flat=FlatState(nn.Linear(4, 2)), model=nn.Linear(4, 2)), samples=10)
@@ -609,7 +658,7 @@ def test_a_provider_without_the_result_copy_gets_it_from_a_next_leader_that_alre
 def test_refusals_are_logged_with_their_address_and_not_once_each(echo_server, caplog):
     import logging
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = _dealer_of_this_version()
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{echo_server.address}")
     try:

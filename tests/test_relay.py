@@ -13,7 +13,9 @@ import threading
 import pytest
 from helpers.waiting import wait_until
 
-from meshlearn.network.channel.relay import Relay, RelayAgent, fetch_key_line
+from meshlearn.network.channel.probes import fetch_key_line
+from meshlearn.network.channel.relay import Relay
+from meshlearn.network.channel.relayagent import RelayAgent
 
 
 @pytest.fixture
@@ -160,7 +162,8 @@ def test_an_agent_whose_allocation_the_relay_forgot_says_it_is_lost(relay, echo)
 
 def test_what_one_participant_can_make_the_relay_hold_is_capped(relay):
     from meshlearn.errors import NetworkError
-    from meshlearn.network.channel.relay import MAX_PARKED, MAX_PER_OWNER
+    from meshlearn.network.channel.agentport import MAX_PARKED
+    from meshlearn.network.channel.allocations import MAX_PER_OWNER
 
     tokens = [relay.allocate("key-a")[0] for _ in range(MAX_PER_OWNER)]
     with pytest.raises(NetworkError, match="holds 8 relay allocations"):
@@ -172,7 +175,7 @@ def test_what_one_participant_can_make_the_relay_hold_is_capped(relay):
             sock = socket.create_connection(("127.0.0.1", relay.port), timeout=5)
             sock.sendall(f"AGENT {tokens[0]}\n".encode())
             parked.append(sock)
-        allocation = relay._allocations[tokens[0]]
+        allocation = relay._allocations.get(tokens[0])
         assert wait_until(lambda: relay.refused == 3, timeout=5)
         assert len(allocation.parked) == MAX_PARKED
     finally:
@@ -216,11 +219,9 @@ def test_insiders_and_strangers_cost_the_relay_no_thread_and_descriptors_within_
     to the agent port, 30 to each of five allocations' ports): the relay's one thread serves it
     all and holds only what its caps allow; stopping it gives every thread and descriptor back."""
     from meshlearn.errors import NetworkError
-    from meshlearn.network.channel.relay import (
-        MAX_CLIENTS_PER_ADDRESS,
-        MAX_GREETING_PER_ADDRESS,
-        MAX_PER_OWNER,
-    )
+    from meshlearn.network.channel.agentport import MAX_GREETING_PER_ADDRESS
+    from meshlearn.network.channel.allocations import MAX_PER_OWNER
+    from meshlearn.network.channel.publicports import MAX_CLIENTS_PER_ADDRESS
 
     threads, descriptors = threading.active_count(), _open_descriptors()
     relay = Relay("127.0.0.1", 0, "127.0.0.1", key_line="THE-KEY")

@@ -144,10 +144,11 @@ def test_40_insider_keys_on_8_addresses_leave_room_for_a_new_provider_behind_nat
 def test_the_relay_evicts_only_allocations_of_providers_that_never_registered(monkeypatch):
     """A full pool makes room by closing the oldest unsettled allocation; one full of allocations
     serving registered work refuses the newcomer instead."""
-    from meshlearn.network.channel import relay as relay_module
-    from meshlearn.network.channel.relay import Holder, Relay
+    from meshlearn.network.channel import allocations
+    from meshlearn.network.channel.allocations import Holder
+    from meshlearn.network.channel.relay import Relay
 
-    monkeypatch.setattr(relay_module, "MAX_ALLOCATIONS", 6)
+    monkeypatch.setattr(allocations, "MAX_ALLOCATIONS", 6)
     relay = Relay("127.0.0.1", 0, "127.0.0.1")
     relay.start()
     try:
@@ -207,7 +208,7 @@ def test_the_bootstrap_gives_allocations_for_registered_work_and_closes_them_whe
     from helpers.waiting import wait_until
 
     from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
-    from meshlearn.network.channel.relay import Holder
+    from meshlearn.network.channel.allocations import Holder
 
     secret = SECRET.encode()
     settings = BootstrapSettings(host="127.0.0.1", port=free_port(), relay_port=0, state=str(tmp_path / "b.sqlite"))

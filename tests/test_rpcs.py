@@ -8,7 +8,7 @@ import pytest
 
 from meshlearn.network.bootstrap.service import Bootstrap, BootstrapSettings
 from meshlearn.network.protocol import rpcs
-from meshlearn.network.protocol.rpcs import RPCS, Server, UndeclaredRpc, dispatch, served_by
+from meshlearn.network.protocol.rpcs import RPCS, Server, UndeclaredRpc, served_by
 from meshlearn.network.provider.service import Provider, ProviderSettings
 from meshlearn.network.requester.service import Requester
 from meshlearn.network.task.datashare import FileShare
@@ -58,12 +58,3 @@ def test_a_server_with_a_handler_that_has_no_declaration_is_refused_as_it_is_bui
     monkeypatch.setattr(rpcs, "RPCS", tuple(rpc for rpc in RPCS if rpc != dropped))
     with pytest.raises(UndeclaredRpc, match=rf"undeclared \['{dropped.name}'\]"):
         build(tmp_path)
-
-
-def test_dispatch_refuses_a_handler_without_a_row_and_a_row_without_a_handler():
-    handlers = {name: (lambda req: {}) for name in _names(Server.PROVIDER)}
-    with pytest.raises(UndeclaredRpc, match=r"undeclared \['task.debug'\], without a handler none"):
-        dispatch(Server.PROVIDER, {**handlers, "task.debug": lambda req: {}})
-    del handlers["task.join"]
-    with pytest.raises(UndeclaredRpc, match=r"undeclared none, without a handler \['task.join'\]"):
-        dispatch(Server.PROVIDER, handlers)

@@ -33,6 +33,7 @@ from pathlib import Path
 from meshlearn.cli.main import build_parser, _resolve
 from meshlearn.cli.network import _request_values
 from meshlearn.config import make_config, read_config_file
+from meshlearn.network.protocol.bootstrapapi import ProviderRecord
 from meshlearn.network.requester.service import Requester
 from meshlearn.network.task.spec import TaskSpec, validate_request
 
@@ -49,8 +50,9 @@ args = parser.parse_args(["request", "--bootstrap", "127.0.0.1:9", "--data-on-pr
 request = validate_request(_request_values(args))
 found["request flag"] = request.probe_knob
 requester = Requester(request, "127.0.0.1:9", b"secret", work / "req", say=lambda _: None)
-spec = requester._spec([{"id": "p0", "address": "127.0.0.1:7"}, {"id": "p1", "address": "127.0.0.1:8"}],
-                       None, "127.0.0.1:6", None, work / "shares")
+claimed = [ProviderRecord(id=f"p{i}", address=f"127.0.0.1:{7 + i}", ram_gb=8.0, cores=2, device="cpu", location="",
+                          status="busy") for i in range(2)]
+spec = requester.starter.spec(claimed, None, "127.0.0.1:6", None, work / "shares")
 arrived = TaskSpec.parse(json.loads(json.dumps(spec.model_dump(mode="json"))))  # as a provider reads it
 found["task spec"] = arrived.probe_knob
 found["provider's engine"] = arrived.experiment_config(100, "127.0.0.1", "cpu", 64).probe_knob

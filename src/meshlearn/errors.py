@@ -113,6 +113,10 @@ class RemoteError(NetworkError):
     """The peer understood the request and refused it; the message says why."""
 
 
+class ProtocolMismatch(NetworkError):
+    """The peer speaks another version of the network's protocol: one of the two must upgrade."""
+
+
 class Unreachable(NetworkError):
     """No reply from the peer before the deadline."""
 

@@ -181,6 +181,7 @@ def _dashboard_of(settings: BootstrapSettings, secret: bytes, source):
 
 def cmd_provider(args: argparse.Namespace) -> int:
     from meshlearn.network.provider.service import Provider
+    from meshlearn.network.provider.testhooks import TestHooks
 
     values = given(args, ProviderSettings.model_fields)
     values["bootstrap"] = args.bootstrap
@@ -194,12 +195,13 @@ def cmd_provider(args: argparse.Namespace) -> int:
     if settings.workdir:
         _writable_folder(Path(settings.workdir).expanduser(), "--workdir")
     secret = _secret(args)
+    hooks = TestHooks.from_environment()  # read once, here: a bad test switch is one line too
     _check_declared(settings)
     _load_models_module(settings.models_module)  # a broken module is one line before the bootstrap is asked anything
     keys = _identity(settings.key_file(), "provider")
     _hold_key_file(settings.key_file())
     settings = settings.model_copy(update={"bootstrap": _pinned_bootstrap(args, secret)})
-    provider = Provider(settings, secret, keys)
+    provider = Provider(settings, secret, keys, hooks=hooks)
 
     def interrupted(signum, frame):
         if provider.leaving.is_set():
@@ -221,10 +223,8 @@ def _check_declared(settings: ProviderSettings) -> None:
     """What the provider declares, against this machine: more than it has is one line, less than
     ML's minimum a warning (network.task.resources.check_declared)."""
     from meshlearn.network.channel.identity import state_home
-    from meshlearn.network.provider.service import test_device
     from meshlearn.network.task.resources import check_declared
 
-    test_device()  # a bad test switch is one line too
     for warning in check_declared(settings.ram_gb, settings.cores, Path(settings.workdir or state_home())):
         print(f"warning: {warning}", flush=True)
 
@@ -238,7 +238,10 @@ def cmd_leave(args: argparse.Namespace) -> int:
         split_pinned,
         use_identity,
     )
-    from meshlearn.network.channel.rpc import call, parse_address
+    from meshlearn.network.channel.rpc import parse_address
+    from meshlearn.network.protocol.message import Empty
+    from meshlearn.network.protocol.rpcs import PROVIDER_LEAVE
+    from meshlearn.network.protocol.serving import ask
 
     address, key = split_pinned(args.provider)
     address = parse_address(address, "--provider")
@@ -252,7 +255,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
         raise UserInputError(f"--provider pins key {key_text(key)}, but {path} holds {keys.text}: give the --workdir "
                              "(or --key) of that provider")
     try:
-        reply = call(pinned(address, keys.public), "provider.leave", {}, _secret(args), timeout=10)
+        reply = ask(pinned(address, keys.public), PROVIDER_LEAVE, Empty(), _secret(args), timeout=10)
     except KeyMismatch:
         raise UserInputError(f"the provider at {address} does not hold the key in {path} ({keys.text}): give the "
                              "--workdir (or --key) that provider was started with") from None
@@ -260,7 +263,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
         raise UserInputError(f"no provider answers at {address}: check --provider") from None
     except RemoteError as exc:
         raise UserInputError(f"the provider at {address} refused: {exc}") from None
-    after = reply.body.get("after_task")
+    after = reply.after_task
     print("provider is leaving" + (f" after task {after} finishes" if after else " now"))
     return 0
 
@@ -302,7 +305,8 @@ def cmd_request(args: argparse.Namespace) -> int:
 
     from meshlearn.network.channel.identity import split_pinned
     from meshlearn.network.channel.rpc import parse_address
-    from meshlearn.network.requester.service import Requester, summary_line
+    from meshlearn.network.requester.results import summary_line
+    from meshlearn.network.requester.service import Requester
     from meshlearn.network.task.spec import validate_request
 
     _port(args.port, allow_zero=True)
@@ -339,7 +343,8 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
     """``request --resume TASK_ID``: the task goes on from the checkpoints its requester kept, with
     its own settings, on as many providers as it had (its own first, where they came back)."""
     from meshlearn.errors import CheckpointError
-    from meshlearn.network.requester.service import Requester, summary_line
+    from meshlearn.network.requester.results import summary_line
+    from meshlearn.network.requester.service import Requester
     from meshlearn.network.task.state import (
         KeptCheckpoints,
         TaskRecord,
@@ -422,7 +427,7 @@ def _check_model(request, dataset) -> None:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from meshlearn.network.requester.service import results_of_task, summary_line
+    from meshlearn.network.requester.results import results_of_task, summary_line
 
     output = _writable_folder(Path(args.output or f"runs/task-{args.task_id}"), "--output")
     secret = _secret(args)

@@ -3,41 +3,48 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from pathlib import Path
 
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, NetworkError, UserInputError
+from meshlearn.errors import BadMessage, UserInputError
+from meshlearn.network.bootstrap.claims import Claims, caller_key
 from meshlearn.network.bootstrap.registrants import Registrants
 from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
+from meshlearn.network.bootstrap.relayaccess import RelayAccess
 from meshlearn.network.bootstrap.taskboard import TaskBoard
 from meshlearn.network.channel.addresses import is_wildcard, reachable_hosts
-from meshlearn.network.channel.envelope import Envelope, field_of
+from meshlearn.network.channel.allocations import Holder
+from meshlearn.network.channel.envelope import Envelope
 from meshlearn.network.channel.filelimit import raise_open_file_limit
 from meshlearn.network.channel.identity import (
     KeyPair,
     fingerprint,
     key_from_text,
-    key_in,
     key_text,
-    pinned,
 )
-from meshlearn.network.channel.relay import Holder, Relay
-from meshlearn.network.channel.rpc import RpcServer, call
-from meshlearn.network.protocol.rpcs import Server, dispatch
-from meshlearn.network.task.resources import DEVICE_ORDER
-from meshlearn.network.task.spec import MAX_TASK_PEERS
+from meshlearn.network.channel.relay import Relay
+from meshlearn.network.channel.rpc import RpcServer
+from meshlearn.network.protocol import rpcs
+from meshlearn.network.protocol.bootstrapapi import (
+    Heartbeat,
+    HeartbeatAnswer,
+    Left,
+    Named,
+    ProviderId,
+    Register,
+    Registered,
+)
+from meshlearn.network.protocol.message import Empty
+from meshlearn.network.protocol.rpcs import Server
+from meshlearn.network.protocol.serving import serve
 from meshlearn.settings import Settings
 from meshlearn.sparselog import SparseLog
 
 log = logging.getLogger(__name__)
 SWEEP_EVERY = 1.0  # seconds between sweeps for providers whose heartbeat stopped
-MAX_CANDIDATES = 1024  # provider ids a claim may list in its preferred order
-MAX_REGISTERING = 4096  # (key, provider id) pairs remembered as registering through the relay, the oldest forgotten first
-PROBE_TIMEOUT = 3.0  # seconds the bootstrap waits when it dials a participant back
 
 
 class BootstrapSettings(Settings):
@@ -83,7 +90,9 @@ class BootstrapSettings(Settings):
 
 
 class Bootstrap:
-    """Serves registration, heartbeats, discovery and atomic claims; expires silent providers."""
+    """Serves registration, heartbeats, discovery and atomic claims; expires silent providers. The
+    facade of the bootstrap: the relay's admission (``RelayAccess``) and the requesters' task
+    requests (``Claims``) are served by its collaborators."""
 
     def __init__(self, settings: BootstrapSettings, secret: bytes, keys: KeyPair | None = None,
                  clock: Clock = SYSTEM):
@@ -93,27 +102,27 @@ class Bootstrap:
         self.clock = clock
         self.registry = Registry(settings.state, clock)
         self.tasks = TaskBoard(clock)
-        self.server = RpcServer("bootstrap", settings.host, settings.port, secret, dispatch(Server.BOOTSTRAP, {
-            "ping": lambda req: {"service": "bootstrap"},
-            "register": self._register,
-            "heartbeat": self._heartbeat,
-            "leave": self._leave,
-            "discover": self._discover,
-            "claim": self._claim,
-            "claim.replace": self._claim_replace,
-            "release": self._release,
-            "task": self._task,
-            "probe": self._probe,
-            "relay.open": self._relay_open,
-            "relay.close": self._relay_close,
-            "task.progress": self._task_progress,
-        }), max_bytes=settings.max_request_bytes, keys=keys, admit=self._admit)
-        public_host = settings.public_host()
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
-        self.relay = Relay(settings.host, relay_port, public_host, keys.text if keys else "",
+        self.relay = Relay(settings.host, relay_port, settings.public_host(), keys.text if keys else "",
                            settings.relay_port_range())
+        self.relay_access = RelayAccess(self.relay, self.registry, secret, keys, settings.dial_back)
+        self.claims = Claims(self.registry, self.tasks)
+        self.server = RpcServer("bootstrap", settings.host, settings.port, secret, serve(Server.BOOTSTRAP, {
+            rpcs.BOOTSTRAP_PING: self._ping,
+            rpcs.REGISTER: self._register,
+            rpcs.HEARTBEAT: self._heartbeat,
+            rpcs.LEAVE: self._leave,
+            rpcs.DISCOVER: self.claims.discover,
+            rpcs.CLAIM: self.claims.claim,
+            rpcs.CLAIM_REPLACE: self.claims.claim_replace,
+            rpcs.RELEASE: self.claims.release,
+            rpcs.TASK: self.claims.task,
+            rpcs.PROBE: self.relay_access.probe,
+            rpcs.RELAY_OPEN: self.relay_access.open,
+            rpcs.RELAY_CLOSE: self.relay_access.close,
+            rpcs.TASK_PROGRESS: self.claims.task_progress,
+        }), max_bytes=settings.max_request_bytes, keys=keys, admit=self._admit)
         self.registrants = Registrants()
-        self._registering: dict[tuple[str, str], bool] = {}  # (key, provider id) told to come back through the relay
         self._stop = threading.Event()
         self._warn = SparseLog(log)  # refused revoked keys, by key
 
@@ -140,7 +149,7 @@ class Bootstrap:
                 self.server.check()
                 for gone in self.registry.expire(self.settings.ttl):
                     log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
-                self._release_ended_work()
+                self.relay_access.release_ended_work()
         finally:
             self.server.stop()
             self.relay.stop()
@@ -175,130 +184,36 @@ class Bootstrap:
             return False
         return True
 
-    def _caller_key(self, req: Envelope) -> str:
-        return key_text(req.peer_key) if req.peer_key is not None else ""
-
     def _same_key(self, req: Envelope, provider_id: str) -> None:
         """Only the key a provider registered with may speak for it (heartbeats, leaving)."""
         known = self.registry.key_of(provider_id)
-        if known is not None and known != self._caller_key(req):
-            log.warning("refused %s for provider %s from another key (%s)", req.kind, provider_id,
-                        self._caller_key(req))
+        if known is not None and known != caller_key(req):
+            log.warning("refused %s for provider %s from another key (%s)", req.kind, provider_id, caller_key(req))
             raise BadMessage(f"provider {provider_id} is registered with another key")
 
-    def _probe(self, req: Envelope) -> dict:
-        """Can this bootstrap dial ``address`` back (the caller's, proving the caller's key)?"""
-        address = field_of(req.body, "address", str, max_len=256)
-        return {"reachable": self._reach(address, req) is not None, "relay": self.relay.address}
+    def _ping(self, message: Empty, req: Envelope) -> Named:
+        return Named(service="bootstrap")
 
-    def _reach(self, address: str, req: Envelope) -> str | None:
-        """How peers reach ``address``, announced by the caller of ``req``: "direct" (dialed back,
-        the caller's key answered), "relayed" (a live relay allocation of the caller's), or None.
-        Only the caller's own IP address is dialed: the bootstrap never dials a third party."""
-        host, sep, port = address.rpartition(":")
-        if not sep or is_wildcard(host) or not port.isdigit():
-            raise BadMessage(f"address {address!r} is not one peers can connect to: start it with --advertise HOST "
-                             "(the address other machines reach it at)")
-        owner = self.relay.owner_of(address)
-        if owner is not None:
-            return "relayed" if owner == self._caller_key(req) else None
-        if not self.settings.dial_back:
-            return "direct"
-        if req.peer_address and not _is_host(host, req.peer_address):
-            log.info("%s is not where the request came from (%s): not dialed", address, req.peer_address)
-            return None
-        try:
-            call(pinned(address, req.peer_key), "ping", {}, self.secret, timeout=PROBE_TIMEOUT, sender="bootstrap",
-                 keys=self.keys)
-            return "direct"
-        except NetworkError as exc:
-            log.info("%s cannot be reached from here (%s)", address, exc)
-            return None
-
-    def _relay_open(self, req: Envelope) -> dict:
-        """A relay allocation for the caller (behind NAT), for registered work only: the provider
-        it registers (told to come back through the relay) or a running task it is part of. Its
-        token and public address."""
-        holder, settled = self._relay_holder(req)
-        token, address = self.relay.allocate(self._caller_key(req), req.peer_address, holder, settled)
-        log.info("relay: port %s allocated to key %s for %s", address.rpartition(":")[2], self._caller_key(req),
-                 holder)
-        return {"token": token, "address": address, "relay": self.relay.address}
-
-    def _relay_holder(self, req: Envelope) -> tuple[Holder, bool]:
-        """What an allocation asked for in ``req`` serves, and whether that work is registered
-        already; refused (BadMessage) unless the caller registers that provider or is part of that task."""
-        caller = self._caller_key(req)
-        if "task" in req.body:
-            task_id = field_of(req.body, "task", str, max_len=64)
-            record = self.registry.task(task_id)
-            if record is None or record["status"] != "running" or (
-                    caller != record["requester_key"] and caller not in {key_in(p["address"]) for p in record["providers"]}):
-                raise BadMessage(f"task {task_id!r} is not a running task this key requested or was claimed for: "
-                                 "the relay serves registered work only")
-            return Holder("task", task_id), True
-        if "provider" not in req.body:
-            raise BadMessage("relay.open names the provider this key registers or a task it is part of: the relay "
-                             "serves registered work only")
-        provider_id = field_of(req.body, "provider", str, max_len=64)
-        known = self.registry.key_of(provider_id)
-        if known is None and (caller, provider_id) not in self._registering:
-            raise BadMessage(f"provider {provider_id!r} is not registering with this key: register first (the relay "
-                             "serves registered providers and claimed tasks only)")
-        if known is not None and known != caller:
-            raise BadMessage(f"provider {provider_id} is registered with another key")
-        return Holder("provider", provider_id), known is not None
-
-    def _release_ended_work(self) -> None:
-        """Close the relay allocations of providers no longer registered and of tasks no longer running."""
-        for holder in self.relay.holders(settled=True):
-            if holder.kind == "provider":
-                ended = self.registry.key_of(holder.name) is None
-            else:
-                record = self.registry.task(holder.name)
-                ended = record is None or record["status"] != "running"
-            if ended and self.relay.release_holder(holder):
-                log.info("relay: allocations of %s closed (its work ended)", holder)
-
-    def _relay_close(self, req: Envelope) -> dict:
-        """The caller gives back one of its allocations (a task's engine that ended)."""
-        return {"closed": self.relay.release(field_of(req.body, "token", str, max_len=64), self._caller_key(req))}
-
-    def _register(self, req: Envelope) -> dict:
-        b = req.body
-        device = field_of(b, "device", str)
-        if device not in DEVICE_ORDER:
-            raise BadMessage(f"device {device!r} is not one of {sorted(DEVICE_ORDER)}")
-        info = ProviderInfo(
-            id=field_of(b, "id", str, max_len=64), address=field_of(b, "address", str, max_len=256),
-            ram_gb=float(field_of(b, "ram_gb", (int, float), min_value=0)),
-            cores=field_of(b, "cores", int, min_value=1), device=device,
-            location=field_of(b, "location", str, "", max_len=64),
-            status=_status(field_of(b, "status", str, "free")), task=field_of(b, "task", (str, type(None)), None))
+    def _register(self, message: Register, req: Envelope) -> Registered:
+        info = ProviderInfo(id=message.id, address=message.address, ram_gb=message.ram_gb, cores=message.cores,
+                            device=message.device, location=message.location, status=message.status,
+                            task=message.task)
         self._same_key(req, info.id)
-        info.key = self._caller_key(req)
-        reach = self._reach(info.address, req)
+        info.key = caller_key(req)
+        reach = self.relay_access.reach(info.address, req, rpcs.PROVIDER_PING)
         if reach == "relayed" and not self.relay.settle(info.address, info.key, Holder("provider", info.id)):
             reach = None  # an allocation opened for other work: this provider needs its own
         if reach is None:  # not recorded: it comes back with a relay allocation
-            self._registering_through_relay(info.key, info.id)
-            return {"registered": None, "reachable": False, "relay": self.relay.address, "ttl": self.settings.ttl}
+            self.relay_access.registering(info.key, info.id)
+            return Registered(registered=None, reachable=False, relay=self.relay.address, ttl=self.settings.ttl)
         self._make_room_for(info, req.peer_address)
         info.reachable = reach == "direct"
         self.registry.register(info)
-        self._registering.pop((info.key, info.id), None)
+        self.relay_access.registered(info.key, info.id)
         how = "reachable" if info.reachable else "through the relay"
         log.info("provider %s registered at %s, %s (%s, %d cores, %.1f GB, key %s)", info.id, info.address, how,
                  info.device, info.cores, info.ram_gb, info.key or "none")
-        return {"registered": info.id, "reachable": True, "ttl": self.settings.ttl}
-
-    def _registering_through_relay(self, key: str, provider_id: str) -> None:
-        """Remember that ``key`` was told to register ``provider_id`` through the relay (what
-        entitles it to one allocation), forgetting the oldest beyond MAX_REGISTERING."""
-        self._registering.pop((key, provider_id), None)
-        self._registering[(key, provider_id)] = True
-        while len(self._registering) > MAX_REGISTERING:
-            del self._registering[next(iter(self._registering))]
+        return Registered(registered=info.id, reachable=True, ttl=self.settings.ttl)
 
     def _make_room_for(self, info: ProviderInfo, source: str) -> None:
         """Bound registrations per key and per address (``Registrants``): a new provider over a
@@ -309,96 +224,18 @@ class Bootstrap:
             self.relay.release_holder(Holder("provider", gone))
             log.info("provider %s dropped: silent, and a new provider of its key or address needed its place", gone)
 
-    def _heartbeat(self, req: Envelope) -> dict:
-        b = req.body
-        provider_id = field_of(b, "id", str, max_len=64)
-        self._same_key(req, provider_id)
-        self.registrants.seen(provider_id, req.peer_address)
-        known = self.registry.heartbeat(provider_id, _status(field_of(b, "status", str)),
-                                        field_of(b, "task", (str, type(None)), None, max_len=64),
-                                        field_of(b, "last_task", (str, type(None)), None, max_len=64))
-        return {"known": known, "ttl": self.settings.ttl, "revoked": self.registry.revoked()}
+    def _heartbeat(self, message: Heartbeat, req: Envelope) -> HeartbeatAnswer:
+        self._same_key(req, message.id)
+        self.registrants.seen(message.id, req.peer_address)
+        known = self.registry.heartbeat(message.id, message.status, message.task, message.last_task)
+        return HeartbeatAnswer(known=known, ttl=self.settings.ttl, revoked=self.registry.revoked())
 
-    def _leave(self, req: Envelope) -> dict:
-        provider_id = field_of(req.body, "id", str, max_len=64)
-        self._same_key(req, provider_id)
-        left = self.registry.remove(provider_id)
+    def _leave(self, message: ProviderId, req: Envelope) -> Left:
+        self._same_key(req, message.id)
+        left = self.registry.remove(message.id)
         if left:
-            log.info("provider %s left", provider_id)
-        return {"left": left}
-
-    def _discover(self, req: Envelope) -> dict:
-        b = req.body
-        found = self.registry.discover(
-            field_of(b, "count", int, 100, min_value=1), field_of(b, "device", str, "any"),
-            field_of(b, "location", (str, type(None)), None), field_of(b, "free_only", bool, True),
-            **_fit_fields(b))
-        return {"providers": [p.public() for p in found]}
-
-    def _claim(self, req: Envelope) -> dict:
-        b = req.body
-        task_id = field_of(b, "task", str, max_len=64)
-        order = field_of(b, "order", list, [], max_len=MAX_CANDIDATES)
-        if not all(isinstance(p, str) and len(p) <= 64 for p in order):
-            raise BadMessage("order must list provider ids")
-        taken = self.registry.claim(task_id, req.sender[:128], field_of(b, "count", int, min_value=1),
-                                    field_of(b, "device", str, "any"), field_of(b, "location", (str, type(None)), None),
-                                    requester_key=self._caller_key(req), order=order, **_fit_fields(b))
-        if not taken:
-            raise BadMessage("no free provider matches the request: wait for one or relax --device, --location, "
-                             "--min-ram or --min-cores")
-        log.info("task %s claimed by %s (key %s): %s", task_id, req.sender[:128], self._caller_key(req),
-                 ", ".join(p.id for p in taken))
-        return {"providers": [p.public() for p in taken]}
-
-    def _claim_replace(self, req: Envelope) -> dict:
-        """The claiming requester drops providers that could not take its task (before it started)
-        and claims others in their place, with the claim's own filters."""
-        record = self._claimed_by_caller(req)
-        b = req.body
-        drop = field_of(b, "drop", list, max_len=MAX_TASK_PEERS)
-        exclude = field_of(b, "exclude", list, [], max_len=4 * MAX_TASK_PEERS)
-        count = field_of(b, "count", int, min_value=0)
-        members = {p["id"] for p in record["providers"]}
-        if not all(isinstance(p, str) and p in members for p in drop):
-            raise BadMessage("drop must list providers of this task")
-        if not all(isinstance(p, str) and len(p) <= 64 for p in exclude) or count > MAX_TASK_PEERS:
-            raise BadMessage(f"exclude must list provider ids, count be at most {MAX_TASK_PEERS}")
-        taken = self.registry.replace(record["id"], drop, count, field_of(b, "device", str, "any"),
-                                      field_of(b, "location", (str, type(None)), None), exclude, **_fit_fields(b))
-        log.info("task %s: %s dropped before the start; in their place: %s", record["id"], ", ".join(drop),
-                 ", ".join(p.id for p in taken) or "none free")
-        return {"providers": [p.public() for p in taken]}
-
-    def _release(self, req: Envelope) -> dict:
-        """The claiming requester ends its task: its providers are freed, those it lost set aside."""
-        record = self._claimed_by_caller(req)
-        lost = field_of(req.body, "lost", list, [], max_len=256)
-        if not all(isinstance(p, str) and len(p) <= 64 for p in lost):
-            raise BadMessage("lost must list provider ids")
-        status = field_of(req.body, "status", str, "done", max_len=32)
-        self.registry.release(record["id"], status, lost)
-        log.info("task %s released (%s)%s", record["id"], status, f"; lost: {', '.join(lost)}" if lost else "")
-        return {"released": True}
-
-    def _task_progress(self, req: Envelope) -> dict:
-        """A requester's report of its task (progress, faults, result), for the dashboard; the
-        reply names the task's providers whose keys were revoked since (they are out of the task)."""
-        record = self._claimed_by_caller(req)
-        self.tasks.report(record["id"], req.body)
-        return {"noted": True, "revoked": self._revoked_in(record)}
-
-    def _claimed_by_caller(self, req: Envelope) -> dict:
-        """The record of the task named in ``req``, if the caller's key claimed it (else refused)."""
-        task_id = field_of(req.body, "task", str, max_len=64)
-        record = self.registry.task(task_id)
-        if record is None or record["requester_key"] != self._caller_key(req):
-            raise BadMessage(f"task {task_id!r} is not one this key requested")
-        return record
-
-    def _revoked_in(self, record: dict) -> list[str]:
-        """The ids of a task's providers whose keys are revoked."""
-        return [p["id"] for p in record["providers"] if self.registry.is_revoked(key_in(p["address"]))]
+            log.info("provider %s left", message.id)
+        return Left(left=left)
 
     def board(self) -> dict:
         """What the dashboard shows (plain JSON values): providers, the latest tasks with their
@@ -425,19 +262,6 @@ class Bootstrap:
         return {"kind": "network", "title": f"meshlearn network · bootstrap {self.server.address}",
                 "providers": providers, "tasks": tasks, "history": history}
 
-    def _task(self, req: Envelope) -> dict:
-        """A task's record, for its requester (``meshlearn results``) and its providers (who check
-        an assignment against it): its providers, the key that claimed it, which were revoked and
-        which left the network since it was claimed."""
-        task_id = field_of(req.body, "task", str, max_len=64)
-        record = self.registry.task(task_id)
-        caller = self._caller_key(req)
-        if record is None or (caller != record["requester_key"]
-                              and caller not in {key_in(p["address"]) for p in record["providers"]}):
-            raise BadMessage(f"task {task_id!r} is not one this key requested or was claimed for")
-        left = self.registry.left_since([p["id"] for p in record["providers"]], record["created"])
-        return {**record, "revoked": self._revoked_in(record), "left": left}
-
 
 def _fingerprint(key: str) -> str:
     """A provider's key as the page shows it (its fingerprint; empty without a key)."""
@@ -446,26 +270,3 @@ def _fingerprint(key: str) -> str:
     except UserInputError:
         return ""
 
-
-def _is_host(host: str, address: str) -> bool:
-    """Whether ``host`` (an address or a name) is ``address``."""
-    if host == address:
-        return True
-    try:
-        return address in {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
-    except OSError:
-        return False
-
-
-def _status(value: str) -> str:
-    if value not in ("free", "busy", "leaving"):
-        raise BadMessage(f"status {value!r} is not free, busy or leaving")
-    return value
-
-
-def _fit_fields(body: dict) -> dict:
-    """The least RAM and cores a discover or claim asks of providers, and whether other devices may
-    fill in (``registry.select``)."""
-    return {"min_ram_gb": float(field_of(body, "min_ram_gb", (int, float), 0.0, min_value=0)),
-            "min_cores": field_of(body, "min_cores", int, 0, min_value=0),
-            "fallback": field_of(body, "fallback", bool, False)}

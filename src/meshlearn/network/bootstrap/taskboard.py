@@ -5,36 +5,20 @@ watching (the dashboard), not a record (the registry keeps each task's record an
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage
-from meshlearn.network.channel.envelope import field_of
+from meshlearn.network.protocol.bootstrapapi import TaskProgress
 
 TASKS_KEPT = 100
 POINTS_KEPT = 2000  # iterations with a point, per task (the oldest go first)
 FAULTS_KEPT = 100
 CURVE_POINTS = 500  # points per curve sent to a page at most
-MAX_PROVIDERS = 1024
-_STATES = ("preparing", "ready", "training", "finishing", "done", "failed", "cancelled", "lost")
 BEFORE_RESTART = "no live data: reported before the bootstrap restarted"
 RUNNING_ACROSS_RESTART = ("no live data yet: the bootstrap restarted while this task ran (its requester's next report "
                           "shows here)")
-
-
-def _number(body: dict, key: str) -> float | None:
-    """A finite number or None (a diverged run's NaN loss is sent as None)."""
-    value = field_of(body, key, (int, float, type(None)), None)
-    if value is not None and not math.isfinite(value):
-        raise BadMessage(f"field {key!r} must be a finite number")
-    return value
-
-
-def _count(body: dict, key: str) -> int:
-    return field_of(body, key, int, 0, min_value=0)
 
 
 class _Task:
@@ -56,7 +40,7 @@ class _Task:
 
 
 class TaskBoard:
-    """Tasks' live state, by task id; ``report`` validates what a requester sends."""
+    """Tasks' live state, by task id, from their requesters' reports (validated by ``TaskProgress``)."""
 
     def __init__(self, clock: Clock = SYSTEM):
         self.clock = clock
@@ -64,28 +48,12 @@ class TaskBoard:
         self._lock = threading.Lock()
         self._tasks: OrderedDict[str, _Task] = OrderedDict()
 
-    def report(self, task_id: str, body: dict) -> None:
-        """Apply one report: {"providers": {id: progress}, "faults": [text], "result": {"accuracy",
-        "perplexity" (a language model's)}}."""
-        providers = field_of(body, "providers", dict, {}, max_len=MAX_PROVIDERS)
-        progress = {}
-        for provider, state in providers.items():
-            if not isinstance(provider, str) or len(provider) > 64 or not isinstance(state, dict):
-                raise BadMessage("providers must map provider ids to their progress")
-            kind = field_of(state, "state", str, "training", max_len=16)
-            if kind not in _STATES:
-                raise BadMessage(f"state {kind!r} is not one of {', '.join(_STATES)}")
-            progress[provider] = {
-                "state": kind, "iteration": _count(state, "iteration"), "iterations": _count(state, "iterations"),
-                "train_loss": _number(state, "train_loss"), "test_acc": _number(state, "test_acc"),
-                "evaluated_at": field_of(state, "evaluated_at", (int, type(None)), None, min_value=0),
-                "leader": field_of(state, "leader", (str, type(None)), None, max_len=64)}
-        faults = field_of(body, "faults", list, [], max_len=32)
-        if not all(isinstance(f, str) and len(f) <= 256 for f in faults):
-            raise BadMessage("faults must be short texts")
-        result = field_of(body, "result", (dict, type(None)), None, max_len=8)
-        accuracy = None if result is None else _number(result, "accuracy")
-        perplexity = None if result is None else _number(result, "perplexity")
+    def report(self, report: TaskProgress) -> None:
+        """Apply one report of task ``report.task``: its providers' progress, faults, and result
+        (accuracy, and a language model's perplexity)."""
+        task_id = report.task
+        progress = {provider: state.model_dump() for provider, state in report.providers.items()}
+        result = report.result
         with self._lock:
             task = self._tasks.get(task_id)
             if task is None:
@@ -99,10 +67,11 @@ class TaskBoard:
                 if state["evaluated_at"] is not None and state["evaluated_at"] != before.get("evaluated_at"):
                     task.point(state["evaluated_at"], provider, 1, state["test_acc"])
                 task.progress[provider] = state
-            task.faults += [{"at": self.clock.time(), "text": text} for text in faults]
+            task.faults += [{"at": self.clock.time(), "text": text} for text in report.faults]
             del task.faults[:-FAULTS_KEPT]
             if result is not None:
-                task.result = {"accuracy": accuracy, **({"perplexity": perplexity} if perplexity is not None else {})}
+                task.result = {"accuracy": result.accuracy,
+                               **({"perplexity": result.perplexity} if result.perplexity is not None else {})}
 
     def page_view(self, record: dict[str, Any]) -> dict[str, Any]:
         """What the page shows of a task of the registry (``record``: its id, status and ``created``)

@@ -15,7 +15,7 @@ from meshlearn.network.channel.identity import (
     split_pinned,
     state_home,
 )
-from meshlearn.network.channel.relay import fetch_key_line, refusal
+from meshlearn.network.channel.probes import fetch_key_line, refusal
 from meshlearn.network.channel.rpc import call, parse_address
 
 PROBE_TIMEOUT = 3.0  # seconds to wait for a TCP connection to a bootstrap's port, to learn whether anything runs there

@@ -8,6 +8,9 @@ With a key pair the server speaks CurveZMQ only: every connection is encrypted, 
 proves its key in the handshake (the server's ``admit`` decides, per new connection, through
 ZeroMQ's ZAP), and a client calls ``HOST:PORT@KEY`` to talk only to the holder of ``KEY``.
 
+Both ends state their protocol version at each connection's handshake (``handshake``): a server
+refuses a request of another version, a client the reply of another version, in one line each.
+
 Out of descriptors or memory, a server stops listening for a moment and says so in one line
 (``accepting``): ZeroMQ itself would retry the failed accept() at once, a core spinning for as
 long as the shortage lasts.
@@ -40,6 +43,7 @@ from meshlearn.errors import (
     Unreachable,
     UserInputError,
 )
+from meshlearn.network.channel import handshake
 from meshlearn.network.channel.envelope import Envelope, ReplayGuard, seal, unseal
 from meshlearn.network.channel.identity import (
     KeyPair,
@@ -77,8 +81,9 @@ class RpcServer:
 
     def __init__(self, name: str, host: str, port: int, secret: bytes, handlers: dict[str, Handler],
                  max_bytes: int = DEFAULT_MAX_BYTES, workers: int = 16, keys: KeyPair | None = None,
-                 admit: Callable[[bytes], bool] | None = None):
+                 admit: Callable[[bytes], bool] | None = None, protocol: int | None = None):
         self.name, self.host, self.port = name, host, port
+        self.protocol = handshake.PROTOCOL_VERSION if protocol is None else protocol  # stated at each handshake
         self.secret = secret
         self.keys = keys  # None: plain ZeroMQ (loopback tests and benchmarks only)
         self.admit = admit or (lambda key: True)
@@ -106,6 +111,7 @@ class RpcServer:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_MS)  # a stranger holding a connection open costs little
+        _state_version(sock, self.protocol)
         if self.keys is not None:
             make_curve_server(sock, self.keys.public, self.keys.secret, _zap_domain(self.name, self.admit))
         try:
@@ -262,6 +268,11 @@ class RpcServer:
         """The request, if it is signed, well formed and not a replay (checked here, in the serving
         thread, so nothing unsigned waits in the handlers' queue); else a refusal is sent."""
         try:
+            other = handshake.mismatch(self.protocol, _property(frames[-1], handshake.PROPERTY),
+                                       _property(frames[-1], handshake.RELEASE_PROPERTY), f"the caller at {peer}",
+                                       f"this {self.name}")
+            if other is not None:
+                raise BadMessage(str(other))
             request = unseal(frames, self.secret, self.max_bytes, header_only=self.keys is not None)
             self._replays.check(request)
             if self.keys is not None:
@@ -318,15 +329,18 @@ class RpcServer:
 
 def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: list | None = None,
          timeout: float = 10.0, sender: str = "", max_bytes: int = DEFAULT_MAX_BYTES,
-         keys: KeyPair | None = None) -> Envelope:
+         keys: KeyPair | None = None, protocol: int | None = None) -> Envelope:
     """Send one request to ``HOST:PORT@KEY`` (or plain ``HOST:PORT``) and return the reply; raise
-    Unreachable, RemoteError or AuthError (another secret, another key, or this key refused).
-    The call proves ``keys`` (default: this process's, ``own_identity``)."""
+    Unreachable, RemoteError, AuthError (another secret, another key, or this key refused) or
+    ProtocolMismatch (the server speaks another protocol version than ``protocol``, by default this
+    release's). The call proves ``keys`` (default: this process's, ``own_identity``)."""
+    protocol = handshake.PROTOCOL_VERSION if protocol is None else protocol
     request = Envelope(kind, body or {}, list(blobs or []), sender)
     where, server_key = split_pinned(address)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    _state_version(sock, protocol)
     monitor = None
     try:
         if server_key is not None:
@@ -355,6 +369,10 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
             if sock not in events:
                 continue
             frames = sock.recv_multipart(copy=False)
+            other = handshake.mismatch(protocol, _property(frames[-1], handshake.PROPERTY),
+                                       _property(frames[-1], handshake.RELEASE_PROPERTY), where, "this client")
+            if other is not None:
+                raise other
             try:
                 reply = unseal(frames, secret, max_bytes, header_only=server_key is not None)
             except AuthError:
@@ -459,6 +477,12 @@ def parse_address(text: str, what: str = "address") -> str:
     if not 1 <= number <= 65535:
         raise UserInputError(f"{what} {text!r}: port {number} is outside 1..65535")
     return f"{host}:{number}"
+
+
+def _state_version(sock: zmq.Socket, version: int) -> None:
+    """Have ``sock`` state ``version`` (and this release) at each connection's handshake."""
+    for prop in handshake.properties(version):
+        sock.setsockopt(zmq.METADATA, prop)
 
 
 def _drain(wake: socket.socket) -> None:

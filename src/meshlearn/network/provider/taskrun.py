@@ -15,20 +15,40 @@ import enum
 import logging
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
 from meshlearn.checkpoint import FOLDER as CHECKPOINTS
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, ConfigError, NetworkError, TaskCancelled, TopologyError
+from meshlearn.errors import (
+    BadMessage,
+    ConfigError,
+    NetworkError,
+    TaskCancelled,
+    TopologyError,
+)
 from meshlearn.models import build_model, load_weights
-from meshlearn.netem import NetemSpec
 from meshlearn.network.channel.envelope import Envelope
+from meshlearn.network.protocol.providerapi import (
+    MAX_ERROR,
+    Kept,
+    Pong,
+    Provider,
+    Push,
+    PushAnswer,
+    ResultCopy,
+    RunStatus,
+)
 from meshlearn.network.provider.finish import Finisher
-from meshlearn.network.provider.taskdata import task_dataset
+from meshlearn.network.provider.taskdata import (
+    checkpoint_sender,
+    chunk_source,
+    task_dataset,
+)
+from meshlearn.network.provider.testhooks import NO_HOOKS, TestHooks
 from meshlearn.network.task.access import TaskAccess
 from meshlearn.network.task.datashare import download
 from meshlearn.network.task.resources import machine_cores
@@ -89,8 +109,7 @@ class ProviderContext:
     clock: Clock = field(default=SYSTEM)
     public_host: str = ""  # where peers reach the engine, if not ``host`` (which may be 0.0.0.0)
     expose: Callable[[int, str], tuple[str, Callable[[], None]]] | None = None  # (engine port, task) -> where peers reach it
-    poison: str = ""  # tests only (MESHLEARN_TEST_POISON): the bad behaviour this provider's models get
-    net: NetemSpec | None = None  # tests only (MESHLEARN_TEST_NET): the emulated network on its engine links
+    hooks: TestHooks = NO_HOOKS  # tests only: a forged model, an emulated network on its engine links
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
     cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
     relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
@@ -112,7 +131,7 @@ class TaskRun:
     """A task on this provider; ``run()`` does the work, the ``on_*`` methods answer its peers."""
 
     def __init__(self, spec: TaskSpec, ctx: ProviderContext, task_key: bytes, access: TaskAccess,
-                 on_change: Callable[["TaskRun"], None] | None = None, fresh: bool = False):
+                 on_change: Callable[[TaskRun], None] | None = None, fresh: bool = False):
         self.spec = spec
         self.ctx = ctx
         self.task_key = task_key  # the requester's, for this task only: seals every engine message
@@ -175,7 +194,7 @@ class TaskRun:
         except TaskCancelled:
             log.warning("task %s cancelled", self.spec.task_id)
             self._end(RunState.CANCELLED)
-        except Exception as exc:  # noqa: BLE001 - the requester reads the reason from status
+        except Exception as exc:
             self.error = f"{type(exc).__name__}: {exc}"
             log.exception("task %s failed on %s", self.spec.task_id, self.ctx.id)
             self._end(RunState.FAILED)
@@ -204,10 +223,10 @@ class TaskRun:
         dataset, indices = task_dataset(spec, self.index, self.folder / "data", ctx.secret, ctx.id, ctx.data_root,
                                         before_chunk=self._check_cancelled)
         config = spec.experiment_config(len(indices), ctx.host, ctx.device, ctx.max_message_mb)
-        if ctx.poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
-            config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.poison}"})
-        if ctx.net:  # slow, lossy links emulated between providers on one machine (tests and benchmarks)
-            config = config.model_copy(update={"net": ctx.net})
+        if ctx.hooks.model_poison:  # a poisoning provider, for tests of robust aggregation: it sends forged models
+            config = config.model_copy(update={"byzantine": f"{self.index}:{ctx.hooks.model_poison}"})
+        if ctx.hooks.engine_net:  # slow, lossy links emulated between providers on one machine (tests and benchmarks)
+            config = config.model_copy(update={"net": ctx.hooks.engine_net})
         graph = build_topology("full", config.nodes, spec.seed)
         threads = self.threads()
         if threads:
@@ -218,8 +237,9 @@ class TaskRun:
             if spec.weights.size > ctx.max_message_bytes:
                 raise BadMessage(f"initial weights of {spec.weights.size} bytes exceed this provider's "
                                  f"{ctx.max_message_bytes}-byte limit")
-            path = download(spec.weights.address, WEIGHTS_FILE, spec.weights.model_dump(), self.folder / "data",
-                            ctx.secret, sender=ctx.id, before_chunk=self._check_cancelled)
+            path = download(chunk_source(spec.weights.address, ctx.secret, ctx.id), WEIGHTS_FILE,
+                            spec.weights.model_dump(), self.folder / "data", source=spec.weights.address,
+                            before_chunk=self._check_cancelled)
             load_weights(model, str(path))
         if config.transport == "udp" and ctx.relayed:
             raise BadMessage(f"task {spec.task_id} asks for transport udp, but peers reach this provider only "
@@ -228,9 +248,12 @@ class TaskRun:
         seal = FrameSeal(self.task_key)
         checkpoints, resume = None, None
         if spec.checkpoints_to or spec.resume is not None:  # kept here, sent to the requester
-            checkpoints = SentCheckpoints(self.folder, self.index, spec, ctx.secret, ctx.id)
+            send = checkpoint_sender(spec.checkpoints_to, spec.task_id, self.index, ctx.secret, ctx.id) \
+                if spec.checkpoints_to else None
+            checkpoints = SentCheckpoints(self.folder, self.index, spec, send)
         if spec.resume is not None:  # a task that goes on from the checkpoints its requester kept
-            fetch_checkpoint(spec, self.index, self.folder, ctx.secret, ctx.id, before_chunk=self._check_cancelled)
+            fetch_checkpoint(spec, self.index, self.folder, chunk_source(spec.resume.address, ctx.secret, ctx.id),
+                             before_chunk=self._check_cancelled)
             resume = spec.resume.cycles[self.index]
         self.node = Node(self.index, config, graph, dataset, indices, model,
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
@@ -344,18 +367,21 @@ class TaskRun:
             self.node.algorithm.join_round = joins_at
         self._start.set()
 
-    def on_push(self, req: Envelope) -> dict:
+    def on_push(self, message: Push, req: Envelope) -> PushAnswer:
         if self._state in (RunState.PREPARING, RunState.FAILED):
             raise BadMessage(f"{self.ctx.id} is not ready for models (state {self._state.value})")
-        return self.finisher.on_push(req)
+        return self.finisher.on_push(message, req)
 
-    def on_ping(self, req: Envelope) -> dict:
-        return {"state": self._state.value, **self.finisher.on_ping(req)}
+    def on_ping(self, message: Provider, req: Envelope) -> Pong:
+        return self.finisher.on_ping(message, req).model_copy(update={"state": self._state.value})
 
-    def on_results(self, req: Envelope) -> dict:
-        return self.finisher.on_results(req)
+    def on_results(self, message: ResultCopy, req: Envelope) -> Kept:
+        return self.finisher.on_results(message, req)
 
-    def status(self) -> dict:
-        return {"task": self.spec.task_id, "index": self.index, "state": self._state.value, "error": self.error,
-                "engine": self.engine_address, "progress": self.progress,
-                "leader": self.ids[self.finisher.election.leader], "results": self.finisher.results_ready.is_set()}
+    def status(self, leaving: bool = False) -> RunStatus:
+        """Where this run stands (``leaving``: whether its provider is leaving the network)."""
+        return RunStatus(task=self.spec.task_id, index=self.index, state=self._state.value,
+                         error=self.error[:MAX_ERROR] if self.error is not None else None,
+                         engine=self.engine_address, progress=self.progress,
+                         leader=self.ids[self.finisher.election.leader], results=self.finisher.result.ready.is_set(),
+                         leaving=leaving)

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import NetworkError, RemoteError
+from meshlearn.network.protocol.bootstrapapi import PROGRESS_STATES
+from meshlearn.network.protocol.providerapi import RunStatus
+from meshlearn.network.task.spec import Peer
 from meshlearn.tblog import MEAN, ScalarLog
 
 log = logging.getLogger(__name__)
@@ -16,8 +19,16 @@ REPORT_EVERY = 0.5  # seconds between reports to the bootstrap at most (the last
 FIELDS = ("state", "iteration", "iterations", "train_loss", "test_acc", "evaluated_at", "leader")
 
 
+MAX_COUNT = (1 << 31) - 1  # the largest iteration a report may name (``bootstrapapi.ProviderProgress``)
+
+
 def _finite(value):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def _count(value, default):
+    """An iteration count from a provider's free-form progress: a whole number a report may carry, else ``default``."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_COUNT else default
 
 
 class TaskWatch:
@@ -39,18 +50,16 @@ class TaskWatch:
         """Something went wrong that the page should show (a provider lost, a leader change)."""
         self._faults.append(text[:256])
 
-    def update(self, states: list[tuple[dict, dict]]) -> None:
+    def update(self, states: list[tuple[Peer, RunStatus]]) -> None:
         """The providers' latest ``task.status`` answers: (provider, status) pairs."""
         for peer, status in states:
-            raw = status.get("progress") or {}
-            now = {"state": status.get("state", "training") if isinstance(status.get("state"), str) else "training",
-                   "iteration": raw.get("iteration") if isinstance(raw.get("iteration"), int) else 0,
-                   "iterations": raw.get("iterations") if isinstance(raw.get("iterations"), int) else 0,
+            raw = status.progress
+            now = {"state": status.state if status.state in PROGRESS_STATES else "training",
+                   "iteration": _count(raw.get("iteration"), 0), "iterations": _count(raw.get("iterations"), 0),
                    "train_loss": _finite(raw.get("train_loss")), "test_acc": _finite(raw.get("test_acc")),
-                   "evaluated_at": raw.get("evaluated_at") if isinstance(raw.get("evaluated_at"), int) else None,
-                   "leader": status.get("leader") if isinstance(status.get("leader"), str) else None}
-            self._curves(peer["id"], self.progress.get(peer["id"], {}), now)
-            self.progress[peer["id"]] = now
+                   "evaluated_at": _count(raw.get("evaluated_at"), None), "leader": status.leader}
+            self._curves(peer.id, self.progress.get(peer.id, {}), now)
+            self.progress[peer.id] = now
         leaders = [p["leader"] for p in self.progress.values() if p["leader"] and p["state"] == "training"]
         if leaders:
             leader = max(set(leaders), key=leaders.count)

@@ -23,10 +23,13 @@ from safetensors.torch import load_file, save_file
 
 from meshlearn.data import Dataset
 from meshlearn.data.vocabulary import BYTES
-from meshlearn.network.channel.envelope import BadMessage, Envelope, NetworkError, field_of
-from meshlearn.network.channel.rpc import call
+from meshlearn.network.channel.envelope import BadMessage, NetworkError
 
 log = logging.getLogger(__name__)
+
+# How a download asks for a chunk of shared file NAME: (name, offset, length) -> (the offset the chunk
+# starts at, its CRC-32C, its bytes); raises NetworkError. The caller builds it (``data.chunk``, typed).
+FetchChunk = Callable[[str, int, int], tuple[int, int, bytes]]
 
 CHUNK_BYTES = 1024 * 1024
 MAX_CHUNK_BYTES = 4 * 1024 * 1024
@@ -62,7 +65,7 @@ class SharedFile:
 
 
 class FileShare:
-    """The files a requester serves, by name (handlers for an RpcServer)."""
+    """The files a requester serves, by name (``read``: a chunk of one, for its data server's ``data.chunk``)."""
 
     def __init__(self):
         self.files: dict[str, SharedFile] = {}
@@ -75,18 +78,14 @@ class FileShare:
     def manifest(self) -> dict[str, dict]:
         return {name: f.describe() for name, f in self.files.items()}
 
-    def handlers(self) -> dict:
-        """RPC handlers: the chunks, and a ``ping`` that answers the bootstrap's dial-back (so a
-        requester it can reach serves directly, not through the relay)."""
-        return {"data.chunk": self._chunk, "ping": lambda req: {"service": "requester"}}
-
-    def _chunk(self, req: Envelope) -> tuple[dict, list]:
-        name = check_name(field_of(req.body, "name", str, max_len=128))
-        shared = self.files.get(name)
+    def read(self, name: str, offset: int, length: int) -> tuple[int, int, bytes]:
+        """Up to ``length`` bytes (at most ``MAX_CHUNK_BYTES``) of shared file ``name`` from
+        ``offset``: (the offset, their CRC-32C, the bytes). BadMessage for a name not shared or an
+        offset past its end; NetworkError where the file can no longer be read."""
+        shared = self.files.get(check_name(name))
         if shared is None:
             raise BadMessage(f"no shared file named {name!r}")
-        offset = field_of(req.body, "offset", int, min_value=0)
-        length = min(field_of(req.body, "length", int, CHUNK_BYTES, min_value=1), MAX_CHUNK_BYTES)
+        length = min(length, MAX_CHUNK_BYTES)
         if offset > shared.size:
             raise BadMessage(f"offset {offset} is past the end of {name} ({shared.size} bytes)")
         try:
@@ -96,13 +95,13 @@ class FileShare:
         except OSError as exc:  # moved or deleted while being served: the caller gets a clear error
             raise NetworkError(f"shared file {name!r} can no longer be read: {exc.strerror or exc}") from None
         self.chunks_served += 1
-        return {"offset": offset, "crc32c": crc32c.crc32c(data)}, [data]
+        return offset, crc32c.crc32c(data), data
 
 
-def download(address: str, name: str, expected: dict, folder: Path, secret: bytes, *,
-             retries: int = 5, timeout: float = 10.0, chunk_bytes: int = CHUNK_BYTES, sender: str = "",
-             before_chunk: Callable[[], None] | None = None) -> Path:
-    """Fetch shared file ``name`` into ``folder``, resuming a partial download; return its path.
+def download(fetch_chunk: FetchChunk, name: str, expected: dict, folder: Path, *, source: str = "",
+             retries: int = 5, chunk_bytes: int = CHUNK_BYTES, before_chunk: Callable[[], None] | None = None) -> Path:
+    """Fetch shared file ``name`` into ``folder`` with ``fetch_chunk``, resuming a partial download;
+    return its path (``source``: where it comes from, for errors).
 
     ``expected`` is the manifest entry (size, sha256). Each chunk's CRC-32C is checked as it
     arrives; the whole file's SHA-256 at the end (a mismatch deletes the partial file).
@@ -121,18 +120,17 @@ def download(address: str, name: str, expected: dict, folder: Path, secret: byte
                 before_chunk()
             offset = out.tell()
             try:
-                reply = call(address, "data.chunk", {"name": name, "offset": offset, "length": chunk_bytes},
-                             secret, timeout=timeout, sender=sender)
+                at, checksum, data = fetch_chunk(name, offset, chunk_bytes)
             except NetworkError as exc:  # gone, refusing, or its connection dropped mid-handshake
                 failures += 1
                 if failures > retries:
-                    raise NetworkError(f"download of {name} from {address} failed at byte {offset} of {size} "
+                    where = f" from {source}" if source else ""
+                    raise NetworkError(f"download of {name}{where} failed at byte {offset} of {size} "
                                        f"after {retries} retries: {exc}") from None
                 log.warning("download of %s interrupted at byte %d (%s); resuming", name, offset, exc)
                 time.sleep(min(2.0, 0.2 * 2 ** failures))
                 continue
-            data = bytes(reply.blobs[0]) if len(reply.blobs) == 1 else b""
-            if reply.body.get("offset") != offset or reply.body.get("crc32c") != crc32c.crc32c(data) or not data:
+            if at != offset or checksum != crc32c.crc32c(data) or not data:
                 failures += 1
                 if failures > retries:
                     raise NetworkError(f"download of {name}: chunk at byte {offset} failed its checksum {retries} times")

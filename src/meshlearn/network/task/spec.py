@@ -101,7 +101,7 @@ class TaskRequest(TaskSettings):
     prefer: Literal["any", "nearest"] = Field("any", description="nearest: ping the free candidates (3 round trips "
                                               "each, over the encrypted channel) and take those with the lowest "
                                               "round-trip time (CloudMesh report 4.3); any: the bootstrap's order")
-    location: str | None = Field(None, description="only providers declaring this location")
+    location: str | None = Field(None, max_length=64, description="only providers declaring this location")
     weights: str | None = Field(None, description="safetensors file of initial weights for the model "
                                                   "(default: a fresh model from the seed)")
     warnings: list[str] = Field(default_factory=list, description="corrections made to what was asked")

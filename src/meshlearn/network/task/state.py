@@ -18,13 +18,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from meshlearn.checkpoint import FOLDER, CheckpointStore, RunCheckpoints
 from meshlearn.errors import CheckpointError
-from meshlearn.network.channel.envelope import BadMessage, Envelope, NetworkError, field_of
-from meshlearn.network.channel.rpc import call
+from meshlearn.network.channel.envelope import BadMessage, NetworkError
 from meshlearn.network.task.spec import MAX_TASK_PEERS, TaskRequest, TaskSpec
+
+if TYPE_CHECKING:
+    from meshlearn.network.task.datashare import FetchChunk
 
 log = logging.getLogger(__name__)
 
@@ -37,36 +39,39 @@ def checkpoint_name(index: int) -> str:
     return f"provider-{index}"
 
 
+# How a provider sends the requester its checkpoint of a cycle: (cycle, [its JSON, its tensors]);
+# raises NetworkError. The provider builds it (``task.checkpoint``, typed).
+SendCheckpoint = Callable[[int, list[bytes]], None]
+
+
 class SentCheckpoints(RunCheckpoints):
     """A provider's checkpoints of its part of a task: kept in its task folder and each sent to the
-    requester at ``spec.checkpoints_to`` (a failed send is logged, and training goes on)."""
+    requester with ``send`` (None: kept only; a failed send is logged, and training goes on)."""
 
-    def __init__(self, folder: Path, index: int, spec: TaskSpec, secret: bytes, sender: str):
+    def __init__(self, folder: Path, index: int, spec: TaskSpec, send: SendCheckpoint | None):
         super().__init__(folder, checkpoint_name(index), spec.fingerprint())
-        self.index, self.task, self.address = index, spec.task_id, spec.checkpoints_to
-        self.secret, self.sender = secret, sender
+        self.index, self.task, self.send = index, spec.task_id, send
         self.sent = 0  # checkpoints the requester took
 
     def save(self, iteration: int, parts: dict[str, Any], **meta: Any) -> None:
         super().save(iteration, parts, **meta)
-        if not self.address:
+        if self.send is None:
             return
         folder = self.store.folder(iteration)
         files = [(folder / f"{self.name}{suffix}").read_bytes() for suffix in (".json", ".safetensors")]
         try:
-            call(self.address, "task.checkpoint", {"task": self.task, "index": self.index, "cycle": iteration},
-                 self.secret, blobs=files, timeout=CHECKPOINT_TIMEOUT, sender=self.sender,
-                 max_bytes=sum(len(f) for f in files) + (1 << 20))
+            self.send(iteration, files)
             self.sent += 1
         except NetworkError as exc:
             log.warning("task %s: the requester did not take the checkpoint of cycle %d: %s", self.task, iteration,
                         exc)
 
 
-def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, secret: bytes, sender: str,
+def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, fetch_chunk: FetchChunk,
                      before_chunk: Callable[[], None] | None = None) -> None:
     """Download provider ``index``'s checkpoint of the cycle a resumed ``spec`` goes on from into
-    its place in ``folder``'s checkpoints (``download``: resumable, checksummed)."""
+    its place in ``folder``'s checkpoints (``download`` with ``fetch_chunk``, from the requester's
+    data server at ``spec.resume.address``: resumable, checksummed)."""
     from meshlearn.network.task.datashare import download
 
     resumed = spec.resume
@@ -78,7 +83,7 @@ def fetch_checkpoint(spec: TaskSpec, index: int, folder: Path, secret: bytes, se
         file = f"{name}{suffix}"
         if file not in resumed.files:
             raise BadMessage(f"the resumed task serves no {file}")
-        download(resumed.address, file, resumed.files[file], target, secret, sender=sender, before_chunk=before_chunk)
+        download(fetch_chunk, file, resumed.files[file], target, source=resumed.address, before_chunk=before_chunk)
 
 
 def secret_digest(secret: bytes, task_id: str) -> str:
@@ -144,27 +149,24 @@ class KeptCheckpoints:
     def __init__(self, folder: Path):
         self.store = CheckpointStore(Path(folder) / FOLDER, keep=2)
 
-    def take(self, req: Envelope, spec: TaskSpec | None, caller_index: Callable[[Envelope, int], None]) -> dict:
-        """The ``task.checkpoint`` handler: a provider of the running ``spec`` sends its checkpoint
-        of a cycle (two blobs: the JSON, the tensors). ``caller_index`` refuses a caller that is not
-        the provider the request names. Kept only once whole and of this task."""
+    def take(self, spec: TaskSpec | None, task: str, index: int, cycle: int, meta: bytes, tensors: bytes,
+             check_caller: Callable[[int], None]) -> int:
+        """Keep provider ``index``'s checkpoint of ``cycle`` of task ``task`` (its JSON ``meta`` and
+        its ``tensors``), sent while ``spec`` runs; returns the cycle kept. ``check_caller`` refuses
+        a caller that is not provider ``index``. Kept only once whole and of this task (BadMessage,
+        in one line, where it is not)."""
         if spec is None:
             raise BadMessage("no task is running here to take a checkpoint of")
-        if field_of(req.body, "task", str, max_len=64) != spec.task_id:
+        if task != spec.task_id:
             raise BadMessage(f"this requester runs task {spec.task_id}, not that one")
-        index = field_of(req.body, "index", int, min_value=0)
-        cycle = field_of(req.body, "cycle", int, min_value=1)
         if index >= len(spec.peers) or index >= MAX_TASK_PEERS:
             raise BadMessage(f"task {spec.task_id} has no provider {index}")
-        caller_index(req, index)
-        if len(req.blobs) != 2:
-            raise BadMessage("a checkpoint is two blobs: its JSON, its tensors")
-        meta, tensors = bytes(req.blobs[0]), bytes(req.blobs[1])
+        check_caller(index)
         try:
             self.store.put(cycle, checkpoint_name(index), meta, tensors, spec.fingerprint())
         except CheckpointError as exc:
             raise BadMessage(f"checkpoint of provider {index}, cycle {cycle}, refused: {exc}") from None
-        return {"kept": cycle}
+        return cycle
 
     def latest(self, providers: int) -> int | None:
         """The newest cycle every one of ``providers`` providers has a checkpoint of."""
