@@ -95,12 +95,14 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3, help="epochs (default: 3)")
     parser.add_argument("--algorithm", default="leader",
                         help="leader (CloudMesh's), dpsgd or gossip (default: leader)")
+    parser.add_argument("--names", nargs=2, default=["encrypted (this tree)", "signed plaintext (--plain-src)"],
+                        metavar=("THIS", "OTHER"), help="what to call this tree and the other one in the table")
     args = parser.parse_args()
-    trees = {"encrypted (this tree)": HERE_SRC, "signed plaintext (--plain-src)": Path(args.plain_src)}
+    trees = {args.names[0]: HERE_SRC, args.names[1]: Path(args.plain_src)}
     runs: dict[str, list[dict]] = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, src in trees.items():
-            runs[name].append(run_task(src, args.providers, args.epochs, args.algorithm))
+    for round_ in range(args.rounds):  # the order swapped each round: neither tree always runs first
+        for name in (list(trees) if round_ % 2 == 0 else list(trees)[::-1]):
+            runs[name].append(run_task(trees[name], args.providers, args.epochs, args.algorithm))
             print(name, runs[name][-1], flush=True)
     print(f"\n{args.providers} providers, {args.epochs} epochs, {args.algorithm}, digits, seed 7; "
           f"{args.rounds} runs each")
@@ -109,10 +111,11 @@ def main() -> None:
         print(f"| {name} | {statistics.median(r['wall'] for r in results):.1f} s | "
               f"{statistics.median(r['training'] for r in results):.2f} s | "
               f"{', '.join(format(r['accuracy'], '.4f') for r in results)} |")
-    enc, plain = (runs[name] for name in trees)
+    this, other = (runs[name] for name in trees)
     for key in ("wall", "training"):
-        ratio = statistics.median(r[key] for r in enc) / statistics.median(r[key] for r in plain)
-        print(f"{key}: encrypted / plaintext = {ratio:.2f}x")
+        ratios = sorted(a[key] / b[key] for a, b in zip(this, other))
+        print(f"{key}: {args.names[0]} / {args.names[1]}, per pair: median {statistics.median(ratios):.3f}x "
+              f"(range {ratios[0]:.3f}-{ratios[-1]:.3f})")
 
 
 if __name__ == "__main__":

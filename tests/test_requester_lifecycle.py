@@ -169,7 +169,7 @@ def network(tmp_path):
 
 
 def _requester(bootstrap: Bootstrap, tmp_path, **request) -> Requester:
-    return Requester(TaskRequest(data_on_providers="digits", providers=1, **request), bootstrap.server.address,
+    return Requester(TaskRequest(**{"data_on_providers": "digits", "providers": 1, **request}), bootstrap.server.address,
                      SECRET, tmp_path / "req", say=lambda _: None)
 
 
@@ -198,3 +198,17 @@ def test_a_task_that_fails_before_its_claim_holds_nothing_to_cancel_or_release(n
     assert life.failure.startswith("no free cuda provider") and not life.holds_providers
     assert provider.cancelled == [] and not provider.assigned.is_set()
     assert bootstrap.tasks.view(requester.task_id) is None  # nothing reported: the task never was the network's
+
+
+def test_a_claim_of_fewer_providers_than_the_task_s_minimum_is_given_back_to_the_bootstrap(network, tmp_path):
+    bootstrap, provider = network
+    requester = _requester(bootstrap, tmp_path, providers=3, min_providers=2, wait=0)  # one provider is free
+    with pytest.raises(TaskFailed, match="1 provider\\(s\\) free, fewer than --min-providers 2"):
+        requester.run()
+    life = requester.lifecycle
+    assert [e.stage for e in life.history] == [S.PLANNING, S.CLAIMING, S.CLAIMED, S.FAILED, S.RELEASED]
+    assert not provider.assigned.is_set()
+    record = call(bootstrap.server.address, "task", {"task": requester.task_id}, SECRET, timeout=5).body
+    assert record["status"] == "failed"  # released: its provider is free for the next task
+    free = call(bootstrap.server.address, "discover", {"free_only": True}, SECRET, timeout=5).body["providers"]
+    assert [p["id"] for p in free] == ["p0"]

@@ -47,6 +47,15 @@ class Claimer:
             order = previous + [pid for pid in order if pid not in previous]
         claimed = ctx.bootstrap.providers(rpcs.CLAIM, Claim(task=ctx.task_id, **self.planner.wanted(req.providers),
                                                             order=order))
+        devices = Counter(p.device for p in claimed)
+        ctx.say(f"task {ctx.task_id}: {len(claimed)} provider(s): " + ", ".join(p.id for p in claimed)
+                + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")
+        return claimed
+
+    def check_enough(self, claimed: list[ProviderRecord]) -> None:
+        """Refuse a claim of fewer providers than ``--min-providers`` (TaskFailed: the caller gives
+        back what it holds), or say how many the task goes on with."""
+        ctx, req = self.ctx, self.ctx.request
         if wanted_device(req.device):
             self.planner.say_devices(claimed)
         elif len(claimed) < req.providers:
@@ -55,10 +64,6 @@ class Claimer:
                                  f"{req.min_providers}: wait for more (--wait) or ask for fewer")
             ctx.say(f"only {len(claimed)} provider(s) available of the {req.providers} asked: using those"
                     + (", taking in more as they come free" if ctx.slots else ""))
-        devices = Counter(p.device for p in claimed)
-        ctx.say(f"task {ctx.task_id}: {len(claimed)} provider(s): " + ", ".join(p.id for p in claimed)
-                + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")
-        return claimed
 
     def replace(self, drop: list[str], claimed: list[ProviderRecord]) -> list[ProviderRecord]:
         """Give ``drop`` back to the bootstrap and claim as many free providers in their place

@@ -74,6 +74,7 @@ class Requester:
                 life.move(TaskStage.CLAIMING)
                 claimed.extend(self.claimer.claim())
                 life.move(TaskStage.CLAIMED, f"{len(claimed)} provider(s)")
+                self.claimer.check_enough(claimed)  # too few: given back as a failed task is
                 share_dir = Path(cleanup.enter_context(tempfile.TemporaryDirectory(prefix="meshlearn-share-")))
                 share, address = self.server.open(claimed, dataset, cleanup)
                 spec = self.starter.start(claimed, share, address, dataset, share_dir)
