@@ -79,6 +79,7 @@ def test_a_provider_that_cannot_take_the_task_is_replaced_by_a_fresh_claim_and_t
         procs.stop_all()
 
 
+@pytest.mark.slow  # quick sibling: tests/test_requester_nearest.py
 def test_a_request_preferring_the_nearest_takes_the_providers_with_the_lowest_round_trip(tmp_path):
     """Two providers behind a proxy that holds every chunk 40 ms each way (each announces the
     proxy's address), two direct: the nearest are chosen in 10 of 10 trials, and a task claims them."""
