@@ -10,7 +10,7 @@ from meshlearn.errors import BadMessage
 from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
 from meshlearn.network.bootstrap.taskboard import TaskBoard
 from meshlearn.network.channel.envelope import Envelope
-from meshlearn.network.channel.identity import key_in, key_text
+from meshlearn.network.channel.identity import key_in
 from meshlearn.network.protocol.bootstrapapi import (
     Claim,
     ClaimReplace,
@@ -28,11 +28,6 @@ from meshlearn.network.protocol.bootstrapapi import (
 )
 
 log = logging.getLogger(__name__)
-
-
-def caller_key(req: Envelope) -> str:
-    """The key the request's channel proved, as printed ("" in plain mode)."""
-    return key_text(req.peer_key) if req.peer_key is not None else ""
 
 
 def takes_part(record: dict, key: str) -> bool:
@@ -55,12 +50,12 @@ class Claims:
 
     def claim(self, message: Claim, req: Envelope) -> Providers:
         """Free providers that match, claimed at once for the caller's task (in its preferred order)."""
-        taken = self.registry.claim(message.task, req.sender[:128], message.count, requester_key=caller_key(req),
+        taken = self.registry.claim(message.task, req.sender[:128], message.count, requester_key=req.caller,
                                     order=list(message.order), **_fit(message))
         if not taken:
             raise BadMessage("no free provider matches the request: wait for one or relax --device, --location, "
                              "--min-ram or --min-cores")
-        log.info("task %s claimed by %s (key %s): %s", message.task, req.sender[:128], caller_key(req),
+        log.info("task %s claimed by %s (key %s): %s", message.task, req.sender[:128], req.caller,
                  ", ".join(p.id for p in taken))
         return _listed(taken)
 
@@ -97,7 +92,7 @@ class Claims:
         an assignment against it): its providers, the key that claimed it, which were revoked and
         which left the network since it was claimed."""
         record = self.registry.task(message.task)
-        if record is None or not takes_part(record, caller_key(req)):
+        if record is None or not takes_part(record, req.caller):
             raise BadMessage(f"task {message.task!r} is not one this key requested or was claimed for")
         left = self.registry.left_since([p["id"] for p in record["providers"]], record["created"])
         return TaskRecord(id=record["id"], requester=record["requester"],
@@ -108,7 +103,7 @@ class Claims:
     def _claimed_by_caller(self, task_id: str, req: Envelope) -> dict:
         """The record of task ``task_id``, if the caller's key claimed it (else refused)."""
         record = self.registry.task(task_id)
-        if record is None or record["requester_key"] != caller_key(req):
+        if record is None or record["requester_key"] != req.caller:
             raise BadMessage(f"task {task_id!r} is not one this key requested")
         return record
 

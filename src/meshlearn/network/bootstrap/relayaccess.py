@@ -8,7 +8,7 @@ import logging
 import socket
 
 from meshlearn.errors import BadMessage, NetworkError
-from meshlearn.network.bootstrap.claims import caller_key, takes_part
+from meshlearn.network.bootstrap.claims import takes_part
 from meshlearn.network.bootstrap.registry import Registry
 from meshlearn.network.channel.addresses import is_wildcard
 from meshlearn.network.channel.allocations import Holder
@@ -62,7 +62,7 @@ class RelayAccess:
                              "(the address other machines reach it at)")
         owner = self.relay.owner_of(address)
         if owner is not None:
-            return "relayed" if owner == caller_key(req) else None
+            return "relayed" if owner == req.caller else None
         if not self.dial_back:
             return "direct"
         if req.peer_address and not _is_host(host, req.peer_address):
@@ -81,19 +81,19 @@ class RelayAccess:
         it registers (told to come back through the relay) or a running task it is part of. Its
         token and public address."""
         holder, settled = self._holder(message, req)
-        token, address = self.relay.allocate(caller_key(req), req.peer_address, holder, settled)
-        log.info("relay: port %s allocated to key %s for %s", address.rpartition(":")[2], caller_key(req), holder)
+        token, address = self.relay.allocate(req.caller, req.peer_address, holder, settled)
+        log.info("relay: port %s allocated to key %s for %s", address.rpartition(":")[2], req.caller, holder)
         return RelayOpened(token=token, address=address, relay=self.relay.address)
 
     def close(self, message: RelayClose, req: Envelope) -> RelayClosed:
         """The caller gives back one of its allocations (a task's engine that ended)."""
-        return RelayClosed(closed=self.relay.release(message.token, caller_key(req)))
+        return RelayClosed(closed=self.relay.release(message.token, req.caller))
 
     def _holder(self, message: RelayOpen, req: Envelope) -> tuple[Holder, bool]:
         """What the allocation ``message`` asks for serves (its task if it names one, else its
         provider), and whether that work is registered already; refused (BadMessage) unless the
         caller registers that provider or is part of that task."""
-        caller = caller_key(req)
+        caller = req.caller
         if message.task is not None:
             task_id = message.task
             record = self.registry.task(task_id)

@@ -10,7 +10,7 @@ from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import BadMessage, UserInputError
-from meshlearn.network.bootstrap.claims import Claims, caller_key
+from meshlearn.network.bootstrap.claims import Claims
 from meshlearn.network.bootstrap.registrants import Registrants
 from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
 from meshlearn.network.bootstrap.relayaccess import RelayAccess
@@ -187,8 +187,8 @@ class Bootstrap:
     def _same_key(self, req: Envelope, provider_id: str) -> None:
         """Only the key a provider registered with may speak for it (heartbeats, leaving)."""
         known = self.registry.key_of(provider_id)
-        if known is not None and known != caller_key(req):
-            log.warning("refused %s for provider %s from another key (%s)", req.kind, provider_id, caller_key(req))
+        if known is not None and known != req.caller:
+            log.warning("refused %s for provider %s from another key (%s)", req.kind, provider_id, req.caller)
             raise BadMessage(f"provider {provider_id} is registered with another key")
 
     def _ping(self, message: Empty, req: Envelope) -> Named:
@@ -199,7 +199,7 @@ class Bootstrap:
                             device=message.device, location=message.location, status=message.status,
                             task=message.task)
         self._same_key(req, info.id)
-        info.key = caller_key(req)
+        info.key = req.caller
         reach = self.relay_access.reach(info.address, req, rpcs.PROVIDER_PING)
         if reach == "relayed" and not self.relay.settle(info.address, info.key, Holder("provider", info.id)):
             reach = None  # an allocation opened for other work: this provider needs its own

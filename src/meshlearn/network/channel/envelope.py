@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from meshlearn.errors import AuthError, BadMessage, NetworkError, UserInputError
+from meshlearn.network.channel.identity import key_text
 from meshlearn.wire.auth import frames_mac, mac_matches
 
 VERSION = 1
@@ -41,6 +42,11 @@ class Envelope:
     sent_at: float = field(default_factory=time.time)
     peer_key: bytes | None = None  # the sender's public key, proven by the encrypted channel it came over
     peer_address: str = ""  # the IP address the request came from, as the server saw it
+
+    @property
+    def caller(self) -> str:
+        """The key the request's channel proved, as printed ("" where none did: plain ZeroMQ)."""
+        return key_text(self.peer_key) if self.peer_key is not None else ""
 
 
 def resolve_secret(secret: str | None = None, secret_file: str | None = None) -> bytes:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from meshlearn.errors import BadMessage, NetworkError
 from meshlearn.network.channel.envelope import Envelope
-from meshlearn.network.channel.identity import KeyPair, key_text, peer_key
+from meshlearn.network.channel.identity import KeyPair, peer_key
 from meshlearn.network.protocol.bootstrapapi import TaskName, TaskRecord
 from meshlearn.network.protocol.message import Message
 from meshlearn.network.protocol.providerapi import (
@@ -42,9 +42,7 @@ log = logging.getLogger(__name__)
 def proven_caller(req: Envelope, keys: KeyPair | None) -> str | None:
     """The key the request's channel proved, as printed (None in plain mode, ``keys`` None:
     nothing to check)."""
-    if keys is None:
-        return None
-    return key_text(req.peer_key) if req.peer_key is not None else ""
+    return None if keys is None else req.caller
 
 
 class TaskDesk:

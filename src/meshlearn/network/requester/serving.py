@@ -12,7 +12,7 @@ from meshlearn.data import Dataset, partition_dataset, test_samples
 from meshlearn.network.channel.addresses import announced_host
 from meshlearn.network.channel.allocations import Holder
 from meshlearn.network.channel.envelope import Envelope
-from meshlearn.network.channel.identity import key_text, pinned, split_pinned
+from meshlearn.network.channel.identity import pinned, split_pinned
 from meshlearn.network.channel.relayagent import hold_allocation
 from meshlearn.network.channel.rpc import DEFAULT_MAX_BYTES, RpcServer
 from meshlearn.network.protocol import rpcs
@@ -89,7 +89,7 @@ class DataServer:
         ``index`` (no check in plain mode, loopback tests only)."""
         if self.ctx.keys is None:
             return
-        key = key_text(req.peer_key) if req.peer_key is not None else ""
+        key = req.caller
         TaskAccess.of(self.ctx.spec_now, "").provider_index(key, req.kind, index)
 
     def _serve(self, share: FileShare, claimed: list[ProviderRecord], cleanup: contextlib.ExitStack) -> str:
