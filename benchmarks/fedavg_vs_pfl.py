@@ -1,21 +1,33 @@
 """One FedAvg job, side by side: meshlearn's batched engine against Apple's pfl-research (pfl 0.6.0),
-measured by the peer-benchmark rule of `benchmarks/README.md`.
+measured by the peer-benchmark rule of `benchmarks/README.md`, and how each scales with the population.
 
-Fashion-MNIST split IID over C clients; meshlearn's `mlp` (784-128-64-10); local plain SGD, lr 0.05,
-batch 32, 10 local steps per round (`--rounds`); 20 central iterations (`--iterations`); FedAvg weighted
-by training samples, server learning rate 1 (plain averaging); C x F clients drawn per iteration. Two
-configurations by default: 100 clients all taking part, and 1,000 clients of which 10% take part.
+A job is a data set, a population of clients and a per-round cohort (a share of them or a count):
+meshlearn's `mlp`; local plain SGD, lr 0.05, batch 32, 10 local steps per round (`--rounds`); 20
+central iterations (`--iterations`); FedAvg weighted by training samples, server learning rate 1
+(plain averaging); seed 1. The jobs (`--job NAME`, repeatable; default the first two):
 
-The same job in both. The driver draws, with meshlearn's own code, the client split (`--partition
-iid`), each iteration's cohort (FedAvg's seeded draw), the initial weights (`torch.manual_seed(seed)`,
-then `build_model`) and every drawn client's batches: each client takes the next batches of its own
-endless stream, reshuffled every epoch (`ShardLoaders`, as meshlearn's engine draws them; a client
-not drawn draws nothing). The pfl job (`pfl_fedavg_job.py` beside this file; pfl, torch and numpy
-only) trains on exactly those batches, so the two compute the same steps on the same samples, and
-their final test accuracies agree to float rounding (the difference is printed). pfl's own
-`Dataset` would restart a client's shard each time it is drawn (the same first 320 samples every
-round); meshlearn's stream is kept, and pfl made to follow it. Each system decodes the IDX files
-itself.
+- `fmnist-100-all`: Fashion-MNIST split IID over 100 clients, all of them every round;
+- `fmnist-1000-10pct`: the same over 1,000 clients, 10% of them a round;
+- `scale-synthetic-1000`, `-10000`, `-100000`: the synthetic federated data set of the FedProx
+  paper / LEAF, `synthetic:1,1`, one user per client (meshlearn: `--partition writers`), a cohort of
+  100 a round (`--fedavg-cohort 100`);
+- `scale-fmnist-1000`, `-10000`: Fashion-MNIST IID, a cohort of 100 a round.
+
+The same job in both. The driver draws, with meshlearn's own code, the client split, each
+iteration's cohort (FedAvg's seeded draw of a count, `participants`; a share becomes a count as
+meshlearn's FedAvg settings make it), the initial weights (`torch.manual_seed(seed)`, then
+`build_model`) and every drawn client's batches: each client takes the next batches of its own
+endless stream, reshuffled every epoch (`ShardLoaders` over its samples with `loader_seed(seed,
+client)`, as meshlearn's engine draws them; a client not drawn draws nothing and gets no stream at
+all, so a population of 100,000 costs the driver its drawn clients only). The pfl job
+(`pfl_fedavg_job.py` beside this file; pfl, torch and numpy only) trains on exactly those batches, so
+the two compute the same steps on the same samples, and their final test accuracies agree to float
+rounding (the difference is printed). pfl's own `Dataset` would restart a client's shard each time
+it is drawn (the same first 320 samples every round); meshlearn's stream is kept, and pfl made to
+follow it. Each system reads its data itself: Fashion-MNIST from the IDX files; the synthetic users
+each generated from the seed when drawn, by meshlearn's `meshlearn.data.synthetic` and by the job's
+own copy of the formula, which the driver checks agree (digests of the size table, a few users'
+samples and the test set) before timing anything.
 
 The rule, in short (`benchmarks/README.md`):
 1. each system at its fastest setting on this machine: a calibration pass runs meshlearn on 1 and 2
@@ -30,15 +42,21 @@ The rule, in short (`benchmarks/README.md`):
 3. per pair the ratio meshlearn / pfl of CPU seconds (user + sys of the process and the children it
    waited for, `os.wait4`) and of wall seconds; reported: every pair's ratio, their median and
    range, each run's peak PSS (the process tree, sampled every 0.2 s), the accuracies, and the
-   1-minute load average at the start and end.
+   1-minute load average at the start and end; for the scaling jobs also CPU seconds per round
+   (CPU seconds / iterations), and at the end a scaling table per data set: each system's peak PSS
+   and CPU seconds per round at each population (medians of the pairs) and their spread (max / min),
+   against the aim: meshlearn's peak memory within 10% and its CPU per round within 20% across the
+   populations, and at 100,000 clients meshlearn's CPU per round at most pfl's.
 
 pfl is installed in its own virtual environment (`--venv`, default `benchmarks/.venv-pfl`, made if
 missing: pfl 0.6.0 and, if the venv has none, the driver's own torch version); without it the pfl
-side is skipped. Without the data folder the benchmark skips itself (exit 0).
+side is skipped (`--no-pfl` skips it on purpose, `--no-meshlearn` the meshlearn side). Without the
+data folder the Fashion-MNIST jobs are skipped (exit 0 if none is left).
 
-    python benchmarks/fedavg_vs_pfl.py [--data ../shared/datasets/fashion-mnist] [--clients C --fraction F]
-        [--pairs 3] [--iterations 20] [--rounds 10] [--seed 1] [--choose-by cpu|wall]
-        [--meshlearn-threads 1|2] [--pfl-setting 1|2|2x1] [--venv benchmarks/.venv-pfl] [--no-pfl]
+    python benchmarks/fedavg_vs_pfl.py [--job NAME ...] [--data ../shared/datasets/fashion-mnist]
+        [--clients C --fraction F] [--pairs 3] [--iterations 20] [--rounds 10] [--seed 1]
+        [--choose-by cpu|wall] [--meshlearn-threads 1|2] [--pfl-setting 1|2|2x1]
+        [--venv benchmarks/.venv-pfl] [--no-pfl | --no-meshlearn] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -56,22 +74,29 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 SRC = REPO / "src"
 JOB = HERE / "pfl_fedavg_job.py"
 PFL_VERSION = "0.6.0"
-CONFIGS = ((100, 1.0), (1000, 0.1))
 LR, BATCH, SERVER_LR = 0.05, 32, 1.0
+FMNIST = "fashion-mnist"
+SCALE_COHORT = 100  # the scaling jobs' clients a round, whatever the population
+PSS_AIM, CPU_AIM = 1.10, 1.20  # scaling: meshlearn's peak PSS and CPU per round, max / min over the populations
 FLOPS_LIMIT = 100e9  # the reference machine: 100 GFLOP/s
 POLL = 0.2  # seconds between PSS samples
 STOP_AFTER = 3  # calibration: a candidate run is stopped after 3x (+ 10 s) its system's best wall time so far
 AGREE = 0.005  # accuracies further apart than this are flagged: the two did not run the same job
 
 sys.path.insert(0, str(SRC))
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -98,6 +123,57 @@ class Setting:
         return cls(int(processes or 1), int(threads))
 
 
+@dataclass(frozen=True)
+class JobSpec:
+    """One configuration: the data set (``fashion-mnist``, split IID, or ``synthetic:ALPHA,BETA``, a
+    user per client), the population of ``clients``, and each round's cohort: ``cohort`` clients, or
+    (``cohort`` 0) a share ``fraction`` of them."""
+
+    name: str
+    dataset: str
+    clients: int
+    fraction: float = 1.0
+    cohort: int = 0
+
+    @property
+    def synthetic(self) -> tuple[float, float] | None:
+        """ALPHA and BETA of a synthetic job, else None."""
+        if not self.dataset.startswith("synthetic:"):
+            return None
+        alpha, beta = self.dataset.split(":", 1)[1].split(",")
+        return float(alpha), float(beta)
+
+    @property
+    def scaling(self) -> bool:
+        """Whether the job is one of a population series (its CPU per round goes in the scaling table)."""
+        return self.name.startswith("scale-")
+
+    def count(self) -> int:
+        """The clients drawn a round, as meshlearn's FedAvg settings make it of a count or a share."""
+        from meshlearn.definitions.settings import FedAvgSettings
+
+        return FedAvgSettings(fraction=self.fraction, cohort=self.cohort).drawn(self.clients)
+
+    def describe(self) -> str:
+        """``synthetic:1,1, 1,000 clients, cohort 100 a round``."""
+        drawn = f"cohort {self.cohort} a round" if self.cohort else f"fraction {self.fraction:g}"
+        return f"{self.name}: {self.dataset}, {self.clients:,} clients, {drawn}"
+
+    def meshlearn_args(self, data: Path) -> list[str]:
+        """The job's data, split and cohort as `meshlearn simulate` options."""
+        drawn = ["--fedavg-cohort", str(self.cohort)] if self.cohort else ["--fedavg-fraction", str(self.fraction)]
+        if self.synthetic:
+            return ["--dataset", self.dataset, "--partition", "writers", *drawn]
+        return ["--dataset", f"{FMNIST}:{data}", "--partition", "iid", *drawn]
+
+
+JOBS = {job.name: job for job in (
+    JobSpec("fmnist-100-all", FMNIST, 100),
+    JobSpec("fmnist-1000-10pct", FMNIST, 1000, fraction=0.1),
+    *(JobSpec(f"scale-synthetic-{n}", "synthetic:1,1", n, cohort=SCALE_COHORT) for n in (1000, 10_000, 100_000)),
+    *(JobSpec(f"scale-fmnist-{n}", FMNIST, n, cohort=SCALE_COHORT) for n in (1000, 10_000)),
+)}
+DEFAULT_JOBS = ("fmnist-100-all", "fmnist-1000-10pct")
 MESHLEARN_SETTINGS = (Setting(1, 1), Setting(1, 2))
 PFL_SETTINGS = (Setting(1, 1), Setting(1, 2), Setting(2, 1))
 
@@ -173,52 +249,131 @@ def versions(python: Path | None) -> str:
     return line
 
 
-def prepare_job(folder: Path, data: Path, clients: int, fraction: float, args) -> dict:
+@dataclass(frozen=True)
+class Clients:
+    """A job's population as the driver needs it, with no state for a client until it is asked for:
+    ``shard(k)``, the samples client k's stream runs over (Fashion-MNIST: its training-set indices;
+    synthetic: 0 .. its training samples - 1, indices into its own), whose count FedAvg weighs it
+    by; the model's input shape; what ``job.json`` says of the data (``fields``); and for a synthetic
+    job meshlearn's generator (``population``)."""
+
+    shard: Callable[[int], np.ndarray]
+    input_shape: tuple[int, ...]
+    fields: dict
+    population: object = None
+
+
+def load_clients(job: JobSpec, data: Path, seed: int) -> Clients:
+    """``job``'s clients from meshlearn's own code: Fashion-MNIST split IID by ``partition_dataset``,
+    or the synthetic population of ``meshlearn.data.synthetic`` (only its size table is made)."""
+    import numpy as np
+
+    if job.synthetic:
+        from meshlearn.data.synthetic import SHAPE, SyntheticPopulation
+
+        alpha, beta = job.synthetic
+        population = SyntheticPopulation(alpha, beta, job.clients, seed)
+        return Clients(lambda k: np.arange(population.sizes[k], dtype=np.int64), SHAPE,
+                       {"dataset": "synthetic", "alpha": alpha, "beta": beta, "users": job.clients,
+                        "mean": 0.0, "std": 1.0}, population)
+    from meshlearn.data import load_dataset, partition_dataset
+
+    dataset = load_dataset(f"{FMNIST}:{data}")
+    parts = partition_dataset(dataset, job.clients, "iid", seed)
+    return Clients(lambda k: parts[k], dataset.input_shape,
+                   {"dataset": FMNIST, "data": str(data), "mean": float(dataset.mean[0]), "std": float(dataset.std[0])})
+
+
+def draw_batches(clients: Clients, cohorts: np.ndarray, rounds: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every drawn client's batches in each iteration, as meshlearn's engine draws them: one
+    ``ShardLoaders`` stream (seeded ``loader_seed(seed, client)``) per client drawn at least once,
+    none for the others; each iteration the cohort's streams step ``rounds`` times. Returns each
+    drawn client's training samples (``weights``, the cohorts' shape), its batches' sizes
+    ([iterations, cohort, rounds]) and their samples laid end to end (``picks``)."""
+    import numpy as np
+
+    from meshlearn.data import ShardLoaders, loader_seed
+
+    drawn = np.unique(cohorts)  # every client drawn in some iteration, ascending
+    loaders = ShardLoaders([clients.shard(int(k)) for k in drawn], BATCH, [loader_seed(seed, int(k)) for k in drawn])
+    rows = np.searchsorted(drawn, cohorts)  # each cohort member's stream (a cohort is sorted: so are its rows)
+    sizes = np.zeros((*cohorts.shape, rounds), dtype=np.int64)
+    chunks: list[list[list[np.ndarray]]] = []
+    for t, row in enumerate(rows):
+        batches: list[list[np.ndarray]] = [[] for _ in row]
+        for step in range(rounds):
+            for members, picks in loaders.next(row):
+                for column, pick in zip(np.searchsorted(row, members).tolist(), picks):
+                    batches[column].append(pick)
+                    sizes[t, column, step] = len(pick)
+        chunks.append(batches)
+    picks = np.concatenate([pick for batches in chunks for client in batches for pick in client]).astype(np.int32)
+    return loaders.sizes[rows], sizes, picks
+
+
+def prepare_job(folder: Path, job: JobSpec, clients: Clients, args) -> dict:
     """Write the pfl job's inputs into ``folder`` from meshlearn's own code: the cohorts FedAvg draws,
-    the initial weights, the hyperparameters, and every drawn client's batches in each iteration, as
-    meshlearn's batched engine draws them (``ShardLoaders`` over the seeded split, each node seeded
-    with ``loader_seed``; only drawn nodes draw, ``rounds`` batches each). Returns the facts the report
-    needs (cohort size, FLOPs per local step)."""
+    the initial weights, the hyperparameters, and every drawn client's batches in each iteration
+    (``draw_batches``): files proportional to the drawn clients, not the population. Returns the
+    facts the report needs (cohort size, FLOPs per local step)."""
     import numpy as np
     import torch
 
-    from meshlearn.data import (
-        ShardLoaders,
-        load_dataset,
-        loader_seed,
-        partition_dataset,
-    )
     from meshlearn.definitions.fedavg import participants
     from meshlearn.models import build_model
     from meshlearn.models.cost import step_flops
 
-    dataset = load_dataset(f"fashion-mnist:{data}")
-    parts = partition_dataset(dataset, clients, "iid", args.seed)
-    cohorts = np.array([participants(args.seed, i, clients, fraction) for i in range(args.iterations)])
-    loaders = ShardLoaders(parts, BATCH, [loader_seed(args.seed, rank) for rank in range(clients)])
-    sizes = np.zeros((*cohorts.shape, args.rounds), dtype=np.int64)
-    chunks: list[list[list[np.ndarray]]] = []
-    for t, cohort in enumerate(cohorts):
-        column = {int(client): j for j, client in enumerate(cohort)}
-        drawn: list[list[np.ndarray]] = [[] for _ in cohort]
-        for step in range(args.rounds):
-            for members, picks in loaders.next(None if fraction >= 1 else cohort.tolist()):
-                for member, pick in zip(members.tolist(), picks):
-                    drawn[column[member]].append(pick)
-                    sizes[t, column[member], step] = len(pick)
-        chunks.append(drawn)
-    picks = np.concatenate([pick for drawn in chunks for batches in drawn for pick in batches]).astype(np.int32)
+    count = job.count()
+    cohorts = np.array([participants(args.seed, t, job.clients, count) for t in range(args.iterations)], dtype=np.int64)
+    weights, sizes, picks = draw_batches(clients, cohorts, args.rounds, args.seed)
     torch.manual_seed(args.seed)
-    model = build_model("mlp", dataset.input_shape, dataset.num_classes)
+    model = build_model("mlp", clients.input_shape, 10)
     folder.mkdir(parents=True)
-    np.savez(folder / "split.npz", cohorts=cohorts, sizes=sizes, picks=picks,
-             shards=np.array([len(part) for part in parts], dtype=np.int64))
+    np.savez(folder / "split.npz", cohorts=cohorts, weights=weights, sizes=sizes, picks=picks)
     torch.save(model.state_dict(), folder / "init.pt")
-    job = {"seed": args.seed, "clients": clients, "cohort": cohorts.shape[1], "iterations": args.iterations,
-           "steps": args.rounds, "batch_size": BATCH, "lr": LR, "server_lr": SERVER_LR,
-           "mean": float(dataset.mean[0]), "std": float(dataset.std[0]), "data": str(data)}
-    (folder / "job.json").write_text(json.dumps(job))
-    return {"cohort": job["cohort"], "step_flops": step_flops(model, dataset.normalize(dataset.train_x[:1])[0], BATCH)}
+    spec = {"seed": args.seed, "clients": job.clients, "cohort": count, "iterations": args.iterations,
+            "steps": args.rounds, "batch_size": BATCH, "lr": LR, "server_lr": SERVER_LR, **clients.fields}
+    (folder / "job.json").write_text(json.dumps(spec))
+    return {"cohort": count, "step_flops": step_flops(model, torch.zeros(clients.input_shape), BATCH)}
+
+
+def job_module():
+    """``pfl_fedavg_job.py`` as a module (its top level imports the standard library only): for its
+    ``digest``, so that both sides hash alike."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pfl_fedavg_job", JOB)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_generators(python: Path, folder: Path, clients: Clients) -> str:
+    """Before timing a synthetic job: the pfl job's copy of the generator against meshlearn's, on the
+    size table, the training samples of a few users (the first two, the last, and the first and
+    last drawn) and the test set; SystemExit in one line where any differs, else the line to say."""
+    import numpy as np
+
+    cohorts = np.load(folder / "split.npz")["cohorts"]
+    population = clients.population
+    users = sorted({0, min(1, population.users - 1), population.users - 1, int(cohorts[0, 0]), int(cohorts[-1, -1])})
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(python), str(JOB), str(folder), "--check-users", ",".join(map(str, users))],
+                          env=env, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"the pfl job's --check-users failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    digest = job_module().digest
+    ours = {"sizes": digest(population.sizes),
+            "users": {str(k): digest(*(t.numpy() for t in population.samples(k))) for k in users},
+            "test": digest(*(t.numpy() for t in population.test_set()))}
+    wrong = [name for name in ("sizes", "test") if ours[name] != theirs[name]]
+    wrong += [f"user {k}" for k in users if ours["users"][str(k)] != theirs["users"].get(str(k))]
+    if wrong:
+        raise SystemExit(f"{population.name}: pfl_fedavg_job.py's generator and meshlearn.data.synthetic disagree on "
+                         f"{', '.join(wrong)}: make them the same formula (synthetic_user) before comparing")
+    return (f"synthetic data: pfl's generator and meshlearn's agree bit for bit (size table of {population.users:,} "
+            f"users, training samples of users {', '.join(map(str, users))}, the test set)")
 
 
 def descendants(root: int) -> list[int]:
@@ -257,7 +412,8 @@ def measure(command: list[str], env: dict, log: Path, limit: float | None = None
     """Run ``command``; its CPU seconds (user + sys, itself and the descendants it waited for), wall
     seconds, peak PSS in MB, the 1-minute load average at its start, and its stdout. With ``limit``,
     a run still going after ``limit`` wall seconds is stopped (its process group killed) and marked
-    ``stopped``: its CPU seconds are then a lower bound."""
+    ``stopped``: its CPU seconds are then a lower bound. A run that fails stops the benchmark (SystemExit
+    with the tail of its stderr)."""
     load = loadavg()
     with open(log.with_suffix(".out"), "w") as out, open(log.with_suffix(".err"), "w") as err:
         start = time.perf_counter()
@@ -284,17 +440,15 @@ def measure(command: list[str], env: dict, log: Path, limit: float | None = None
               "stdout": log.with_suffix(".out").read_text(), "stopped": stopped.is_set()}
     code = os.waitstatus_to_exitcode(status)
     if code and not result["stopped"]:
-        raise RuntimeError(f"{' '.join(command[:4])} ... failed ({code}):\n{log.with_suffix('.err').read_text()[-3000:]}")
+        raise SystemExit(f"{' '.join(command[:4])} ... failed ({code}):\n{log.with_suffix('.err').read_text()[-3000:]}")
     return result
 
 
-def run_meshlearn(data: Path, clients: int, fraction: float, setting: Setting, args, output: Path,
-                  limit: float | None = None) -> dict:
+def run_meshlearn(data: Path, job: JobSpec, setting: Setting, args, output: Path, limit: float | None = None) -> dict:
     """One `meshlearn simulate` of the job (batched engine); its measures and final test accuracy."""
     command = [sys.executable, "-m", "meshlearn", "simulate", "--quiet", "--engine", "batched",
-               "--batched-workers", str(setting.threads),
-               "--nodes", str(clients), "--algorithm", "fedavg", "--fedavg-fraction", str(fraction),
-               "--dataset", f"fashion-mnist:{data}", "--model", "mlp", "--partition", "iid",
+               "--batched-workers", str(setting.threads), "--nodes", str(job.clients), "--algorithm", "fedavg",
+               *job.meshlearn_args(data), "--model", "mlp",
                "--rounds", str(args.rounds), "--batch-size", str(BATCH), "--lr", str(LR),
                "--iterations", str(args.iterations), "--test-after", str(args.iterations),
                "--seed", str(args.seed), "--output", str(output)]
@@ -327,9 +481,8 @@ def spread(values: list[float]) -> str:
 class Job:
     """One configuration's runs: calibration, then alternated pairs."""
 
-    def __init__(self, data: Path, folder: Path, clients: int, fraction: float, python: Path | None, args):
-        self.data, self.folder, self.clients, self.fraction, self.python, self.args = \
-            data, folder, clients, fraction, python, args
+    def __init__(self, data: Path, folder: Path, job: JobSpec, python: Path | None, args):
+        self.data, self.folder, self.job, self.python, self.args = data, folder, job, python, args
         self.count = 0
 
     def run(self, system: str, setting: Setting, limit: float | None = None) -> dict:
@@ -337,7 +490,7 @@ class Job:
         self.count += 1
         output = self.folder / f"{system}-{self.count}"
         if system == "meshlearn":
-            result = run_meshlearn(self.data, self.clients, self.fraction, setting, self.args, output, limit)
+            result = run_meshlearn(self.data, self.job, setting, self.args, output, limit)
         else:
             result = run_pfl(self.python, self.folder, setting, output, limit)
         accuracy = "stopped" if result["stopped"] else f"{result['accuracy']:.4f}"
@@ -383,9 +536,18 @@ class Job:
         return found
 
 
-def report(clients: int, fraction: float, chosen: dict[str, Setting], pairs: list[dict], loads: tuple[float, float]) -> str:
-    """One configuration's pairs as Markdown: the table, the ratios, the accuracies."""
-    lines = [f"#### {clients} clients, fraction {fraction:g} (load {loads[0]:.2f} at the start, {loads[1]:.2f} at the end)",
+def medians(pairs: list[dict], iterations: int) -> dict[str, dict[str, float]]:
+    """Per system, the median over its runs of peak PSS (MB) and of CPU seconds per round."""
+    systems = [s for s in ("meshlearn", "pfl") if s in pairs[0]]
+    return {s: {"pss": statistics.median(pair[s]["pss"] for pair in pairs),
+                "cpu_round": statistics.median(pair[s]["cpu"] for pair in pairs) / iterations} for s in systems}
+
+
+def report(job: JobSpec, chosen: dict[str, Setting], pairs: list[dict], loads: tuple[float, float],
+           figures: dict[str, dict[str, float]]) -> str:
+    """One configuration's pairs as Markdown: the table, the ratios, the accuracies (a scaling job's
+    CPU seconds per round too)."""
+    lines = [f"#### {job.describe()} (load {loads[0]:.2f} at the start, {loads[1]:.2f} at the end)",
              "", "settings: " + "; ".join(f"{s} {chosen[s].describe(s)}" for s in chosen), ""]
     systems = [s for s in ("meshlearn", "pfl") if s in chosen]
     if len(systems) == 2:
@@ -405,28 +567,75 @@ def report(clients: int, fraction: float, chosen: dict[str, Setting], pairs: lis
                   (f"accuracy difference |meshlearn - pfl|: at most {max(gaps):.4f}"
                    + ("" if max(gaps) <= AGREE else f"  ** DISAGREE (over {AGREE}): not the same job **"))]
     else:
-        lines += ["| run | meshlearn CPU s | wall s | peak PSS MB | accuracy | load at start |", "|---|---|---|---|---|---|"]
+        system = systems[0]
+        lines += [f"| run | {system} CPU s | wall s | peak PSS MB | accuracy | load at start |", "|---|---|---|---|---|---|"]
         for k, pair in enumerate(pairs, 1):
-            m = pair["meshlearn"]
-            lines.append(f"| {k} | {m['cpu']:.1f} | {m['wall']:.1f} | {m['pss']:.0f} | {m['accuracy']:.4f} | {m['load']:.2f} |")
+            r = pair[system]
+            lines.append(f"| {k} | {r['cpu']:.1f} | {r['wall']:.1f} | {r['pss']:.0f} | {r['accuracy']:.4f} | {r['load']:.2f} |")
+    if job.scaling:
+        lines += ["", "CPU seconds per round (median of the runs / iterations): "
+                  + "; ".join(f"{s} {figures[s]['cpu_round']:.3f}" for s in systems)]
     return "\n".join(lines)
 
 
-def flop_reference(clients: int, fraction: float, facts: dict, args) -> str:
+def verdict(met: bool) -> str:
+    """``met`` or ``**not met**``."""
+    return "met" if met else "**not met**"
+
+
+def scaling_report(results: list[tuple[JobSpec, dict[str, dict[str, float]]]]) -> str:
+    """The scaling jobs' figures per data set: each system's peak PSS and CPU seconds per round at
+    each population, their spread (max / min), and the aims for meshlearn (peak PSS within
+    ``PSS_AIM``, CPU per round within ``CPU_AIM``, and at the largest population at most pfl's CPU)."""
+    series: dict[str, list[tuple[JobSpec, dict]]] = {}
+    for job, figures in results:
+        if job.scaling:
+            series.setdefault(job.dataset, []).append((job, figures))
+    lines = ["### Scaling (medians of each job's runs; spread = max / min over the populations)"]
+    for dataset, rows in series.items():
+        rows.sort(key=lambda row: row[0].clients)
+        systems = [s for s in ("meshlearn", "pfl") if all(s in figures for _, figures in rows)]
+        lines += ["", f"#### {dataset}, a cohort of {rows[0][0].count()} a round", "",
+                  "| system | " + " | ".join(f"{job.clients:,} clients" for job, _ in rows)
+                  + " | peak PSS spread | CPU per round spread |", "|---" * (len(rows) + 3) + "|"]
+        spreads = {}
+        for system in systems:
+            pss = [figures[system]["pss"] for _, figures in rows]
+            cpu = [figures[system]["cpu_round"] for _, figures in rows]
+            spreads[system] = (max(pss) / min(pss), max(cpu) / min(cpu))
+            lines.append(f"| {system} | " + " | ".join(f"{m:.0f} MB, {c:.3f} CPU s/round" for m, c in zip(pss, cpu))
+                         + f" | {spreads[system][0]:.2f} | {spreads[system][1]:.2f} |")
+        aims = []
+        if "meshlearn" in spreads and len(rows) > 1:
+            memory, cpu = spreads["meshlearn"]
+            aims += [f"- meshlearn's peak PSS within {PSS_AIM - 1:.0%} across the populations: {memory:.2f} ({verdict(memory <= PSS_AIM)})",
+                     f"- meshlearn's CPU per round within {CPU_AIM - 1:.0%}: {cpu:.2f} ({verdict(cpu <= CPU_AIM)})"]
+        largest, figures = rows[-1]
+        if {"meshlearn", "pfl"} <= set(systems):
+            ratio = figures["meshlearn"]["cpu_round"] / figures["pfl"]["cpu_round"]
+            aims.append(f"- at {largest.clients:,} clients meshlearn's CPU per round at most pfl's: meshlearn / pfl "
+                        f"{ratio:.2f} ({verdict(ratio <= 1)})")
+        lines += ["", *aims] if aims else []
+    return "\n".join(lines)
+
+
+def flop_reference(job: JobSpec, facts: dict, args) -> str:
     """The FLOP limit: node-steps x FLOPs per step at 100 GFLOP/s."""
     node_steps = facts["cohort"] * args.rounds * args.iterations
     seconds = node_steps * facts["step_flops"] / FLOPS_LIMIT
-    return (f"- {clients} clients, fraction {fraction:g}: {node_steps:,} node-steps x {facts['step_flops']:,} FLOPs "
+    return (f"- {job.describe()}: {node_steps:,} node-steps x {facts['step_flops']:,} FLOPs "
             f"= {seconds:.3g} s at 100 GFLOP/s")
 
 
 def parse() -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--job", action="append", choices=list(JOBS), dest="jobs",
+                        help=f"a named job (repeatable; default: {', '.join(DEFAULT_JOBS)})")
     parser.add_argument("--data", type=Path, default=REPO.parent / "shared" / "datasets" / "fashion-mnist",
                         help="folder of Fashion-MNIST's IDX files (default: ../shared/datasets/fashion-mnist)")
-    parser.add_argument("--clients", type=int, help="one configuration: this many clients (with --fraction)")
-    parser.add_argument("--fraction", type=float, help="one configuration: the share drawn per iteration")
+    parser.add_argument("--clients", type=int, help="one Fashion-MNIST job instead: this many clients (with --fraction)")
+    parser.add_argument("--fraction", type=float, help="one Fashion-MNIST job instead: the share drawn per iteration")
     parser.add_argument("--iterations", type=int, default=20, help="central iterations (default 20)")
     parser.add_argument("--rounds", type=int, default=10, help="local steps per iteration (default 10)")
     parser.add_argument("--pairs", "--repeats", type=int, default=3, dest="pairs",
@@ -439,51 +648,89 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--pfl-setting", choices=[s.name for s in PFL_SETTINGS],
                         help="skip calibrating pfl: 1 or 2 threads, or 2x1 (two processes of one thread)")
     parser.add_argument("--venv", type=Path, default=HERE / ".venv-pfl", help="pfl's virtual environment")
-    parser.add_argument("--no-pfl", action="store_true", help="run the meshlearn side only")
+    parser.add_argument("--keep", type=Path, metavar="DIR",
+                        help="write each job's folder (the pfl job's inputs, the runs' outputs and logs) in DIR and keep it")
+    side = parser.add_mutually_exclusive_group()
+    side.add_argument("--no-pfl", action="store_true", help="run the meshlearn side only")
+    side.add_argument("--no-meshlearn", action="store_true", help="run the pfl side only (on the inputs meshlearn's code draws)")
     args = parser.parse_args()
     if (args.clients is None) != (args.fraction is None):
         parser.error("--clients and --fraction go together")
+    if args.clients is not None and args.jobs:
+        parser.error("give --job NAME or --clients C --fraction F, not both")
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.keep is not None:
+        args.keep = args.keep.resolve()
+    args.jobs = ([JobSpec(f"fmnist-{args.clients}-{args.fraction:g}", FMNIST, args.clients, fraction=args.fraction)]
+                 if args.clients is not None else [JOBS[name] for name in dict.fromkeys(args.jobs or DEFAULT_JOBS)])
+    taken = [job.name for job in args.jobs if args.keep is not None and (args.keep / job.name).exists()]
+    if taken:
+        parser.error(f"--keep {args.keep} already holds {', '.join(taken)}: give it a new or empty folder")
     return args
+
+
+def has_idx(data: Path) -> bool:
+    """Whether ``data`` holds Fashion-MNIST's training images (gzipped or not)."""
+    return (data / "train-images-idx3-ubyte.gz").is_file() or (data / "train-images-idx3-ubyte").is_file()
+
+
+def settings_of(job: Job, python: Path | None, args) -> dict[str, Setting]:
+    """Each system's setting for ``job``: given on the command line, else calibrated."""
+    candidates = {}
+    if not args.no_meshlearn:
+        candidates["meshlearn"] = MESHLEARN_SETTINGS if args.meshlearn_threads is None else (Setting(1, args.meshlearn_threads),)
+    if python is not None:
+        candidates["pfl"] = PFL_SETTINGS if args.pfl_setting is None else (Setting.parse(args.pfl_setting),)
+    chosen = {s: c[0] for s, c in candidates.items() if len(c) == 1}
+    if len(chosen) < len(candidates):
+        print(" calibration:", flush=True)
+        chosen.update(job.calibrate({s: c for s, c in candidates.items() if len(c) > 1}))
+    return {s: chosen[s] for s in candidates}
 
 
 def main() -> None:
     args = parse()
     data = args.data.resolve()
-    if not (data / "train-images-idx3-ubyte.gz").is_file() and not (data / "train-images-idx3-ubyte").is_file():
-        print(f"skipped: no Fashion-MNIST IDX files in {data}")
-        return
+    jobs = args.jobs
+    if not has_idx(data) and any(not job.synthetic for job in jobs):
+        print(f"skipped: no Fashion-MNIST IDX files in {data}: "
+              + ", ".join(job.name for job in jobs if not job.synthetic))
+        jobs = [job for job in jobs if job.synthetic]
+        if not jobs:
+            return
     python = None if args.no_pfl else ensure_pfl(args.venv)
-    configs = CONFIGS if args.clients is None else ((args.clients, args.fraction),)
-    print(f"FedAvg on Fashion-MNIST, mlp, {args.iterations} iterations x {args.rounds} local steps of {BATCH}, "
+    if args.no_meshlearn and python is None:
+        print("nothing to run: --no-meshlearn and no pfl")
+        return
+    print(f"FedAvg, mlp, {args.iterations} iterations x {args.rounds} local steps of {BATCH}, "
           f"lr {LR}, seed {args.seed}; {os.cpu_count()} CPUs ({cpu_model()}), "
           f"{time.strftime('%Y-%m-%d %H:%M %Z')}; {versions(python)}", flush=True)
     if args.pairs < 3:
         print(f"note: {args.pairs} pair(s): the rule asks for at least 3 before a ratio is quoted")
-    reports, references = [], []
-    with tempfile.TemporaryDirectory(prefix="fedavg-vs-pfl-") as tmp:
-        for clients, fraction in configs:
-            print(f"\n{clients} clients, fraction {fraction:g}:", flush=True)
-            folder = Path(tmp) / f"job-{clients}-{fraction:g}"
-            facts = prepare_job(folder, data, clients, fraction, args)
-            references.append(flop_reference(clients, fraction, facts, args))
-            job = Job(data, folder, clients, fraction, python, args)
+    reports, references, results = [], [], []
+    with contextlib.ExitStack() as stack:
+        tmp = args.keep or stack.enter_context(tempfile.TemporaryDirectory(prefix="fedavg-vs-pfl-"))
+        for spec in jobs:
+            print(f"\n{spec.describe()}:", flush=True)
+            folder = Path(tmp) / spec.name
+            clients = load_clients(spec, data, args.seed)
+            facts = prepare_job(folder, spec, clients, args)
+            if clients.population is not None and python is not None:
+                print(" " + check_generators(python, folder, clients), flush=True)
+            references.append(flop_reference(spec, facts, args))
+            job = Job(data, folder, spec, python, args)
             start = loadavg()
-            candidates = {"meshlearn": MESHLEARN_SETTINGS if args.meshlearn_threads is None
-                          else (Setting(1, args.meshlearn_threads),)}
-            if python is not None:
-                candidates["pfl"] = PFL_SETTINGS if args.pfl_setting is None else (Setting.parse(args.pfl_setting),)
-            chosen = {s: c[0] for s, c in candidates.items() if len(c) == 1}
-            if len(chosen) < len(candidates):
-                print(" calibration:", flush=True)
-                chosen.update(job.calibrate({s: c for s, c in candidates.items() if len(c) > 1}))
-            chosen = {s: chosen[s] for s in candidates}
+            chosen = settings_of(job, python, args)
             print(" pairs:", flush=True)
             pairs = job.pairs(chosen)
-            reports.append(report(clients, fraction, chosen, pairs, (start, loadavg())))
+            figures = medians(pairs, args.iterations)
+            reports.append(report(spec, chosen, pairs, (start, loadavg()), figures))
+            results.append((spec, figures))
     print("\n" + "\n\n".join(reports))
     print("\nFLOP limit (forward + backward matrix products only):\n" + "\n".join(references))
+    if any(job.scaling for job, _ in results):
+        print("\n" + scaling_report(results))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def test_the_batched_engine_computes_what_the_process_engine_does(tmp_path, algo
 
 
 def test_the_last_evaluation_is_the_final_one_not_a_second_pass(tmp_path, monkeypatch):
-    import meshlearn.batched.engine as engine
+    import meshlearn.batched.lockstep as engine
 
     calls = []
     evaluate = engine.evaluate_nodes

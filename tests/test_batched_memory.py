@@ -9,7 +9,7 @@ import torch
 from helpers.engines import BASE
 
 from meshlearn.batched import BatchedSimulation
-from meshlearn.batched import engine as batched_engine
+from meshlearn.batched import setup as batched_engine
 from meshlearn.batched.models import NodeModels
 from meshlearn.config import make_config
 from meshlearn.models import build_model

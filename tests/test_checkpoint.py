@@ -138,11 +138,13 @@ def _same_results(a: Path, b: Path) -> None:
 @pytest.mark.parametrize("extra", [
     {},
     {"algorithm": "fedavg", "fedavg_compress": "int4", "fedavg_fragments": 2, "outer": "nesterov:lr=0.7,momentum=0.9"},
+    # the cohort path: clients drawn again take their momentum and batch stream on, from files past a tiny budget
+    {"algorithm": "fedavg", "fedavg_cohort": 2, "momentum": 0.9, "batched_client_memory": 20_000},
     pytest.param({"sharing": "choco:0.3", "transport": "udp", "net": "loss=10%", "momentum": 0.9},
                  marks=pytest.mark.slow),
     pytest.param({"optimizer": "adam", "lr": 0.01, "lr_schedule": "cosine", "peer_sampling": "epidemic:2"},
                  marks=pytest.mark.slow),
-], ids=["dpsgd", "fedavg-int4-fragments-outer", "choco-udp-loss", "adam-cosine-epidemic"])
+], ids=["dpsgd", "fedavg-int4-fragments-outer", "fedavg-cohort-momentum-spill", "choco-udp-loss", "adam-cosine-epidemic"])
 def test_the_batched_engine_resumes_to_the_models_of_a_run_never_interrupted(tmp_path, extra):
     values = {**SMALL, "engine": "batched", **extra}
     simulate(make_config({**values, "output": str(tmp_path / "whole")}), progress=False)

@@ -17,6 +17,7 @@ from meshlearn.config import make_config
 from meshlearn.definitions import Needs, RoundAlgorithm
 from meshlearn.definitions.base import DEFINITIONS
 from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.errors import ConfigError
 from meshlearn.topology import build_topology
 
@@ -80,7 +81,7 @@ BAD_CLIENT = 3
 
 def server_out(seed: int, nodes: int, fraction: float) -> bool:
     """Whether the first round of ``seed`` draws the bad client and at least two others, not the server."""
-    drawn = participants(seed, 0, nodes, fraction)
+    drawn = participants(seed, 0, nodes, count_of(fraction, nodes))
     return 0 not in drawn and BAD_CLIENT in drawn and len(drawn) >= 3
 
 
@@ -94,7 +95,7 @@ def test_fedavgs_server_takes_the_robust_rule_over_the_drawn_clients_where_the_m
     drags it far away. Every node ends with the server's answer."""
     nodes = 5
     seed = 2 if fraction == 1.0 else next(seed for seed in range(1000) if server_out(seed, nodes, fraction))
-    drawn = participants(seed, 0, nodes, fraction)
+    drawn = participants(seed, 0, nodes, count_of(fraction, nodes))
     assert (0 in drawn) == (fraction == 1.0)
     finals = {}
     for rule in ("median", "mean"):

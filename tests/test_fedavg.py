@@ -7,17 +7,18 @@ import torch
 
 from meshlearn.config import make_config
 from meshlearn.definitions.fedavg import FedAvg, participants
+from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.errors import ConfigError
 from meshlearn.sim import simulate
 from meshlearn.sim.tables import load_logs
 
 
 def test_the_drawn_share_of_nodes_is_seeded_and_changes_each_round():
-    assert participants(seed=1, iteration=0, nodes=6, fraction=1.0) == [0, 1, 2, 3, 4, 5]
-    rounds = [participants(1, t, 6, 0.5) for t in range(20)]
+    assert participants(seed=1, iteration=0, nodes=6, count=6) == [0, 1, 2, 3, 4, 5]
+    rounds = [participants(1, t, 6, count_of(0.5, 6)) for t in range(20)]
     assert all(len(r) == 3 and len(set(r)) == 3 and r == sorted(r) for r in rounds)
-    assert rounds == [participants(1, t, 6, 0.5) for t in range(20)]  # every node draws the same
-    assert len({tuple(r) for r in rounds}) > 5 and participants(1, 0, 6, 0.01) != []  # at least one node
+    assert rounds == [participants(1, t, 6, count_of(0.5, 6)) for t in range(20)]  # every node draws the same
+    assert len({tuple(r) for r in rounds}) > 5 and participants(1, 0, 6, count_of(0.01, 6)) != []  # at least one node
 
 
 def test_contributions_weigh_by_the_partitions_shard_sizes():
@@ -30,8 +31,8 @@ def test_contributions_weigh_by_the_partitions_shard_sizes():
     node_3 = torch.tensor([[8.0, 1.0]])  # its model and the trailing 1, with node 3's weight; 1 and 2 did not come
     server.merge(own, state, sent * 100.0 + node_3 * push.round.weights[0][3], push)
     assert float(own[0, 0]) == 0.25 * 4.0 + 0.75 * 8.0  # by samples over what came: 100 and 300
-    assert participants(1, 0, 100, 0.07) == sorted(set(participants(1, 0, 100, 0.07))) and \
-        len(participants(1, 0, 100, 0.07)) == 7  # 0.07 * 100 is 7.000000000000001 in floats: still 7
+    assert participants(1, 0, 100, count_of(0.07, 100)) == sorted(set(participants(1, 0, 100, count_of(0.07, 100)))) and \
+        len(participants(1, 0, 100, count_of(0.07, 100))) == 7  # 0.07 * 100 is 7.000000000000001 in floats: still 7
 
 
 def test_each_exchange_is_a_value_no_earlier_call_changes():
@@ -40,7 +41,7 @@ def test_each_exchange_is_a_value_no_earlier_call_changes():
 
     rules = FedAvg(None, 6, seed=1, settings=FedAvgSettings(fraction=0.5), shard_sizes=[10, 20, 30, 40, 50, 60],
                    ranks=range(6))
-    drawn = {t: participants(1, t, 6, 0.5) for t in range(20)}
+    drawn = {t: participants(1, t, 6, count_of(0.5, 6)) for t in range(20)}
     with_server, without = (next(t for t in drawn if (0 in drawn[t]) is wanted) for wanted in (True, False))
     answer = rules.exchange(with_server, 1)
     pushes = {t: rules.exchange(t, 0) for t in (without, with_server)}
@@ -89,7 +90,7 @@ def test_a_quick_federated_run_learns_and_the_server_answers_everyone(tmp_path):
     assert stats[0]["messages_sent"] == 60 * 7  # the server answers the 7 others every round
     # 4 of 8 nodes are drawn each round; those other than the server push to it
     pushed = sum(s["messages_sent"] for rank, s in stats.items() if rank != 0)
-    drawn = [participants(1, t, 8, 0.5) for t in range(60)]
+    drawn = [participants(1, t, 8, count_of(0.5, 8)) for t in range(60)]
     assert pushed == sum(len(d) - (0 in d) for d in drawn) == stats[0]["messages_received"]
 
 
@@ -107,10 +108,12 @@ def test_nodes_not_drawn_for_a_round_skip_its_local_steps(tmp_path, engine, monk
                           "seed": 5, "step_time": 0.001, "output": str(tmp_path)})
     simulate(config, progress=False)
     for iteration in range(4):
-        drawn = participants(5, iteration, 8, 0.25)
+        drawn = participants(5, iteration, 8, count_of(0.25, 8))
         records = {rank: event for rank, events in load_logs(tmp_path).items() for event in events
                    if event["event"] == "iteration" and event["iteration"] == iteration}
-        assert len(drawn) == 2 and len(records) == 8
+        # the batched engine's log names the round's participants (the server and the drawn), the process
+        # engine's every node
+        assert len(drawn) == 2 and len(records) == (8 if engine == "process" else len({0, *drawn}))
         for rank, event in records.items():
             assert (event["train_loss"] is not None) == (rank in drawn), (iteration, rank)
             assert (event["train"] > 0) == (rank in drawn)

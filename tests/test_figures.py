@@ -14,6 +14,7 @@ from meshlearn.plots import contrast_ratio, fit_title, pyplot
 from meshlearn.sim.figures import metric_figure, time_split_figure
 from meshlearn.sim.topologyfigure import (
     DRAWN_GRAPH_NODES,
+    GRID_NODES,
     topology_figure,
     unused_graph,
 )
@@ -107,7 +108,7 @@ def test_loss_png_has_one_legend_below_its_panels_outside_every_data_area(close_
                       "training loss since the evaluation before, mean over nodes"]
 
 
-@pytest.mark.parametrize("nodes", [8, DRAWN_GRAPH_NODES + 36])
+@pytest.mark.parametrize("nodes", [8, DRAWN_GRAPH_NODES + 36, GRID_NODES + 2])  # circle, grid, distribution
 def test_topology_png_fits_its_title_and_legend_in_the_figure(tmp_path, close_figures, nodes):
     summary = _run_folder(tmp_path, nodes)
     summary["per_node"]["3"]["metrics"] = None  # a node not evaluated: a legend entry
@@ -155,12 +156,12 @@ def test_topology_png_draws_the_graph_only_for_an_algorithm_that_uses_one(tmp_pa
     assert not _texts_outside(fig)
 
 
+@pytest.mark.parametrize("nodes", [DRAWN_GRAPH_NODES + 36, GRID_NODES + 2])  # a grid, a distribution
 def test_beyond_the_drawn_size_an_algorithm_without_a_graph_gets_no_summary_by_node_degree(tmp_path,
-                                                                                           close_figures):
-    nodes = DRAWN_GRAPH_NODES + 36
+                                                                                           close_figures, nodes):
     fig = topology_figure(tmp_path, _run_folder(tmp_path, nodes, "leader"), "big")
     title = fig._suptitle.get_text().replace("\n", " ")
-    assert "no graph" in title and f"{nodes} nodes" in title and "degree" not in title
+    assert "no graph" in title and f"{nodes:,} nodes" in title and "degree" not in title
     assert not any("degree" in ax.get_xlabel() for ax in fig.axes)  # the grid and its colour bar only
     assert "leader uses no graph" in fig.axes[0].get_xlabel().replace("\n", " ")
     assert not _texts_outside(fig)

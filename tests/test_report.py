@@ -168,3 +168,88 @@ def test_summary_rows_give_the_training_loss_since_the_evaluation_before_and_los
     fig = metric_figure(rows, "test_loss", "test loss", "t", also=(("train_loss", "training loss"),))
     assert all(len(ax.get_lines()) == 2 for ax in fig.axes)
     assert [line.get_label() for line in fig.axes[0].get_lines()] == ["test loss, mean over nodes", "training loss"]
+
+
+def _close(fig) -> None:
+    from meshlearn.plots import pyplot
+
+    pyplot().close(fig)
+
+
+def _bars(ax) -> list:
+    from matplotlib.patches import Rectangle
+
+    return [p for p in ax.patches if isinstance(p, Rectangle)]
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "fedavg"])
+def test_beyond_the_grid_topology_png_shows_how_many_nodes_have_each_value_at_a_cost_bounded_in_nodes(
+        tmp_path, algorithm):
+    """A population too large for a cell per node (a FedAvg population of 100,000, most never
+    evaluated): the values' distribution, the bad nodes' stacked in red, and how many nodes have no
+    value, in as many bars at any size."""
+    from matplotlib.colors import to_rgba
+
+    from meshlearn.sim.topologyfigure import DISTRIBUTION_BINS, GRID_NODES
+
+    drawn = {}
+    for nodes in (GRID_NODES + 2, 4 * GRID_NODES):  # regular:3 needs an even count
+        folder = tmp_path / str(nodes)
+        folder.mkdir()
+        (folder / "config.yaml").write_text(f"algorithm: {algorithm}\nnodes: {nodes}\n")
+        summary, _ = _run_folder(folder, "regular:3", nodes, bad=(3, 700))
+        fig = topology_figure(folder, summary, f"big ({algorithm}, {nodes} nodes)")
+        panel = fig.axes[0]
+        assert not any(ax.images for ax in fig.axes)  # no grid of sub-pixel cells
+        heights = [bar.get_height() for bar in _bars(panel)]
+        missing = sum(node["metrics"] is None for node in summary["per_node"].values())
+        bad_values = sum(summary["per_node"][r]["metrics"] is not None for r in ("3", "700"))
+        assert sum(heights[:DISTRIBUTION_BINS]) == nodes - missing - bad_values  # every honest node, once
+        assert sum(heights[DISTRIBUTION_BINS:]) == bad_values == 2
+        assert all(bar.get_facecolor() == to_rgba("#b3261e") for bar in _bars(panel)[DISTRIBUTION_BINS:])
+        legend = [t.get_text() for t in panel.get_legend().get_texts()]
+        assert legend == [f"honest nodes: {nodes - missing - 2:,}", "bad nodes: 2", f"not evaluated: {missing:,}"]
+        assert f"{nodes:,} nodes, too many to show each" in panel.get_title()
+        drawn[nodes] = sum(len(ax.get_children()) for ax in fig.axes)
+        _close(fig)
+    assert len(set(drawn.values())) == 1, drawn  # as many artists at 4 x the nodes
+
+
+def test_topology_png_of_an_algorithm_without_a_graph_reads_no_edges(tmp_path, monkeypatch):
+    """Its nodes are drawn without edges, so 100,000 nodes' edges are not parsed to draw none."""
+    import meshlearn.topology
+
+    def refuse(*_):
+        raise AssertionError("the graph file was parsed")
+
+    (tmp_path / "config.yaml").write_text("algorithm: fedavg\nnodes: 100\n")
+    summary, _ = _run_folder(tmp_path, "regular:3", 100)
+    monkeypatch.setattr(meshlearn.topology, "read_graph_file", refuse)
+    fig = topology_figure(tmp_path, summary, "fedavg")
+    assert "no graph, 100 nodes" in fig._suptitle.get_text()
+    _close(fig)
+    (tmp_path / "graph.txt").unlink()  # still: no graph.txt, no figure
+    assert topology_figure(tmp_path, summary, "fedavg") is None
+    (tmp_path / "config.yaml").write_text("algorithm: dpsgd\nnodes: 100\n")
+    write_graph_file(build_topology("regular:3", 100, 1), tmp_path / "graph.txt")
+    with pytest.raises(AssertionError, match="parsed"):  # a graph to draw is read
+        topology_figure(tmp_path, summary, "dpsgd")
+
+
+def test_summary_json_keeps_each_node_on_one_line_and_loads_back_as_the_summary():
+    import json
+
+    from meshlearn.sim.report import summary_text
+
+    summary = {"nodes_finished": 2, "clock": "modelled", "final": {"accuracy": {"mean": 0.5, "std": 0.0}},
+               "per_node": {"0": {"metrics": {"accuracy": 0.5, "shown": [1, 2]}, "elapsed": 1.25},
+                            "1": {"metrics": None, "elapsed": None}},
+               "attackers": {}, "iteration_time": {"train": {"median": 0.001}}}
+    text = summary_text(summary)
+    assert json.loads(text) == summary and list(json.loads(text)) == list(summary)
+    lines = text.splitlines()
+    assert lines[0] == "{" and lines[-1] == "}" and '  "nodes_finished": 2,' in lines
+    assert '    "0": {"metrics": {"accuracy": 0.5, "shown": [1, 2]}, "elapsed": 1.25},' in lines
+    assert '    "1": {"metrics": null, "elapsed": null}' in lines
+    assert lines[lines.index('  "per_node": {') + 3] == "  },"  # the two nodes, a line each
+    assert json.loads(summary_text({"per_node": {}})) == {"per_node": {}} and summary_text({}) == "{}"

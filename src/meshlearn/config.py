@@ -87,7 +87,9 @@ class ExperimentConfig(TrainingSettings):
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON: FEMNIST, or "
                                                "Shakespeare's text) | pystdlib (text: the running Python's standard library) | text:PATH "
-                                               "(a text file or a folder of .txt) | one registered by --models-module")
+                                               "(a text file or a folder of .txt) | synthetic:ALPHA,BETA (the FedProx paper's "
+                                               "synthetic data, generated: one user per node) | one registered by "
+                                               "--models-module")
     models_module: str | None = Field(None, description="local .py file registering custom models and datasets "
                                       "(register_model, register_dataset), loaded by every node")
     task: str = Field("auto", description=TASK_HELP)  # after models_module: it may name a task registered there
@@ -374,14 +376,16 @@ def _slowdown_amount(text: str) -> tuple[float, float] | None:
     return (factor, 0.0) if factor >= 1 else None
 
 
-def load_run_dataset(config: ExperimentConfig) -> "Dataset":
+def load_run_dataset(config: ExperimentConfig, whole: bool = True) -> "Dataset":
     """The dataset a run trains and tests on, as every engine and the report load it: ``config.dataset``,
-    with ``reshuffle`` its train and test sets pooled and split again with the run's seed."""
+    with ``reshuffle`` its train and test sets pooled and split again with the run's seed (a generated
+    dataset: one user per node, from the run's seed; not ``whole``, only the users a sample of it
+    needs, the others generated when asked for)."""
     from meshlearn.data import load_dataset  # loads torch: only once a run starts
     from meshlearn.tasks import resolve_task
 
     dataset = load_dataset(config.dataset, reshuffle=config.seed if config.reshuffle else None, context=config.context,
-                           vocabulary=config.vocabulary)
+                           vocabulary=config.vocabulary, nodes=config.nodes, seed=config.seed, whole=whole)
     task = resolve_task(config.task, dataset.task, config.dataset)
     return dataset if task == dataset.task else dataclasses.replace(dataset, task=task)
 

@@ -16,7 +16,8 @@ class BatchedSettings(Settings):
     ``batched_chunk``; the others as they are)."""
 
     FLAT_NAMES: ClassVar[dict[str, str]] = {"vectorize": "batched_vectorize", "chunk": "batched_chunk",
-                                            "workers": "batched_workers"}
+                                            "workers": "batched_workers", "client_memory": "batched_client_memory",
+                                            "cohort": "batched_cohort"}
 
     vectorize: Literal["auto", "on", "off"] = Field(
         "auto", description="train the nodes in one vectorized call (torch.func.vmap: on) or one after another "
@@ -24,6 +25,16 @@ class BatchedSettings(Settings):
         "faster (benchmarks/RESULTS.md)")
     chunk: int = Field(0, ge=0, description="nodes per vectorized call, to bound memory; 0 = auto: on the CPU, "
                        "as many as keep a call's activations within 128 MiB (gpt-tiny, batch 32: 1), on a GPU all at once")
+    cohort: Literal["auto", "off"] = Field(
+        "auto", description="auto: a FedAvg run whose clients keep nothing between rounds (no fedavg_compress, "
+        "fragments or overlap; the mean; SGD) holds model rows for the server and a round's cohort only, made from "
+        "the server's model when drawn, so memory follows the cohort, not the population; off: a row per node, "
+        "as every other algorithm")
+    client_memory: int = Field(
+        512 * 2 ** 20, ge=0, description="bytes of what a population's clients keep between the rounds they are "
+        "drawn for (their place in their batch stream, their momentum), held in memory when only a round's cohort "
+        "has model rows (FedAvg's cohort path); beyond it the clients used longest ago go to files in the run "
+        "folder's logs/clients/, removed when the run ends")
     workers: int = Field(0, ge=0, description="threads that train the nodes, each on one torch intra-op thread "
                          "(the count changes speed, never results); 0 = auto: on the CPU, times the run's first "
                          "steps on one worker and on one per core and keeps the faster; on a GPU, one")

@@ -50,7 +50,7 @@ class TrainingSettings(Settings):
     vocabulary: VocabularyKind = Field("bytes", description=VOCABULARY_HELP)
     partition: str = Field("iid", max_length=NAME_CHARS, description="iid | shards:K (McMahan et al.'s label shards) | "
                            "kshard:K (DecentralizePy's k-shard) | dirichlet:ALPHA | writers (a leaf: dataset's "
-                           "writers, in blocks per node)")
+                           "writers, in blocks per node; synthetic:'s users, one per node)")
     seed: int = Field(90, ge=0, le=MAX_SEED, description="same seed, same partitions, graph and initial model")
     batch_size: int = Field(32, ge=1, description="mini-batch size")
     lr: float = Field(0.05, gt=0, allow_inf_nan=False, description="learning rate")

@@ -25,6 +25,11 @@ class NodeBatches:
         self.loaders = ShardLoaders(parts, batch_size,
                                     [loader_seed(run_seed, first_rank + index) for index in range(len(parts))])
 
+    @property
+    def checkpointed(self) -> ShardLoaders:
+        """What a checkpoint keeps of the batch order: every node's place in its stream."""
+        return self.loaders
+
     def samples(self) -> list[int]:
         """Samples in each node's shard."""
         return self.loaders.sizes.tolist()

@@ -35,3 +35,15 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP)) and bool(mallopt(M_ARENA_MAX, 1))
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free memory back to the kernel now (glibc's ``malloc_trim``): once a run's
+    training is over, what comes after (the report's figures) then starts from what is in use, not
+    from the training's peak, so it does not add to it. Whether it did (Linux with glibc only)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -13,13 +13,16 @@ import tarfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
 
 from meshlearn.data.specs import require_path
 from meshlearn.errors import DatasetError
+
+if TYPE_CHECKING:
+    from meshlearn.data.synthetic import SyntheticPopulation
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".ppm"}
 
@@ -44,6 +47,7 @@ class Dataset:
     std: tuple[float, ...]
     train_groups: torch.Tensor | None = None  # per training sample, its writer (LEAF): partition "writers"
     task: str = "classification"  # what a model learns from it (meshlearn.tasks)
+    population: SyntheticPopulation | None = None  # a generated data set's users, on demand (data.synthetic)
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -55,14 +59,21 @@ class Dataset:
         """Whether samples are token ids (text), which models read as they are, not normalized."""
         return not self.mean
 
-    def normalize(self, x: torch.Tensor) -> torch.Tensor:
-        """Raw samples to what the model reads (a new tensor; ``x`` is left as it is): token ids as
-        int64; images (uint8 0..255 or float 0..1) as normalized float32, in place on that one copy
-        (the same arithmetic as out of place, bit for bit, without a fresh tensor per operation: 17
-        to 0.8 ms for a batch of 3,200 Fashion-MNIST images)."""
+    @property
+    def population_only(self) -> bool:
+        """Whether the training arrays hold only some of a generated population's users (too many to
+        hold at once): the population gives every user's samples on demand (``data.synthetic``)."""
+        return self.population is not None and len(self.train_y) < self.population.train_samples
+
+    def normalize(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Raw samples to what the model reads (a new tensor, or ``out``, shaped like ``x``, where
+        given; ``x`` is left as it is): token ids as int64; images (uint8 0..255 or float 0..1) as
+        normalized float32, in place on that one copy (the same arithmetic as out of place, bit for
+        bit, without a fresh tensor per operation: 17 to 0.8 ms for a batch of 3,200 Fashion-MNIST
+        images)."""
         if self.tokens:
-            return x.to(torch.int64)
-        x = x.to(torch.float32, copy=True)
+            return x.to(torch.int64) if out is None else out.copy_(x)
+        x = x.to(torch.float32, copy=True) if out is None else out.copy_(x)
         if self.train_x.dtype == torch.uint8:
             x.div_(255.0)
         mean = torch.tensor(self.mean, dtype=torch.float32).view(1, -1, 1, 1)
@@ -203,7 +214,7 @@ def test_samples(dataset: Dataset, limit: int = 0) -> tuple[torch.Tensor, torch.
 def shard_as_test_set(dataset: Dataset, indices) -> Dataset:
     """The dataset whose test set is the training samples ``indices`` (a node's shard), to measure
     a model's loss over its own training data (``train_evaluate``)."""
-    chosen = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+    chosen = torch.from_numpy(np.array(indices, dtype=np.int64))  # a copy: a Partition's parts are read-only
     return Dataset(**{**dataset.__dict__, "test_x": dataset.train_x[chosen], "test_y": dataset.train_y[chosen]})
 
 

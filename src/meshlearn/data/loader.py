@@ -42,6 +42,24 @@ class ShardLoaders(Stateful):
         self._orders[node, :size] = self.shards[node][order]
         self._pos[node] = 0
 
+    def node_state(self, node: int) -> dict[str, np.ndarray]:
+        """Node ``node``'s place in its endless stream, as arrays of its own (``set_node_state`` puts it
+        back): its generator, this epoch's order, and (epochs, samples seen, position in the epoch)."""
+        size = int(self.sizes[node])
+        return {"generator": self.generators[node].get_state().numpy().copy(),
+                "order": self._orders[node, :size].copy(),
+                "place": np.array([self.epochs[node], self.samples_seen[node], self._pos[node]], dtype=np.int64)}
+
+    def set_node_state(self, node: int, state: dict[str, np.ndarray]) -> None:
+        """Node ``node`` from where ``node_state`` left it (a client drawn again takes its stream on)."""
+        size = int(self.sizes[node])
+        order, place = state["order"], state["place"]
+        if order.shape != (size,) or place.shape != (3,):
+            raise ValueError(f"a stream's state of {order.shape} samples does not fit node {node}'s {size}")
+        self.generators[node].set_state(torch.from_numpy(np.ascontiguousarray(state["generator"])))
+        self._orders[node, :size] = order
+        self.epochs[node], self.samples_seen[node], self._pos[node] = (int(value) for value in place)
+
     def next(self, nodes: np.ndarray | list[int] | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
         """The training-set indices of the next batch of every node (or of ``nodes``), grouped by
         batch size (usually one group; an epoch's last batch may be short): (the group's nodes,
@@ -74,7 +92,7 @@ class ShardLoader:
 
     def __init__(self, dataset: Dataset, indices: np.ndarray, batch_size: int, seed: int):
         self.dataset = dataset
-        self.indices = torch.as_tensor(np.asarray(indices, dtype=np.int64))
+        self.indices = torch.from_numpy(np.array(indices, dtype=np.int64))  # a copy: a Partition's parts are read-only
         if len(self.indices) == 0:
             raise ValueError("a node's shard is empty")
         self._many = ShardLoaders([np.asarray(indices)], batch_size, [seed])

@@ -11,7 +11,8 @@ from meshlearn.data.datasets import (
     reshuffled,
 )
 from meshlearn.data.leaf import load_leaf
-from meshlearn.data.specs import DATASETS, parse_spec
+from meshlearn.data.specs import DATASETS, parse_spec, parse_synthetic
+from meshlearn.data.synthetic import load_synthetic_spec
 from meshlearn.data.text import (
     leaf_holds_text,
     load_leaf_text,
@@ -25,18 +26,25 @@ _CACHE: dict[str, Dataset] = {}
 
 
 def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128,
-                 vocabulary: VocabularyKind = "bytes") -> Dataset:
+                 vocabulary: VocabularyKind = "bytes", nodes: int | None = None, seed: int = 0,
+                 whole: bool = True) -> Dataset:
     """The dataset a spec names (see ``data.specs``), loaded once per process; with ``reshuffle``,
     its train and test sets pooled and split again with that seed (``reshuffled``). A text
-    dataset's samples are windows of ``context`` tokens of ``vocabulary`` (``data.vocabulary``)."""
+    dataset's samples are windows of ``context`` tokens of ``vocabulary`` (``data.vocabulary``).
+    A generated dataset (``synthetic:ALPHA,BETA``) has one user per node of ``nodes``, drawn from
+    ``seed`` (``data.synthetic``); not ``whole``: only the users a sample of it needs (each other one is
+    generated when asked for: FedAvg's cohort path, a report's test set)."""
     kind, path = parse_spec(spec)
     key = f"{kind}:{path.resolve()}" if path else kind
     if kind in ("pystdlib", "text", "leaf"):  # a LEAF folder may hold text (Shakespeare)
         key = f"{key}|context:{context}|vocabulary:{vocabulary}"
+    if kind == "synthetic":
+        key = f"synthetic:{parse_synthetic(spec)}|nodes:{nodes}|seed:{seed}|whole:{whole}"
     if reshuffle is not None:
         shuffled = f"{key}|reshuffle:{reshuffle}"
         if shuffled not in _CACHE:
-            _CACHE[shuffled] = reshuffled(load_dataset(spec, context=context, vocabulary=vocabulary), reshuffle)
+            _CACHE[shuffled] = reshuffled(load_dataset(spec, context=context, vocabulary=vocabulary, nodes=nodes,
+                                                       seed=seed, whole=whole), reshuffle)
         return _CACHE[shuffled]
     if key in _CACHE:
         return _CACHE[key]
@@ -47,6 +55,8 @@ def load_dataset(spec: str, reshuffle: int | None = None, context: int = 128,
                                "(build one with meshlearn.data.make_dataset)")
     elif kind == "digits":
         dataset = load_digits()
+    elif kind == "synthetic":
+        dataset = load_synthetic_spec(spec, nodes, seed, whole)
     elif kind in ("fashion-mnist", "mnist"):
         dataset = load_idx(path, kind)
     elif kind == "leaf":

@@ -22,14 +22,16 @@ VocabularyKind = Literal["bytes", "chars"]  # a language model's tokens (data.vo
 VOCABULARY_HELP = ("text datasets: bytes (256 tokens, every byte of the UTF-8 text) | chars (the characters of the "
                    "training text, at most 255, the most frequent, and one token for any other)")
 
-IMAGE_KINDS = ("digits", "fashion-mnist", "mnist", "cifar10", "imagefolder")  # datasets that hold no text
+IMAGE_KINDS = ("digits", "fashion-mnist", "mnist", "cifar10", "imagefolder", "synthetic")  # datasets that hold no text
 
-SPECS = "digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR, pystdlib, text:PATH"
+SPECS = ("digits, fashion-mnist:DIR, mnist:DIR, cifar10:PATH, imagefolder:DIR, leaf:DIR, pystdlib, text:PATH, "
+         "synthetic:ALPHA,BETA")
 # The name a spec starts with -> the dataset it means (and whether it needs a path)
 KINDS = {"digits": ("digits", False), "fashion-mnist": ("fashion-mnist", True), "fmnist": ("fashion-mnist", True),
          "fashion_mnist": ("fashion-mnist", True), "mnist": ("mnist", True), "cifar10": ("cifar10", True),
          "cifar-10": ("cifar10", True), "imagefolder": ("imagefolder", True), "leaf": ("leaf", True),
-         "femnist": ("leaf", True), "pystdlib": ("pystdlib", False), "text": ("text", True)}
+         "femnist": ("leaf", True), "pystdlib": ("pystdlib", False), "text": ("text", True),
+         "synthetic": ("synthetic", True)}  # its "path" is its parameters, ALPHA,BETA (parse_synthetic)
 
 _IDX = "the folder holding train-images-idx3-ubyte.gz and the other IDX files"
 WHAT = {"fashion-mnist": _IDX, "mnist": _IDX,
@@ -67,6 +69,9 @@ def parse_spec(spec: str) -> tuple[str, Path | None]:
             " (or register your own: --models-module FILE)"
         raise DatasetError(f"unknown dataset {spec!r}: {did_you_mean(name, [*KINDS, *DATASETS.names()])}use one of "
                            f"{SPECS}{custom}")
+    if kind[0] == "synthetic":
+        parse_synthetic(spec)
+        return kind[0], None
     if kind[1] and not path:
         raise DatasetError(f"{name} needs a folder: {name}:DIR ({WHAT[kind[0]]})")
     if path and not kind[1]:
@@ -83,3 +88,18 @@ def require_path(root: Path, kind: str) -> None:
     if not root.exists():
         get = f"; get it from {GET[kind]}" if kind in GET else ""
         raise DatasetError(f"dataset path {root} does not exist: give {WHAT[kind]}{get}")
+
+
+def parse_synthetic(spec: str) -> tuple[float, float]:
+    """``"synthetic:1,0.5"`` -> (1.0, 0.5): the FedProx paper's synthetic(ALPHA, BETA) data set's two
+    parameters (``data.synthetic``); DatasetError unless both are numbers >= 0."""
+    _, _, arguments = spec.partition(":")
+    parts = arguments.split(",")
+    try:
+        alpha, beta = (float(part) for part in parts)
+    except ValueError:
+        alpha = beta = float("nan")
+    if not (0 <= alpha < float("inf") and 0 <= beta < float("inf")):
+        raise DatasetError(f"dataset {spec!r}: synthetic takes two numbers >= 0, synthetic:ALPHA,BETA (how far "
+                           "users' models and their inputs differ), e.g. synthetic:1,1 or synthetic:0,0")
+    return alpha, beta

@@ -57,14 +57,12 @@ SERVER = 0
 SALT = 0xFEDA
 
 
-def participants(seed: int, iteration: int, nodes: int, fraction: float) -> list[int]:
-    """The nodes whose models the server takes at ``iteration`` (sorted; all of them at 1.0)."""
+def participants(seed: int, iteration: int, nodes: int, count: int) -> list[int]:
+    """The ``count`` nodes whose models the server takes at ``iteration`` (sorted; all of them at
+    ``nodes``): the same draw in every engine and process."""
     import numpy as np
 
-    from meshlearn.sharing.base import share_count
-
-    count = share_count(fraction, nodes)
-    if count == nodes:
+    if count >= nodes:
         return list(range(nodes))
     return sorted(int(i) for i in np.random.default_rng([seed, SALT, iteration]).choice(nodes, count, replace=False))
 
@@ -105,7 +103,8 @@ class FedAvg(RoundAlgorithm):
             raise ConfigError("FedAvg's server weighs models by every node's shard sizes, from the seeded partition: "
                               f"it was given {len(self.shard_sizes)} shard sizes for {nodes} nodes")
         options = settings or FedAvgSettings()
-        self.fraction, self.fragments, self.bits = options.fraction, options.fragments, BITS.get(options.compress, 0)
+        self.count = options.drawn(nodes)  # nodes drawn a round
+        self.fragments, self.bits = options.fragments, BITS.get(options.compress, 0)
         self.overlaps, self.mix = options.overlap, options.mix
         from meshlearn.aggregation.weights import by_samples
 
@@ -130,9 +129,25 @@ class FedAvg(RoundAlgorithm):
             self._codecs[size] = DeltaCodec(size, dtype, self.seed, self.bits)
         return self._codecs[size]
 
+    def cohort(self, iteration: int) -> list[int]:
+        """The nodes drawn for ``iteration``, sorted (every node, where a round takes all)."""
+        return participants(self.seed, iteration, self.nodes, self.count)
+
+    def average(self, models: Tensor, ranks: Sequence[int], came: Sequence[bool]) -> Tensor | None:
+        """The server's average of ``models`` [k, P] (row j: node ``ranks[j]``'s trained model), by
+        samples, of those whose push ``came``; None where none came (the server keeps its last)."""
+        import torch
+
+        weights = torch.tensor([self.samples[rank] if arrived else 0.0 for rank, arrived in zip(ranks, came)],
+                               dtype=torch.float64)
+        total = float(weights.sum())
+        if total == 0.0:
+            return None
+        return (weights / total).to(models.dtype) @ models
+
     def trains(self, iteration: int) -> list[int] | None:
         """The nodes drawn for ``iteration`` (None: all of them, at fraction 1)."""
-        return None if self.fraction >= 1 else participants(self.seed, iteration, self.nodes, self.fraction)
+        return None if self.count >= self.nodes else participants(self.seed, iteration, self.nodes, self.count)
 
     def exchange(self, iteration: int, phase: int = 0) -> Exchange:
         """Phase 0: the drawn nodes other than the server push to it, each weighing its samples, the
@@ -142,7 +157,7 @@ class FedAvg(RoundAlgorithm):
         if phase == 1:
             return Exchange(iteration, phase, self._answer, self._answer_weights, keeps_missing=True, pools=False)
         n, nobody = self.nodes, ()
-        chosen = participants(self.seed, iteration, n, self.fraction)
+        chosen = participants(self.seed, iteration, n, self.count)
         server = self.samples[SERVER] if SERVER in chosen else 0.0
         pushing = tuple(j for j in chosen if j != SERVER)
         push = Round(tuple((SERVER,) if j in pushing else nobody for j in range(n)),
@@ -235,7 +250,7 @@ class FedAvg(RoundAlgorithm):
         sent = own.new_zeros((own.shape[0], codec.nbytes), dtype=torch.uint8)
         tag = 2 * iteration + phase  # the rounding's draws: one set per sender and exchange
         if phase == 0:
-            drawn = set(participants(self.seed, iteration, self.nodes, self.fraction))
+            drawn = set(participants(self.seed, iteration, self.nodes, self.count))
             for row, rank in enumerate(self.ranks):
                 if rank != SERVER and rank in drawn:
                     codec.encode_(before[row, a:b] - models[row, a:b], state["error"][row, a:b], rank, tag, sent[row])

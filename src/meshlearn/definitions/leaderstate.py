@@ -107,7 +107,7 @@ def drawn_of(settings: LeaderSettings, seed: int) -> Callable[[int, list[int]], 
     None where every member always is."""
     if settings.fraction == 1:
         return None
-    return lambda cycle, group: [group[i] for i in participants(seed, cycle, len(group), settings.fraction)]
+    return lambda cycle, group: [group[i] for i in participants(seed, cycle, len(group), settings.drawn(len(group)))]
 
 
 class LeaderState:

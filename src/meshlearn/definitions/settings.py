@@ -73,12 +73,15 @@ class FedAvgSettings(Settings):
     """FedAvg's settings (flat names: ``fedavg_fraction``, ``fedavg_compress``, ``fedavg_fragments``,
     ``fedavg_overlap``, ``fedavg_mix``)."""
 
-    FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction", "compress": "fedavg_compress",
-                                            "fragments": "fedavg_fragments", "overlap": "fedavg_overlap",
-                                            "mix": "fedavg_mix"}
+    FLAT_NAMES: ClassVar[dict[str, str]] = {"fraction": "fedavg_fraction", "cohort": "fedavg_cohort",
+                                            "compress": "fedavg_compress", "fragments": "fedavg_fragments",
+                                            "overlap": "fedavg_overlap", "mix": "fedavg_mix"}
 
     fraction: float = Field(1.0, gt=0, le=1, description="share of the nodes whose models the server takes each "
                             "round (drawn from the seed; DecentralizePy's working_fraction)")
+    cohort: int = Field(0, ge=0, description="how many nodes the server takes each round, drawn from the seed as "
+                        "with fedavg_fraction (0: fedavg_fraction says): a cross-device cohort of a population; the "
+                        "batched engine keeps only the drawn clients' models, while they are drawn")
     compress: Literal["none", "int8", "int4"] = Field(
         "none", description="what travels: the model (none), or its change over the round (the pseudo-gradient, "
         "both ways) quantized to 8 or 4 bits a value with error feedback kept per node (as INTELLECT-1's int8)")
@@ -93,13 +96,16 @@ class FedAvgSettings(Settings):
                        "node keeps when the exchange's outcome comes (Streaming DiLoCo's alpha)")
 
     def drawn(self, nodes: int) -> int:
-        """How many of ``nodes`` a round takes at ``fraction`` (``drawn``)."""
-        return drawn(self.fraction, nodes)
+        """How many of ``nodes`` a round takes: ``cohort`` (at most all of them), or at ``fraction``
+        (``drawn``)."""
+        return min(self.cohort, nodes) if self.cohort else drawn(self.fraction, nodes)
 
     @model_validator(mode="after")
     def _every_node_with_fragments(self) -> "FedAvgSettings":
+        if self.cohort and self.fraction < 1:
+            raise ValueError("give fedavg_cohort (a count) or fedavg_fraction (a share), not both")
         for name, asked in (("fedavg_fragments", self.fragments > 1), ("fedavg_overlap", self.overlap)):
-            if asked and self.fraction < 1:
+            if asked and (self.fraction < 1 or self.cohort):
                 raise ValueError(f"{name} needs fedavg_fraction 1 (every node trains every iteration, and takes "
                                  "each exchange's outcome)")
         return self

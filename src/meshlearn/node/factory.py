@@ -8,7 +8,7 @@ import torch
 
 from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig, load_run_dataset
-from meshlearn.data import partition_dataset
+from meshlearn.data import partition_dataset, require_materialized
 from meshlearn.definitions.base import definition
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
@@ -86,6 +86,7 @@ def build_node(
     if config.models_module:
         load_user_module(config.models_module)
     dataset = load_run_dataset(config)
+    require_materialized(dataset)
     parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)

@@ -28,7 +28,7 @@ from typing import Any
 from meshlearn.checkpoint import FOLDER as CHECKPOINTS
 from meshlearn.checkpoint import CheckpointStore
 from meshlearn.config import ExperimentConfig
-from meshlearn.data import partition_dataset
+from meshlearn.data import partition_dataset, require_materialized
 from meshlearn.errors import ConfigError, MeshlearnError, NodeFailure, TransportError
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
@@ -88,10 +88,14 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     graph = check_before_start(config)
     check_device(config.device)
     say(f"loading dataset {config.dataset}")
+    from meshlearn.batched.cohort import cohort_refusal
     from meshlearn.node import load_run_dataset
 
-    dataset = load_run_dataset(config)
-    partition_dataset(dataset, config.nodes, config.partition, config.seed)
+    cohort = config.engine == "batched" and cohort_refusal(config) is None  # clients made when drawn
+    dataset = load_run_dataset(config, whole=not cohort)
+    if not (cohort and dataset.population is not None):  # a generated population's users are its parts
+        require_materialized(dataset)
+        partition_dataset(dataset, config.nodes, config.partition, config.seed)
     build_model(config.model, dataset.input_shape, dataset.num_classes)
     check_optimizer(config)
     output = Path(config.output) if config.output else default_output()

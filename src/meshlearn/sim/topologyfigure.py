@@ -1,11 +1,13 @@
 """topology.png: the run's graph on a circle, each node coloured by its final accuracy or its
-finish-time lag; beyond ``DRAWN_GRAPH_NODES`` nodes a summary (a grid of nodes, values by degree)."""
+finish-time lag; beyond ``DRAWN_GRAPH_NODES`` nodes a summary (a grid of nodes, beyond
+``GRID_NODES`` their values' distribution; values by degree)."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import textwrap
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,11 @@ NOTE_WIDTH = 34  # characters a line of a note inside topology.png's circle
 # at 1,024 they are a grey disc. 64 is also where the dashboard and iteration_time.png stop showing
 # each node.
 DRAWN_GRAPH_NODES = 64
+# Up to this many nodes (a 64 x 64 grid) the summary shows each node as a cell, still several pixels
+# wide; beyond, a cell is a pixel or less (a lone bad node, the few nodes of a population that were
+# evaluated, vanish), and the summary shows how many nodes have each value instead.
+GRID_NODES = 4096
+DISTRIBUTION_BINS = 30  # the bars of that distribution
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ class NodeColours:
         return colormaps[self.cmap](Normalize(self.low, self.high)(value))
 
     @classmethod
-    def of(cls, summary: dict[str, Any], n: int, by: str = "accuracy") -> "NodeColours":
+    def of(cls, summary: dict[str, Any], n: int, by: str = "accuracy") -> NodeColours:
         """``by`` ``accuracy``: each node's final test accuracy (the scale ``_accuracy_scale``);
         ``lag``: the seconds each node finished after the first one (the UDP study's look at slow
         nodes: whom a slow node held back). A language model's accuracy is named as what it is,
@@ -91,11 +98,9 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: s
     ``DRAWN_GRAPH_NODES`` nodes a summary instead (see ``_topology_summary``). An algorithm that
     uses no graph (leader, local, fedavg: ``unused_graph``) gets its nodes without edges, the
     figure saying why. None without a graph.txt."""
-    from meshlearn.topology import read_graph_file
-
-    try:
-        graph = read_graph_file(Path(output) / "graph.txt")
-    except (OSError, ValueError, MeshlearnError):
+    unused = unused_graph(output)
+    graph = _run_graph(output, unused)
+    if graph is None:
         return None
     plt = pyplot()
     from matplotlib.collections import LineCollection
@@ -103,7 +108,6 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: s
     n = graph.n
     colours = NodeColours.of(summary, n, colour)
     bad = {int(rank) for rank in summary.get("attackers", {}) if int(rank) < n}
-    unused = unused_graph(output)
     if n > DRAWN_GRAPH_NODES:
         return _nodes_by_rank(colours, bad, title, unused) if unused else _topology_summary(graph, colours, bad, title)
     fig, ax = plt.subplots(figsize=(6.4, 5.6), layout="constrained")
@@ -123,14 +127,42 @@ def topology_figure(output: Path, summary: dict[str, Any], title: str, colour: s
     return fig
 
 
+@dataclass(frozen=True)
+class _Nodes:
+    """A graph of ``n`` nodes whose edges no figure draws (its algorithm uses none)."""
+
+    n: int
+
+
+def _run_graph(output: Path, unused: str):
+    """The run's graph (graph.txt), None without one. For an algorithm that uses none
+    (``unused``), only its node count, as its config.yaml gives it (the graph was built for it):
+    reading 100,000 nodes' edges to draw none takes a second."""
+    from meshlearn.topology import read_graph_file
+
+    path = Path(output) / "graph.txt"
+    if not path.is_file():
+        return None
+    nodes = run_config(output).get("nodes") if unused else None
+    if isinstance(nodes, int) and nodes > 0:
+        return _Nodes(nodes)
+    try:
+        return read_graph_file(path)
+    except (OSError, ValueError, MeshlearnError):
+        return None
+
+
 def _nodes_by_rank(colours: NodeColours, bad: set[int], title: str, unused: str):
     """topology.png beyond ``DRAWN_GRAPH_NODES`` nodes for an algorithm that uses no graph: the
-    square of cells of ``_grid_of_nodes`` alone (a summary by node degree would describe a graph
-    the run did not use), the figure saying why (``unused``)."""
+    nodes' panel of ``_nodes_panel`` alone (a summary by node degree would describe a graph the run
+    did not use), the figure saying why (``unused``)."""
     fig, ax = pyplot().subplots(figsize=(6.4, 6.0), layout="constrained")
-    _grid_of_nodes(fig, ax, colours, bad)
-    ax.set_title(f"each node by rank, coloured by {colours.label}", fontsize=9)  # no edges to leave out
-    ax.set_xlabel(textwrap.fill(unused, 2 * NOTE_WIDTH), fontsize=8)
+    panel = _nodes_panel(fig, ax, colours, bad)
+    if panel == "grid":
+        ax.set_title(f"each node by rank, coloured by {colours.label}", fontsize=9)  # no edges to leave out
+        ax.set_xlabel(textwrap.fill(unused, 2 * NOTE_WIDTH), fontsize=8)
+    else:
+        ax.set_xlabel(f"{colours.label}\n{textwrap.fill(unused, 2 * NOTE_WIDTH)}", fontsize=8)
     fit_title(fig, f"{title}: no graph, {_nodes(len(colours.values))} by {colours.label}")
     return fig
 
@@ -169,6 +201,49 @@ def _circle_of_nodes(fig, ax, xy: list[tuple[float, float]], colours: NodeColour
     ax.set_ylim(-1.2, 1.2)
     ax.set_aspect("equal")
     ax.axis("off")
+
+
+def _nodes_panel(fig, ax, colours: NodeColours, bad: set[int]) -> str:
+    """Each node's value: up to ``GRID_NODES`` nodes the grid of ``_grid_of_nodes``, beyond it (its
+    cells too small to see one) their distribution, ``_distribution_of_nodes``. Which it drew."""
+    if len(colours.values) <= GRID_NODES:
+        _grid_of_nodes(fig, ax, colours, bad)
+        return "grid"
+    _distribution_of_nodes(ax, colours, bad)
+    return "distribution"
+
+
+def _distribution_of_nodes(ax, colours: NodeColours, bad: set[int]) -> None:
+    """How many nodes have each value (``DISTRIBUTION_BINS`` bins over the colour scale, each in its
+    colour), the bad nodes' stacked on top in red, and, in the legend, how many nodes have no
+    value: what a population too large to show node by node is like, at the cost of its values."""
+    import numpy as np
+    from matplotlib.patches import Patch
+
+    values = colours.values
+    honest = [v for i, v in enumerate(values) if v is not None and i not in bad]
+    attackers = [values[i] for i in bad if values[i] is not None]
+    edges = np.linspace(colours.low, colours.high, DISTRIBUTION_BINS + 1)
+    centres, widths = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
+    counts = np.histogram(np.clip(honest, colours.low, colours.high), edges)[0]
+    ax.bar(centres, counts, width=widths, color=[colours.colour(c) for c in centres], edgecolor="white",
+           linewidth=0.3)
+    handles = [Patch(facecolor=colours.colour(colours.high), label=f"honest nodes: {len(honest):,}")]
+    if attackers:
+        bad_counts = np.histogram(np.clip(attackers, colours.low, colours.high), edges)[0]
+        ax.bar(centres, bad_counts, width=widths, bottom=counts, color="#b3261e")
+        handles.append(Patch(facecolor="#b3261e", label=f"bad nodes: {len(attackers):,}"))
+    missing = len(values) - len(honest) - len(attackers)
+    if missing:
+        handles.append(Patch(facecolor=MISSING_COLOUR, label=f"{colours.missing}: {missing:,}"))
+    ax.legend(handles=handles, loc="upper left", fontsize=8, frameon=False)
+    ax.set_xlim(colours.low, colours.high)
+    ax.set_ylim(0, 1.25 * max(1, int((counts + (bad_counts if attackers else 0)).max())))  # room for the legend
+    ax.set_xlabel(colours.label)
+    ax.set_ylabel("nodes")
+    ax.grid(alpha=0.3, axis="y")
+    ax.set_title(f"{_nodes(len(values))}, too many to show each: how many have each {colours.label}",
+                 fontsize=9)
 
 
 def _grid_of_nodes(fig, ax, colours: NodeColours, bad: set[int]) -> None:
@@ -220,18 +295,22 @@ def _rectangle(corner: tuple[float, float], width: float, height: float, **style
 def _topology_summary(graph, colours: NodeColours, bad: set[int], title: str):
     """topology.png for a graph too big to draw (a circle of hundreds of nodes with their edges is
     a hairball): a square of cells, one per node in rank order, coloured by ``colours`` (a block
-    of ranks that fell behind, or the bad nodes, still show), and beside it each node degree's
-    values (a box per degree, the bad nodes as red crosses) over how many nodes have it."""
+    of ranks that fell behind, or the bad nodes, still show; beyond ``GRID_NODES`` the values'
+    distribution instead, ``_nodes_panel``), and beside it each node degree's values (a box per
+    degree, the bad nodes as red crosses) over how many nodes have it."""
     plt = pyplot()
 
     n, values = graph.n, colours.values
     degrees = [graph.degree(i) for i in range(n)]
     edges = sum(degrees) // 2
     fig, (grid, by_degree) = plt.subplots(1, 2, figsize=(12, 5.4), gridspec_kw={"width_ratios": [1.1, 1]})
-    _grid_of_nodes(fig, grid, colours, bad)
-    present = sorted(set(degrees))
-    honest = {d: [values[i] for i in range(n) if degrees[i] == d and values[i] is not None and i not in bad]
-              for d in present}
+    _nodes_panel(fig, grid, colours, bad)
+    having = Counter(degrees)  # degree -> how many nodes have it
+    present = sorted(having)
+    honest: dict[int, list[float]] = {d: [] for d in present}
+    for i, d in enumerate(degrees):
+        if values[i] is not None and i not in bad:
+            honest[d].append(values[i])
     gap = min((b - a for a, b in itertools.pairwise(present)), default=1)
     shown = [d for d in present if honest[d]]
     if shown:
@@ -248,7 +327,7 @@ def _topology_summary(graph, colours: NodeColours, bad: set[int], title: str):
         by_degree.set_ylim(low - 0.05 * (high - low), high + 0.05 * (high - low))
     ticks = present if len(present) <= 12 else present[::math.ceil(len(present) / 12)]
     by_degree.set_xticks(ticks)
-    by_degree.set_xticklabels([f"{d}\n{_nodes(degrees.count(d))}" for d in ticks], fontsize=8)
+    by_degree.set_xticklabels([f"{d}\n{_nodes(having[d])}" for d in ticks], fontsize=8)
     by_degree.set_xlim(present[0] - gap, present[-1] + gap)
     by_degree.set_xlabel("node degree (neighbours), and how many nodes have it")
     by_degree.set_ylabel(f"{colours.label} (honest nodes)")

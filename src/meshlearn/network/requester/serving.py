@@ -68,8 +68,9 @@ class DataServer:
         """Each of ``count`` providers' shard and the test set, written into ``folder`` and offered by ``share``."""
         req = self.ctx.request
         parts = partition_dataset(dataset, count, req.partition, req.seed)
-        for i, indices in enumerate(parts):
+        for i, part in enumerate(parts):
             path = folder / f"shard-{i}.safetensors"
+            indices = part.copy()  # a Partition's parts are read-only views, which torch warns of when indexing
             write_shard(path, dataset.train_x[indices], dataset.train_y[indices])
             share.add(path.name, path)
         test = folder / "test.safetensors"
