@@ -14,6 +14,7 @@ from meshlearn.config import make_config
 from meshlearn.definitions import Needs, RoundAlgorithm
 from meshlearn.definitions.base import DEFINITIONS
 from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.node import build_node
@@ -69,7 +70,7 @@ BAD_CLIENT = 3
 def server_not_drawn(nodes: int, fraction: float) -> int:
     """A seed whose first round draws the bad client and another client, not the server."""
     for seed in range(1000):
-        drawn = participants(seed, 0, nodes, fraction)
+        drawn = participants(seed, 0, nodes, count_of(fraction, nodes))
         if 0 not in drawn and BAD_CLIENT in drawn and len(drawn) >= 3:
             return seed
     raise AssertionError("no such seed")
@@ -84,7 +85,7 @@ def test_fedavgs_server_takes_the_robust_rule_over_the_drawn_clients_where_the_m
     answer."""
     nodes = 5
     seed = 2 if fraction == 1.0 else server_not_drawn(nodes, fraction)
-    drawn = participants(seed, 0, nodes, fraction)
+    drawn = participants(seed, 0, nodes, count_of(fraction, nodes))
     assert (0 in drawn) == (fraction == 1.0)
     finals = {}
     for rule in ("median", "mean"):

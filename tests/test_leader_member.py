@@ -86,7 +86,7 @@ def test_a_member_weighs_nothing_in_the_cycles_the_books_draw_leaves_it_out_of()
     book = LeaderState.of(settings, group, 1, seed, PEER_TIMEOUT, clock=FakeClock())
     members = {rank: LeaderMember(10, 8, settings=settings, seed=seed, rank=rank) for rank in group}
     for cycle in range(8):
-        drawn = {group[i] for i in participants(seed, cycle, len(group), settings.fraction)}
+        drawn = {group[i] for i in participants(seed, cycle, len(group), settings.drawn(len(group)))}
         assert set(book.drawn(cycle, group)) == drawn and len(drawn) == 3
         assert {rank for rank, member in members.items() if member.weight(cycle, group)} == drawn
 

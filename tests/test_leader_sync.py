@@ -10,6 +10,7 @@ import torch
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
 from meshlearn.definitions.fedavg import participants
+from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.definitions.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.sim import simulate
@@ -65,7 +66,7 @@ def test_a_lost_member_is_no_longer_waited_for():
 def test_a_fraction_takes_the_drawn_members_models_each_cycle():
     clock = FakeClock()
     members = list(range(6))
-    drawn = {cycle: participants(5, cycle, 6, 0.5) for cycle in range(2)}
+    drawn = {cycle: participants(5, cycle, 6, count_of(0.5, 6)) for cycle in range(2)}
     book = _sync_book(clock, members, drawn=lambda cycle, group: drawn[cycle])
     for member in members:
         book.submit(member, _state(float(member)), samples=10, final=False, cycle=0)
@@ -77,7 +78,7 @@ def test_the_book_of_the_settings_draws_among_the_whole_group_and_releases_each_
     clock = FakeClock()
     settings = LeaderSettings(sync=True, fraction=0.5, weighting="equal")
     group = [1, 3, 5, 7, 9, 11]
-    drawn = [group[i] for i in participants(5, 0, 6, 0.5)]
+    drawn = [group[i] for i in participants(5, 0, 6, count_of(0.5, 6))]
     book = LeaderState.of(settings, group[:5], 1, 5, 10.0, group=group, clock=clock)  # 11 is known dead
     for member in group[:5]:
         book.take(member, Push.after(_state(float(member)), 10, 0, 4))
@@ -142,7 +143,7 @@ def test_a_member_joining_before_any_cycle_starts_from_the_leaders_model_and_is_
     assert cycle == -1 and torch.allclose(model, _state(7.0))
     assert book.group == [0, 1, 2, 3, 4]  # fedavg's draws are among five from now on
     drawn = [set(book.drawn(c, book.group)) for c in range(40)]
-    assert any(4 in d for d in drawn) and all(len(d) == len(participants(3, 0, 5, 0.5)) for d in drawn)
+    assert any(4 in d for d in drawn) and all(len(d) == len(participants(3, 0, 5, count_of(0.5, 5))) for d in drawn)
 
 
 def test_a_book_taken_over_on_fail_over_lets_a_member_join_once_every_member_pushed_to_it():

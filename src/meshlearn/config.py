@@ -12,6 +12,7 @@ section given in the same file, so a flag overrides a file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -306,11 +307,18 @@ class ExperimentConfig(TrainingSettings):
     def slowdown_of(self, rank: int) -> tuple[float, float]:
         """Node ``rank``'s emulated slowness: (factor on its step time, seconds added per step).
         An entry for the rank overrides one for ``*`` (every node)."""
-        found = {}
-        for item in filter(None, (part.strip() for part in self.slowdown.split(","))):
-            r, _, amount = item.partition(":")
-            found[r] = _slowdown_amount(amount)
+        found = slowdown_entries(self.slowdown)
         return found.get(str(rank), found.get("*", (1.0, 0.0)))
+
+    def slowdowns(self, nodes: int) -> tuple[list[float], list[float]]:
+        """Every node's ``slowdown_of`` (factors, added seconds), the setting read once for all of them."""
+        found = slowdown_entries(self.slowdown)
+        factor, extra = found.get("*", (1.0, 0.0))
+        factors, extras = [factor] * nodes, [extra] * nodes
+        for rank, (factor, extra) in found.items():
+            if rank.isdigit() and str(int(rank)) == rank and int(rank) < nodes:  # as slowdown_of reads them
+                factors[int(rank)], extras[int(rank)] = factor, extra
+        return factors, extras
 
     @property
     def checkpoint_interval(self) -> int:
@@ -363,6 +371,16 @@ def _require(what: str, otherwise: str, needs: list[tuple[bool, str]]) -> None:
     for lacking, need in needs:
         if lacking:
             raise ValueError(f"{what} needs {need}" + (f"; or use {otherwise}" if otherwise else ""))
+
+
+@functools.lru_cache(maxsize=8)
+def slowdown_entries(text: str) -> dict[str, tuple[float, float]]:
+    """A ``slowdown`` setting's entries, by rank (or ``*``): (factor, seconds added per step)."""
+    found = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        rank, _, amount = item.partition(":")
+        found[rank] = _slowdown_amount(amount)
+    return found
 
 
 def _slowdown_amount(text: str) -> tuple[float, float] | None:

@@ -42,8 +42,8 @@ class VirtualClocks(Stateful):
     def __init__(self, config: ExperimentConfig, step_time: float, message_bytes: int,
                  links_sender: np.ndarray, links_receiver: np.ndarray):
         nodes = config.nodes
-        slow = [config.slowdown_of(rank) for rank in range(nodes)]
-        self.step_seconds = np.array([step_time * factor + extra for factor, extra in slow])
+        factors, extras = config.slowdowns(nodes)
+        self.step_seconds = step_time * np.array(factors) + np.array(extras)
         self.now = np.zeros(nodes)
         self.net = config.net
         self.tcp_loss = config.net.loss if config.transport == "tcp" else 0.0

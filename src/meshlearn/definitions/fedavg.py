@@ -109,8 +109,7 @@ class FedAvg(RoundAlgorithm):
         from meshlearn.aggregation.weights import by_samples
 
         self.samples = by_samples(self.shard_sizes)
-        self._answer = answer_round(nodes)  # every iteration's second exchange, the same each time
-        self._answer_weights = tuple(1.0 if rank == SERVER else 0.0 for rank in self.ranks)
+        self._answer: tuple[Round, tuple[float, ...]] | None = None  # every iteration's second exchange (``answer``)
         self._spans: list[tuple[int, int]] = []  # the parts of the state (one: all of it), from ``begin``
         self._codecs: dict[int, DeltaCodec] = {}  # compress: one per part size
         self._dtype = None  # the models' (from ``begin``)
@@ -128,6 +127,13 @@ class FedAvg(RoundAlgorithm):
         if size not in self._codecs:
             self._codecs[size] = DeltaCodec(size, dtype, self.seed, self.bits)
         return self._codecs[size]
+
+    def answer(self) -> tuple[Round, tuple[float, ...]]:
+        """The server's answer to every node (``answer_round``) and each row's own weight in it, the
+        same every iteration: made once, when first asked for (the cohort path never asks)."""
+        if self._answer is None:
+            self._answer = (answer_round(self.nodes), tuple(1.0 if rank == SERVER else 0.0 for rank in self.ranks))
+        return self._answer
 
     def cohort(self, iteration: int) -> list[int]:
         """The nodes drawn for ``iteration``, sorted (every node, where a round takes all)."""
@@ -155,7 +161,8 @@ class FedAvg(RoundAlgorithm):
         averaged. Phase 1: the server sends to everyone, each taking it whole (keeping nothing of
         its own); only a node that did not hear it keeps its own model."""
         if phase == 1:
-            return Exchange(iteration, phase, self._answer, self._answer_weights, keeps_missing=True, pools=False)
+            answer, weights = self.answer()
+            return Exchange(iteration, phase, answer, weights, keeps_missing=True, pools=False)
         n, nobody = self.nodes, ()
         chosen = participants(self.seed, iteration, n, self.count)
         server = self.samples[SERVER] if SERVER in chosen else 0.0

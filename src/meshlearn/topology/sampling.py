@@ -80,10 +80,12 @@ class StaticRounds:
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self._round = Round.of_graph(graph)
+        self._round: Round | None = None  # made when first asked for (FedAvg never asks: 38 MB at 100,000 nodes)
 
     def round(self, iteration: int) -> Round:
         """The graph's exchange, whatever the iteration."""
+        if self._round is None:
+            self._round = Round.of_graph(self.graph)
         return self._round
 
 
