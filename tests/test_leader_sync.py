@@ -10,9 +10,9 @@ import torch
 from meshlearn.clock import FakeClock
 from meshlearn.config import make_config
 from meshlearn.definitions.fedavg import participants
-from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.definitions.leaderstate import LeaderState, Push
 from meshlearn.definitions.settings import LeaderSettings
+from meshlearn.definitions.settings import drawn as count_of
 from meshlearn.sim import simulate
 
 
