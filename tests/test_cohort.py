@@ -110,3 +110,15 @@ def test_a_population_too_large_to_hold_is_refused_in_one_line_off_the_cohort_pa
                           "batched_cohort": "off", "output": str(tmp_path)})
     with pytest.raises(DatasetError, match="--fedavg-cohort"):
         BatchedSimulation(config, build_topology("star", 30_000, 2), tmp_path / "logs").run()
+
+
+def test_rows_that_cannot_fit_are_refused_in_one_line_before_anything_is_allocated(tmp_path):
+    from meshlearn.batched.engine import refuse_rows_beyond_memory
+    from meshlearn.models import build_model
+
+    config = make_config({**SMALL, "nodes": 20_000, "fedavg_compress": "int8"})
+    model = build_model("mlp", (1, 28, 28), 10)
+    with pytest.raises(ConfigError, match=r"20,000 nodes of 0\.44 MB each need at least 17\.5 GB.*because "
+                                          r"fedavg_compress int8 keeps error feedback per node"):
+        refuse_rows_beyond_memory(config, model, 20_000, available=8 * 10 ** 9)
+    refuse_rows_beyond_memory(config, model, 20_000, available=20 * 10 ** 9)  # fits: nothing said

@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from meshlearn.batched.algorithms import (
     BatchedContext,
@@ -167,6 +168,8 @@ class BatchedSimulation:
         model = build_model(config.model, dataset.input_shape, dataset.num_classes).to(device)
         self.step_time = collective.broadcast(
             modelled_step_time(model, dataset, parts[0], config) if shard.main else 0.0)
+        if device.type == "cpu":
+            refuse_rows_beyond_memory(config, model, shard.size)
         stacked = self.stacked = StackedState(model, shard.size, device)
         vectorized = vectorize(config, model)
         chunk = training_chunk(config, model, dataset.normalize(dataset.train_x[:1])[0]) if vectorized else 0
@@ -323,3 +326,38 @@ def refuse_torchrun(config: ExperimentConfig) -> None:
         if lacks:
             raise ConfigError(f"{what} runs in one process of the batched engine, not under torchrun: start it "
                               "without torchrun")
+
+
+ROW_COPIES = 2  # [N, P] tensors a run holds at least: the rows, and one more (a payload, gradients or moments)
+
+
+def refuse_rows_beyond_memory(config: ExperimentConfig, model: nn.Module, rows: int,
+                              available: int | None = None) -> None:
+    """ConfigError, in one line, before anything is allocated, where a row per node cannot fit in the
+    memory this machine has free (``available`` bytes; default: the kernel's MemAvailable): say why
+    the run cannot take the cohort path, and what to change (a run of 20,000 clients was killed by
+    the kernel at 24 GB, taking the machine's memory with it)."""
+    from meshlearn.batched.cohort import cohort_refusal
+
+    row = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.is_floating_point())
+    needed = ROW_COPIES * rows * row
+    free = available if available is not None else memory_available()
+    if free is None or needed <= free:
+        return
+    why = cohort_refusal(config)
+    path = f"it keeps a row per node because {why}" if why else "it keeps a row per node"
+    raise ConfigError(f"{rows:,} nodes of {row / 1e6:.2f} MB each need at least {needed / 1e9:.1f} GB on the "
+                      f"batched engine, more than the {free / 1e9:.1f} GB free here: {path}; use fewer nodes, or "
+                      "FedAvg with fedavg_cohort and what the cohort path models (docs/batched-engine.md)")
+
+
+def memory_available() -> int | None:
+    """Bytes of memory the kernel says are available (MemAvailable), or None where it does not say."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
