@@ -167,7 +167,7 @@ def test_a_provider_of_another_protocol_version_is_refused_by_the_bootstrap_and_
                                "--workdir", str(tmp_path / "p0"), env=_older_release(old))
         assert provider.wait(timeout=60) != 0
         said = procs.log("p0")
-        assert "speaks meshlearn protocol 2" in said and "speaks protocol 1" in said, said
+        assert f"speaks meshlearn protocol {handshake.PROTOCOL_VERSION}" in said and "speaks protocol 1" in said, said
         assert "upgrade meshlearn on this client" in said and "Traceback" not in said, said
         procs.wait_for("bootstrap", r"the caller at 127\.0\.0\.1 speaks meshlearn protocol 1")
     finally:

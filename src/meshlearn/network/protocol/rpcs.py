@@ -121,7 +121,8 @@ TASK_PROGRESS = Rpc("task.progress", B, b.TaskProgress, b.Noted, Caller.REQUESTE
 PROVIDER_PING = Rpc("ping", P, Empty, b.Named, Caller.ANY_KEY, "nothing",
                     "names the service and the provider (the bootstrap's dial-back)")
 TASK_ASSIGN = Rpc("task.assign", P, p.Assign, p.RunStatus, Caller.CONFIRMED_REQUESTER,
-                  "a task that claimed this provider, listing it with its key", "gives the provider its part of the task")
+                  "a task that claimed this provider, listing it with its key", "gives the provider its part of the task",
+                  version=2)  # 2: FedAvg's settings hold fedavg_cohort
 TASK_START = Rpc("task.start", P, p.Start, p.RunStatus, Caller.REQUESTER, "that task",
                  "starts training, with the engines' addresses")
 TASK_JOIN = Rpc("task.join", P, p.Join, p.RunStatus, Caller.REQUESTER, "that task, while it runs",
@@ -160,7 +161,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "80bb08814d745c3b"
+PROTOCOL_DIGEST = "ea4c768f106b166f"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:
