@@ -21,14 +21,19 @@ from meshlearn.batched.lockstep import Lockstep, Run
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels
 from meshlearn.batched.network import ModelledNetwork
-from meshlearn.batched.setup import batches_per_epoch, modelled_step_time, training_chunk, vectorize, worker_counts
+from meshlearn.batched.setup import (
+    batches_per_epoch,
+    modelled_step_time,
+    run_data,
+    training_chunk,
+    vectorize,
+    worker_counts,
+)
 from meshlearn.batched.shards import Collective
 from meshlearn.batched.stacked import StackedState
-from meshlearn.config import load_run_dataset
-from meshlearn.data import partition_dataset, split_validation
+from meshlearn.data import partition_dataset
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
-from meshlearn.plugins import load_user_module
 from meshlearn.runlog import JsonlLog
 from meshlearn.tasks import task_of
 
@@ -107,9 +112,7 @@ def build_cohort_run(simulation: Any) -> _CohortRun:
     """Everything a cohort run of ``simulation`` (an ``engine.BatchedSimulation``) needs: the data (a generated population's users are made when drawn),
     the rows of the server and of one cohort, the clients' sparse state, clocks for the population."""
     config, graph, shard = simulation.config, simulation.graph, simulation.shard
-    if config.models_module:
-        load_user_module(config.models_module)
-    dataset, validation = split_validation(load_run_dataset(config, whole=False), config.validation, config.seed)
+    dataset, validation = run_data(config, whole=False)
     parts = None if getattr(dataset, "population", None) is not None else \
         partition_dataset(dataset, config.nodes, config.partition, config.seed)
     samples = client_samples(dataset, parts)

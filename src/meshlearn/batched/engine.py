@@ -29,21 +29,28 @@ from meshlearn.batched.algorithms import (
 from meshlearn.batched.batches import NodeBatches
 from meshlearn.batched.byzantine import flipped_labels
 from meshlearn.batched.clock import VirtualClocks
+from meshlearn.batched.cohort import cohort_refusal
+from meshlearn.batched.cohortrun import build_cohort_run
 from meshlearn.batched.lockstep import Run, evaluated, evaluations
 from meshlearn.batched.memory import keep_freed_memory, release_freed_memory
 from meshlearn.batched.mixing import Links
 from meshlearn.batched.models import NodeModels
 from meshlearn.batched.network import ModelledNetwork
-from meshlearn.batched.setup import batches_per_epoch, modelled_step_time, training_chunk, vectorize, worker_counts
+from meshlearn.batched.setup import (
+    batches_per_epoch,
+    modelled_step_time,
+    run_data,
+    training_chunk,
+    vectorize,
+    worker_counts,
+)
 from meshlearn.batched.shards import Collective, Shard, halo_plan
 from meshlearn.batched.stacked import StackedState, consensus_distance
 from meshlearn.batched.workers import intra_op_threads
 from meshlearn.checkpoint import RunCheckpoints
-from meshlearn.config import ExperimentConfig, load_run_dataset
+from meshlearn.config import ExperimentConfig
 from meshlearn.data import (
     partition_dataset,
-    require_materialized,
-    split_validation,
 )
 from meshlearn.data.vocabulary import model_metadata
 from meshlearn.definitions.base import definition
@@ -55,7 +62,6 @@ from meshlearn.iterations import (
 from meshlearn.metrics import Evaluation
 from meshlearn.models import MODEL_FILE, build_model, save_weights
 from meshlearn.optim import make_optimizer, steps_rows_apart
-from meshlearn.plugins import load_user_module
 from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
@@ -150,18 +156,11 @@ class BatchedSimulation:
     def _build(self) -> "Run":
         """Everything the run needs: data, the nodes' state and models, links, clocks, algorithm (on
         the cohort path, ``cohortrun``, where the run can take it)."""
-        from meshlearn.batched.cohort import cohort_refusal
-        from meshlearn.batched.cohortrun import build_cohort_run
-
         if cohort_refusal(self.config, self.shard.count) is None:
             return build_cohort_run(self)
         config, graph, shard = self.config, self.graph, self.shard
         collective = Collective(shard)
-        if config.models_module:
-            load_user_module(config.models_module)
-        whole = load_run_dataset(config)
-        require_materialized(whole)  # a generated population too large to hold: the cohort path's alone
-        dataset, validation = split_validation(whole, config.validation, config.seed)
+        dataset, validation = run_data(config)
         parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
         device = torch.device(config.device)
         torch.manual_seed(config.seed)  # every node starts from this one model, as in the process engine

@@ -13,14 +13,13 @@ from torch import nn
 
 from meshlearn.batched.models import has_convolutions
 from meshlearn.batched.workers import WorkerChoice, available_cores
-from meshlearn.config import ExperimentConfig
-from meshlearn.data import (
-    Dataset,
-)
+from meshlearn.config import ExperimentConfig, load_run_dataset
+from meshlearn.data import Dataset, require_materialized, split_validation
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models.cost import saved_activation_bytes, step_flops
 from meshlearn.optim import make_optimizer
+from meshlearn.plugins import load_user_module
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
 
@@ -109,3 +108,16 @@ def batches_per_epoch(sizes: np.ndarray, batch_size: int) -> int:
                           f"{batch_size}; these make {counts[0]} to {counts[-1]}: use the process engine, or a batch "
                           "size that divides the shards alike")
     return int(counts[0])
+
+
+def run_data(config: ExperimentConfig, whole: bool = True) -> tuple[Dataset, Dataset | None]:
+    """A run's data, as every batched path loads it: the user's module loaded first (it may register
+    the dataset), the dataset (a generated population ``whole``, which a row per node needs: refused in
+    one line where too large to hold; else only the users a sample needs), and the validation set
+    held out of it (None without one)."""
+    if config.models_module:
+        load_user_module(config.models_module)
+    dataset = load_run_dataset(config, whole=whole)
+    if whole:
+        require_materialized(dataset)
+    return split_validation(dataset, config.validation, config.seed)
