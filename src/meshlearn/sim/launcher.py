@@ -75,6 +75,14 @@ def default_output() -> Path:
     return Path("runs") / datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+def _takes_cohort_path(config: ExperimentConfig) -> bool:
+    """Whether a batched run takes FedAvg's cohort path (the batched engine is imported only here:
+    a process-engine run's launcher never loads it)."""
+    from meshlearn.batched.cohort import cohort_refusal
+
+    return cohort_refusal(config) is None
+
+
 def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _silent,
                 resume: int | list[int] | None = None) -> tuple[Graph, Path]:
     """Check everything a user can get wrong before any process starts; write config and graph.
@@ -88,10 +96,9 @@ def prepare_run(config: ExperimentConfig, keep_logs: bool = False, say: Say = _s
     graph = check_before_start(config)
     check_device(config.device)
     say(f"loading dataset {config.dataset}")
-    from meshlearn.batched.cohort import cohort_refusal
     from meshlearn.node import load_run_dataset
 
-    cohort = config.engine == "batched" and cohort_refusal(config) is None  # clients made when drawn
+    cohort = config.engine == "batched" and _takes_cohort_path(config)  # clients made when drawn
     dataset = load_run_dataset(config, whole=not cohort)
     if not (cohort and dataset.population is not None):  # a generated population's users are its parts
         require_materialized(dataset)
