@@ -216,7 +216,7 @@ class _Launcher:
         self.progress = progress
         self.say = say
         self.ctx = mp.get_context("forkserver")
-        self.events = self.ctx.Queue()
+        self.events: Any = None  # made by run(), where Ctrl-C cannot cut its making in half
         self.procs: dict[int, mp.Process] = {}
         self.pipes: dict[int, Any] = {}
         self._dead_since: dict[int, float] = {}
@@ -226,8 +226,10 @@ class _Launcher:
         values = self.config.model_dump()
         edges = self.graph.edges()
         try:
-            start_forkserver(self.config)
-            self._start_nodes(values, edges)
+            with _ctrl_c_between_starts() as interrupted:
+                self.events = self.ctx.Queue()
+                start_forkserver(self.config)
+                self._start_nodes(values, edges, interrupted)
             book = self._collect_addresses()
             for pipe in self.pipes.values():
                 pipe.send(book)
@@ -238,20 +240,19 @@ class _Launcher:
         self._stop_all()
         return summaries
 
-    def _start_nodes(self, values: dict, edges: list) -> None:
-        """Start one process per node (a Ctrl-C meanwhile is raised between two starts)."""
-        with _ctrl_c_between_starts() as interrupted:
-            for rank in range(self.config.nodes):
-                parent_end, child_end = self.ctx.Pipe(duplex=False)
-                proc = self.ctx.Process(
-                    target=_node_process, name=f"meshlearn-node-{rank}",
-                    args=(rank, values, edges, self.events, parent_end, str(self.log_dir),
-                          self.resume[rank] if isinstance(self.resume, list) else self.resume),
-                )
-                proc.start()
-                self.procs[rank], self.pipes[rank] = proc, child_end
-                if interrupted.is_set():
-                    raise KeyboardInterrupt
+    def _start_nodes(self, values: dict, edges: list, interrupted: threading.Event) -> None:
+        """Start one process per node; a Ctrl-C meanwhile (``interrupted``) is raised between two starts."""
+        for rank in range(self.config.nodes):
+            if interrupted.is_set():
+                raise KeyboardInterrupt
+            parent_end, child_end = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(
+                target=_node_process, name=f"meshlearn-node-{rank}",
+                args=(rank, values, edges, self.events, parent_end, str(self.log_dir),
+                      self.resume[rank] if isinstance(self.resume, list) else self.resume),
+            )
+            proc.start()
+            self.procs[rank], self.pipes[rank] = proc, child_end
 
     def _next_event(self, timeout: float):
         try:
@@ -346,8 +347,9 @@ class _Launcher:
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        self.events.close()
-        self.events.join_thread()
+        if self.events is not None:
+            self.events.close()
+            self.events.join_thread()
 
 
 def _join_all(procs, seconds: float) -> None:
@@ -418,9 +420,11 @@ def stop_forkserver() -> None:
 
 @contextlib.contextmanager
 def _ctrl_c_between_starts() -> Iterator[threading.Event]:
-    """Ctrl-C while node processes start is taken between two starts, never inside one: a start
+    """Ctrl-C while the run starts is taken between two steps, never inside one: a start
     interrupted halfway left a process the launcher did not know (so never stopped), which then
-    failed with a traceback once the launcher was gone. Yields the event a Ctrl-C sets."""
+    failed with a traceback once the launcher was gone; a queue interrupted while it was made left
+    a half-built multiprocessing finalizer, whose traceback Python printed at exit. Yields the event
+    a Ctrl-C sets."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield interrupted
