@@ -121,6 +121,11 @@ class Unreachable(NetworkError):
     """No reply from the peer before the deadline."""
 
 
+class ServiceUnavailable(RemoteError):
+    """The service answered that it cannot serve now (a bootstrap whose shared registry has no
+    majority behind it): another one of its kind may."""
+
+
 class TaskFailed(NetworkError):
     """A task could not finish: every provider failed or vanished."""
 

@@ -74,9 +74,9 @@ def _requester_key(args: argparse.Namespace) -> Path:
 
 
 def _pinned_bootstrap(args: argparse.Namespace, secret: bytes, say=print, required: bool = False) -> str:
-    from meshlearn.network.channel.pinning import KnownBootstraps, resolve_bootstrap
+    from meshlearn.network.channel.pinning import KnownBootstraps, resolve_bootstraps
 
-    return resolve_bootstrap(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say, required=required)
+    return resolve_bootstraps(args.bootstrap, secret, KnownBootstraps(args.known_bootstraps), say, required=required)
 
 
 _held_keys: list = []  # lock files of key files this process holds (kept open while it runs)
@@ -133,11 +133,12 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     ensure_port_free(settings.host, settings.port)  # before saying anything or creating the state file
     secret = _secret(args)
     settings.relay_port_range()  # a bad range is one line, before anything starts
+    where = settings.registry_location()  # and so is a bad --registry
     keys = _identity(settings.key_file(), "bootstrap", say=None)
     service = Bootstrap(settings, secret, keys)
     page = _dashboard_of(settings, secret, service.board)
     signal.signal(signal.SIGTERM, lambda *_: service.stop())
-    print(f"bootstrap on {settings.host}:{settings.port}, registry {settings.state}, heartbeat TTL "
+    print(f"bootstrap on {settings.host}:{settings.port}, registry {service.registry.store.describe()}, heartbeat TTL "
           f"{settings.ttl:g} s", flush=True)
     print(f"bootstrap {keys.describe()} (key pair in {settings.key_file()})", flush=True)
     hosts = [f"{host}:{settings.port}" for host in reachable_hosts()] if is_wildcard(settings.host) \
@@ -163,7 +164,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     finally:
         if page is not None:
             page.stop()
-    print("bootstrap stopped; the registry is kept in " + settings.state, flush=True)
+    print("bootstrap stopped; the registry is kept in " + ("the etcd cluster" if settings.registry else str(where)),
+          flush=True)
     return 0
 
 
@@ -273,15 +275,18 @@ def cmd_revoke(args: argparse.Namespace) -> int:
     from meshlearn.network.channel.identity import key_from_text, key_text
 
     key = key_text(key_from_text(args.key, "KEY"))
-    if not Path(args.state).is_file():
+    where = BootstrapSettings(state=args.state, registry=args.registry or "",
+                              registry_tls=args.registry_tls or "").registry_location()
+    if isinstance(where, Path) and not where.is_file():
         raise UserInputError(f"--state {args.state} does not exist: give the registry file of the bootstrap "
-                             "(its --state)")
-    registry = Registry(args.state).open()
+                             "(its --state), or its etcd cluster (--registry)")
+    registry = Registry(where).open()
     try:
         gone = registry.revoke(key)
     finally:
         registry.close()
-    print(f"key {key} revoked: the bootstrap refuses its new connections from now on"
+    print(f"key {key} revoked: {'every bootstrap' if args.registry else 'the bootstrap'} refuses its new "
+          "connections from now on"
           + (f"; provider(s) {', '.join(gone)} removed from the registry" if gone else ""))
     return 0
 
@@ -314,7 +319,8 @@ def cmd_request(args: argparse.Namespace) -> int:
         require_tensorboard()
         _writable_folder(Path(args.tensorboard), "--tensorboard")
     _advertise(args.advertise)
-    parse_address(split_pinned(args.bootstrap)[0], "--bootstrap")  # a typo is one line before any work
+    for part in args.bootstrap.split(","):  # a typo is one line before any work
+        parse_address(split_pinned(part.strip())[0], "--bootstrap")
     secret = _secret(args)
     if args.resume:
         return _resume_task(args, secret)
@@ -517,6 +523,10 @@ def _add_revoke(sub) -> None:
     revoke.add_argument("key", metavar="KEY", help="the public key to refuse, as the participant printed it")
     revoke.add_argument("--state", default=BootstrapSettings.model_fields["state"].default,
                         help="the bootstrap's registry file (default: meshlearn-bootstrap.sqlite)")
+    revoke.add_argument("--registry", help="etcd://HOST:PORT[,HOST:PORT...]: the etcd cluster a network of several "
+                        "bootstraps keeps its registry in; every one of them refuses the key (default: --state)")
+    revoke.add_argument("--registry-tls", help="folder of the etcd cluster's certificates (ca.crt, client.crt, "
+                        "client.key) (default: none, plain HTTP)")
     revoke.set_defaults(func=cmd_revoke)
 
 

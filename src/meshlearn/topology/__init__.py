@@ -2,7 +2,14 @@
 
 from meshlearn.topology.files import read_graph_file, write_graph_file
 from meshlearn.topology.generators import (
-    build_topology, erdos_renyi, fully_connected, regular, ring, small_world, star, torus,
+    build_topology,
+    erdos_renyi,
+    fully_connected,
+    regular,
+    ring,
+    small_world,
+    star,
+    torus,
 )
 from meshlearn.topology.graph import Graph
 from meshlearn.topology.weights import metropolis_hastings, mh_row

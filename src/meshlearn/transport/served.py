@@ -44,11 +44,11 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from meshlearn.errors import TransportError, WireError
+from meshlearn.threads import GuardedThread
 from meshlearn.transport.allocator import tune_allocator
 from meshlearn.transport.base import Endpoint
 from meshlearn.transport.settings import TcpSettings
 from meshlearn.transport.zmqsock import bind_router
-from meshlearn.threads import GuardedThread
 from meshlearn.wire import Kind, Message
 from meshlearn.wire.sealed import FrameSeal, ReplayedMessage, decode_for, encode_for
 

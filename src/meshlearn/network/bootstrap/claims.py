@@ -51,7 +51,7 @@ class Claims:
     def claim(self, message: Claim, req: Envelope) -> Providers:
         """Free providers that match, claimed at once for the caller's task (in its preferred order)."""
         taken = self.registry.claim(message.task, req.sender[:128], message.count, requester_key=req.caller,
-                                    order=list(message.order), **_fit(message))
+                                    order=list(message.order), attempt=message.attempt or "", **_fit(message))
         if not taken:
             raise BadMessage("no free provider matches the request: wait for one or relax --device, --location, "
                              "--min-ram or --min-cores")

@@ -9,10 +9,11 @@ from pathlib import Path
 from pydantic import Field
 
 from meshlearn.clock import SYSTEM, Clock
-from meshlearn.errors import BadMessage, UserInputError
+from meshlearn.errors import BadMessage, ServiceUnavailable, UserInputError
 from meshlearn.network.bootstrap.claims import Claims
 from meshlearn.network.bootstrap.registrants import Registrants
 from meshlearn.network.bootstrap.registry import ProviderInfo, Registry
+from meshlearn.network.bootstrap.registrystore import EtcdLocation, parse_registry
 from meshlearn.network.bootstrap.relayaccess import RelayAccess
 from meshlearn.network.bootstrap.taskboard import TaskBoard
 from meshlearn.network.channel.addresses import is_wildcard, reachable_hosts
@@ -53,6 +54,10 @@ class BootstrapSettings(Settings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all)")
     port: int = Field(8080, ge=0, le=65535, description="port to listen on")
     state: str = Field("meshlearn-bootstrap.sqlite", description="SQLite file of the registry")
+    registry: str = Field("", description="etcd://HOST:PORT[,HOST:PORT...]: keep the registry in this etcd cluster, "
+                          "shared with the network's other bootstraps (default: the SQLite file --state)")
+    registry_tls: str = Field("", description="folder of the etcd cluster's certificates (ca.crt, client.crt, "
+                              "client.key), where it requires TLS (default: none, plain HTTP)")
     ttl: float = Field(30.0, gt=0, description="seconds without a heartbeat before a provider is dropped")
     # Not the engine's message cap (max_message_mb): the registry's requests (registrations,
     # heartbeats, claims) are small JSON, so its RPC server refuses anything above this, in bytes.
@@ -74,6 +79,17 @@ class BootstrapSettings(Settings):
 
     def key_file(self) -> Path:
         return Path(self.key) if self.key else Path(self.state).parent / "bootstrap.key"
+
+    def registry_location(self) -> Path | EtcdLocation:
+        """Where the registry is kept: the SQLite file --state, or the etcd cluster --registry."""
+        if not self.registry:
+            if self.registry_tls:
+                raise UserInputError("--registry-tls is for an etcd cluster: give --registry etcd://... too")
+            return Path(self.state)
+        if not self.registry.startswith("etcd://"):
+            raise UserInputError(f"--registry {self.registry!r} is not etcd://HOST:PORT[,HOST:PORT...]: give the "
+                                 "cluster's client endpoints, or leave it out for the SQLite file --state")
+        return parse_registry(self.registry, self.registry_tls)
 
     def relay_port_range(self) -> range | None:
         if not self.relay_ports:
@@ -100,7 +116,7 @@ class Bootstrap:
         self.secret = secret
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.clock = clock
-        self.registry = Registry(settings.state, clock)
+        self.registry = Registry(settings.registry_location(), clock)
         self.tasks = TaskBoard(clock)
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
         self.relay = Relay(settings.host, relay_port, settings.public_host(), keys.text if keys else "",
@@ -125,6 +141,7 @@ class Bootstrap:
         self.registrants = Registrants()
         self._stop = threading.Event()
         self._warn = SparseLog(log)  # refused revoked keys, by key
+        self._revoked: frozenset[str] = frozenset()  # as the registry last said (``_sweep``)
 
     def run(self, ready: threading.Event | None = None) -> None:
         """Serve until ``stop()``: bind, open the registry, sweep expired providers every second.
@@ -142,13 +159,13 @@ class Bootstrap:
             self.server.start()
             self.relay.start()
             log.info("bootstrap listening on %s, relay on %s (registry %s, %d provider(s) restored)",
-                     self.server.address, self.relay.port, self.settings.state, len(self.registry.providers()))
+                     self.server.address, self.relay.port, self.registry.store.describe(),
+                     len(self.registry.providers()))
             if ready is not None:
                 ready.set()
             while not self.clock.wait(self._stop, SWEEP_EVERY):
                 self.server.check()
-                for gone in self.registry.expire(self.settings.ttl):
-                    log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
+                self._sweep()
                 self.relay_access.release_ended_work()
         finally:
             self.server.stop()
@@ -160,8 +177,25 @@ class Bootstrap:
         """``HOST:PORT@KEY`` that providers and requesters give as ``--bootstrap``."""
         return self.server.reached_at(self.relay.public_host)
 
+    def _sweep(self) -> None:
+        """Expire providers whose heartbeats stopped, and learn the revoked keys (refused at
+        admission even while a shared registry has no majority)."""
+        try:
+            for gone in self.registry.expire(self.settings.ttl):
+                log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
+            self._revoked = frozenset(self.registry.revoked())
+        except ServiceUnavailable as exc:
+            self._warn.warning("registry", "the registry cannot be reached: %s (peers are told to ask another "
+                               "bootstrap)", exc)
+
+    @property
+    def relay_identity(self) -> str:
+        """What the registry records of a provider relayed here: this bootstrap's key (its address
+        in plain mode), the same across its restarts."""
+        return self.keys.text if self.keys is not None else f"{self.settings.host}:{self.settings.port}"
+
     def _open_registry(self) -> None:
-        if self.settings.state != ":memory:":
+        if isinstance(self.settings.registry_location(), Path) and self.settings.state != ":memory:":
             folder = Path(self.settings.state).parent
             try:
                 folder.mkdir(parents=True, exist_ok=True)
@@ -169,7 +203,8 @@ class Bootstrap:
                 raise UserInputError(f"--state {self.settings.state}: cannot make its folder {folder} "
                                      f"({exc.strerror}): give a path in a folder you can write") from None
         self.registry.open()
-        dropped = self.registry.drop_unverified(keys_required=self.keys is not None)
+        dropped = self.registry.drop_unverified(keys_required=self.keys is not None, relay=self.relay_identity)
+        self._revoked = frozenset(self.registry.revoked())
         if dropped:  # their relay allocations died with the last run, or they never proved a key
             log.info("%d provider(s) of the last run must register again: %s", len(dropped), ", ".join(dropped))
 
@@ -179,7 +214,11 @@ class Bootstrap:
     def _admit(self, key: bytes) -> bool:
         """ZAP's question for each new connection: is this key shut out? (Any other key may ask to
         register: the network secret it must sign with admits it.)"""
-        if self.registry.is_revoked(key_text(key)):
+        try:
+            revoked = self.registry.is_revoked(key_text(key))
+        except ServiceUnavailable:  # the keys revoked when the registry last answered: every request of
+            revoked = key_text(key) in self._revoked  # this key is then refused as unavailable anyway
+        if revoked:
             self._warn.warning(key_text(key), "refused a connection from revoked key %s", key_text(key))
             return False
         return True
@@ -208,6 +247,7 @@ class Bootstrap:
             return Registered(registered=None, reachable=False, relay=self.relay.address, ttl=self.settings.ttl)
         self._make_room_for(info, req.peer_address)
         info.reachable = reach == "direct"
+        info.relay = "" if info.reachable else self.relay_identity
         self.registry.register(info)
         self.relay_access.registered(info.key, info.id)
         how = "reachable" if info.reachable else "through the relay"

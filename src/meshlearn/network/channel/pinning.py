@@ -90,10 +90,44 @@ def resolve_bootstrap(text: str, secret: bytes, known: KnownBootstraps, say: Cal
     return where
 
 
+class NothingAnswers(UserInputError):
+    """No bootstrap answers at an address (not running, or a wrong address)."""
+
+
+def resolve_bootstraps(text: str, secret: bytes, known: KnownBootstraps, say: Callable[[str], None],
+                       check: bool = True, required: bool = False) -> str:
+    """``--bootstrap`` resolved: one bootstrap as ``resolve_bootstrap`` does, or several
+    (comma-separated, a network whose bootstraps share one registry), each the same way, except
+    that one not answering now is kept where its key is pinned or recorded (the others answer for
+    it meanwhile) and left out, with a warning, where it is not. ``required``: at least one must
+    answer. Returns the pinned addresses, comma-separated."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if len(parts) <= 1:
+        return resolve_bootstrap(text, secret, known, say, check, required)
+    resolved, answered = [], False
+    for part in parts:
+        try:
+            resolved.append(resolve_bootstrap(part, secret, known, say, check, required=True))
+            answered = True
+        except NothingAnswers:
+            plain, key = split_pinned(part)
+            address = parse_address(plain, "--bootstrap")
+            key = key if key is not None else known.get(address)
+            if key is None:
+                say(f"warning: left out the bootstrap at {address}: it does not answer, and its key is neither "
+                    "pinned nor recorded")
+                continue
+            resolved.append(pinned(address, key))
+    if not resolved or (required and not answered):
+        raise NothingAnswers(f"no bootstrap answers at any of {', '.join(parts)}: are they running? Start one, or "
+                             "correct --bootstrap")
+    return ",".join(resolved)
+
+
 def nothing_answers(address: str, why: str = "") -> UserInputError:
     """The one line for a bootstrap address where nothing answers (``why``: what was seen there):
     it is not running, or the address is wrong; a key would not help."""
-    return UserInputError(f"no bootstrap answers at {address}{f' ({why})' if why else ''}: is it running, on this "
+    return NothingAnswers(f"no bootstrap answers at {address}{f' ({why})' if why else ''}: is it running, on this "
                           "host and port? Start it, or correct --bootstrap")
 
 

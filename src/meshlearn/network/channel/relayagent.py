@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -38,6 +39,8 @@ PARKED = 4  # agent connections an allocation keeps waiting at the relay
 AGENT_MAX = MAX_SPLICES + MAX_PARKED  # relay connections an agent holds at once, parked or spliced
 AGENT_PIPES = 16
 REFUSALS_LOST = 5  # parked connections closed in a row before any client came: the relay forgot the token
+UNREACHABLE_LOST = 5.0  # seconds in which every dial of the relay failed: its bootstrap is gone, the
+# allocation with it (a network of several bootstraps re-allocates on another)
 
 
 class RelayAgent:
@@ -45,7 +48,8 @@ class RelayAgent:
     one a client takes to the local server at ``local`` (HOST:PORT on this machine), all in one
     thread; at most AGENT_MAX relay connections at once. ``lost`` is set when the relay keeps
     closing parked connections before any client came (it no longer knows the token: restarted,
-    or the allocation was closed); the agent then stops."""
+    or the allocation was closed), or cannot be reached at all for UNREACHABLE_LOST seconds;
+    the agent then stops."""
 
     def __init__(self, relay: str, token: str, local: str, parked: int = PARKED):
         self.relay = host_port(relay)
@@ -60,6 +64,7 @@ class RelayAgent:
         self._parking = 0  # slots dialing, parked, or waiting to try again
         self._joining = 0  # taken by a client, dialing the local server
         self._failures = 0
+        self._failing_since = 0.0  # monotonic time of the first of the failed dials in a row
         self._refusals = 0
         self._closing = False
 
@@ -110,9 +115,13 @@ class RelayAgent:
             self._failures += 1
             if self._failures in (1, 10):
                 log.warning("relay %s:%d cannot be reached (%s): retrying", *self.relay, error)
-            self._retry_later(min(5.0, 0.2 * self._failures))
+            self._failing_since = self._failing_since or time.monotonic()
+            if time.monotonic() - self._failing_since >= UNREACHABLE_LOST:
+                self._give_up(f"relay {self.relay[0]}:{self.relay[1]} cannot be reached any more")
+                return
+            self._retry_later(min(2.0, 0.2 * self._failures))
             return
-        self._failures = 0
+        self._failures, self._failing_since = 0, 0.0
         self._loop.watch(sock, READ, partial(self._relay_said, sock))
 
     def _relay_said(self, sock: socket.socket, mask: int) -> None:
@@ -164,7 +173,12 @@ class RelayAgent:
         if self._refusals < REFUSALS_LOST:
             self._retry_later(min(5.0, 0.2 * 2 ** min(self._refusals, 5)))
             return
-        log.warning("relay %s:%d no longer knows this allocation (restarted, or closed it)", *self.relay)
+        self._give_up(f"relay {self.relay[0]}:{self.relay[1]} no longer knows this allocation (restarted, or "
+                      "closed it)")
+
+    def _give_up(self, why: str) -> None:
+        """The allocation is gone: say so (``lost``), and stop."""
+        log.warning("%s", why)
         self.lost.set()
         self._loop.stop()
 

@@ -40,6 +40,7 @@ from meshlearn.errors import (
     NetworkError,
     PortInUseError,
     RemoteError,
+    ServiceUnavailable,
     Unreachable,
     UserInputError,
 )
@@ -301,6 +302,8 @@ class RpcServer:
                 result = handler(request)
                 body, blobs = result if isinstance(result, tuple) else (result, [])
                 reply = Envelope("ok", body, blobs)
+            except ServiceUnavailable as exc:  # the caller may ask another service of the kind
+                reply = Envelope("error", {"error": str(exc), "unavailable": True})
             except (NetworkError, ValueError, KeyError, TypeError) as exc:
                 reply = Envelope("error", {"error": str(exc) or type(exc).__name__})
             except Exception as exc:  # a handler bug must not take the service down
@@ -381,7 +384,8 @@ def call(address: str, kind: str, body: dict | None, secret: bytes, *, blobs: li
             if reply.msg_id not in (request.msg_id, ""):
                 continue
             if reply.kind == "error":
-                raise RemoteError(str(reply.body.get("error", "refused")))
+                refused = RemoteError if reply.body.get("unavailable") is not True else ServiceUnavailable
+                raise refused(str(reply.body.get("error", "refused")))
             return reply
         raise Unreachable(f"no reply from {where} to {kind} within {timeout:g} s")
     finally:

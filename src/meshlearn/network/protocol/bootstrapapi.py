@@ -131,11 +131,14 @@ class Discover(Fit):
 
 
 class Claim(Fit):
-    """Claim ``count`` free providers for task ``task``, in the requester's preferred ``order``."""
+    """Claim ``count`` free providers for task ``task``, in the requester's preferred ``order``.
+    ``attempt``: the requester's name for this claim; the same claim sent again (its answer was lost,
+    and another bootstrap is asked) gets the providers the first one took, and claims nothing more."""
 
     task: TaskId
     count: Annotated[int, Field(ge=1, le=MAX_TASK_PEERS)]
     order: Annotated[list[Id], Field(max_length=MAX_CANDIDATES)] = Field(default_factory=list)
+    attempt: Token | None = None
 
 
 class ClaimReplace(Fit):

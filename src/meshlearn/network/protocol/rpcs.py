@@ -99,7 +99,7 @@ LEAVE = Rpc("leave", B, b.ProviderId, b.Left, Caller.REGISTRANT, "its own regist
 DISCOVER = Rpc("discover", B, b.Discover, b.Providers, Caller.ANY_KEY,
                "the registered providers (ids, addresses, keys, resources)", "lists providers matching a request")
 CLAIM = Rpc("claim", B, b.Claim, b.Providers, Caller.ANY_KEY, "free providers, for a task bound to its key",
-            "claims providers, atomically")
+            "claims providers, atomically", version=2)  # 2: names its attempt
 CLAIM_REPLACE = Rpc("claim.replace", B, b.ClaimReplace, b.Providers, Caller.REQUESTER,
                     "its own task's providers, before the task started",
                     "drops providers that could not take the task, claims others in their place")
@@ -161,7 +161,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "ea4c768f106b166f"
+PROTOCOL_DIGEST = "f46d360a3012215e"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:

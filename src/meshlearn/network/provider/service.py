@@ -25,7 +25,7 @@ from meshlearn.errors import (
 from meshlearn.network.channel.addresses import announced_host
 from meshlearn.network.channel.allocations import Holder
 from meshlearn.network.channel.envelope import Envelope
-from meshlearn.network.channel.identity import KeyPair, key_text, state_home
+from meshlearn.network.channel.identity import KeyPair, key_text, split_pinned, state_home
 from meshlearn.network.channel.rpc import RpcServer
 from meshlearn.network.protocol import rpcs
 from meshlearn.network.protocol.bootstrapapi import (
@@ -34,10 +34,11 @@ from meshlearn.network.protocol.bootstrapapi import (
     ProviderId,
     Register,
 )
+from meshlearn.network.protocol.bootstraps import Bootstraps
 from meshlearn.network.protocol.message import Empty, Message
 from meshlearn.network.protocol.providerapi import Leaving
 from meshlearn.network.protocol.rpcs import Server
-from meshlearn.network.protocol.serving import ask, relay_requests, serve
+from meshlearn.network.protocol.serving import relay_requests, serve
 from meshlearn.network.provider.relays import RelayAllocations
 from meshlearn.network.provider.tasks import TaskDesk, proven_caller
 from meshlearn.network.provider.testhooks import NO_HOOKS, TestHooks
@@ -59,7 +60,8 @@ HANDLER_THREADS = 16
 class ProviderSettings(MessageLimit):
     """How a provider joins: its bootstrap, where it listens, what it declares, where it keeps tasks."""
 
-    bootstrap: str = Field(description="HOST:PORT of the bootstrap")
+    bootstrap: str = Field(description="HOST:PORT[@KEY] of the bootstrap; several, comma-separated, where the "
+                           "network has several (any answers)")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 for all)")
     advertise: str = Field("", description="address requesters and other providers connect to (default: --host; "
                            "with 0.0.0.0, this machine's address on the route to the bootstrap)")
@@ -131,6 +133,7 @@ class Provider:
         self.settings = settings
         self.secret = secret
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
+        self.bootstraps = Bootstraps.parse(settings.bootstrap)  # the one that answers is asked, the others after
         self.clock = clock
         self.hooks = hooks  # tests only (TestHooks.from_environment, read by meshlearn provider)
         self.id = settings.provider_id or f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
@@ -178,7 +181,7 @@ class Provider:
         if wanted:
             log.warning("port %d is in use: listening on %d instead", wanted, self.server.port)
         self.server.start()
-        self.public_host = announced_host(s.host, s.advertise, s.bootstrap)
+        self.public_host = announced_host(s.host, s.advertise, split_pinned(self.bootstraps.current)[0])
         self.workdir.mkdir(parents=True, exist_ok=True)
         try:
             registered = self._register()
@@ -290,7 +293,7 @@ class Provider:
 
     def _ask_bootstrap(self, rpc: rpcs.Rpc, message: Message, timeout: float) -> Message:
         """One typed call to the bootstrap, proving this provider's key (the one it registered with)."""
-        return ask(self.settings.bootstrap, rpc, message, self.secret, timeout=timeout, sender=self.id, keys=self.keys)
+        return self.bootstraps.ask(rpc, message, self.secret, timeout=timeout, sender=self.id, keys=self.keys)
 
     def _register(self) -> bool:
         """Register (again); False if the provider was told to stop or leave before it could.

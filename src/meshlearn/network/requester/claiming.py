@@ -5,6 +5,7 @@ those that could not take it."""
 from __future__ import annotations
 
 import math
+import secrets
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -46,7 +47,7 @@ class Claimer:
         if previous:  # a resumed task: its providers of then first, if they came back
             order = previous + [pid for pid in order if pid not in previous]
         claimed = ctx.bootstrap.providers(rpcs.CLAIM, Claim(task=ctx.task_id, **self.planner.wanted(req.providers),
-                                                            order=order))
+                                                            order=order, attempt=secrets.token_hex(8)))
         devices = Counter(p.device for p in claimed)
         ctx.say(f"task {ctx.task_id}: {len(claimed)} provider(s): " + ", ".join(p.id for p in claimed)
                 + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")

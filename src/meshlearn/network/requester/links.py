@@ -26,6 +26,7 @@ from meshlearn.network.protocol.bootstrapapi import (
     TaskProgress,
     TaskRecord,
 )
+from meshlearn.network.protocol.bootstraps import Bootstraps
 from meshlearn.network.protocol.message import Empty, Message
 from meshlearn.network.protocol.providerapi import (
     Assign,
@@ -65,17 +66,24 @@ def sender_of(task_id: str) -> str:
 
 
 class BootstrapLink:
-    """The requester's line to the bootstrap at ``address``, for task ``task_id``."""
+    """The requester's line to the network's bootstraps (``address``: one, or several comma-separated:
+    any of them answers, ``Bootstraps``), for task ``task_id``."""
 
     def __init__(self, address: str, secret: bytes, task_id: str):
-        self.address = address
+        self.bootstraps = Bootstraps.parse(address)
         self.secret = secret
         self.task_id = task_id
         self.sender = sender_of(task_id)
 
+    @property
+    def address(self) -> str:
+        """The bootstrap asked now (``HOST:PORT@KEY``)."""
+        return self.bootstraps.current
+
     def call(self, rpc: rpcs.Rpc, message: Message, timeout: float = BOOTSTRAP_TIMEOUT):
-        """Send one request; its reply model (NetworkError as ``serving.ask`` raises it)."""
-        return ask(self.address, rpc, message, self.secret, timeout=timeout, sender=self.sender)
+        """Send one request, to the next bootstrap where one does not serve it; its reply model
+        (NetworkError as ``serving.ask`` raises it)."""
+        return self.bootstraps.ask(rpc, message, self.secret, timeout=timeout, sender=self.sender)
 
     def providers(self, rpc: rpcs.Rpc, message: Message) -> list[ProviderRecord]:
         """The providers a discover, a claim or a claim.replace gives: requests the task cannot go on
@@ -83,7 +91,8 @@ class BootstrapLink:
         try:
             return list(self.call(rpc, message).providers)
         except Unreachable:
-            raise UserInputError(f"no bootstrap answers at {self.address}: check --bootstrap and that it runs") from None
+            raise UserInputError(f"no bootstrap answers at {self.bootstraps.text}: check --bootstrap and that it "
+                                 "runs") from None
         except RemoteError as exc:
             raise TaskFailed(f"the bootstrap could not give providers: {exc}") from None
 

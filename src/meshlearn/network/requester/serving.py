@@ -97,7 +97,7 @@ class DataServer:
         """Serve ``share`` (files added later are served too) to the claimed providers and the
         bootstrap (its dial-back) only; returns the pinned address providers fetch from."""
         ctx, admitted = self.ctx, self.ctx.roster.admitted
-        admitted.update({split_pinned(p.address)[1] for p in claimed} | {split_pinned(ctx.bootstrap.address)[1]})
+        admitted.update({split_pinned(p.address)[1] for p in claimed} | set(ctx.bootstrap.bootstraps.keys()))
         model_bytes = ctx.estimate.model if ctx.estimate is not None else CHECKPOINT_BYTES
         server = RpcServer("requester", self.host, self.port, ctx.secret, self.handlers(share), keys=ctx.keys,
                            admit=lambda key: key in admitted, max_bytes=max(DEFAULT_MAX_BYTES, 2 * model_bytes),
@@ -113,7 +113,7 @@ class DataServer:
         """HOST:PORT where providers fetch the data: this machine's if the bootstrap can dial it,
         else an allocation of the bootstrap's relay (this requester is behind NAT)."""
         ctx = self.ctx
-        address = f"{announced_host(self.host, self.advertise, ctx.bootstrap.address)}:{port}"
+        address = f"{announced_host(self.host, self.advertise, split_pinned(ctx.bootstrap.address)[0])}:{port}"
         if ctx.keys is None:
             return address
         if ctx.bootstrap.probe(address).reachable:

@@ -165,6 +165,6 @@ class Starter:
         req = self.ctx.request
         self.ctx.output.mkdir(parents=True, exist_ok=True)
         resolved = {"task": spec.settings(), "data": req.data, "weights": req.weights,
-                    "data_on_providers": req.data_on_providers, "bootstrap": self.ctx.bootstrap.address,
+                    "data_on_providers": req.data_on_providers, "bootstrap": self.ctx.bootstrap.bootstraps.text,
                     "warnings": req.warnings}
         (self.ctx.output / "task.yaml").write_text(yaml.safe_dump(resolved, sort_keys=False))
