@@ -1,4 +1,4 @@
-"""The network commands: bootstrap, provider, request, results, revoke, leave."""
+"""The network commands: bootstrap, provider, request, results, revoke, cluster, leave."""
 
 from __future__ import annotations
 
@@ -445,12 +445,13 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def add_network_commands(sub) -> None:
-    """Add bootstrap, provider, request, results, revoke and leave to the `meshlearn` parser."""
+    """Add bootstrap, provider, request, results, revoke, cluster and leave to the `meshlearn` parser."""
     _add_bootstrap(sub)
     _add_provider(sub)
     _add_request(sub)
     _add_results(sub)
     _add_revoke(sub)
+    _add_cluster(sub)
     _add_leave(sub)
 
 
@@ -514,6 +515,43 @@ def _add_results(sub) -> None:
     res.add_argument("--output", help="folder to write into (default: runs/task-<id>)")
     _secret_flags(res)
     res.set_defaults(func=cmd_results)
+
+
+def _add_cluster(sub) -> None:
+    """Add the ``cluster`` command: several bootstraps sharing one registry, on this machine, to try it."""
+    cluster = sub.add_parser("cluster", help="run 3 bootstraps sharing one registry (an etcd cluster) on this "
+                             "machine: a network without a single point of failure, to try")
+    cluster.add_argument("--size", type=int, default=3, help="bootstraps, each with an etcd member (default: 3)")
+    cluster.add_argument("--folder", default="meshlearn-cluster", help="where the members' data, the TLS files and "
+                         "the logs go (default: meshlearn-cluster)")
+    cluster.add_argument("--host", default="127.0.0.1", help="address everything listens on (default: 127.0.0.1)")
+    cluster.add_argument("--port", type=int, default=8080, help="the first bootstrap's port; the others follow, two "
+                         "apart (each relay on the port after its bootstrap's) (default: 8080)")
+    cluster.add_argument("--etcd-port", type=int, default=2379, help="the first etcd member's client port; each "
+                         "member's peer port is the one after, the next member two on (default: 2379)")
+    _secret_flags(cluster)
+    cluster.set_defaults(func=cmd_cluster)
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from meshlearn.network.bootstrap.cluster import LocalCluster
+    from meshlearn.network.bootstrap.etcdcluster import etcd_binary, missing_etcd_message
+
+    if etcd_binary() is None:
+        raise UserInputError(missing_etcd_message())
+    for port in (args.port, args.etcd_port):
+        _port(port)
+    secret = _secret(args)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    cluster = LocalCluster(Path(args.folder), args.size, args.host, args.port, args.etcd_port, secret,
+                           say=lambda line: print(line, flush=True))
+    try:
+        cluster.run(stop)
+    except KeyboardInterrupt:
+        pass
+    print("cluster stopped; its registry is kept in " + str(Path(args.folder)), flush=True)
+    return 0
 
 
 def _add_revoke(sub) -> None:

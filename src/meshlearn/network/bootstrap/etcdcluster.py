@@ -251,7 +251,7 @@ class EtcdMember:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         env = {name: value for name, value in os.environ.items() if not name.startswith("ETCD_")}
         with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(_dying_with_this_process([binary, *self.arguments()]),
+            self._process = subprocess.Popen(dying_with_this_process([binary, *self.arguments()]),
                                              stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
 
@@ -360,7 +360,7 @@ def _listen_host(host: str) -> str:
     return host
 
 
-def _dying_with_this_process(command: list[str]) -> list[str]:
+def dying_with_this_process(command: list[str]) -> list[str]:
     """``command`` run so that it gets SIGKILL when the thread that starts it exits (Linux): through
     a tiny Python that asks for PR_SET_PDEATHSIG, which exec keeps, then becomes ``command``. (A
     preexec_fn would do it in the forked child, which can deadlock in a process with threads.)"""
