@@ -138,6 +138,7 @@ def test_a_gpt_reads_token_windows_and_an_image_model_refuses_them():
 # --- training ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # test_simulate_prints_a_language_models_perplexity trains a gpt in the default run
 def test_a_quick_gpt_run_on_the_standard_library_learns_and_reports_perplexity(tmp_path):
     config = make_config({"engine": "batched", "nodes": 4, "topology": "ring", "dataset": "pystdlib",
                           "model": "gpt-tiny", "context": 32, "batch_size": 16, "iterations": 30, "optimizer": "adam",
@@ -212,6 +213,7 @@ def test_a_users_task_from_the_models_module_is_what_the_nodes_minimize(tmp_path
     assert first_loss["doubled"] == pytest.approx(2 * first_loss["auto"], rel=1e-5)
 
 
+@pytest.mark.slow  # test_a_run_on_shakespeares_characters_samples_in_them samples a run's model in the default run
 def test_sample_continues_a_prompt_with_the_runs_final_model(tmp_path):
     from meshlearn.evaluation import evaluate_model
     from meshlearn.models import load_weights

@@ -156,6 +156,7 @@ def test_each_algorithm_returns_a_model_that_scores_what_its_metrics_say(network
     assert fetched["task"] == asked["task"] and fetched["task"]["algorithm"] == algorithm
 
 
+@pytest.mark.slow  # test_network_sync's FedAvg task and tests/test_outer.py's rules run in the default run
 def test_a_fedavg_task_with_an_outer_optimizer_completes_between_providers(network):
     """DiLoCo's shape between real providers: FedAvg (the synchronous leader) every 5 batches, each
     provider taking Nesterov's outer step on the aggregate; a task the asynchronous leader would
@@ -178,6 +179,7 @@ def test_a_fedavg_task_with_an_outer_optimizer_completes_between_providers(netwo
     assert code == 2 and "run in simulations" in out and "Traceback" not in out
 
 
+@pytest.mark.slow  # the default run trains a gpt in simulations and every algorithm's task over the network
 def test_a_language_model_task_trains_a_gpt_on_text_and_returns_a_model_of_the_perplexity_it_reports(
         network, tmp_path):
     from meshlearn.data.text import stdlib_files
@@ -403,6 +405,7 @@ def test_a_robust_rule_keeps_a_task_with_a_poisoning_provider_on_course_and_name
     assert poisoned["accuracy"] >= clean["accuracy"] - 0.03
 
 
+@pytest.mark.slow  # a provider leaving on Ctrl-C, and the registry's left_since (test_registry), in the default run
 def test_a_provider_that_leaves_after_its_task_is_not_reported_lost(procs):
     """Ctrl-C on a provider during a task: it says it leaves after the task, finishes its part and
     goes; the requester must not call it lost (issue 33 item 5)."""

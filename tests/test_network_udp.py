@@ -144,6 +144,7 @@ def _rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
 
 
+@pytest.mark.slow  # the D-PSGD task over sealed UDP and test_udp's fuzzed datagrams run in the default run
 def test_a_task_over_sealed_udp_keeps_training_while_its_ports_are_fuzzed(procs: Processes):
     """A bounded loop of random and crafted datagrams at every provider's engine port while the task
     runs: the task ends as a clean one does (0.88 here), and the providers' memory stays flat."""

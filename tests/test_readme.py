@@ -125,6 +125,7 @@ def _final_accuracy(run: Path) -> float:
     return json.loads((run / "summary.json").read_text())["final"]["accuracy"]
 
 
+@pytest.mark.slow  # a minute; the tour's batched run (128 nodes) and the one-file example run in the default run
 def test_tour_1_four_algorithms_learn_and_sharing_models_beats_training_alone(tmp_path):
     result = _run_block(_block(RUN_HERE[0]), tmp_path)
     assert result.returncode == 0, result.stdout

@@ -51,12 +51,14 @@ class RelayAgent:
     or the allocation was closed), or cannot be reached at all for UNREACHABLE_LOST seconds;
     the agent then stops."""
 
-    def __init__(self, relay: str, token: str, local: str, parked: int = PARKED):
+    def __init__(self, relay: str, token: str, local: str, parked: int = PARKED,
+                 on_lost: Callable[[], None] | None = None):
         self.relay = host_port(relay)
         self.token = token
         self.local = host_port(local)
         self.parked = parked
         self.lost = threading.Event()
+        self.on_lost = on_lost  # told once ``lost`` is set (the provider registers again at once)
         self._loop = Loop("relay-agent", on_stop=self._close_everything)
         self._splicer: Splicer | None = None
         self._sockets: set[socket.socket] = set()  # dialing, parked and joining connections
@@ -180,6 +182,8 @@ class RelayAgent:
         """The allocation is gone: say so (``lost``), and stop."""
         log.warning("%s", why)
         self.lost.set()
+        if self.on_lost is not None:
+            self.on_lost()
         self._loop.stop()
 
     def _close_everything(self) -> None:
@@ -202,14 +206,16 @@ class Allocation:
     close: Callable[[], None]
 
 
-def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int, holder: Holder) -> Allocation:
+def hold_allocation(ask: Callable[[str, dict], dict], host: str, port: int, holder: Holder,
+                    on_lost: Callable[[], None] | None = None) -> Allocation:
     """Ask the bootstrap (``ask(kind, body) -> reply body``) for an allocation serving ``holder``
     (this provider's registration, or a task this participant is part of), and serve it with an
-    agent for this machine's ``port`` (on ``host``, loopback if that is a wildcard)."""
+    agent for this machine's ``port`` (on ``host``, loopback if that is a wildcard); ``on_lost``
+    is told when the agent finds the allocation gone."""
     reply = ask("relay.open", {holder.kind: holder.name})
     token = field_of(reply, "token", str, max_len=64)
     address, relay = field_of(reply, "address", str, max_len=256), field_of(reply, "relay", str, max_len=256)
-    agent = RelayAgent(relay, token, f"{'127.0.0.1' if is_wildcard(host) else host}:{port}")
+    agent = RelayAgent(relay, token, f"{'127.0.0.1' if is_wildcard(host) else host}:{port}", on_lost=on_lost)
     agent.start()
 
     def close() -> None:

@@ -24,10 +24,10 @@ class RelayAllocations:
         """Whether the relay forgot the front (it restarted): the provider registers again."""
         return self.front is not None and self.front.agent.lost.is_set()
 
-    def allocate(self, port: int, holder: Holder) -> Allocation:
+    def allocate(self, port: int, holder: Holder, on_lost: Callable[[], None] | None = None) -> Allocation:
         """A relay allocation for this machine's ``port`` serving ``holder``, served by an agent
-        (given back by close)."""
-        allocation = hold_allocation(self.ask, self.host, port, holder)
+        (given back by close; ``on_lost`` told if the relay forgets it or dies)."""
+        allocation = hold_allocation(self.ask, self.host, port, holder, on_lost)
         self.held.append(allocation)
         close = allocation.close
 
@@ -38,10 +38,11 @@ class RelayAllocations:
         allocation.close = release
         return allocation
 
-    def replace_front(self, port: int, holder: Holder) -> Allocation:
-        """A new front for the server's ``port`` (the last one, if any, given back first)."""
+    def replace_front(self, port: int, holder: Holder, on_lost: Callable[[], None] | None = None) -> Allocation:
+        """A new front for the server's ``port`` (the last one, if any, given back first; ``on_lost``
+        told when it is lost)."""
         self.drop_front()
-        self.front = self.allocate(port, holder)
+        self.front = self.allocate(port, holder, on_lost)
         return self.front
 
     def drop_front(self) -> None:

@@ -305,7 +305,8 @@ class Provider:
             try:
                 reply = self._ask_bootstrap(rpcs.REGISTER, self._info(), timeout=6)  # a dial-back takes up to 3 s
                 if not reply.reachable:  # not dialable, or its relay allocation is gone
-                    front = self.allocations.replace_front(self.server.port, Holder("provider", self.id))
+                    front = self.allocations.replace_front(self.server.port, Holder("provider", self.id),
+                                                           on_lost=self._wake.set)  # register again at once
                     print(f"provider {self.id}: the bootstrap cannot reach {self.public_host}:{self.server.port} "
                           f"(NAT or a firewall): peers reach it through the relay at {front.address}", flush=True)
                     continue
