@@ -152,3 +152,45 @@ def test_revocation_registration_and_expiry_are_seen_by_every_registry_of_the_st
     assert one.expire(30) == ["p1"] and other.providers() == []
     one.close()
     other.close()
+
+
+class _LosesAnswers:
+    """The etcd client of an EtcdStore, but the next ``lose`` commits lose their answers: each is
+    applied (``applied``) or not, then raises AmbiguousCommit, as a leader killed mid-commit does."""
+
+    def __init__(self, client, lose: int, applied: bool):
+        self.client, self.lose, self.applied = client, lose, applied
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    def txn(self, compares, success, failure=()):
+        from meshlearn.network.bootstrap.etcd import AmbiguousCommit
+
+        if self.lose and len(success) > 1:  # a registry commit (the fence's own write is one op)
+            self.lose -= 1
+            if self.applied:
+                self.client.txn(compares, success, failure)
+            raise AmbiguousCommit("the answer was lost")
+        return self.client.txn(compares, success, failure)
+
+
+@needs_etcd
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_commit_whose_answer_was_lost_counts_once(etcd_member, applied):
+    """A claim whose commit lost its answer is settled through the store's fence: applied, it is
+    not run again (the provider is not set lost by a second claim of the same task); not applied,
+    the fence moves on and the claim runs again, once."""
+    where = fresh_registry(etcd_member)
+    reg = Registry(where).open()
+    reg.register(_provider(0))
+    reg.register(_provider(1))
+    reg.store._client = _LosesAnswers(reg.store._client, 1, applied)
+    taken = [p.id for p in reg.claim("t1", "req", 1, requester_key="K")]
+    assert taken == ["p1"]  # the most cores
+    other = Registry(where).open()
+    assert {p.id: (p.status, p.task) for p in other.providers()} == {"p1": ("busy", "t1"), "p0": ("free", None)}
+    assert [e["kind"] for e in other.history(10)].count("claimed") == 1
+    assert [p.id for p in reg.claim("t2", "req", 1, requester_key="K")] == ["p0"]  # the fence is right again
+    reg.close()
+    other.close()
