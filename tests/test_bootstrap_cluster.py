@@ -209,3 +209,45 @@ def test_meshlearn_cluster_starts_three_bootstraps_that_answer_and_stops_them_al
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_bootstrap_whose_registry_has_no_majority_serves_on_says_unavailable_and_recovers(tmp_path):
+    """The registry's only member dies under a bootstrap holding a relayed provider's allocation: the
+    bootstrap keeps serving (its sweeps, its relay's bookkeeping), answers registry requests with
+    "unavailable" (peers ask another), and answers them again once the member is back."""
+    from helpers.etcdlab import running_cluster
+    from helpers.netproc import Processes, free_port
+    from helpers.waiting import wait_until
+
+    from meshlearn.errors import ServiceUnavailable
+
+    procs = Processes(tmp_path)
+    with running_cluster(tmp_path / "etcd", 1) as members:
+        try:
+            spec = members[0].spec
+            procs.start("bootstrap", "bootstrap", "--port", str(free_port()), "--relay-port", "0", "--state",
+                        str(tmp_path / "b" / "unused.sqlite"), "--registry", f"etcd://{spec.host}:{spec.client_port}")
+            address = procs.wait_for("bootstrap", r"other machines give --bootstrap (\S+)").group(1)
+            procs.start("p0", "provider", "--bootstrap", address, "--id", "p0", "--host", "127.0.0.1",
+                        "--advertise", "192.0.2.123", "--workdir", str(tmp_path / "p0"))  # not dialable: relayed
+            procs.wait_for("p0", "registered with")
+            assert "through the relay" in procs.log("p0") and _free(address) == {"p0"}
+
+            members[0].kill()
+            with pytest.raises(ServiceUnavailable):
+                ask(address, rpcs.DISCOVER, Discover(count=8), SECRET.encode(), timeout=20)
+            procs.wait_for("bootstrap", "the registry cannot be reached")  # a sweep met it, with a relay holder
+            assert ask(address, rpcs.BOOTSTRAP_PING, Empty(), SECRET.encode(), timeout=10).service == "bootstrap"
+
+            members[0].start()
+            members[0].wait_ready(60)
+
+            def serves_again() -> bool:
+                try:
+                    return _free(address) == {"p0"}
+                except ServiceUnavailable:
+                    return False
+            assert wait_until(serves_again, timeout=60, interval=0.5)
+            assert procs.procs["bootstrap"].poll() is None
+        finally:
+            procs.stop_all()

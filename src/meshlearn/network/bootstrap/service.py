@@ -166,7 +166,6 @@ class Bootstrap:
             while not self.clock.wait(self._stop, SWEEP_EVERY):
                 self.server.check()
                 self._sweep()
-                self.relay_access.release_ended_work()
         finally:
             self.server.stop()
             self.relay.stop()
@@ -178,12 +177,14 @@ class Bootstrap:
         return self.server.reached_at(self.relay.public_host)
 
     def _sweep(self) -> None:
-        """Expire providers whose heartbeats stopped, and learn the revoked keys (refused at
-        admission even while a shared registry has no majority)."""
+        """Expire providers whose heartbeats stopped, learn the revoked keys (refused at admission
+        even while a shared registry has no majority), and close the relay allocations of work that
+        ended; while the registry cannot be reached, say so (sparsely) and serve on."""
         try:
             for gone in self.registry.expire(self.settings.ttl):
                 log.info("provider %s expired (no heartbeat for %g s)", gone, self.settings.ttl)
             self._revoked = frozenset(self.registry.revoked())
+            self.relay_access.release_ended_work()
         except ServiceUnavailable as exc:
             self._warn.warning("registry", "the registry cannot be reached: %s (peers are told to ask another "
                                "bootstrap)", exc)
