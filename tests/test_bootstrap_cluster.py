@@ -26,8 +26,10 @@ from meshlearn.network.protocol.serving import ask
 pytestmark = needs_etcd
 
 
-def _provider(lab, name: str, *extra: str) -> None:
-    lab.procs.start(name, "-v", "provider", "--bootstrap", lab.bootstrap, "--id", name, "--host", "127.0.0.1",
+def _provider(lab, name: str, *extra: str, first: int = 0) -> None:
+    """A provider process listing every bootstrap, machine ``first``'s first (the one it talks to)."""
+    listed = ",".join(lab.addresses[first:] + lab.addresses[:first])
+    lab.procs.start(name, "-v", "provider", "--bootstrap", listed, "--id", name, "--host", "127.0.0.1",
                     "--workdir", str(lab.folder / name), *extra)
 
 
@@ -38,8 +40,9 @@ def _free(address: str) -> set[str]:
 
 def test_any_bootstrap_answers_a_revoked_key_is_refused_by_all_and_a_dead_machine_is_left_behind(tmp_path):
     with cluster_lab(tmp_path) as lab:
+        dead = lab.leader()  # the machine killed below: the providers talk to its bootstrap first
         for name in ("p0", "p1"):
-            _provider(lab, name)
+            _provider(lab, name, first=dead)
         for name in ("p0", "p1"):
             lab.procs.wait_for(name, "registered with")
         assert all(_free(address) == {"p0", "p1"} for address in lab.addresses)  # one registry behind all three
@@ -53,8 +56,7 @@ def test_any_bootstrap_answers_a_revoked_key_is_refused_by_all_and_a_dead_machin
                 ask(address, rpcs.BOOTSTRAP_PING, Empty(), SECRET.encode(), timeout=10, keys=p1)
         assert all(_free(address) == {"p0"} for address in lab.addresses)
 
-        dead = lab.leader()
-        lab.kill(dead)
+        lab.kill(dead)  # (the leader's machine, unless leadership moved since: a machine all the same)
         peers = Bootstraps([lab.addresses[dead], *(a for i, a in enumerate(lab.addresses) if i != dead)])
         taken = peers.ask(rpcs.CLAIM, Claim(task="t1", count=1, attempt="a1"), SECRET.encode(), timeout=10)
         assert [p.id for p in taken.providers] == ["p0"] and peers.current != lab.addresses[dead]

@@ -72,6 +72,9 @@ NOT_RUN = {
         "--dashboard in Chromium, request with --eval-every and --tensorboard, and reads the event files back",
     "export MESHLEARN_SECRET=change-me-to-something-long                  # the same on every machine":
         "several machines; test_network_e2e runs these commands on one, every service on 0.0.0.0",
+    "meshlearn cluster                       # on one machine, to try it: 3 members, 3 bootstraps, one line for the peers":
+        "runs until stopped, with keys only it prints; test_bootstrap_cluster runs meshlearn cluster and pings each "
+        "bootstrap it names, providers and tasks across three bootstraps, and meshlearn revoke --registry",
 }
 
 
