@@ -133,7 +133,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     ensure_port_free(settings.host, settings.port)  # before saying anything or creating the state file
     secret = _secret(args)
     settings.relay_port_range()  # a bad range is one line, before anything starts
-    where = settings.registry_location()  # and so is a bad --registry
+    settings.registry_location()  # and so is a bad --registry
     keys = _identity(settings.key_file(), "bootstrap", say=None)
     service = Bootstrap(settings, secret, keys)
     page = _dashboard_of(settings, secret, service.board)
@@ -164,8 +164,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     finally:
         if page is not None:
             page.stop()
-    print("bootstrap stopped; the registry is kept in " + ("the etcd cluster" if settings.registry else str(where)),
-          flush=True)
+    print("bootstrap stopped; the registry is kept in " + service.registry.store.describe(), flush=True)
     return 0
 
 

@@ -165,8 +165,16 @@ class EtcdClient:
 
     def get(self, key: bytes) -> KeyValue | None:
         """``key``'s current value (a linearizable read), or None if it does not exist."""
-        kvs, _, _ = self._call("/v3/kv/range", {"key": _b64(key)}, write=False, parse=_parse_range)
-        return kvs[0] if kvs else None
+        return self.get_at(key)[0]
+
+    def get_at(self, key: bytes, revision: int = 0) -> tuple[KeyValue | None, int]:
+        """``key`` alone as it was at ``revision`` (0: now), or None where it did not exist, and the
+        header revision of the answer (with ``revision`` 0: the revision it was read at)."""
+        body = {"key": _b64(key)}
+        if revision:
+            body["revision"] = str(revision)
+        kvs, _, header = self._call("/v3/kv/range", body, write=False, parse=_parse_range)
+        return (kvs[0] if kvs else None), header
 
     def range(self, prefix: bytes, revision: int = 0) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix``, sorted by key, read at ``revision`` (0: now), and the header

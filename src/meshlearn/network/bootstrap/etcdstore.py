@@ -2,7 +2,8 @@
 registry available while a majority of the cluster's members lives.
 
 One key per record under ``/meshlearn/registry/``: ``p/ID`` a provider, ``t/ID`` a task, ``r/KEY`` a
-revoked key, ``h/AT-N`` an event of the history (in the order the cluster took them) (JSON values). A transaction reads at one revision of
+revoked key, ``h/AT-N`` an event of the history (in the order the cluster took them), ``l/ID`` when a
+provider last left (JSON values). A transaction reads at one revision of
 the cluster (a snapshot) and commits only if nothing it read changed since: every key it read keeps
 its revision, and no key was added to or changed in a range it listed (etcd compares on ranges).
 Otherwise it runs again from fresh reads (optimistic concurrency, as etcd's own STM does).
@@ -39,7 +40,8 @@ from meshlearn.network.bootstrap.registrystore import HISTORY_KEPT, EtcdLocation
 
 log = logging.getLogger(__name__)
 ROOT = b"/meshlearn/registry/"
-PROVIDERS, TASKS, REVOKED, HISTORY, FENCES = (ROOT + part for part in (b"p/", b"t/", b"r/", b"h/", b"x/"))
+PROVIDERS, TASKS, REVOKED, HISTORY, FENCES, LEFT = (ROOT + part for part in (b"p/", b"t/", b"r/", b"h/", b"x/",
+                                                                                b"l/"))
 MAX_TRIES = 50  # runs of one transaction that lost to concurrent writes, before it gives up
 PRUNE_EVERY = 500  # events noted by this store between two prunings of the history
 COOL_DOWN = 1.0  # seconds after the cluster failed to answer during which requests fail at once
@@ -201,11 +203,10 @@ class _Snapshot:
         if key in self.writes:
             op = self.writes[key]
             return json.loads(op.value) if isinstance(op, Put) else None
-        kvs, revision = self.client.range(key, self.revision)  # the first read pins the snapshot's revision
+        found, revision = self.client.get_at(key, self.revision)  # the first read pins the snapshot's revision
         self.revision = self.revision or revision
-        found = [kv for kv in kvs if kv.key == key]  # a range: p/a lists p/ab too
-        self.read_keys[key] = found[0].mod_revision if found else 0
-        return _loaded(found[0].value) if found else None
+        self.read_keys[key] = found.mod_revision if found else 0
+        return _loaded(found.value) if found else None
 
     def _list(self, prefix: bytes) -> list[tuple[bytes, dict]]:
         kvs, revision = self.client.range(prefix, self.revision)
@@ -260,6 +261,9 @@ class _Snapshot:
         self.noted += 1  # a key of its own, unique: no other transaction reads it before it is there
         key = HISTORY + f"{at:017.6f}-{secrets.token_hex(4)}".encode()
         self._put(key, {"at": at, "kind": kind, "subject": subject, "detail": detail})
+        if kind == "left":  # and when it last left, by provider: ``left_since`` reads a key each, not the history
+            before = self._get(LEFT + subject.encode())
+            self._put(LEFT + subject.encode(), {"at": max(at, before.get("at", 0) if before else 0)})
 
     def _events(self) -> list[dict]:
         kvs, revision = self.client.range(HISTORY, self.revision)  # not a compared range: added to, never changed
@@ -271,9 +275,8 @@ class _Snapshot:
         return self._events()[::-1][:limit]
 
     def left_since(self, provider_ids: list[str], since: float) -> list[str]:
-        wanted = set(provider_ids)
-        return sorted({e["subject"] for e in self._events()
-                       if e.get("kind") == "left" and e.get("at", 0) >= since and e.get("subject") in wanted})
+        last_left = {provider_id: self._get(LEFT + provider_id.encode()) for provider_id in set(provider_ids)}
+        return sorted(p for p, left in last_left.items() if left is not None and left.get("at", 0) >= since)
 
 
 def _record(kind: type[T], value: dict) -> T:

@@ -135,11 +135,12 @@ class EtcdLocation:
     tls: Path | None = None
 
 
-def parse_registry(text: str, tls: str = "") -> Path | EtcdLocation:
-    """``--registry`` parsed once: a SQLite file's path, or ``etcd://HOST:PORT[,HOST:PORT...]`` (https
-    where ``tls`` names the folder of the cluster's certificates)."""
+def parse_registry(text: str, tls: str = "") -> EtcdLocation:
+    """``--registry`` parsed once: ``etcd://HOST:PORT[,HOST:PORT...]`` (https where ``tls`` names the
+    folder of the cluster's certificates)."""
     if not text.startswith("etcd://"):
-        return Path(text)
+        raise UserInputError(f"--registry {text!r} is not etcd://HOST:PORT[,HOST:PORT...]: give the cluster's "
+                             "client endpoints, or leave it out for the SQLite file --state")
     scheme = "https" if tls else "http"
     endpoints = []
     for part in text[len("etcd://"):].split(","):

@@ -86,9 +86,6 @@ class BootstrapSettings(Settings):
             if self.registry_tls:
                 raise UserInputError("--registry-tls is for an etcd cluster: give --registry etcd://... too")
             return Path(self.state)
-        if not self.registry.startswith("etcd://"):
-            raise UserInputError(f"--registry {self.registry!r} is not etcd://HOST:PORT[,HOST:PORT...]: give the "
-                                 "cluster's client endpoints, or leave it out for the SQLite file --state")
         return parse_registry(self.registry, self.registry_tls)
 
     def relay_port_range(self) -> range | None:
@@ -116,7 +113,8 @@ class Bootstrap:
         self.secret = secret
         self.keys = keys  # None: plain ZeroMQ, for tests on loopback only
         self.clock = clock
-        self.registry = Registry(settings.registry_location(), clock)
+        self.where = settings.registry_location()  # the SQLite file, or the etcd cluster
+        self.registry = Registry(self.where, clock)
         self.tasks = TaskBoard(clock)
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
         self.relay = Relay(settings.host, relay_port, settings.public_host(), keys.text if keys else "",
@@ -196,7 +194,7 @@ class Bootstrap:
         return self.keys.text if self.keys is not None else f"{self.settings.host}:{self.settings.port}"
 
     def _open_registry(self) -> None:
-        if isinstance(self.settings.registry_location(), Path) and self.settings.state != ":memory:":
+        if isinstance(self.where, Path) and self.settings.state != ":memory:":
             folder = Path(self.settings.state).parent
             try:
                 folder.mkdir(parents=True, exist_ok=True)
