@@ -31,6 +31,8 @@ from meshlearn.layout import TensorLayout
 from meshlearn.network.bootstrap.taskboard import TaskBoard
 from meshlearn.network.channel.envelope import Envelope, field_of, seal, unseal
 from meshlearn.network.channel.identity import peer_key
+from meshlearn.network.channel.reflector import answer as reflector_answer
+from meshlearn.network.channel.reflexive import decode_reply, decode_request, encode_reply, encode_request
 from meshlearn.network.protocol.bootstrapapi import TaskProgress
 from meshlearn.network.provider.taskdata import chunk_source
 from meshlearn.network.task.datashare import dataset_from_shards, download
@@ -179,6 +181,19 @@ def test_a_sealed_datagram_raises_only_wire_error(data):
     body = mutated(data, nonce + sealed)
     size = data.draw(st.sampled_from([16, max(0, len(body) - OVERHEAD)]))
     only(WireError, seal.open, memoryview(head), memoryview(body), memoryview(bytearray(size)))
+
+
+@FAST
+@given(st.data())
+def test_a_reflexive_datagram_raises_only_wire_error_and_the_reflector_answers_only_requests(data):
+    """Requests and replies as strangers send them to the bootstrap's reflector and to a peer asking
+    for its address, cut short, flipped or grown."""
+    blob = data.draw(st.sampled_from([encode_request(b"n" * 16), encode_reply(b"n" * 16, ("198.18.1.2", 40000))]))
+    datagram = mutated(data, blob) if data.draw(st.booleans()) else blob
+    only(WireError, decode_request, datagram)
+    only(WireError, decode_reply, datagram)
+    reply = reflector_answer(datagram, ("203.0.113.7", 5000))
+    assert reply is None or (len(reply) <= len(datagram) and decode_request(datagram))
 
 
 # --- the network's control messages ------------------------------------------------------------------

@@ -12,13 +12,10 @@ import json
 
 import numpy as np
 import pytest
-from helpers.natlab import NatLab, Sniffer, natlab_available
+from helpers.natlab import NatLab, Sniffer, natlab_available, varied_windows
 from helpers.netproc import Processes
 
 pytestmark = pytest.mark.skipif(natlab_available() is not None, reason=str(natlab_available()))
-
-WINDOW = 48  # bytes of a known tensor searched for in the capture
-
 
 @pytest.fixture
 def lab():
@@ -29,19 +26,6 @@ def lab():
 def _start(procs: Processes, lab: NatLab, ns: str, name: str, *args: str):
     return procs.start(name, *args, prefix=tuple(lab.command(ns, [])),
                        env={"MESHLEARN_HOME": str(procs.folder / f"home-{name}")})
-
-
-def _windows(data: bytes, count: int = 4) -> list[bytes]:
-    """A few stretches of ``data`` varied enough (six different 4-byte words or more) that finding
-    one in a capture by chance is out of the question, unlike a run of zero pixels."""
-    found = []
-    for start in range(0, len(data) - WINDOW, WINDOW):
-        piece = data[start:start + WINDOW]
-        if len({piece[i:i + 4] for i in range(0, WINDOW, 4)}) >= 6:
-            found.append(piece)
-        if len(found) == count:
-            break
-    return found
 
 
 def test_providers_and_a_requester_behind_nat_train_through_the_relay_and_only_ciphertext_crosses_it(lab, procs):
@@ -71,7 +55,7 @@ def test_providers_and_a_requester_behind_nat_train_through_the_relay_and_only_c
     from meshlearn.network.task.spec import dataset_spec
 
     images = load_dataset(dataset_spec("digits")).train_x.numpy().astype(np.float32)
-    secrets = [w for image in images[:40] for w in _windows(image.tobytes(), 2)]
+    secrets = [w for image in images[:40] for w in varied_windows(image.tobytes(), 2)]
     assert len(secrets) > 40
     output = procs.folder / "result"
     with Sniffer(lab, "pub") as capture:
@@ -90,7 +74,7 @@ def test_providers_and_a_requester_behind_nat_train_through_the_relay_and_only_c
 
     model = load_file(str(output / "model.safetensors"))
     first = model[min(model)]
-    secrets += _windows(first.tobytes(), 8)
+    secrets += varied_windows(first.tobytes(), 8)
     wire = capture.data()
     # the data (1797 images of 256 bytes, twice: to the relay and on to the provider) and the
     # models crossed this namespace: the capture holds at least that much
@@ -113,4 +97,4 @@ def test_the_capture_would_see_plaintext(lab):
             received = b""
             while len(received) < len(payload):
                 received += conn.recv(4096)
-    assert _windows(payload, 1)[0] in capture.data()
+    assert varied_windows(payload, 1)[0] in capture.data()

@@ -10,7 +10,13 @@ Layout of a ``NatLab(homes=N)`` (namespace short names; the real names carry a u
 
 Every namespace reaches all of pub's addresses; pub cannot reach any 10.x address (no route, and each
 router's firewall drops new connections coming in from its wan side); homes cannot reach each other
-(pub does not forward).  Interface names are per namespace, so they are short and fixed.
+(pub does not forward), unless ``internet=True``: then pub routes between the routers' public addresses,
+so a home reaches another home's router, whose NAT lets in only what answers a flow its home opened (hole
+punching). Each router maps a home's flows as Linux masquerade does (the source port kept where free:
+one mapping per local port, whatever the destination), or, for the homes named in ``symmetric``, to a new
+random port per flow (a symmetric NAT, which punching cannot cross); the routers of the homes named in
+``syn_blocked`` drop every SYN coming in (TCP cannot be punched through them, UDP can). Interface names are per namespace, so
+they are short and fixed.
 
 ``Sniffer`` captures every packet of one namespace into memory with an AF_PACKET socket.
 """
@@ -150,10 +156,16 @@ class NatLab:
 
     public_ip = "198.18.1.1"
 
-    def __init__(self, homes: int = 3):
+    def __init__(self, homes: int = 3, internet: bool = False, symmetric: tuple[int, ...] = (),
+                 syn_blocked: tuple[int, ...] = ()):
         if not 1 <= homes <= 250:
             raise ValueError("homes must be in 1..250")
+        if not set(symmetric) | set(syn_blocked) <= set(range(1, homes + 1)):
+            raise ValueError(f"natlab: symmetric or syn_blocked names homes outside 1..{homes}")
         self.homes = homes
+        self.internet = internet  # pub forwards between the routers' public addresses (homes reach each other's NAT)
+        self.symmetric = frozenset(symmetric)  # homes whose router maps each new flow to a new random port
+        self.syn_blocked = frozenset(syn_blocked)  # homes whose router drops every SYN from outside (no TCP punch)
         self._created: list[str] = []
         self._sniffers: list[Sniffer] = []
         self._lock = threading.Lock()
@@ -211,7 +223,8 @@ class NatLab:
 
     def _build(self) -> None:
         self._add_ns("pub")
-        self._sysctl("pub", "net.ipv4.ip_forward=0")  # new namespaces may inherit 1 from the host
+        # new namespaces may inherit 1 from the host; with ``internet`` pub routes between the routers
+        self._sysctl("pub", f"net.ipv4.ip_forward={int(self.internet)}")
         for i in range(1, self.homes + 1):
             pub, r, h = self.ns("pub"), self.ns(f"r{i}"), self.ns(f"h{i}")
             self._add_ns(f"r{i}")
@@ -229,14 +242,26 @@ class NatLab:
             _run(["ip", "-n", r, "route", "add", "default", "via", f"198.18.{i}.1"])
             self._sysctl(f"h{i}", "net.ipv4.ip_forward=0")
             self._sysctl(f"r{i}", "net.ipv4.ip_forward=1")
+            mapping = " random" if i in self.symmetric else ""  # random: a new port per flow (symmetric NAT)
+            # a firewall that lets no connection be opened from outside, not even one its home is opening
+            # to the same address at once (a TCP simultaneous open): UDP still gets through
+            syn_rule = "  iifname \"wan\" tcp flags & (syn | ack) == syn drop\n" if i in self.syn_blocked else ""
             _run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=(
                 "table ip natlab {\n"
                 " chain postrouting {\n"
                 "  type nat hook postrouting priority srcnat; policy accept;\n"
-                f"  oifname \"wan\" ip saddr 10.{i}.0.0/24 masquerade\n"
+                f"  oifname \"wan\" ip saddr 10.{i}.0.0/24 masquerade{mapping}\n"
+                " }\n"
+                # a home router's own firewall: nothing unasked-for from the wan side reaches the router
+                # itself (so it neither answers it nor keeps a conntrack entry that would steal a mapping)
+                " chain input {\n"
+                "  type filter hook input priority filter; policy accept;\n"
+                "  iifname \"wan\" ct state established,related accept\n"
+                "  iifname \"wan\" drop\n"
                 " }\n"
                 " chain forward {\n"
                 "  type filter hook forward priority filter; policy accept;\n"
+                f"{syn_rule}"
                 "  iifname \"wan\" ct state established,related accept\n"
                 "  iifname \"wan\" drop\n"
                 " }\n"
@@ -372,3 +397,19 @@ class Sniffer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+WINDOW = 48  # bytes of a known tensor searched for in a capture
+
+
+def varied_windows(data: bytes, count: int = 4) -> list[bytes]:
+    """A few stretches of ``data`` varied enough (six different 4-byte words or more) that finding
+    one in a capture by chance is out of the question, unlike a run of zero pixels."""
+    found = []
+    for start in range(0, len(data) - WINDOW, WINDOW):
+        piece = data[start:start + WINDOW]
+        if len({piece[i:i + 4] for i in range(0, WINDOW, 4)}) >= 6:
+            found.append(piece)
+        if len(found) == count:
+            break
+    return found

@@ -27,13 +27,17 @@ def requester_keys():
 
 def free_port() -> int:
     """A free loopback port P whose P + 1 is free too: a bootstrap's relay listens on --port + 1,
-    and a busy neighbour port would fail the start with "give the relay another port"."""
+    and a busy neighbour port would fail the start with "give the relay another port". Free for
+    UDP too: the bootstrap answers reflexive-address requests on the same port numbers."""
     for _ in range(100):
-        with socket.socket() as first, socket.socket() as second:
+        with socket.socket() as first, socket.socket() as second, \
+                socket.socket(type=socket.SOCK_DGRAM) as udp_first, socket.socket(type=socket.SOCK_DGRAM) as udp_second:
             first.bind(("127.0.0.1", 0))
             port = first.getsockname()[1]
             try:
                 second.bind(("127.0.0.1", port + 1))
+                udp_first.bind(("127.0.0.1", port))
+                udp_second.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
             return port

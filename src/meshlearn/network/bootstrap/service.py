@@ -26,6 +26,7 @@ from meshlearn.network.channel.identity import (
     key_from_text,
     key_text,
 )
+from meshlearn.network.channel.reflector import Reflector
 from meshlearn.network.channel.relay import Relay
 from meshlearn.network.channel.rpc import RpcServer
 from meshlearn.network.protocol import rpcs
@@ -119,6 +120,9 @@ class Bootstrap:
         relay_port = (settings.port + 1 if settings.port else 0) if settings.relay_port is None else settings.relay_port
         self.relay = Relay(settings.host, relay_port, settings.public_host(), keys.text if keys else "",
                            settings.relay_port_range())
+        # Reflexive addresses over UDP, on the same port numbers as the bootstrap's and the relay's TCP
+        # ports: peers behind NAT already know them, so no new setting (bound in run()).
+        self.reflector = Reflector(settings.host)
         self.relay_access = RelayAccess(self.relay, self.registry, secret, keys, settings.dial_back)
         self.claims = Claims(self.registry, self.tasks)
         self.server = RpcServer("bootstrap", settings.host, settings.port, secret, serve(Server.BOOTSTRAP, {
@@ -145,17 +149,22 @@ class Bootstrap:
         """Serve until ``stop()``: bind, open the registry, sweep expired providers every second.
         Binding comes first, so a port in use leaves nothing behind (no new state file)."""
         raise_open_file_limit()
+        relay_chosen = not self.relay.port  # 0: the relay takes any free port (as the server with --port 0)
         self.server.bind()
         try:
             self.relay.bind()
+            self.reflector.bind(self.server.port, required=bool(self.settings.port))
+            self.reflector.bind(self.relay.port, required=not relay_chosen)
             self._open_registry()
         except BaseException:
             self.server.stop()
             self.relay.stop()
+            self.reflector.stop()
             raise
         try:
             self.server.start()
             self.relay.start()
+            self.reflector.start()
             log.info("bootstrap listening on %s, relay on %s (registry %s, %d provider(s) restored)",
                      self.server.address, self.relay.port, self.registry.store.describe(),
                      len(self.registry.providers()))
@@ -167,6 +176,7 @@ class Bootstrap:
         finally:
             self.server.stop()
             self.relay.stop()
+            self.reflector.stop()
             self.registry.close()
 
     @property

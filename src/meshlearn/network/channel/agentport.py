@@ -1,5 +1,6 @@
 """The relay's agent port: each connection's first line, ``KEY`` answered with the bootstrap's
-public key, ``AGENT token`` connections parked for their allocation until a client takes one.
+public key, ``ADDR`` with the address and port the connection came from (a peer's TCP mapping
+through its NAT), ``AGENT token`` connections parked for their allocation until a client takes one.
 
 Anyone can connect, so a connection has GREETING_TIME for its whole line, and those not past it
 are capped in all and per source address (a newcomer evicts the oldest silent one).
@@ -15,6 +16,8 @@ from functools import partial
 from meshlearn.network.channel.allocations import Allocations, RelayAllocation
 from meshlearn.network.channel.holdings import Conn, Holdings
 from meshlearn.network.channel.relaywire import (
+    ADDR_REPLY,
+    ADDR_REQUEST,
     AGENT_REQUEST,
     KEY_REPLY,
     KEY_REQUEST,
@@ -30,7 +33,7 @@ MAX_GREETING_PER_ADDRESS = 32  # ... or, over this many from its address, that a
 
 class AgentPort:
     """Serves the agent port's connections in the relay's loop: reads each one's first line,
-    answers ``KEY``, parks ``AGENT`` connections and hands each allocation to ``pair`` when one
+    answers ``KEY`` and ``ADDR``, parks ``AGENT`` connections and hands each allocation to ``pair`` when one
     is parked (a waiting client may take it)."""
 
     def __init__(self, holdings: Holdings, allocations: Allocations, key_line: str,
@@ -74,15 +77,26 @@ class AgentPort:
         words = line.split() if newline else []
         if words == [KEY_REQUEST] and self.key_line:
             self._answer_key(greeting.sock)
+        elif words == [ADDR_REQUEST]:
+            self._answer_address(greeting.sock)
         elif len(words) == 2 and words[0] == AGENT_REQUEST and not rest:
             self._park(greeting.sock, words[1].decode(errors="replace"))
         else:
-            self.holdings.warn.warning("bad line", "relay: refused a connection that sent no KEY or AGENT line")
+            self.holdings.warn.warning("bad line", "relay: refused a connection that sent no KEY, ADDR or AGENT line")
             self.holdings.refuse(greeting.sock)
 
     def _answer_key(self, sock: socket.socket) -> None:
         try:
             sock.send(KEY_REPLY + self.key_line.encode() + b"\n")
+        except OSError:
+            pass
+        self.holdings.close_socket(sock)
+
+    def _answer_address(self, sock: socket.socket) -> None:
+        """Tell the connection the address and port it came from, as seen here, then close it."""
+        try:
+            host, port = sock.getpeername()[:2]
+            sock.send(ADDR_REPLY + f"{host}:{port}\n".encode())
         except OSError:
             pass
         self.holdings.close_socket(sock)

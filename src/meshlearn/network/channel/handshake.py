@@ -17,9 +17,9 @@ from importlib import metadata
 
 from meshlearn.errors import ProtocolMismatch
 
-PROTOCOL_VERSION = 3  # 1: the releases before the protocol was declared and versioned (they state none);
+PROTOCOL_VERSION = 4  # 1: the releases before the protocol was declared and versioned (they state none);
 # 3: task.assign's FedAvg settings hold fedavg_cohort; a claim names its attempt (sent again to another
-# bootstrap, it claims once)
+# bootstrap, it claims once); 4: a task's providers name their ports for punching through NATs
 UNSTATED = 1  # the version of a peer that states none
 PROPERTY = "X-Meshlearn-Protocol"  # the handshake's metadata property (ZeroMQ: names start with X-)
 RELEASE_PROPERTY = "X-Meshlearn-Release"  # the meshlearn release the peer runs, for the refusal's line

@@ -2,7 +2,9 @@
 
 A connection to the relay's agent port starts with one short line: ``AGENT token`` (a
 participant's agent parking a connection for its allocation) or ``KEY`` (answered with one line,
-``meshlearn-bootstrap-key`` and the bootstrap's public key). A parked connection hears one byte,
+``meshlearn-bootstrap-key`` and the bootstrap's public key) or ``ADDR`` (answered with one line,
+``meshlearn-addr HOST:PORT``: the address and port the connection came from, for a peer behind
+NAT to learn its TCP mapping, reflexive.py). A parked connection hears one byte,
 ``G``, when a client takes it, then the client's first bytes, and from then on whatever the
 client sends.
 """
@@ -21,6 +23,8 @@ AGENT_REQUEST = b"AGENT"  # followed by the allocation's token
 GO = b"G"  # to a parked connection: a client took it
 KEY_REQUEST = b"KEY"
 KEY_REPLY = b"meshlearn-bootstrap-key "
+ADDR_REQUEST = b"ADDR"
+ADDR_REPLY = b"meshlearn-addr "  # followed by HOST:PORT, the connection's source as the relay sees it
 # TCP keepalives: a connection whose other end vanished is noticed after 30 s idle + 3 probes 10 s apart
 KEEPALIVE = (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3))
 

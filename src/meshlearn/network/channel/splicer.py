@@ -347,7 +347,7 @@ class Splice:
     """Two sockets joined both ways. When either side ends (EOF, once what it sent is written
     out: no half-closed splice lingers, as nginx's stream proxy by default) or fails, or on
     ``close()``, the splice closes both sockets and calls ``on_done(self)``. ``last_active``:
-    when bytes last moved either way."""
+    when bytes last moved either way; ``moved``: how many."""
 
     def __init__(self, splicer: Splicer, a: socket.socket, b: socket.socket, on_done: Callable[[Splice], None],
                  first: bytes = b""):
@@ -356,6 +356,7 @@ class Splice:
         self.on_done = on_done
         self.last_active = time.monotonic()
         self.closed = False
+        self.moved = 0  # bytes read from either side so far (what a relayed link costs the relay)
         self._forward = _Direction(self, a, b, first)
         self._backward = _Direction(self, b, a)
         self._callbacks = {a: partial(self._ready, a), b: partial(self._ready, b)}
@@ -470,6 +471,7 @@ class _Direction:
             count = None
         if count:
             self.in_pipe = count
+            self.splice.moved += count
             self.splice.touch()
             return True
         pipes.give(self.pipe)
@@ -497,6 +499,7 @@ class _Direction:
         except BlockingIOError:
             sent = 0
         self.unsent = memoryview(bytes(view[sent:count]))
+        self.splice.moved += count
         self.splice.touch()
         return True
 

@@ -28,6 +28,30 @@ EngineIndex = Annotated[str, Field(pattern=r"^[0-9]{1,4}$")]  # a provider's ind
 Engine = Annotated[str, Field(max_length=256)]  # a task engine's scheme://HOST:PORT ("": none yet, or alone)
 RunStateName = Annotated[str, Field(max_length=16)]  # a run's state (``taskrun.RunState``)
 MAX_ERROR = 1000  # characters of a failed run's error its status carries
+Ipv4 = Annotated[str, Field(pattern=r"^([0-9]{1,3}\.){3}[0-9]{1,3}$")]
+Port = Annotated[int, Field(ge=1, le=65535)]
+Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # SHA-256, hex
+MAX_QUIC_PEERS = 16  # providers a provider keeps a QUIC socket for (a larger task's unpunchable TCP links: the relay)
+
+
+class PunchPorts(Message):
+    """Where a provider's engine links can be punched through NATs (``channel.punch``): its public
+    host as the bootstrap saw it, and the public ports of its two punching ports (``out``: its links
+    to providers behind NAT; ``in``: theirs to it, only behind a NAT). A provider behind a NAT that
+    maps each destination to a new port (symmetric) names no port: its links go through the relay."""
+
+    host: Ipv4 | None = None
+    out_port: Port | None = None
+    in_port: Port | None = None
+    behind_nat: bool = False
+    # where TCP cannot be punched but UDP can: the fingerprint of the certificate its QUIC paths
+    # present, and the public port of its UDP socket for the path with each provider, by index
+    quic_pin: Fingerprint | None = None
+    udp_ports: Annotated[dict[EngineIndex, Port], Field(max_length=MAX_QUIC_PEERS)] = Field(default_factory=dict)
+
+    def udp_port_for(self, index: int) -> int | None:
+        """The public UDP port of this provider's QUIC socket for the path with provider ``index``."""
+        return self.udp_ports.get(str(index))
 
 
 class Assign(Message):
@@ -50,6 +74,7 @@ class RunStatus(Message):
     leader: Id
     results: bool
     leaving: bool = False
+    punch: PunchPorts | None = None
 
 
 class Start(Message):
@@ -58,10 +83,15 @@ class Start(Message):
     task: TaskId
     engines: Annotated[dict[EngineIndex, Engine], Field(max_length=MAX_TASK_PEERS)]
     joins_at: Round | None = None
+    punch: Annotated[dict[EngineIndex, PunchPorts], Field(max_length=MAX_TASK_PEERS)] = Field(default_factory=dict)
 
     def book(self) -> dict[int, str]:
         """The engines' addresses by provider index."""
         return {int(index): address for index, address in self.engines.items()}
+
+    def punches(self) -> dict[int, PunchPorts]:
+        """The providers' punching ports by index (those that have some)."""
+        return {int(index): ports for index, ports in self.punch.items()}
 
 
 class Join(Message):

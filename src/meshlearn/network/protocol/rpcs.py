@@ -122,13 +122,13 @@ PROVIDER_PING = Rpc("ping", P, Empty, b.Named, Caller.ANY_KEY, "nothing",
                     "names the service and the provider (the bootstrap's dial-back)")
 TASK_ASSIGN = Rpc("task.assign", P, p.Assign, p.RunStatus, Caller.CONFIRMED_REQUESTER,
                   "a task that claimed this provider, listing it with its key", "gives the provider its part of the task",
-                  version=2)  # 2: FedAvg's settings hold fedavg_cohort
+                  version=3)  # 2: FedAvg's settings hold fedavg_cohort; 3: its status names its punching ports
 TASK_START = Rpc("task.start", P, p.Start, p.RunStatus, Caller.REQUESTER, "that task",
-                 "starts training, with the engines' addresses")
+                 "starts training, with the engines' addresses", version=2)  # 2: and their punching ports
 TASK_JOIN = Rpc("task.join", P, p.Join, p.RunStatus, Caller.REQUESTER, "that task, while it runs",
-                "takes another provider into the task, or withdraws one")
+                "takes another provider into the task, or withdraws one", version=2)  # 2: RunStatus.punch
 TASK_STATUS = Rpc("task.status", P, b.TaskName, p.RunStatus, Caller.REQUESTER, "that task",
-                  "the task's state at this provider")
+                  "the task's state at this provider", version=2)  # 2: RunStatus.punch
 TASK_RESULTS = Rpc("task.results", P, b.TaskName, p.ResultMetrics, Caller.MEMBER,
                    "that task's result, after the run too (kept with its keys)", "the task's metrics and model",
                    blobs_out=ONE)
@@ -161,7 +161,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "f46d360a3012215e"
+PROTOCOL_DIGEST = "da276796d317ba4e"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:

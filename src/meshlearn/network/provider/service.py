@@ -26,6 +26,7 @@ from meshlearn.network.channel.addresses import announced_host
 from meshlearn.network.channel.allocations import Holder
 from meshlearn.network.channel.envelope import Envelope
 from meshlearn.network.channel.identity import KeyPair, key_text, split_pinned, state_home
+from meshlearn.network.channel.punch import PunchMemory
 from meshlearn.network.channel.rpc import RpcServer
 from meshlearn.network.protocol import rpcs
 from meshlearn.network.protocol.bootstrapapi import (
@@ -39,6 +40,7 @@ from meshlearn.network.protocol.message import Empty, Message
 from meshlearn.network.protocol.providerapi import Leaving
 from meshlearn.network.protocol.rpcs import Server
 from meshlearn.network.protocol.serving import relay_requests, serve
+from meshlearn.network.provider.natside import NatSide, ipv4_of
 from meshlearn.network.provider.relays import RelayAllocations
 from meshlearn.network.provider.tasks import TaskDesk, proven_caller
 from meshlearn.network.provider.testhooks import NO_HOOKS, TestHooks
@@ -142,6 +144,7 @@ class Provider:
         self.desk = TaskDesk(self.id, keys, self.workdir, self.leaving, self._ask_bootstrap, self._task_context,
                              self._run_changed)
         self.allocations = RelayAllocations(settings.host, relay_requests(self._ask_bootstrap))
+        self.punch_memory = PunchMemory(clock)  # peers a punch failed with lately: their links go to the relay
         self.server = RpcServer(f"provider {self.id}", settings.host, settings.port, secret, serve(Server.PROVIDER, {
             rpcs.PROVIDER_PING: lambda message, req: Named(service="provider", id=self.id),
             rpcs.TASK_ASSIGN: self.desk.assign,
@@ -287,7 +290,23 @@ class Provider:
                                Path(self.settings.data_root) if self.settings.data_root else None,
                                self.settings.max_message_mb, self.clock, self.public_host,
                                self.expose, hooks=self.hooks, keep_data=self.settings.keep_data,
-                               cores=self.settings.cores, relayed=self.relayed)
+                               cores=self.settings.cores, relayed=self.relayed, nat=self._nat_side(),
+                               punch_memory=self.punch_memory)
+
+    def _nat_side(self) -> NatSide | None:
+        """Where this provider, behind NAT, asks what its NAT maps: the reflector of the bootstrap whose
+        relay serves it, at the relay's port and that bootstrap's own; None where it can be dialed."""
+        front = self.allocations.front
+        if front is None:
+            return None
+        host, relay_port = front.agent.relay
+        bootstrap_port = relay_port  # a bootstrap this provider does not list by that host: one port, no second view
+        for address in self.bootstraps.addresses:
+            listed, _, port = address.partition("@")[0].rpartition(":")
+            if port.isdigit() and ipv4_of(listed) == ipv4_of(host):
+                bootstrap_port = int(port)
+                break
+        return NatSide(host, relay_port, bootstrap_port)
 
     # ---- the bootstrap -----------------------------------------------------------------------
 

@@ -32,17 +32,21 @@ from meshlearn.errors import (
 )
 from meshlearn.models import build_model, load_weights
 from meshlearn.network.channel.envelope import Envelope
+from meshlearn.network.channel.punch import PunchMemory
 from meshlearn.network.protocol.providerapi import (
     MAX_ERROR,
     Kept,
     Pong,
     Provider,
+    PunchPorts,
     Push,
     PushAnswer,
     ResultCopy,
     RunStatus,
 )
+from meshlearn.network.provider.enginelinks import EngineLinks
 from meshlearn.network.provider.finish import Finisher
+from meshlearn.network.provider.natside import NatSide
 from meshlearn.network.provider.taskdata import (
     checkpoint_sender,
     chunk_source,
@@ -113,6 +117,8 @@ class ProviderContext:
     keep_data: bool = False  # keep a task's data shard once it ended (else it is deleted; the result is kept)
     cores: int | None = None  # the provider's declared cores (None: this machine's, and torch's own default)
     relayed: bool = False  # peers reach this provider through the relay (its address is the relay's)
+    nat: NatSide | None = None  # behind NAT: where it learns its public mappings, for punching
+    punch_memory: PunchMemory = field(default_factory=PunchMemory)  # the provider's: peers punching failed with
 
     @property
     def max_message_bytes(self) -> int:
@@ -145,13 +151,12 @@ class TaskRun:
         self.finisher = Finisher(spec, ctx, self.index)
         self.error: str | None = None
         self.progress: dict = {}
-        self.engine_address = ""
+        self.links = EngineLinks(ctx, spec.task_id, self.index)  # where peers reach the engine, and its links to them
         self.node: Node | None = None
         self.iterations = 0
         self._state = RunState.PREPARING
         self._on_change = on_change
         self._book: dict[int, str] = {}
-        self._unexpose: Callable[[], None] = lambda: None
         self._lock = threading.Lock()
         self._start = threading.Event()
         self._cancelled = threading.Event()
@@ -207,7 +212,7 @@ class TaskRun:
             if not self.ctx.keep_data:  # the shard on disk too: a provider would otherwise keep every task's
                 shutil.rmtree(self.folder / "data", ignore_errors=True)
             shutil.rmtree(self.folder / CHECKPOINTS, ignore_errors=True)  # the requester keeps the task's state
-            self._unexpose()
+            self.links.close()
             self.finisher.release()
             self._ended.set()
 
@@ -241,7 +246,7 @@ class TaskRun:
                             spec.weights.model_dump(), self.folder / "data", source=spec.weights.address,
                             before_chunk=self._check_cancelled)
             load_weights(model, str(path))
-        if config.transport == "udp" and ctx.relayed:
+        if config.transport == "udp" and ctx.relayed and ctx.nat is None:
             raise BadMessage(f"task {spec.task_id} asks for transport udp, but peers reach this provider only "
                              "through the bootstrap's relay, which carries TCP: ask with --transport tcp, or run "
                              "providers that can be dialed")
@@ -259,11 +264,7 @@ class TaskRun:
                          lambda flat: make_transport(config, self.index, flat, ctx.host, 0, seal=seal),
                          checkpoints=checkpoints, resume=resume, joining=spec.joining, members=self._members())
         bound = self.node.transport.bind()  # tcp:// or udp://HOST:PORT, HOST possibly 0.0.0.0 ("" when alone)
-        scheme, _, where = bound.partition("://")
-        port = where.rpartition(":")[2]
-        if port.isdigit():
-            reached, self._unexpose = ctx.reach(int(port), self.spec.task_id)
-            self.engine_address = f"{scheme}://{reached}"
+        self.links.expose(bound, lambda: self.node.transport.datagram_socket, len(spec.peers))
         self.node.hooks.append(self._after_iteration)
         self.iterations = config.iterations
         self.finisher.attach(self.node, len(indices))
@@ -356,13 +357,17 @@ class TaskRun:
 
     # ---- answering peers and the requester --------------------------------------------------
 
-    def start(self, book: dict[int, str], joins_at: int | None = None) -> None:
+    def start(self, book: dict[int, str], joins_at: int | None = None,
+              punches: dict[int, PunchPorts] | None = None) -> None:
         """The requester's go: every provider is ready; ``book`` holds the engine addresses
-        (``joins_at``: a newcomer's round, where its algorithm takes members in at one)."""
+        (``joins_at``: a newcomer's round, where its algorithm takes members in at one; ``punches``:
+        the providers' punching ports)."""
         if self.spec.joining:  # a newcomer: the providers the task lost before it came are none of its peers
             for index in sorted(set(range(len(self.spec.peers))) - set(book) - {self.index}):
                 self.exclude(index, "it was lost before this provider joined")
         self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
+        self._book = self.links.route(self._book, dict(enumerate(self.ids)),
+                                      {j: p for j, p in (punches or {}).items() if j != self.index})
         if joins_at is not None and self.node is not None:
             self.node.algorithm.join_round = joins_at
         self._start.set()
@@ -382,6 +387,6 @@ class TaskRun:
         """Where this run stands (``leaving``: whether its provider is leaving the network)."""
         return RunStatus(task=self.spec.task_id, index=self.index, state=self._state.value,
                          error=self.error[:MAX_ERROR] if self.error is not None else None,
-                         engine=self.engine_address, progress=self.progress,
+                         engine=self.links.address, progress={**self.progress, "links": self.links.report()},
                          leader=self.ids[self.finisher.election.leader], results=self.finisher.result.ready.is_set(),
-                         leaving=leaving)
+                         leaving=leaving, punch=self.links.punch)

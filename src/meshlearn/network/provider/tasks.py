@@ -126,7 +126,7 @@ class TaskDesk:
     def start(self, message: Start, req: Envelope) -> RunStatus:
         """The requester's go, with the engines' addresses (``TaskRun.start``)."""
         run = self._requesters_run(message.task, req)
-        run.start(message.book(), message.joins_at)
+        run.start(message.book(), message.joins_at, message.punches())
         return run.status()
 
     def join(self, message: Join, req: Envelope) -> RunStatus:

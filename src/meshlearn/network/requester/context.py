@@ -10,6 +10,7 @@ from pathlib import Path
 
 from meshlearn.clock import Clock
 from meshlearn.network.channel.identity import KeyPair
+from meshlearn.network.protocol.providerapi import PunchPorts
 from meshlearn.network.requester.lifecycle import TaskLifecycle
 from meshlearn.network.requester.links import BootstrapLink, ProviderLink
 from meshlearn.network.requester.taskwatch import TaskWatch
@@ -41,6 +42,8 @@ class Roster:
     replaced: dict[str, str] = field(default_factory=dict)  # a provider left out or lost -> the one in its place
     admitted: set[str] = field(default_factory=set)  # the keys the data server answers: the providers, the bootstrap
     engines: dict[str, str] = field(default_factory=dict)  # engine address of each ready provider, by index
+    punch: dict[str, PunchPorts] = field(default_factory=dict)  # punching ports of each ready provider, by index
+    links: dict[str, dict] = field(default_factory=dict)  # each provider's engine links, as its last status said
     joins_closed: bool = False  # a D-PSGD newcomer some member could not take in: no other joins
 
     def in_task(self, provider: str) -> bool:
@@ -54,9 +57,18 @@ class Roster:
 
     def extra(self) -> dict:
         """What the requester adds to the result's metrics: providers left out before the start,
-        and those claimed in their place."""
+        those claimed in their place, and each provider's engine links (direct, punched or relayed,
+        and the bytes each sent through the relay)."""
         return {**({"left_out": dict(self.left_out)} if self.left_out else {}),
-                **({"replaced": dict(self.replaced)} if self.replaced else {})}
+                **({"replaced": dict(self.replaced)} if self.replaced else {}),
+                **({"links": dict(self.links)} if self.links else {})}
+
+    def note_links(self, provider: str, progress: dict) -> None:
+        """Keep the engine links a provider's status reports (free-form, from the network: kept as
+        it came only where it is a mapping)."""
+        links = progress.get("links")
+        if isinstance(links, dict) and links:
+            self.links[provider] = links
 
 
 @dataclass(frozen=True)

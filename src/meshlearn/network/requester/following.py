@@ -91,6 +91,7 @@ class Follower:
             try:
                 status = ctx.providers.status(peer, timeout=STATUS_TIMEOUT)
                 states.append((peer, status))
+                roster.note_links(peer.id, status.progress)
                 # a provider told to leave goes as soon as its part ends, maybe between two looks
                 roster.ended[peer.id] = status.state in ENDED or status.leaving
             except NetworkError:  # gone, refusing, or its connection dropped mid-handshake

@@ -31,6 +31,7 @@ from meshlearn.network.protocol.message import Empty, Message
 from meshlearn.network.protocol.providerapi import (
     Assign,
     Join,
+    PunchPorts,
     ResultMetrics,
     RunStatus,
     Start,
@@ -160,10 +161,12 @@ class ProviderLink:
         """Where ``peer``'s part of the task stands."""
         return self.call(peer, rpcs.TASK_STATUS, TaskName(task=self.task_id), timeout=timeout)
 
-    def start(self, peer: Reachable, engines: dict[str, str], joins_at: int | None = None) -> RunStatus:
+    def start(self, peer: Reachable, engines: dict[str, str], joins_at: int | None = None,
+              punch: dict[str, PunchPorts] | None = None) -> RunStatus:
         """Tell ``peer`` to start training with the engines at ``engines`` (by index; ``joins_at``:
-        the round a newcomer joins a D-PSGD task at)."""
-        return self.call(peer, rpcs.TASK_START, Start(task=self.task_id, engines=engines, joins_at=joins_at))
+        the round a newcomer joins a D-PSGD task at; ``punch``: the providers' punching ports)."""
+        return self.call(peer, rpcs.TASK_START, Start(task=self.task_id, engines=engines, joins_at=joins_at,
+                                                      punch=punch or {}))
 
     def join(self, peer: Reachable, newcomer: Peer, engine: str, at: int | None, withdraw: bool = False) -> RunStatus:
         """Tell ``peer`` to take ``newcomer`` (its engine at ``engine``) into the running task at

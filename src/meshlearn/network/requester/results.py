@@ -90,4 +90,24 @@ def summary_line(metrics: dict) -> str:
             + (f"  models refused from: {', '.join(metrics['refused_from'])} (not robust: honest ones too)"
                if metrics.get("refused_from") else "")
             + (f"  DP epsilon {metrics['privacy']['epsilon']:.3g} at delta {metrics['privacy']['delta']:g}"
-               if metrics.get("privacy") else ""))
+               if metrics.get("privacy") else "")
+            + links_summary(metrics.get("links")))
+
+
+def links_summary(links: object) -> str:
+    """The engine links' paths in a few words ("  links: 2 punched, 1 relayed (3.2 MB through the
+    relay)"), or "" where every link is direct or nothing was said (``links`` came from providers:
+    whatever does not fit is skipped)."""
+    if not isinstance(links, dict):
+        return ""
+    paths: dict[str, int] = {}
+    relayed = 0
+    for of_provider in links.values():
+        for link in of_provider.values() if isinstance(of_provider, dict) else ():
+            if isinstance(link, dict) and isinstance(link.get("path"), str):
+                paths[link["path"]] = paths.get(link["path"], 0) + 1
+                relayed += link.get("relay_bytes", 0) if isinstance(link.get("relay_bytes"), int) else 0
+    if set(paths) <= {"direct"}:
+        return ""
+    counts = ", ".join(f"{count} {path}" for path, count in sorted(paths.items()))
+    return f"  links: {counts}" + (f" ({relayed / 1e6:.1f} MB through the relay)" if relayed else "")

@@ -55,7 +55,7 @@ class Starter:
         self._write_config(spec)
         for peer in spec.peers:
             try:
-                ctx.providers.start(peer, ctx.roster.engines)
+                ctx.providers.start(peer, ctx.roster.engines, punch=ctx.roster.punch)
             except NetworkError as exc:  # it went between ready and start: the others go on without it
                 ctx.lose(peer.id, f"did not take the start ({exc})")
         ctx.say(f"task {ctx.task_id}: started on {len(spec.peers)} provider(s)")
@@ -126,6 +126,7 @@ class Starter:
             return refused
         deadline = ctx.clock.monotonic() + READY_TIMEOUT
         engines = ctx.roster.engines = {}
+        punch = ctx.roster.punch = {}
         while len(engines) + len(refused) < len(peers):
             for i, peer in enumerate(peers):
                 if str(i) in engines or peer.id in refused:
@@ -139,6 +140,8 @@ class Starter:
                     refused[peer.id] = f"could not prepare the task: {status.error or status.state}"
                 elif status.state != "preparing":
                     engines[str(i)] = status.engine
+                    if status.punch is not None:
+                        punch[str(i)] = status.punch
             if ctx.clock.monotonic() > deadline:
                 refused.update({p.id: "did not get ready in time (data download or model build)"
                                 for i, p in enumerate(peers) if str(i) not in engines})

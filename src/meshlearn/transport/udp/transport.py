@@ -97,6 +97,12 @@ class UdpTransport(Transport):
 
     # --- set-up ---------------------------------------------------------------------------
 
+    @property
+    def datagram_socket(self):
+        """The bound socket (``bind``), before the transport reads it: a network task's engine behind
+        NAT asks through it where its NAT maps it (peers then send to that address)."""
+        return self._sock
+
     def bind(self) -> str:
         # non-blocking: the receive thread polls (see _receive_loop)
         self._sock = open_socket(self.host, self.port, int(self.settings.rcvbuf_mb * 1024 * 1024), self.node_id)

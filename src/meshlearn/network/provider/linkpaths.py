@@ -1,0 +1,333 @@
+"""The engine links of a task run that cross a NAT: punched where both ends can, the relay otherwise.
+
+A TCP engine dials each neighbour (a ZeroMQ DEALER to the neighbour's ROUTER). Where the
+neighbour is behind NAT, this provider gives its engine a *front* instead of the neighbour's
+relayed address: a port on loopback whose connections are carried over a path chosen per pair:
+
+- *punched*: a TCP connection opened through both NATs at once (``channel.punch``), from this
+  provider's ``out`` port to the neighbour's ``in`` port, where the neighbour's side joins it to
+  its own engine (each direction of a pair is punched on its own: a provider behind NAT is dialed
+  that way too);
+- *quic*: where a TCP punch of the pair failed (a NAT or firewall that drops every unasked-for
+  SYN) but UDP gets through: both sides punch a UDP path from the sockets whose mappings they
+  named, and run QUIC over it (``channel.quicpath``: certificates pinned through the requester);
+  each side's engine reaches the other's through it;
+- *relayed*: a connection to the neighbour's relay allocation (as before punching existed), when
+  either end is behind a NAT punching cannot cross, every punch failed (remembered for a while,
+  ``PunchMemory``), or a punched connection broke (ZeroMQ connects again, and the front relays it).
+
+The relay sees only sealed engine messages either way; what a link sent through it is counted
+(``report``). Links to a neighbour that can be dialed stay direct and do not pass through here.
+All sockets are served by one ``splicer.Loop``; each punch, and each QUIC path's start, is a short
+thread around ``punch_tcp`` / ``punch_udp``.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from meshlearn.clock import SYSTEM, Clock
+from meshlearn.errors import NetworkError
+from meshlearn.network.channel.punch import (
+    PUNCH_TIME,
+    UDP_PUNCH_TIME,
+    PunchMemory,
+    PunchResult,
+    punch_tcp,
+    punch_udp,
+)
+from meshlearn.network.channel.quicpath import QuicPath, role_for
+from meshlearn.network.channel.relaywire import host_port, tune
+from meshlearn.network.channel.splicer import Acceptor, Loop, Splice, Splicer, close_socket, dial
+from meshlearn.network.protocol.providerapi import PunchPorts
+from meshlearn.network.provider.natside import QuicSockets
+
+log = logging.getLogger(__name__)
+MAX_PIPES = 16  # kernel pipes the task's splices may hold at once (two per busy link direction)
+DIRECT, PUNCHED, QUIC, RELAYED, PUNCHING = "direct", "punched", "quic", "relayed", "punching"
+
+
+def punchable(source: PunchPorts | None, target: PunchPorts | None) -> bool:
+    """Whether the link from the provider with ``source`` to the one with ``target`` is punched:
+    the target is behind NAT, and both named their ports (none does behind a symmetric NAT)."""
+    return source is not None and target is not None and target.behind_nat and source.out_port is not None \
+        and target.in_port is not None and target.host is not None
+
+
+@dataclass
+class _Front:
+    """The loopback port a link's engine connections come to, and how they go on."""
+
+    listener: socket.socket
+    relayed_at: tuple[str, int]  # the neighbour's relay allocation
+    punched: socket.socket | None = None
+    parked: list[socket.socket] = field(default_factory=list)  # connections waiting for the pair's punches
+    path: str = PUNCHING  # the path the next connection takes (PUNCHING: none chosen yet)
+    relay_bytes: int = 0  # bytes of finished relayed splices
+    relaying: list[Splice] = field(default_factory=list)
+    acceptor: Acceptor | None = None
+
+    def bytes_through_relay(self) -> int:
+        return self.relay_bytes + sum(splice.moved for splice in self.relaying)
+
+
+@dataclass
+class _Pair:
+    """This provider's links with one neighbour: the front of its own (where it dials a neighbour
+    behind NAT), the TCP punches under way, and the QUIC path that carries what TCP could not."""
+
+    index: int
+    peer: str
+    theirs: PunchPorts | None
+    front: _Front | None = None
+    pending: int = 0  # TCP punches under way
+    failed: bool = False  # a TCP punch of the pair failed, or was not worth trying
+    quic: QuicPath | None = None
+    quic_port: int | None = None  # 127.0.0.1 port whose connections the QUIC path carries to the neighbour's engine
+    settled: bool = False
+
+
+class LinkPaths:
+    """One task run's fronts and punched links. ``route`` starts them and returns the book the
+    engine dials; ``report`` says each link's path; ``close`` ends everything."""
+
+    def __init__(self, me: int, bind_host: str, engine_port: int, mine: PunchPorts | None, memory: PunchMemory,
+                 quic: QuicSockets | None = None, clock: Clock = SYSTEM, punch_time: float = PUNCH_TIME,
+                 punch: Callable[..., PunchResult] = punch_tcp):
+        self.me = me  # this provider's index in the task
+        self.bind_host = bind_host  # where this provider's punching ports are bound
+        self.engine_port = engine_port
+        self.mine = mine
+        self.memory = memory
+        self.quic = quic or QuicSockets()
+        self.clock = clock
+        self.punch_time = punch_time
+        self.punch = punch  # ``punch_tcp``; tests give both ends of a pair one connection instead
+        self._loop = Loop("link-paths", on_stop=self._close_all)
+        self._splicer = Splicer(self._loop, MAX_PIPES)
+        self._pairs: dict[int, _Pair] = {}
+        self._direct: dict[int, str] = {}
+        self._joined: list[Splice] = []  # punched links joined to a front's connection or to the engine
+        self._cancelled = threading.Event()
+
+    def route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts]) -> dict[int, str]:
+        """Start serving the links of ``book`` (engine addresses by index; ``ids``: the providers'
+        ids, ``punches``: their punching ports, where they have some); the book the engine dials."""
+        self._loop.start()
+        routed = {}
+        for index, address in book.items():
+            theirs = punches.get(index)
+            scheme, _, where = address.partition("://")
+            pair = _Pair(index, ids.get(index, str(index)), theirs)
+            crosses = scheme == "tcp" and theirs is not None and theirs.behind_nat
+            if crosses:
+                pair.front = self._open_front(pair, host_port(where))
+                routed[index] = f"tcp://127.0.0.1:{pair.front.listener.getsockname()[1]}"
+            else:
+                self._direct[index] = pair.peer
+                routed[index] = address
+            if scheme == "tcp" and (crosses or (self.mine is not None and self.mine.behind_nat)):
+                self._pairs[index] = pair
+                self._loop.call_soon(partial(self._start_pair, pair))
+        return routed
+
+    def report(self) -> dict[str, dict]:
+        """Each link this provider's engine dials, by neighbour id: its path (direct, punched, quic,
+        relayed, or punching while under way) and the bytes it sent and received through the relay."""
+        links = {peer: {"path": DIRECT, "relay_bytes": 0} for peer in self._direct.values()}
+        for pair in list(self._pairs.values()):
+            if pair.front is not None:
+                links[pair.peer] = {"path": pair.front.path, "relay_bytes": pair.front.bytes_through_relay()}
+        return links
+
+    def close(self) -> None:
+        """Stop punching, close every front, splice, punched socket and QUIC path; wait for the loop."""
+        self._cancelled.set()
+        self._loop.stop()  # on_stop closes what it holds, in the loop's thread (or here, if it never started)
+        self._splicer.close()
+        for pair in list(self._pairs.values()):
+            if pair.quic is not None:
+                pair.quic.close()
+        self.quic.close()
+
+    # ---- in the loop's thread ----------------------------------------------------------------
+
+    def _start_pair(self, pair: _Pair) -> None:
+        """Punch the pair's directions that cross a NAT (each side does the same for the pair)."""
+        outward = pair.front is not None and punchable(self.mine, pair.theirs)
+        inward = punchable(pair.theirs, self.mine)
+        tcp = self.memory.worth_trying(pair.peer, "tcp")
+        pair.failed = (outward or inward) and not tcp
+        if tcp and outward:
+            pair.pending += 1
+            self._punch(pair, self.mine.out_port, (pair.theirs.host, pair.theirs.in_port), partial(self._punched_out, pair))
+        if tcp and inward:
+            pair.pending += 1
+            self._punch(pair, self.mine.in_port, (pair.theirs.host, pair.theirs.out_port), partial(self._punched_in, pair))
+        self._settle(pair)
+
+    def _settle(self, pair: _Pair) -> None:
+        """Once the pair's TCP punches are over: a QUIC path for what they could not do, or the
+        front's connections on their way."""
+        if pair.pending or pair.settled:
+            return
+        if pair.failed and self._quic_possible(pair):
+            pair.settled = True
+            threading.Thread(target=self._open_quic, args=(pair,), name=f"quic-{pair.peer}", daemon=True).start()
+            return
+        pair.settled = True
+        self._release(pair)
+
+    def _quic_possible(self, pair: _Pair) -> bool:
+        theirs = pair.theirs
+        return self.mine is not None and self.mine.quic_pin is not None and theirs is not None \
+            and theirs.quic_pin is not None and theirs.host is not None \
+            and theirs.udp_port_for(self.me) is not None and pair.index in self.quic.sockets \
+            and self.memory.worth_trying(pair.peer, "quic")
+
+    def _release(self, pair: _Pair) -> None:
+        """The pair's paths are known: the front's waiting connections go on."""
+        front = pair.front
+        if front is None:
+            return
+        front.path = PUNCHED if front.punched is not None else QUIC if pair.quic_port is not None else RELAYED
+        parked, front.parked = front.parked, []
+        for sock in parked:
+            self._carry(pair, sock)
+
+    def _open_front(self, pair: _Pair, relayed_at: tuple[str, int]) -> _Front:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        front = _Front(listener, relayed_at)
+        front.acceptor = Acceptor(self._loop, listener, lambda sock, _ip: self._arrived(pair, sock), f"front-{pair.peer}")
+        self._loop.call_soon(front.acceptor.start)
+        return front
+
+    def _arrived(self, pair: _Pair, sock: socket.socket) -> None:
+        """The engine dialed the neighbour: its connection goes on now, or once the punches ended."""
+        if pair.front.path == PUNCHING:
+            pair.front.parked.append(sock)
+        else:
+            self._carry(pair, sock)
+
+    def _carry(self, pair: _Pair, sock: socket.socket) -> None:
+        front = pair.front
+        punched, front.punched = front.punched, None
+        if punched is not None:
+            front.path = PUNCHED
+            self._joined.append(self._join(sock, punched, self._joined_done))
+            return
+        if pair.quic_port is not None and not pair.quic.ended.is_set():
+            front.path = QUIC
+            self._dial_and_join(sock, ("127.0.0.1", pair.quic_port), self._joined, f"the QUIC path to {pair.peer}")
+            return
+        front.path = RELAYED
+        self._dial_and_join(sock, front.relayed_at, front.relaying, f"the relay for {pair.peer}",
+                            partial(self._relay_done, front))
+
+    def _dial_and_join(self, sock: socket.socket, target: tuple[str, int], into: list[Splice], what: str,
+                       done: Callable[[Splice], None] | None = None) -> None:
+        def dialed(other: socket.socket | None, error: OSError | None) -> None:
+            if error is not None:
+                log.info("link: %s does not answer (%s)", what, error)
+                close_socket(sock)
+                return
+            into.append(self._join(sock, other, done or self._joined_done))
+        dial(self._loop, target, dialed)
+
+    def _relay_done(self, front: _Front, splice: Splice) -> None:
+        if splice in front.relaying:
+            front.relaying.remove(splice)
+            front.relay_bytes += splice.moved
+
+    def _join(self, a: socket.socket, b: socket.socket, done: Callable[[Splice], None]) -> Splice:
+        for sock in (a, b):
+            sock.setblocking(False)
+            tune(sock)
+        splice = self._splicer.join(a, b, done)
+        splice.start()
+        return splice
+
+    def _punched_out(self, pair: _Pair, result: PunchResult) -> None:
+        pair.pending -= 1
+        pair.front.punched = result.sock
+        pair.failed |= result.sock is None
+        self._settle(pair)
+
+    def _punched_in(self, pair: _Pair, result: PunchResult) -> None:
+        """A neighbour's link to this provider was punched (or not): join it to this provider's engine."""
+        pair.pending -= 1
+        pair.failed |= result.sock is None
+        if result.sock is not None:
+            self._dial_and_join(result.sock, ("127.0.0.1", self.engine_port), self._joined, "this provider's engine")
+        self._settle(pair)
+
+    def _quic_opened(self, pair: _Pair, path: QuicPath | None, local_port: int | None) -> None:
+        pair.quic, pair.quic_port = path, local_port
+        self._release(pair)
+
+    def _joined_done(self, splice: Splice) -> None:
+        if splice in self._joined:
+            self._joined.remove(splice)
+
+    def _close_all(self) -> None:
+        for pair in self._pairs.values():
+            front = pair.front
+            if front is None:
+                continue
+            if front.acceptor is not None:
+                front.acceptor.close()
+            for sock in [*front.parked, *([front.punched] if front.punched is not None else [])]:
+                close_socket(sock)
+            for splice in list(front.relaying):
+                splice.close()
+        for splice in list(self._joined):
+            splice.close()
+
+    # ---- threads -----------------------------------------------------------------------------
+
+    def _punch(self, pair: _Pair, port: int, target: tuple[str, int], then: Callable[[PunchResult], None]) -> None:
+        """Punch from ``port`` to ``target`` in a thread of its own; ``then(result)`` in the loop."""
+        deadline = self.clock.monotonic() + self.punch_time
+
+        def work() -> None:
+            result = self.punch((self.bind_host, port), target, deadline, self.clock, cancelled=self._cancelled)
+            if result.sock is None:
+                self.memory.failed(pair.peer, "tcp")
+                log.info("link with %s: no TCP path through the NATs (%s after %d tries)", pair.peer, result.why,
+                         result.tries)
+            else:
+                self.memory.worked(pair.peer, "tcp")
+            if not self._loop.call_soon(partial(then, result)) and result.sock is not None:
+                result.sock.close()
+        threading.Thread(target=work, name=f"punch-{pair.peer}", daemon=True).start()
+
+    def _open_quic(self, pair: _Pair) -> None:
+        """Punch a UDP path to the neighbour and open QUIC over it (a thread of its own)."""
+        sock = self.quic.take(pair.index)
+        target = (pair.theirs.host, pair.theirs.udp_port_for(self.me))
+        path = local_port = None
+        if punch_udp(sock, target, self.clock.monotonic() + UDP_PUNCH_TIME, self.clock, self._cancelled):
+            own, theirs = self.mine.quic_pin, pair.theirs.quic_pin
+            path = QuicPath(sock, target, role_for(own.encode(), theirs.encode()), self.quic.certificate,
+                            bytes.fromhex(theirs))
+            local_port = path.expose_local(self.engine_port)
+            try:
+                path.start()
+                self.memory.worked(pair.peer, "quic")
+            except NetworkError as exc:
+                log.info("link with %s: no QUIC path either (%s): the relay carries it", pair.peer, exc)
+                path = local_port = None
+        else:
+            sock.close()
+            log.info("link with %s: no UDP path through the NATs either: the relay carries it", pair.peer)
+        if path is None:
+            self.memory.failed(pair.peer, "quic")
+        if not self._loop.call_soon(partial(self._quic_opened, pair, path, local_port)) and path is not None:
+            path.close()
