@@ -53,6 +53,21 @@ def _request(procs: Processes, lab: NatLab, address: str, name: str, *args: str)
     return json.loads((output / "metrics.json").read_text())
 
 
+def _leaks(output, wire: bytes) -> list[str]:
+    """Stretches of the training images and of the task's model (in ``output``) found in ``wire``."""
+    from safetensors.numpy import load_file
+
+    from meshlearn.data import load_dataset
+    from meshlearn.network.task.spec import dataset_spec
+
+    images = load_dataset(dataset_spec("digits")).train_x.numpy().astype(np.float32)
+    secrets = [w for image in images[:40] for w in varied_windows(image.tobytes(), 2)]
+    model = load_file(str(output / "model.safetensors"))
+    secrets += varied_windows(model[min(model)].tobytes(), 8)
+    assert len(secrets) > 40
+    return [w.hex()[:16] for w in secrets if w in wire]
+
+
 def _paths(metrics: dict) -> dict[tuple[str, str], dict]:
     """Each engine link of the task (provider, neighbour) -> its path and relay bytes."""
     return {(provider, peer): link for provider, links in metrics["links"].items() for peer, link in links.items()}
@@ -61,23 +76,13 @@ def _paths(metrics: dict) -> dict[tuple[str, str], dict]:
 def test_providers_behind_two_nats_train_over_punched_paths_with_no_byte_through_the_relay(procs):
     with NatLab(homes=3, internet=True) as lab:
         address = _network(procs, lab)
-        from meshlearn.data import load_dataset
-        from meshlearn.network.task.spec import dataset_spec
-
-        images = load_dataset(dataset_spec("digits")).train_x.numpy().astype(np.float32)
-        secrets = [w for image in images[:40] for w in varied_windows(image.tobytes(), 2)]
         with Sniffer(lab, "pub") as capture:
             leader = _request(procs, lab, address, "leader", "--algorithm", "leader")
         assert leader["accuracy"] > 0.7, leader
         links = _paths(leader)
         assert set(links) == {("home1", "home2"), ("home2", "home1")}, leader["links"]
         assert all(link == {"path": "punched", "relay_bytes": 0} for link in links.values()), links
-        from safetensors.numpy import load_file
-
-        model = load_file(str(procs.folder / "leader" / "model.safetensors"))
-        secrets += varied_windows(model[min(model)].tobytes(), 8)
-        leaked = [w.hex()[:16] for w in secrets if w in capture.data()]
-        assert not leaked, f"plaintext on the wire: {leaked}"
+        assert not _leaks(procs.folder / "leader", capture.data())
 
         udp = _request(procs, lab, address, "udp", "--algorithm", "dpsgd", "--transport", "udp",
                        "--aggregate-every", "5")
@@ -86,10 +91,15 @@ def test_providers_behind_two_nats_train_over_punched_paths_with_no_byte_through
 
 
 def test_behind_a_symmetric_nat_the_links_fall_back_to_the_relay_and_the_metrics_say_so(procs):
+    """Also the quick sibling of test_network_nat's slow test: a task through the relay, the requester
+    at home serving its data through it too, and only ciphertext on the public side."""
     with NatLab(homes=3, internet=True, symmetric=(2,)) as lab:
         address = _network(procs, lab)
-        leader = _request(procs, lab, address, "leader", "--algorithm", "leader")
+        with Sniffer(lab, "pub") as capture:
+            leader = _request(procs, lab, address, "leader", "--algorithm", "leader")
         assert leader["accuracy"] > 0.7, leader
+        assert "providers fetch the data through the relay" in procs.log("leader")
+        assert not _leaks(procs.folder / "leader", capture.data())
         links = _paths(leader)
         assert {link["path"] for link in links.values()} == {"relayed"}, links
         assert sum(link["relay_bytes"] for link in links.values()) > 0, links  # (a leader's own link may stay idle)
@@ -97,6 +107,8 @@ def test_behind_a_symmetric_nat_the_links_fall_back_to_the_relay_and_the_metrics
         assert "maps each destination to a new port" in out, out
 
 
+# slow (30 s): its quick sibling is test_punch's pair linked over QUIC on loopback
+@pytest.mark.slow
 def test_behind_firewalls_that_drop_every_syn_from_outside_the_links_go_over_quic_on_punched_udp(procs):
     with NatLab(homes=3, internet=True, syn_blocked=(1, 2)) as lab:
         address = _network(procs, lab)

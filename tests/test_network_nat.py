@@ -28,6 +28,9 @@ def _start(procs: Processes, lab: NatLab, ns: str, name: str, *args: str):
                        env={"MESHLEARN_HOME": str(procs.folder / f"home-{name}")})
 
 
+# slow: its quick sibling is test_nat_punch's task behind a symmetric NAT (through the relay, the
+# requester at home, a capture of the public side)
+@pytest.mark.slow
 def test_providers_and_a_requester_behind_nat_train_through_the_relay_and_only_ciphertext_crosses_it(lab, procs):
     bootstrap_port = 8080
     _start(procs, lab, "pub", "bootstrap", "bootstrap", "--host", "0.0.0.0", "--advertise", lab.public_ip,
