@@ -83,6 +83,7 @@ def test_providers_behind_two_nats_train_over_punched_paths_with_no_byte_through
         assert set(links) == {("home1", "home2"), ("home2", "home1")}, leader["links"]
         assert all(link == {"path": "punched", "relay_bytes": 0} for link in links.values()), links
         assert not _leaks(procs.folder / "leader", capture.data())
+        assert "links: home2 punched" in procs.log("home1"), procs.log("home1")
 
         udp = _request(procs, lab, address, "udp", "--algorithm", "dpsgd", "--transport", "udp",
                        "--aggregate-every", "5")

@@ -329,3 +329,72 @@ def test_a_pair_whose_tcp_punch_fails_links_over_quic_on_a_punched_udp_path_both
     finally:
         for paths in made.values():
             paths.close()
+
+
+# ---- what the review of the first version found ------------------------------------------------
+
+
+def test_a_punch_cut_short_by_the_tasks_end_is_not_remembered_as_failed(sides):
+    started = threading.Event()
+
+    def until_cancelled(local, peer, deadline, clock, cancelled=None):
+        started.set()
+        cancelled.wait(30)
+        return PunchResult(None, 1, "cancelled")
+    a = paths_of(sides["a"], punch=until_cancelled)
+    a.route({1: sides["relay"]}, {0: "a", 1: "b"}, {1: sides["b"]["ports"]})
+    assert started.wait(10)
+    a.close()
+    assert sides["a"]["memory"].worth_trying("b", "tcp") and sides["a"]["memory"].worth_trying("b", "quic")
+
+
+def test_a_punch_that_raises_leaves_the_link_to_the_relay_instead_of_parking_it(sides):
+    def broken(local, peer, deadline, clock, cancelled=None):
+        raise TypeError("an address the system refuses")
+    a = paths_of(sides["a"], punch=broken)
+    try:
+        book = a.route({1: sides["relay"]}, {0: "a", 1: "b"}, {1: sides["b"]["ports"]})
+        assert ask(book[1], b"hello") == b"relay:hello"
+        assert a.report()["b"]["path"] == "relayed"
+    finally:
+        a.close()
+
+
+def test_no_punch_goes_to_this_machines_loopback_unless_the_provider_is_reached_there_too(sides):
+    calls = []
+
+    def record(local, peer, deadline, clock, cancelled=None):
+        calls.append(peer)
+        return PunchResult(None, 1, "timed out")
+    public = sides["a"]["ports"].model_copy(update={"host": "198.18.1.2"})
+    a = paths_of(sides["a"], mine=public, punch=record)
+    try:
+        book = a.route({1: sides["relay"]}, {0: "a", 1: "b"}, {1: sides["b"]["ports"]})  # b names 127.0.0.1
+        assert ask(book[1], b"hello") == b"relay:hello" and calls == []
+    finally:
+        a.close()
+
+
+def test_a_task_run_whose_links_were_closed_routes_nothing_when_a_late_start_comes(sides):
+    from types import SimpleNamespace
+
+    from meshlearn.network.provider.enginelinks import EngineLinks
+
+    ctx = SimpleNamespace(relayed=True, host="127.0.0.1", punch_memory=PunchMemory(), clock=None)
+    links = EngineLinks(ctx, "t", 0)
+    links.close()
+    before = {thread.name for thread in threading.enumerate()}
+    book = {1: sides["relay"]}
+    assert links.route(book, {0: "a", 1: "b"}, {1: sides["b"]["ports"]}) is book
+    assert {thread.name for thread in threading.enumerate()} - before == set()
+
+
+@pytest.mark.parametrize("ports", [{"host": "0177.0.0.1", "out_port": 5}, {"host": "0.0.0.0", "out_port": 5},
+                                   {"host": "224.0.0.1"}, {"host": "169.254.1.1"}, {"host": "999.1.1.1"},
+                                   {"out_port": 5}, {"quic_pin": "0" * 64}, {"host": "10.0.0.1", "out_port": 0},
+                                   {"host": "10.0.0.1", "quic_pin": "XYZ"}])
+def test_punching_ports_from_the_network_name_a_reachable_host_for_every_port(ports):
+    from meshlearn.errors import BadMessage
+
+    with pytest.raises(BadMessage):
+        PunchPorts.read(ports, "task.start")

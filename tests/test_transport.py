@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -228,3 +229,41 @@ def test_a_neighbour_that_missed_three_deadlines_is_not_waited_for_until_heard_a
     assert wait_until(lambda: 1 in a.gather(20, [1], timeout=0.2), timeout=10)
     assert a.silent == set()
     assert a.gather(21, [1], timeout=0.2) == {} and a.stats.gather_timeouts == SILENT_AFTER + 1  # waited for again
+
+
+def test_no_exclusion_is_lost_to_joins_taken_in_at_the_same_time_and_no_join_either():
+    """Exclusions (a revoked provider) and joins (a newcomer) replace the book from two threads:
+    10,000 rounds of each interleaved (in 10 books of 1,000, so each copy stays small), every book
+    ends without any excluded peer and with every joined one; an excluded peer that asks to join
+    again is not taken back."""
+    for _ in range(10):
+        _race_joins_and_exclusions(1_000)
+
+
+def _race_joins_and_exclusions(rounds: int) -> None:
+    transport = TcpTransport(0)
+    transport.peers = {2 * k: f"tcp://127.0.0.1:{k + 1}" for k in range(rounds)}  # even: to be excluded
+    transport._ctx = object()  # the join path dials each newcomer: no sockets here, the book's rules only
+    transport._dial = lambda peer, address: None
+    start = threading.Barrier(2)
+
+    def joins():
+        start.wait()
+        for k in range(rounds):
+            transport.add_peer(2 * k + 1, f"tcp://127.0.0.1:{k + 1}")  # odd: newcomers
+            transport.add_peer(2 * k, f"tcp://127.0.0.1:{k + 1}")  # an even one again: excluded, or about to be
+            transport._take_in_joined()
+
+    def exclusions():
+        start.wait()
+        for k in range(rounds):
+            transport.exclude(2 * k)
+
+    threads = [threading.Thread(target=joins), threading.Thread(target=exclusions)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    transport._take_in_joined()
+    assert not [p for p in transport.peers if p % 2 == 0], "an exclusion was lost"
+    assert sorted(transport.peers) == list(range(1, 2 * rounds, 2)), "a join was lost"

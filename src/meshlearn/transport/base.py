@@ -77,6 +77,8 @@ class Endpoint(ABC):
         self.stats = TransportStats()
         self.peers: dict[int, str] = {}
         self.departed: set[int] = set()
+        self.excluded: set[int] = set()  # peers shut out of the run: never taken in again (``exclude``)
+        self._peers_lock = threading.Lock()  # ``peers`` is replaced whole (readers never lock), one writer at a time
         self.window = ReplayWindow()  # the sealed messages taken, per sender (endpoints with a seal)
         self._threads: list[GuardedThread] = []
         self._refusals = SparseLog(log)
@@ -91,9 +93,20 @@ class Endpoint(ABC):
     def exclude(self, peer: int) -> None:
         """Take nothing from ``peer`` and send it nothing from now on (it was shut out of the run:
         a network task's provider whose key was revoked); it counts as departed, so nobody waits
-        for it. Safe from any thread."""
-        self.peers = {p: address for p, address in self.peers.items() if p != peer}
-        self.departed.add(peer)
+        for it. Safe from any thread, against ``take_in`` too: an exclusion is never undone."""
+        with self._peers_lock:
+            self.excluded.add(peer)
+            self.peers = {p: address for p, address in self.peers.items() if p != peer}
+            self.departed.add(peer)
+
+    def take_in(self, peer: int, address: str) -> bool:
+        """Add a peer that joined while the run goes on (a new ``peers``, replaced whole, so readers
+        need no lock); False, and nothing changes, for one shut out of the run (``exclude``)."""
+        with self._peers_lock:
+            if peer in self.excluded:
+                return False
+            self.peers = {**self.peers, peer: address}
+            return True
 
     def drop_refused(self, error: WireError, what: str) -> None:
         """Count a received message that is refused, ``what`` it was (a replay: ``replay_dropped``;

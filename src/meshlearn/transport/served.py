@@ -137,7 +137,7 @@ class ServedEndpoint(Endpoint):
     def add_peer(self, rank: int, address: str) -> None:
         """A peer that joined the group while it runs: served and callable from now on (safe from
         any thread: the book is replaced whole, never changed under a reader)."""
-        self.peers = {**self.peers, rank: address}
+        self.take_in(rank, address)
 
     def caller(self) -> "Caller":
         """A new caller for one thread's requests to the peers (closed with the endpoint)."""

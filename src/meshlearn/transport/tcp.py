@@ -189,8 +189,7 @@ class TcpTransport(Transport):
         with self._joining_lock:
             joined, self._joining = self._joining, []
         for peer, address in joined:
-            if peer not in self._dealers and self._ctx is not None:
-                self.peers = {**self.peers, peer: address}
+            if peer not in self._dealers and self._ctx is not None and self.take_in(peer, address):
                 self._dial(peer, address)
 
     def send(self, peer: int, msg: Message) -> None:

@@ -136,8 +136,9 @@ class QuicPath:
             self.close()
             raise
 
-    def expose_local(self, port: int | None) -> int:
-        """Carry streams the peer opens to ``port`` on 127.0.0.1 (None: refuse them), and return a
+    def expose_local(self, port: int | None, host: str = LOOPBACK) -> int:
+        """Carry streams the peer opens to ``port`` on ``host`` (an address of this machine where
+        the engine listens; None: refuse them), and return a
         port on 127.0.0.1 whose connections are carried to the peer's. Call it before the peer's
         side connects (before ``start()`` will do): streams that come earlier are refused."""
         if self._listener is not None:
@@ -145,8 +146,8 @@ class QuicPath:
         self._listener = socket.create_server((LOOPBACK, 0))
         local_port = self._listener.getsockname()[1]
         if self._thread is None:
-            self._session.carrier.expose(port, self._listener)
-        elif not self._call(self._session.carrier.expose, port, self._listener):
+            self._session.carrier.expose(port, self._listener, host)
+        elif not self._call(self._session.carrier.expose, port, self._listener, host):
             self._listener.close()
         return local_port
 

@@ -72,6 +72,7 @@ class StreamCarrier:
         self._gone: set[int] = set()  # peer streams refused or aborted: late data for them is dropped
         self._to_flush: set[Carried] = set()
         self._target: int | None = None
+        self._target_host = LOOPBACK
         self._listener: socket.socket | None = None
         self._server: asyncio.Server | None = None
         self._serving = self._closed = False
@@ -80,10 +81,10 @@ class StreamCarrier:
 
     # --- called by the session ---
 
-    def expose(self, target: int | None, listener: socket.socket) -> None:
-        """Carry the peer's streams to ``target`` (a port on 127.0.0.1; None: refuse them), and
-        connections to ``listener`` to the peer (once ``serve`` was called)."""
-        self._target, self._listener = target, listener
+    def expose(self, target: int | None, listener: socket.socket, host: str = LOOPBACK) -> None:
+        """Carry the peer's streams to ``target`` (a port on ``host``, this machine; None: refuse
+        them), and connections to ``listener`` to the peer (once ``serve`` was called)."""
+        self._target, self._listener, self._target_host = target, listener, host
         if self._closed:
             listener.close()
         elif self._serving:
@@ -204,7 +205,7 @@ class StreamCarrier:
 
     async def _dial(self, carried: Carried) -> None:
         try:
-            reader, writer = await asyncio.open_connection(LOOPBACK, self._target)
+            reader, writer = await asyncio.open_connection(self._target_host, self._target)
         except OSError as exc:
             self._warn.warning("dial", "QUIC path to %s: the local port %s cannot be reached (%s)", self.link.where,
                                self._target, exc)

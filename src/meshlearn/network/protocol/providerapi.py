@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Annotated, Any
 
-from pydantic import BeforeValidator, Field
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from meshlearn.network.protocol.message import (
     Address,
@@ -28,7 +29,19 @@ EngineIndex = Annotated[str, Field(pattern=r"^[0-9]{1,4}$")]  # a provider's ind
 Engine = Annotated[str, Field(max_length=256)]  # a task engine's scheme://HOST:PORT ("": none yet, or alone)
 RunStateName = Annotated[str, Field(max_length=16)]  # a run's state (``taskrun.RunState``)
 MAX_ERROR = 1000  # characters of a failed run's error its status carries
-Ipv4 = Annotated[str, Field(pattern=r"^([0-9]{1,3}\.){3}[0-9]{1,3}$")]
+def _unicast_ipv4(value: str) -> str:
+    """An IPv4 address a peer can be reached at: written plainly (no leading zeros), neither
+    unspecified, broadcast, multicast nor reserved."""
+    try:
+        address = ipaddress.IPv4Address(value)
+    except ValueError:
+        raise ValueError(f"{value!r} is no IPv4 address") from None
+    if address.is_unspecified or address.is_multicast or address.is_reserved or address.is_link_local:
+        raise ValueError(f"{value} is no address a peer can be reached at")
+    return value
+
+
+Ipv4 = Annotated[str, Field(max_length=15), AfterValidator(_unicast_ipv4)]
 Port = Annotated[int, Field(ge=1, le=65535)]
 Fingerprint = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # SHA-256, hex
 MAX_QUIC_PEERS = 16  # providers a provider keeps a QUIC socket for (a larger task's unpunchable TCP links: the relay)
@@ -48,6 +61,12 @@ class PunchPorts(Message):
     # present, and the public port of its UDP socket for the path with each provider, by index
     quic_pin: Fingerprint | None = None
     udp_ports: Annotated[dict[EngineIndex, Port], Field(max_length=MAX_QUIC_PEERS)] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ports_have_a_host(self) -> PunchPorts:
+        if self.host is None and (self.out_port or self.in_port or self.udp_ports or self.quic_pin):
+            raise ValueError("punching ports name no host")
+        return self
 
     def udp_port_for(self, index: int) -> int | None:
         """The public UDP port of this provider's QUIC socket for the path with provider ``index``."""

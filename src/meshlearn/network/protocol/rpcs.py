@@ -161,7 +161,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "da276796d317ba4e"
+PROTOCOL_DIGEST = "3b5a6c3302a315c5"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:

@@ -24,6 +24,7 @@ thread around ``punch_tcp`` / ``punch_udp``.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import threading
@@ -41,7 +42,7 @@ from meshlearn.network.channel.punch import (
     punch_tcp,
     punch_udp,
 )
-from meshlearn.network.channel.quicpath import QuicPath, role_for
+from meshlearn.network.channel.quicpath import HANDSHAKE_TIMEOUT, QuicPath, role_for
 from meshlearn.network.channel.relaywire import host_port, tune
 from meshlearn.network.channel.splicer import Acceptor, Loop, Splice, Splicer, close_socket, dial
 from meshlearn.network.protocol.providerapi import PunchPorts
@@ -49,14 +50,27 @@ from meshlearn.network.provider.natside import QuicSockets
 
 log = logging.getLogger(__name__)
 MAX_PIPES = 16  # kernel pipes the task's splices may hold at once (two per busy link direction)
+MAX_PUNCHED_PAIRS = 16  # neighbours a provider punches paths to at once (two threads each); the rest: the relay
 DIRECT, PUNCHED, QUIC, RELAYED, PUNCHING = "direct", "punched", "quic", "relayed", "punching"
+ANNOUNCED = "announced"  # a neighbour that named no punching ports (one taken in mid-task): dialed where it said
 
 
 def punchable(source: PunchPorts | None, target: PunchPorts | None) -> bool:
     """Whether the link from the provider with ``source`` to the one with ``target`` is punched:
-    the target is behind NAT, and both named their ports (none does behind a symmetric NAT)."""
-    return source is not None and target is not None and target.behind_nat and source.out_port is not None \
-        and target.in_port is not None and target.host is not None
+    the target is behind NAT, and both named their hosts and ports (none does behind a symmetric NAT)."""
+    return source is not None and target is not None and target.behind_nat and source.host is not None \
+        and source.out_port is not None and target.in_port is not None and target.host is not None
+
+
+def may_dial(host: str | None, mine: PunchPorts | None) -> bool:
+    """Whether a punch may go to ``host``, a neighbour's public address as its task's requester
+    passed it on: never this machine's loopback (a service here is no neighbour), unless this
+    provider is reached on loopback itself (every provider on one machine)."""
+    if host is None:
+        return False
+    address = ipaddress.IPv4Address(host)
+    return not address.is_loopback or (mine is not None and mine.host is not None
+                                        and ipaddress.IPv4Address(mine.host).is_loopback)
 
 
 @dataclass
@@ -97,23 +111,29 @@ class LinkPaths:
     engine dials; ``report`` says each link's path; ``close`` ends everything."""
 
     def __init__(self, me: int, bind_host: str, engine_port: int, mine: PunchPorts | None, memory: PunchMemory,
-                 quic: QuicSockets | None = None, clock: Clock = SYSTEM, punch_time: float = PUNCH_TIME,
+                 quic: QuicSockets | None = None, clock: Clock = SYSTEM, budget: float | None = None,
                  punch: Callable[..., PunchResult] = punch_tcp):
         self.me = me  # this provider's index in the task
         self.bind_host = bind_host  # where this provider's punching ports are bound
+        self.engine = (bind_host if bind_host not in ("", "0.0.0.0") else "127.0.0.1", engine_port)  # its engine
         self.engine_port = engine_port
         self.mine = mine
         self.memory = memory
         self.quic = quic or QuicSockets()
         self.clock = clock
-        self.punch_time = punch_time
+        # seconds a TCP punch, a UDP punch and a QUIC handshake may each take: together at most 3/4 of
+        # ``budget`` (the engine's handshake timeout), so a link that ends on the relay is there in time
+        share = float("inf") if budget is None else budget / 4
+        self.punch_time, self.udp_time, self.quic_time = (min(PUNCH_TIME, share), min(UDP_PUNCH_TIME, share),
+                                                          min(HANDSHAKE_TIMEOUT, share))
         self.punch = punch  # ``punch_tcp``; tests give both ends of a pair one connection instead
         self._loop = Loop("link-paths", on_stop=self._close_all)
         self._splicer = Splicer(self._loop, MAX_PIPES)
         self._pairs: dict[int, _Pair] = {}
-        self._direct: dict[int, str] = {}
+        self._direct: dict[int, tuple[str, str]] = {}  # neighbours dialed where they said: (id, path)
         self._joined: list[Splice] = []  # punched links joined to a front's connection or to the engine
         self._cancelled = threading.Event()
+        self._punching = 0  # pairs being punched (at most MAX_PUNCHED_PAIRS)
 
     def route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts]) -> dict[int, str]:
         """Start serving the links of ``book`` (engine addresses by index; ``ids``: the providers'
@@ -129,7 +149,7 @@ class LinkPaths:
                 pair.front = self._open_front(pair, host_port(where))
                 routed[index] = f"tcp://127.0.0.1:{pair.front.listener.getsockname()[1]}"
             else:
-                self._direct[index] = pair.peer
+                self._direct[index] = (pair.peer, DIRECT if theirs is not None else ANNOUNCED)
                 routed[index] = address
             if scheme == "tcp" and (crosses or (self.mine is not None and self.mine.behind_nat)):
                 self._pairs[index] = pair
@@ -139,7 +159,7 @@ class LinkPaths:
     def report(self) -> dict[str, dict]:
         """Each link this provider's engine dials, by neighbour id: its path (direct, punched, quic,
         relayed, or punching while under way) and the bytes it sent and received through the relay."""
-        links = {peer: {"path": DIRECT, "relay_bytes": 0} for peer in self._direct.values()}
+        links = {peer: {"path": path, "relay_bytes": 0} for peer, path in list(self._direct.values())}
         for pair in list(self._pairs.values()):
             if pair.front is not None:
                 links[pair.peer] = {"path": pair.front.path, "relay_bytes": pair.front.bytes_through_relay()}
@@ -159,8 +179,10 @@ class LinkPaths:
 
     def _start_pair(self, pair: _Pair) -> None:
         """Punch the pair's directions that cross a NAT (each side does the same for the pair)."""
-        outward = pair.front is not None and punchable(self.mine, pair.theirs)
-        inward = punchable(pair.theirs, self.mine)
+        allowed = may_dial(pair.theirs.host if pair.theirs else None, self.mine) and self._punching < MAX_PUNCHED_PAIRS
+        outward = allowed and pair.front is not None and punchable(self.mine, pair.theirs)
+        inward = allowed and punchable(pair.theirs, self.mine)
+        self._punching += outward or inward
         tcp = self.memory.worth_trying(pair.peer, "tcp")
         pair.failed = (outward or inward) and not tcp
         if tcp and outward:
@@ -176,7 +198,7 @@ class LinkPaths:
         front's connections on their way."""
         if pair.pending or pair.settled:
             return
-        if pair.failed and self._quic_possible(pair):
+        if pair.failed and not self._cancelled.is_set() and self._quic_possible(pair):
             pair.settled = True
             threading.Thread(target=self._open_quic, args=(pair,), name=f"quic-{pair.peer}", daemon=True).start()
             return
@@ -265,7 +287,7 @@ class LinkPaths:
         pair.pending -= 1
         pair.failed |= result.sock is None
         if result.sock is not None:
-            self._dial_and_join(result.sock, ("127.0.0.1", self.engine_port), self._joined, "this provider's engine")
+            self._dial_and_join(result.sock, self.engine, self._joined, "this provider's engine")
         self._settle(pair)
 
     def _quic_opened(self, pair: _Pair, path: QuicPath | None, local_port: int | None) -> None:
@@ -297,8 +319,13 @@ class LinkPaths:
         deadline = self.clock.monotonic() + self.punch_time
 
         def work() -> None:
-            result = self.punch((self.bind_host, port), target, deadline, self.clock, cancelled=self._cancelled)
-            if result.sock is None:
+            try:
+                result = self.punch((self.bind_host, port), target, deadline, self.clock, cancelled=self._cancelled)
+            except Exception as exc:  # a bug, or an address the system refuses: the pair goes on without it
+                result = PunchResult(None, 0, f"{type(exc).__name__}: {exc}")
+            if self._cancelled.is_set():
+                pass  # the task ended: says nothing of the pair
+            elif result.sock is None:
                 self.memory.failed(pair.peer, "tcp")
                 log.info("link with %s: no TCP path through the NATs (%s after %d tries)", pair.peer, result.why,
                          result.tries)
@@ -313,21 +340,24 @@ class LinkPaths:
         sock = self.quic.take(pair.index)
         target = (pair.theirs.host, pair.theirs.udp_port_for(self.me))
         path = local_port = None
-        if punch_udp(sock, target, self.clock.monotonic() + UDP_PUNCH_TIME, self.clock, self._cancelled):
+        if sock is None:  # closed meanwhile: the task ended
+            return
+        if punch_udp(sock, target, self.clock.monotonic() + self.udp_time, self.clock, self._cancelled):
             own, theirs = self.mine.quic_pin, pair.theirs.quic_pin
             path = QuicPath(sock, target, role_for(own.encode(), theirs.encode()), self.quic.certificate,
-                            bytes.fromhex(theirs))
-            local_port = path.expose_local(self.engine_port)
+                            bytes.fromhex(theirs), handshake_timeout=self.quic_time)
             try:
+                local_port = path.expose_local(*reversed(self.engine))
                 path.start()
                 self.memory.worked(pair.peer, "quic")
-            except NetworkError as exc:
+            except (NetworkError, OSError) as exc:
+                path.close()
                 log.info("link with %s: no QUIC path either (%s): the relay carries it", pair.peer, exc)
                 path = local_port = None
         else:
             sock.close()
             log.info("link with %s: no UDP path through the NATs either: the relay carries it", pair.peer)
-        if path is None:
+        if path is None and not self._cancelled.is_set():
             self.memory.failed(pair.peer, "quic")
         if not self._loop.call_soon(partial(self._quic_opened, pair, path, local_port)) and path is not None:
             path.close()

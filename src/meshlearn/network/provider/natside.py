@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from meshlearn.errors import BadMessage, NetworkError
@@ -39,6 +40,7 @@ class QuicSockets:
 
     certificate: PathCertificate = field(default_factory=PathCertificate.generate)
     sockets: dict[int, socket.socket] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def bind(cls, bind_host: str, peers: list[int]) -> QuicSockets:
@@ -57,13 +59,16 @@ class QuicSockets:
         return {str(index): public_port(sock) for index, sock in self.sockets.items()}
 
     def take(self, index: int) -> socket.socket | None:
-        """The socket for the path with provider ``index``, now the caller's (None: there is none)."""
-        return self.sockets.pop(index, None)
+        """The socket for the path with provider ``index``, now the caller's (None: there is none,
+        or they were closed). Safe from any thread, against ``close`` too."""
+        with self.lock:
+            return self.sockets.pop(index, None)
 
     def close(self) -> None:
-        for sock in self.sockets.values():
+        with self.lock:
+            closing, self.sockets = self.sockets, {}
+        for sock in closing.values():
             sock.close()
-        self.sockets.clear()
 
 
 @dataclass
@@ -129,13 +134,19 @@ class NatSide:
             (host, out_port), (_, in_port) = (
                 tcp_reflexive_address(sock.getsockname()[1], (self.host, self.relay_port), ASK_TIME,
                                       local_host=bind_host) for sock in side.held)
-            udp_ports = side.quic.ports(lambda sock: reflexive_address(sock, (self.host, self.relay_port), ASK_TIME)[1])
         except NetworkError as exc:
             log.info("could not learn this machine's public ports: %s", exc)
             side.close()
             return LinkSide(PunchPorts(behind_nat=True))
-        side.ports = PunchPorts(host=host, out_port=out_port, in_port=in_port, behind_nat=True,
-                                quic_pin=side.quic.certificate.fingerprint.hex(), udp_ports=udp_ports)
+        try:  # UDP blocked towards the reflector costs the QUIC paths only
+            quic = {"quic_pin": side.quic.certificate.fingerprint.hex(),
+                    "udp_ports": side.quic.ports(lambda sock: reflexive_address(sock, (self.host, self.relay_port),
+                                                                                ASK_TIME)[1])}
+        except NetworkError as exc:
+            log.info("could not learn this machine's public UDP ports (no QUIC paths): %s", exc)
+            side.quic.close()
+            quic = {}
+        side.ports = PunchPorts(host=host, out_port=out_port, in_port=in_port, behind_nat=True, **quic)
         return side
 
     def udp_engine_address(self, sock: socket.socket) -> str:

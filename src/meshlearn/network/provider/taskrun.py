@@ -151,7 +151,7 @@ class TaskRun:
         self.finisher = Finisher(spec, ctx, self.index)
         self.error: str | None = None
         self.progress: dict = {}
-        self.links = EngineLinks(ctx, spec.task_id, self.index)  # where peers reach the engine, and its links to them
+        self.links = EngineLinks(ctx, spec.task_id, self.index, spec.handshake_timeout)  # where peers reach the engine, and its links to them
         self.node: Node | None = None
         self.iterations = 0
         self._state = RunState.PREPARING
@@ -192,6 +192,8 @@ class TaskRun:
             threading.Thread(target=election.watch, name=f"task-watch-{self.spec.task_id}", daemon=True,
                              args=(stop_watching, max(0.2, self.spec.peer_timeout / 4), self.ctx.clock)).start()
             self.node.run(self._book)
+            if said := self.links.describe():  # which links crossed a NAT, and how
+                print(f"provider {self.ctx.id}: task {self.spec.task_id}'s links: {said}", flush=True)
             self._move(RunState.FINISHING)
             self.finisher.finish(self.progress.get("iteration", 0), self._check_cancelled,
                                  self.progress.get("train_loss"))

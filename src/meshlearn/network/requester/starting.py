@@ -4,6 +4,7 @@ provider assigned it and waited for until ready, one that cannot take it left ou
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -26,6 +27,8 @@ from meshlearn.network.requester.lifecycle import TaskStage
 from meshlearn.network.requester.serving import DataServer
 from meshlearn.network.task.datashare import FileShare, dataset_meta
 from meshlearn.network.task.spec import WEIGHTS_FILE, Resumed, TaskSettings, TaskSpec
+
+MAX_STARTS_AT_ONCE = 16  # starts in flight together (a provider's links are punched as its start reaches it)
 
 
 class Starter:
@@ -53,16 +56,30 @@ class Starter:
             plan = self._next_plan(plan, refused, claimed)
             self._drop_attempt(spec, plan)
         self._write_config(spec)
-        for peer in spec.peers:
-            try:
-                ctx.providers.start(peer, ctx.roster.engines, punch=ctx.roster.punch)
-            except NetworkError as exc:  # it went between ready and start: the others go on without it
-                ctx.lose(peer.id, f"did not take the start ({exc})")
+        self._start_all(spec)
         ctx.say(f"task {ctx.task_id}: started on {len(spec.peers)} provider(s)")
         ctx.lifecycle.move(TaskStage.STARTED)
         ctx.record.providers, ctx.record.fingerprint = [p.id for p in spec.peers], spec.fingerprint()
         ctx.write_record()
         return spec
+
+    def _start_all(self, spec: TaskSpec) -> None:
+        """Tell every provider to start, all at once (their links are punched through NATs from both
+        ends at the same moment: one slow answer must not hold the others' starts back)."""
+        ctx = self.ctx
+
+        def start(peer) -> str | None:
+            try:
+                ctx.providers.start(peer, ctx.roster.engines, punch=ctx.roster.punch)
+            except NetworkError as exc:
+                return str(exc)
+            return None
+        with ThreadPoolExecutor(max_workers=min(MAX_STARTS_AT_ONCE, len(spec.peers)),
+                                thread_name_prefix="start") as pool:
+            failed = list(pool.map(start, spec.peers))
+        for peer, why in zip(spec.peers, failed):
+            if why is not None:  # it went between ready and start: the others go on without it
+                ctx.lose(peer.id, f"did not take the start ({why})")
 
     def _next_plan(self, plan: list[ProviderRecord], refused: dict[str, str],
                    claimed: list[ProviderRecord]) -> list[ProviderRecord]:

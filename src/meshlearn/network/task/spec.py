@@ -416,11 +416,16 @@ class TaskSpec(TaskSettings):
             nodes=max(2, self.shards, len(self.peers)), topology="full", rounds=rounds, iterations=iterations,
             test_after=min(self.eval_every or iterations, iterations), eval_nodes=0 if self.eval_every else 1,
             host=host, device=device,
-            tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=3 * self.peer_timeout,
+            tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=self.handshake_timeout,
                             max_message_mb=max_message_mb),
-            udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=3 * self.peer_timeout,
+            udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=self.handshake_timeout,
                             max_message_mb=max_message_mb),
             checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)
+
+    @property
+    def handshake_timeout(self) -> float:
+        """Seconds a provider's engine waits for its neighbours' handshakes (three peer timeouts)."""
+        return 3 * self.peer_timeout
 
     def engine_algorithm(self) -> tuple[str, LeaderSettings]:
         """The engine's algorithm and leader settings for the task's algorithm. FedAvg in the network
