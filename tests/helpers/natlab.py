@@ -12,7 +12,7 @@ Every namespace reaches all of pub's addresses; pub cannot reach any 10.x addres
 router's firewall drops new connections coming in from its wan side); homes cannot reach each other
 (pub does not forward), unless ``internet=True``: then pub routes between the routers' public addresses,
 so a home reaches another home's router, whose NAT lets in only what answers a flow its home opened (hole
-punching). Each router maps a home's flows as Linux masquerade does (the source port kept where free:
+punching), and whose own firewall drops what comes in for the router itself. Each router maps a home's flows as Linux masquerade does (the source port kept where free:
 one mapping per local port, whatever the destination), or, for the homes named in ``symmetric``, to a new
 random port per flow (a symmetric NAT, which punching cannot cross); the routers of the homes named in
 ``syn_blocked`` drop every SYN coming in (TCP cannot be punched through them, UDP can). Interface names are per namespace, so
@@ -246,18 +246,20 @@ class NatLab:
             # a firewall that lets no connection be opened from outside, not even one its home is opening
             # to the same address at once (a TCP simultaneous open): UDP still gets through
             syn_rule = "  iifname \"wan\" tcp flags & (syn | ack) == syn drop\n" if i in self.syn_blocked else ""
+            # with the internet on, a home router's own firewall: nothing unasked-for from the wan side
+            # reaches the router itself (so it neither answers it nor keeps a conntrack entry that would
+            # take a mapping a home's flow needs). Without it, a router can serve as a public machine.
+            input_rules = ("  iifname \"wan\" ct state established,related accept\n"
+                           "  iifname \"wan\" drop\n") if self.internet else ""
             _run(["ip", "netns", "exec", r, "nft", "-f", "-"], input=(
                 "table ip natlab {\n"
                 " chain postrouting {\n"
                 "  type nat hook postrouting priority srcnat; policy accept;\n"
                 f"  oifname \"wan\" ip saddr 10.{i}.0.0/24 masquerade{mapping}\n"
                 " }\n"
-                # a home router's own firewall: nothing unasked-for from the wan side reaches the router
-                # itself (so it neither answers it nor keeps a conntrack entry that would steal a mapping)
                 " chain input {\n"
                 "  type filter hook input priority filter; policy accept;\n"
-                "  iifname \"wan\" ct state established,related accept\n"
-                "  iifname \"wan\" drop\n"
+                f"{input_rules}"
                 " }\n"
                 " chain forward {\n"
                 "  type filter hook forward priority filter; policy accept;\n"
