@@ -34,6 +34,7 @@ from functools import partial
 
 from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import NetworkError
+from meshlearn.network.channel.addresses import is_wildcard
 from meshlearn.network.channel.punch import (
     PUNCH_TIME,
     UDP_PUNCH_TIME,
@@ -115,7 +116,7 @@ class LinkPaths:
                  punch: Callable[..., PunchResult] = punch_tcp):
         self.me = me  # this provider's index in the task
         self.bind_host = bind_host  # where this provider's punching ports are bound
-        self.engine = (bind_host if bind_host not in ("", "0.0.0.0") else "127.0.0.1", engine_port)  # its engine
+        self.engine = ("127.0.0.1" if is_wildcard(bind_host) else bind_host, engine_port)  # where its engine listens
         self.engine_port = engine_port
         self.mine = mine
         self.memory = memory
