@@ -8,8 +8,9 @@ to node 1, which gathers it. Two ways to link them, alternated, fresh processes 
 - direct: each router forwards the engine's port to its home (a port forward, as an operator would
   set up), and each node dials the other's router at that port;
 - punched: no forward; each node's ``LinkPaths`` punches both links through both NATs (TCP
-  simultaneous open, from fixed punching ports that the routers' masquerade keeps as they are) and
-  its engine dials its local front;
+  simultaneous open, from fixed punching ports that the routers' masquerade keeps as they are),
+  then hands them to the engines (``settle``): each DEALER connects from its punching port to the
+  other's, each ROUTER meets it from there, and the link runs engine to engine, as a direct one;
 - quic (``--quic``): as punched, but the TCP punch is made to fail at once, so ``LinkPaths`` punches
   UDP from fixed ports and carries both links over one QUIC connection (certificates pinned: each
   node says its fingerprint, the orchestrator hands it to the other).
@@ -21,7 +22,7 @@ machine's CLOCK_MONOTONIC). One warm-up message, then ``--reps`` timed; a run's 
 
 ``--rate`` shapes each home's uplink and downlink (a ``tbf`` qdisc on both ends of its router's
 public link), as a home connection is: the links then cost what they would, instead of the
-unlimited veth pairs, on which the paths' fixed costs (a punched path's two loopback hops) weigh most.
+unlimited veth pairs, on which the paths' fixed costs weigh most.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ def node(index: int, path: str, key_hex: str, reps: int, mb: float) -> None:
         paths = LinkPaths(index, "0.0.0.0", ENGINE[index], ports[index], PunchMemory(), quic,
                           **({"punch": no_tcp} if path == "quic" else {}))
         book = paths.route(book, {0: "node0", 1: "node1"}, {other: ports[other]})
+        book, meets = paths.settle(book)  # a punched link: each engine connects between the punched ports
+        for peer, address in meets.items():
+            transport.meet(peer, address)
     transport.connect(book)
     print("ready", flush=True)
     torch.manual_seed(0)

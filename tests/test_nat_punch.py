@@ -2,7 +2,8 @@
 
 Two providers sit in two homes behind two masquerading routers, a requester in a third; the
 "internet" routes between the routers. Their engine links are punched through both NATs (TCP for
-a leader task, the UDP engine's own socket for D-PSGD over sealed UDP), so no engine byte crosses
+a leader task and for D-PSGD over TCP, whose engines then connect between the punched ports
+themselves; the UDP engine's own socket for D-PSGD over sealed UDP), so no engine byte crosses
 the bootstrap's relay, and a capture of the public side holds no plaintext. Behind a NAT that maps
 each destination to a new port (symmetric), the links fall back to the relay, and the task's
 metrics say so; behind firewalls that drop every SYN from outside (no TCP punch), over QUIC on a
@@ -78,12 +79,19 @@ def test_providers_behind_two_nats_train_over_punched_paths_with_no_byte_through
         address = _network(procs, lab)
         with Sniffer(lab, "pub") as capture:
             leader = _request(procs, lab, address, "leader", "--algorithm", "leader")
+            # D-PSGD over TCP: its engines connect between the punched ports themselves (the hand-over);
+            # the task completes only if that second simultaneous open gets through both NATs too
+            tcp = _request(procs, lab, address, "tcp", "--algorithm", "dpsgd", "--transport", "tcp")
         assert leader["accuracy"] > 0.7, leader
         links = _paths(leader)
         assert set(links) == {("home1", "home2"), ("home2", "home1")}, leader["links"]
         assert all(link == {"path": "punched", "relay_bytes": 0} for link in links.values()), links
         assert not _leaks(procs.folder / "leader", capture.data())
         assert "links: home2 punched" in procs.log("home1"), procs.log("home1")
+        assert tcp["algorithm"] == "dpsgd" and tcp["lost"] == [] and tcp["accuracy"] > 0.5, tcp
+        assert len(_paths(tcp)) == 2 and all(link == {"path": "punched", "relay_bytes": 0}
+                                             for link in _paths(tcp).values()), tcp["links"]
+        assert not _leaks(procs.folder / "tcp", capture.data())
 
         udp = _request(procs, lab, address, "udp", "--algorithm", "dpsgd", "--transport", "udp",
                        "--aggregate-every", "5")

@@ -164,13 +164,18 @@ def sides():
 
 class Rendezvous:
     """Stands for two NATs a punch crosses: the two ends of one link's punch (from A's out port to
-    B's in port, and from B's in port to A's out port) get the two ends of one TCP connection."""
+    B's in port, and from B's in port to A's out port) get the two ends of one TCP connection,
+    once ``gate`` is open."""
 
     def __init__(self):
         self.lock = threading.Lock()
         self.ends: dict[frozenset, socket.socket] = {}
+        self.made: list[socket.socket] = []
+        self.gate = threading.Event()
+        self.gate.set()
 
     def punch(self, local, peer, deadline, clock, cancelled=None):
+        self.gate.wait(30)
         key = frozenset({local[1], peer[1]})
         with self.lock:
             if key in self.ends:
@@ -178,6 +183,7 @@ class Rendezvous:
             with socket.create_server(("127.0.0.1", 0)) as listener:
                 mine = socket.create_connection(listener.getsockname())
                 self.ends[key], _ = listener.accept()
+            self.made += [mine, self.ends[key]]
             return PunchResult(mine, 1)
 
 
@@ -186,22 +192,63 @@ def never_answered(local, peer, deadline, clock, cancelled=None):
     return PunchResult(None, 1, "timed out")
 
 
-def paths_of(side, mine="own", punch=None):
+def paths_of(side, mine="own", punch=None, clock=None):
     return LinkPaths(side["index"], "127.0.0.1", side["engine"].port, side["ports"] if mine == "own" else mine, side["memory"],
-                     punch=punch or never_answered)
+                     punch=punch or never_answered, **({"clock": clock} if clock else {}))
 
 
-def test_a_link_between_two_providers_behind_nat_is_punched_and_costs_the_relay_nothing(sides):
+def settle_both(a, b, book_a, book_b):
+    """Each side's ``settle``, at once (as each provider's run does once started)."""
+    settled = {}
+    threads = [threading.Thread(target=lambda: settled.__setitem__("a", a.settle(book_a))),
+               threading.Thread(target=lambda: settled.__setitem__("b", b.settle(book_b)))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return settled["a"], settled["b"]
+
+
+def test_a_link_punched_both_ways_is_handed_to_the_engines_to_connect_between_the_punched_ports(sides):
     rendezvous = Rendezvous()
     a, b = paths_of(sides["a"], punch=rendezvous.punch), paths_of(sides["b"], punch=rendezvous.punch)
     try:
         ids = {0: "a", 1: "b"}
+        pa, pb = sides["a"]["ports"], sides["b"]["ports"]
+        book_a = a.route({1: sides["relay"]}, ids, {1: pb})
+        book_b = b.route({0: sides["relay"]}, ids, {0: pa})
+        (dial_a, meet_a), (dial_b, meet_b) = settle_both(a, b, book_a, book_b)
+        # a's engine dials from a's out port to b's in port, b's ROUTER meets it from there (and back)
+        assert dial_a == {1: f"tcp://127.0.0.1:{pa.out_port};127.0.0.1:{pb.in_port}"}
+        assert meet_b == {0: f"tcp://127.0.0.1:{pb.in_port};127.0.0.1:{pa.out_port}"}
+        assert dial_b == {0: f"tcp://127.0.0.1:{pb.out_port};127.0.0.1:{pa.in_port}"}
+        assert meet_a == {1: f"tcp://127.0.0.1:{pa.in_port};127.0.0.1:{pb.out_port}"}
+        assert len(rendezvous.made) == 4 and all(sock.fileno() == -1 for sock in rendezvous.made)  # reset, ports free
+        assert a.report() == {"b": {"path": "punched", "relay_bytes": 0}}
+        assert b.report() == {"a": {"path": "punched", "relay_bytes": 0}}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_punch_that_ends_after_the_engine_got_its_book_is_spliced_through_the_front_and_costs_the_relay_nothing(sides):
+    rendezvous, clock = Rendezvous(), FakeClock()
+    rendezvous.gate.clear()  # the punches end only after both engines got their books
+    a, b = paths_of(sides["a"], punch=rendezvous.punch, clock=clock), paths_of(sides["b"], punch=rendezvous.punch, clock=clock)
+    try:
+        ids = {0: "a", 1: "b"}
         book_a = a.route({1: sides["relay"]}, ids, {1: sides["b"]["ports"]})
-        b.route({0: sides["relay"]}, ids, {0: sides["a"]["ports"]})
-        assert book_a[1].startswith("tcp://127.0.0.1:") and book_a[1] != sides["relay"]
-        assert ask(book_a[1], b"hello") == b"b-engine:hello"
+        book_b = b.route({0: sides["relay"]}, ids, {0: sides["a"]["ports"]})
+        threading.Timer(0.2, clock.advance, args=(60.0,)).start()  # settle's wait for the punches runs out
+        (dial_a, meet_a), (dial_b, meet_b) = settle_both(a, b, book_a, book_b)
+        assert (dial_a, dial_b, meet_a, meet_b) == (book_a, book_b, {}, {})  # the fronts, as route gave them
+        assert dial_a[1].startswith("tcp://127.0.0.1:") and dial_a[1] != sides["relay"]
+        rendezvous.gate.set()
+        assert ask(dial_a[1], b"hello") == b"b-engine:hello"
+        assert ask(dial_b[0], b"hello") == b"a-engine:hello"
         assert a.report() == {"b": {"path": "punched", "relay_bytes": 0}}
     finally:
+        rendezvous.gate.set()
         a.close()
         b.close()
 

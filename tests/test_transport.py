@@ -1,5 +1,7 @@
 """TCP transport between real processes on loopback."""
 
+import contextlib
+import socket
 import subprocess
 import sys
 import threading
@@ -267,3 +269,78 @@ def _race_joins_and_exclusions(rounds: int) -> None:
     transport._take_in_joined()
     assert not [p for p in transport.peers if p % 2 == 0], "an exclusion was lost"
     assert sorted(transport.peers) == list(range(1, 2 * rounds, 2)), "a join was lost"
+
+
+class Meeting:
+    """Stands for a path punched through two NATs: two listeners on loopback, each taking one
+    side's outgoing connection, joined byte for byte. Each side's ZeroMQ socket connected out,
+    as each does in a simultaneous open; on loopback they meet here instead of on the wire."""
+
+    def __init__(self):
+        self.listeners = [socket.create_server(("127.0.0.1", 0)) for _ in range(2)]
+        self.ports = [listener.getsockname()[1] for listener in self.listeners]
+        self.thread = threading.Thread(target=self._join, daemon=True)
+        self.thread.start()
+
+    def _join(self):
+        ends = [listener.accept()[0] for listener in self.listeners]
+        for source, sink in (ends, ends[::-1]):
+            threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source, sink):
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self):
+        for listener in self.listeners:
+            listener.close()
+
+
+def test_a_router_that_meets_a_neighbours_dealer_connecting_out_too_carries_its_link():
+    """Each side of a punched link connects out (the DEALER from its punching port, the neighbour's
+    ROUTER ``meet``ing it): the handshake and a model go through, both ways."""
+    a, b = (TcpTransport(i, settings=TcpSettings(handshake_timeout=20, wait_timeout=10, linger=1)) for i in (0, 1))
+    meetings = [Meeting(), Meeting()]  # a -> b, b -> a
+    try:
+        for transport in (a, b):
+            transport.bind()
+        a_to_b, b_to_a = meetings
+        with socket.socket() as spare:  # a free port for each DEALER to connect from, as from a punched one
+            spare.bind(("127.0.0.1", 0))
+            source = spare.getsockname()[1]
+        b.meet(0, f"tcp://127.0.0.1:0;127.0.0.1:{a_to_b.ports[1]}")
+        a.meet(1, f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[1]}")
+        threads = [threading.Thread(target=a.connect, args=({1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"},)),
+                   threading.Thread(target=b.connect, args=({0: f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[0]}"},))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert a.peers == {1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"}
+        a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.arange(10.0)}))
+        b.send(0, Message(Kind.MODEL, 1, 0, 1, {"p": torch.ones(3)}))
+        assert torch.equal(b.gather(0, [0], timeout=20)[0].tensors["p"], torch.arange(10.0))
+        assert torch.equal(a.gather(0, [1], timeout=20)[1].tensors["p"], torch.ones(3))
+    finally:
+        closing = [threading.Thread(target=transport.close) for transport in (a, b)]  # each awaits the other's BYE
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join(30)
+        for meeting in meetings:
+            meeting.close()
+
+
+def test_only_a_transport_with_one_connection_per_neighbour_meets_and_only_at_a_tcp_source_and_target():
+    from meshlearn.transport.hub import HubEndpoint
+
+    transport = TcpTransport(0)
+    assert TcpTransport.meets and not HubEndpoint.meets
+    with pytest.raises(TransportError, match="expected tcp://SOURCE:PORT;TARGET:PORT"):
+        transport.meet(1, "tcp://127.0.0.1:5000")
+    with pytest.raises(TransportError, match="HubEndpoint cannot meet neighbour 1"):
+        HubEndpoint(0).meet(1, "tcp://127.0.0.1:1;127.0.0.1:2")

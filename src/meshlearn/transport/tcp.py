@@ -107,6 +107,7 @@ class TcpTransport(Transport):
         self._ctx: zmq.Context | None = None
         self._router: zmq.Socket | None = None
         self._dealers: dict[int, zmq.Socket] = {}
+        self._meets: dict[int, str] = {}  # neighbour -> where the ROUTER connects to meet its link (``meet``)
         self._routes: dict[bytes, int] = {}  # connection (ZeroMQ routing id) -> the neighbour it said HELLO as
         self._poller = zmq.Poller()
         self._closed = False
@@ -142,6 +143,8 @@ class TcpTransport(Transport):
         if self._router is None:
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
+        for address in self._meets.values():
+            self._router.connect(address)
         for peer, address in self.peers.items():
             self._dial(peer, address)
         greeted: set[int] = set()
@@ -162,6 +165,18 @@ class TcpTransport(Transport):
                 greeted.add(msg.sender)
             elif msg.kind == Kind.MODEL:
                 self._keep(msg)
+
+    meets = True  # one DEALER per neighbour (served endpoints connect once per calling thread: they cannot)
+
+    def meet(self, peer: int, address: str) -> None:
+        """Have the ROUTER connect to ``address`` as well, to meet ``peer``'s link to this node where
+        both ends connect at once: a path punched through NATs, ``tcp://SOURCE;TARGET`` from this
+        node's punching port to the port the neighbour's DEALER connects from (TCP's simultaneous
+        open makes the two connects one connection). Before ``connect``."""
+        if not address.startswith("tcp://") or ";" not in address:
+            raise TransportError(f"node {self.node_id}: cannot meet neighbour {peer} at {address!r}: "
+                                 "expected tcp://SOURCE:PORT;TARGET:PORT")
+        self._meets[peer] = address
 
     def _dial(self, peer: int, address: str) -> None:
         """Connect to ``peer`` at ``address`` and say HELLO (the handshake's half this side sends)."""

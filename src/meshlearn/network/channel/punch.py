@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,6 +69,20 @@ def connect_once(local: tuple[str, int], peer: tuple[str, int], timeout: float) 
     except BaseException:
         sock.close()
         raise
+
+
+def reset_close(sock: socket.socket) -> None:
+    """Close a punched connection with a reset (no FIN, no TIME_WAIT): its two ports are free at once
+    for the engine to connect between them again, through the NAT mappings the punch opened."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def engine_path(source: tuple[str, int], target: tuple[str, int]) -> str:
+    """ZeroMQ's address for a connection from ``source`` to ``target`` (``tcp://SOURCE;TARGET``):
+    how an engine dials a neighbour over a punched path, from the port the punch went from."""
+    return f"tcp://{source[0]}:{source[1]};{target[0]}:{target[1]}"
 
 
 @dataclass

@@ -89,10 +89,18 @@ class EngineLinks:
             self._report = lambda: {peer: dict(link) for peer, link in report.items()}
             return book
         self._paths = LinkPaths(self.index, self.ctx.host, self._engine_port, self.punch, self.ctx.punch_memory,
-                                self._side.quic, self.ctx.clock, self.budget)
+                                self._side.quic, self.ctx.clock, self.budget, here=self._side.here)
         routed = self._paths.route(book, ids, punches)
         self._report = self._paths.report
         return routed
+
+    def settle(self, book: dict[int, str], engine_meets: bool) -> tuple[dict[int, str], dict[int, str]]:
+        """Once the links' TCP punches ended: the book the engine dials (``book``, as ``route`` gave
+        it, with punched links dialed from the punching port itself) and the addresses its ROUTER
+        meets punched links at, by neighbour (``LinkPaths.settle``; ``engine_meets``: whether the
+        engine can, ``Endpoint.meets``)."""
+        paths = self._paths
+        return paths.settle(book, engine_meets) if paths is not None else (book, {})
 
     def report(self) -> dict[str, dict]:
         """Each link this provider's engine dials, by neighbour id: its path and its bytes through the relay."""

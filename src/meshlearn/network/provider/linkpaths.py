@@ -5,9 +5,14 @@ neighbour is behind NAT, this provider gives its engine a *front* instead of the
 relayed address: a port on loopback whose connections are carried over a path chosen per pair:
 
 - *punched*: a TCP connection opened through both NATs at once (``channel.punch``), from this
-  provider's ``out`` port to the neighbour's ``in`` port, where the neighbour's side joins it to
-  its own engine (each direction of a pair is punched on its own: a provider behind NAT is dialed
-  that way too);
+  provider's ``out`` port to the neighbour's ``in`` port (each direction of a pair is punched on
+  its own: a provider behind NAT is dialed that way too). Once it is open, ``settle`` hands it to
+  the engines: both ends reset it, this engine's DEALER connects from the ``out`` port to the
+  neighbour's ``in`` port and the neighbour's ROUTER from there back (ZeroMQ's
+  ``tcp://SOURCE;TARGET``), and TCP's simultaneous open joins them again through the mappings the
+  punch opened, with no hop on loopback (ZeroMQ connects the same way again if it ever breaks). A
+  punch that ends after ``settle`` is spliced to the front instead, and into the engine at the
+  neighbour's side;
 - *quic*: where a TCP punch of the pair failed (a NAT or firewall that drops every unasked-for
   SYN) but UDP gets through: both sides punch a UDP path from the sockets whose mappings they
   named, and run QUIC over it (``channel.quicpath``: certificates pinned through the requester);
@@ -29,6 +34,7 @@ import logging
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -40,8 +46,10 @@ from meshlearn.network.channel.punch import (
     UDP_PUNCH_TIME,
     PunchMemory,
     PunchResult,
+    engine_path,
     punch_tcp,
     punch_udp,
+    reset_close,
 )
 from meshlearn.network.channel.quicpath import HANDSHAKE_TIMEOUT, QuicPath, role_for
 from meshlearn.network.channel.relaywire import host_port, tune
@@ -52,6 +60,7 @@ from meshlearn.network.provider.natside import QuicSockets
 log = logging.getLogger(__name__)
 MAX_PIPES = 16  # kernel pipes the task's splices may hold at once (two per busy link direction)
 MAX_PUNCHED_PAIRS = 16  # neighbours a provider punches paths to at once (two threads each); the rest: the relay
+SETTLE_GRACE = 2.0  # seconds past its punch time ``settle`` waits for a punch to end (a punch overruns by one try)
 DIRECT, PUNCHED, QUIC, RELAYED, PUNCHING = "direct", "punched", "quic", "relayed", "punching"
 ANNOUNCED = "announced"  # a neighbour that named no punching ports (one taken in mid-task): dialed where it said
 
@@ -61,6 +70,13 @@ def punchable(source: PunchPorts | None, target: PunchPorts | None) -> bool:
     the target is behind NAT, and both named their hosts and ports (none does behind a symmetric NAT)."""
     return source is not None and target is not None and target.behind_nat and source.host is not None \
         and source.out_port is not None and target.in_port is not None and target.host is not None
+
+
+def quic_possible(mine: PunchPorts | None, theirs: PunchPorts | None, me: int) -> bool:
+    """Whether a pair can link over QUIC: both named a certificate, and the neighbour a host and a
+    UDP port for provider ``me``."""
+    return mine is not None and mine.quic_pin is not None and theirs is not None and theirs.quic_pin is not None \
+        and theirs.host is not None and theirs.udp_port_for(me) is not None
 
 
 def may_dial(host: str | None, mine: PunchPorts | None) -> bool:
@@ -86,6 +102,7 @@ class _Front:
     relay_bytes: int = 0  # bytes of finished relayed splices
     relaying: list[Splice] = field(default_factory=list)
     acceptor: Acceptor | None = None
+    direct: bool = False  # the punched path was handed to the engine (``settle``): it dials it itself
 
     def bytes_through_relay(self) -> int:
         return self.relay_bytes + sum(splice.moved for splice in self.relaying)
@@ -105,6 +122,9 @@ class _Pair:
     quic: QuicPath | None = None
     quic_port: int | None = None  # 127.0.0.1 port whose connections the QUIC path carries to the neighbour's engine
     settled: bool = False
+    inbound: socket.socket | None = None  # the neighbour's link to this engine, punched, for ``settle`` to hand over
+    handed: bool = False  # ``settle`` gave the engine its book: a punch that ends later is spliced
+    punches_over: threading.Event = field(default_factory=threading.Event)  # no TCP punch of the pair under way
 
 
 class LinkPaths:
@@ -113,12 +133,14 @@ class LinkPaths:
 
     def __init__(self, me: int, bind_host: str, engine_port: int, mine: PunchPorts | None, memory: PunchMemory,
                  quic: QuicSockets | None = None, clock: Clock = SYSTEM, budget: float | None = None,
-                 punch: Callable[..., PunchResult] = punch_tcp):
+                 punch: Callable[..., PunchResult] = punch_tcp, here: tuple[int | None, int | None] | None = None):
         self.me = me  # this provider's index in the task
         self.bind_host = bind_host  # where this provider's punching ports are bound
         self.engine = ("127.0.0.1" if is_wildcard(bind_host) else bind_host, engine_port)  # where its engine listens
         self.engine_port = engine_port
         self.mine = mine
+        # the punching ports on this machine (out, in): ``mine`` names their NAT's mappings, which may differ
+        self.out_here, self.in_here = here or ((mine.out_port, mine.in_port) if mine else (None, None))
         self.memory = memory
         self.quic = quic or QuicSockets()
         self.clock = clock
@@ -157,6 +179,20 @@ class LinkPaths:
                 self._loop.call_soon(partial(self._start_pair, pair))
         return routed
 
+    def settle(self, book: dict[int, str], engine_meets: bool = True) -> tuple[dict[int, str], dict[int, str]]:
+        """Wait for the TCP punches ``route`` started to end (each within its punch time and
+        SETTLE_GRACE); ``book`` (as ``route`` gave it) with each link punched this way dialed by the
+        engine itself, and the addresses its ROUTER meets its neighbours' punched links at (by index).
+        An engine that cannot meet (``engine_meets`` false: one connection per calling thread) keeps
+        its fronts, and the punched links are spliced to them, at once."""
+        deadline = self.clock.monotonic() + self.punch_time + SETTLE_GRACE
+        for pair in list(self._pairs.values()) if engine_meets else []:
+            self.clock.wait(pair.punches_over, max(0.0, deadline - self.clock.monotonic()))
+        routes: Future = Future()  # the loop makes every call handed to it, even one that comes as it stops
+        if not self._loop.call_soon(lambda: routes.set_result(self._hand_over(book, engine_meets))):  # the task ended
+            return book, {}
+        return routes.result(timeout=30)
+
     def report(self) -> dict[str, dict]:
         """Each link this provider's engine dials, by neighbour id: its path (direct, punched, quic,
         relayed, or punching while under way) and the bytes it sent and received through the relay."""
@@ -188,40 +224,60 @@ class LinkPaths:
         pair.failed = (outward or inward) and not tcp
         if tcp and outward:
             pair.pending += 1
-            self._punch(pair, self.mine.out_port, (pair.theirs.host, pair.theirs.in_port), partial(self._punched_out, pair))
+            self._punch(pair, self.out_here, (pair.theirs.host, pair.theirs.in_port), partial(self._punched_out, pair))
         if tcp and inward:
             pair.pending += 1
-            self._punch(pair, self.mine.in_port, (pair.theirs.host, pair.theirs.out_port), partial(self._punched_in, pair))
+            self._punch(pair, self.in_here, (pair.theirs.host, pair.theirs.out_port), partial(self._punched_in, pair))
         self._settle(pair)
 
     def _settle(self, pair: _Pair) -> None:
         """Once the pair's TCP punches are over: a QUIC path for what they could not do, or the
         front's connections on their way."""
-        if pair.pending or pair.settled:
+        if pair.pending:
             return
-        if pair.failed and not self._cancelled.is_set() and self._quic_possible(pair):
+        pair.punches_over.set()
+        if pair.settled:
+            return
+        if pair.failed and not self._cancelled.is_set() and quic_possible(self.mine, pair.theirs, self.me) \
+                and pair.index in self.quic.sockets and self.memory.worth_trying(pair.peer, "quic"):
             pair.settled = True
             threading.Thread(target=self._open_quic, args=(pair,), name=f"quic-{pair.peer}", daemon=True).start()
             return
         pair.settled = True
         self._release(pair)
 
-    def _quic_possible(self, pair: _Pair) -> bool:
-        theirs = pair.theirs
-        return self.mine is not None and self.mine.quic_pin is not None and theirs is not None \
-            and theirs.quic_pin is not None and theirs.host is not None \
-            and theirs.udp_port_for(self.me) is not None and pair.index in self.quic.sockets \
-            and self.memory.worth_trying(pair.peer, "quic")
-
     def _release(self, pair: _Pair) -> None:
         """The pair's paths are known: the front's waiting connections go on."""
         front = pair.front
         if front is None:
             return
-        front.path = PUNCHED if front.punched is not None else QUIC if pair.quic_port is not None else RELAYED
+        front.path = PUNCHED if front.punched is not None or front.direct else \
+            QUIC if pair.quic_port is not None else RELAYED
         parked, front.parked = front.parked, []
         for sock in parked:
             self._carry(pair, sock)
+
+    def _hand_over(self, book: dict[int, str], engine_meets: bool) -> tuple[dict[int, str], dict[int, str]]:
+        """``settle``'s book and meeting addresses: each punched connection the engine has not used
+        is reset, for the engine to connect between the same two ports (or spliced, where it cannot)."""
+        routed, meets = dict(book), {}
+        for pair in self._pairs.values():
+            pair.handed = True
+            inbound, pair.inbound, front = pair.inbound, None, pair.front
+            if not engine_meets:
+                if inbound is not None:
+                    self._dial_and_join(inbound, self.engine, self._joined, "this provider's engine")
+                continue
+            if front is not None and front.punched is not None and not front.parked:
+                reset_close(front.punched)
+                front.punched, front.path, front.direct = None, PUNCHED, True
+                theirs = (pair.theirs.host, pair.theirs.in_port)
+                routed[pair.index] = engine_path((self.bind_host, self.out_here), theirs)
+            if inbound is not None:
+                reset_close(inbound)
+                theirs = (pair.theirs.host, pair.theirs.out_port)
+                meets[pair.index] = engine_path((self.bind_host, self.in_here), theirs)
+        return routed, meets
 
     def _open_front(self, pair: _Pair, relayed_at: tuple[str, int]) -> _Front:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -287,7 +343,9 @@ class LinkPaths:
         """A neighbour's link to this provider was punched (or not): join it to this provider's engine."""
         pair.pending -= 1
         pair.failed |= result.sock is None
-        if result.sock is not None:
+        if result.sock is not None and not pair.handed:
+            pair.inbound = result.sock  # ``settle`` hands it to the engine
+        elif result.sock is not None:
             self._dial_and_join(result.sock, self.engine, self._joined, "this provider's engine")
         self._settle(pair)
 
@@ -301,6 +359,8 @@ class LinkPaths:
 
     def _close_all(self) -> None:
         for pair in self._pairs.values():
+            if pair.inbound is not None:
+                close_socket(pair.inbound)
             front = pair.front
             if front is None:
                 continue

@@ -80,6 +80,12 @@ class LinkSide:
     held: list[socket.socket] = field(default_factory=list)
     quic: QuicSockets = field(default_factory=QuicSockets)
 
+    @property
+    def here(self) -> tuple[int | None, int | None]:
+        """The punching ports on this machine (out, in; None: not held), whose mappings ``ports`` names."""
+        local = [sock.getsockname()[1] for sock in self.held]
+        return (local[0] if local else None), (local[1] if len(local) > 1 else None)
+
     def close(self) -> None:
         for sock in self.held:
             sock.close()

@@ -191,7 +191,10 @@ class TaskRun:
             election = self.finisher.election
             threading.Thread(target=election.watch, name=f"task-watch-{self.spec.task_id}", daemon=True,
                              args=(stop_watching, max(0.2, self.spec.peer_timeout / 4), self.ctx.clock)).start()
-            self.node.run(self._book)
+            book, meets = self.links.settle(self._book, self.node.transport.meets)  # punched: the engine's own
+            for peer, address in meets.items():
+                self.node.transport.meet(peer, address)
+            self.node.run(book)
             if said := self.links.describe():  # which links crossed a NAT, and how
                 print(f"provider {self.ctx.id}: task {self.spec.task_id}'s links: {said}", flush=True)
             self._move(RunState.FINISHING)
