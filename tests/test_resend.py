@@ -9,6 +9,7 @@ from contextlib import ExitStack
 
 import pytest
 import torch
+from helpers.pairs import close_together
 from helpers.tamper import FROM_NODE, TO_NODE, TamperProxy
 from helpers.waiting import wait_until
 
@@ -49,7 +50,7 @@ def _through(stack: ExitStack, *proxies: tuple[str, dict]) -> tuple[TcpTransport
     ``proxies`` (kind, settings), the first in front of ``b``."""
     settings = TcpSettings(handshake_timeout=20, wait_timeout=SHORT, linger=0)
     a, b = (TcpTransport(rank, settings=settings, seal=FrameSeal(KEY)) for rank in (0, 1))
-    stack.callback(_close, a, b)
+    stack.callback(close_together, a, b)
     address_a, address = a.bind(), b.bind()
     for kind, tampering in proxies:
         address = stack.enter_context(TamperProxy(address, kind, **tampering)).address
@@ -58,15 +59,6 @@ def _through(stack: ExitStack, *proxies: tuple[str, dict]) -> tuple[TcpTransport
     a.connect({1: address})
     thread.join()
     return a, b
-
-
-def _close(*transports: TcpTransport) -> None:
-    """Close the transports together (each waits for the others' goodbye)."""
-    threads = [threading.Thread(target=transport.close) for transport in transports]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
 
 
 def _send_model(a: TcpTransport) -> _Listening:

@@ -120,8 +120,9 @@ def test_choco_sends_compressed_differences_and_steps_toward_the_estimates():
     # x += gamma * w * (xhat_1 - xhat_own) = 0.125 * ([0, 0, 2, 2] - [4, -3, 0, 0])
     assert torch.allclose(state, _t([3.5, -2.625, 1.25, 0.25]))
     again = state.clone()
-    node.mix_(again, {1: 0.25, 2: 0.25}, {1: update, 2: update})  # 2's values 2 and 3 are in step again, 0 and 1 not
-    assert torch.allclose(again, state + 0.125 * (_t([0, 0, 2, 2]) - _t([4, -3, 0, 0])) + 0.125 * _t([0, 0, 2, 2]))
+    # 2's values 2 and 3 are in step again (sent), and 0 (the window of iteration 0, one value of 4); 1 is not
+    node.mix_(again, {1: 0.25, 2: 0.25}, {1: update, 2: update})
+    assert torch.allclose(again, state + 0.125 * (_t([0, 0, 2, 2]) - _t([4, -3, 0, 0])) + 0.125 * _t([-4, 0, 2, 2]))
     assert torch.equal(node.estimates[1], _t([0, 0, 2, 2]))  # the values sent again are taken, not added
 
 
@@ -130,8 +131,9 @@ def test_choco_over_lost_chunks_leaves_out_the_values_whose_update_may_be_lost_u
     sender.encode(_t([0, 1, 0, 2, 0, 3, 0, 4]), 1, 0)  # positions 1, 3, 5, 7
     state = torch.zeros(8)
     assert node.mix_(state, {1: 0.5}, {}) == [1]  # its update missed: every value out of step
-    tensors = sender.encode(_t([0, 2, 0, 3, 0, 4, 0, 9]), 1, 1)  # the same positions, as 4 pairs of 8 bytes
-    middle_lost = node.receive(tensors, 1, 1, (_t([1, 0, 0, 1]).bool(), 8))
+    # the same positions, as 4 pairs of 8 bytes, then the window of iteration 1 (position 1, 4 bytes)
+    tensors = sender.encode(_t([0, 2, 0, 3, 0, 4, 0, 9]), 1, 1)
+    middle_lost = node.receive(tensors, 1, 1, (_t([1, 0, 0, 1, 1]).bool(), 8))
     assert torch.nonzero(middle_lost.mask).flatten().tolist() == [1, 7]
     assert torch.nonzero(middle_lost.unsure).flatten().tolist() == [2, 3, 4, 5, 6]
     node.mix_(state, {1: 0.5}, {1: middle_lost})
@@ -143,7 +145,7 @@ def test_choco_over_lost_chunks_leaves_out_the_values_whose_update_may_be_lost_u
 def test_choco_skips_a_neighbour_whose_estimate_is_too_far_from_its_own_to_average():
     node = make_sharing("choco:1", 2, torch.float32, seed=1)
     node.encode(_t([-3e38, -3e38]), 0, 0)
-    huge = node.decode({"values": _t([3e38, 3e38]), "bitmap": _t([3], torch.uint8)}, 1, 0)  # finite: decode takes it
+    huge = node.decode({"values": _t([3e38, 3e38]), "bitmap": _t([3], torch.uint8), "window": _t([3e38])}, 1, 0)
     state = _t([1, 2])
     assert node.mix_(state, {1: 0.5}, {1: huge}) == []  # 6e38 apart: past float's range
     assert torch.equal(state, _t([1, 2]))

@@ -82,7 +82,7 @@ class NetemSpec(Settings):
                 meant = None if key.strip() in _KEYS else closest(key.strip(), _KEYS)
                 raise ValueError(f"{item!r} is not one of {_SYNTAX}" + (f" (did you mean {meant}?)" if meant else ""))
             key = key.strip()
-            parse = _percent if key in ("loss", "corr") else _rate if key == "rate" else _duration
+            parse = _percent if key in ("loss", "corr") else parse_rate if key == "rate" else _duration
             values[key] = parse(raw)
         return values
 
@@ -108,7 +108,9 @@ def _duration(raw: str) -> float:
     return float(match.group(1)) * _UNITS[match.group(2) or "ms"]
 
 
-def _rate(raw: str) -> float:
+def parse_rate(raw: str) -> float:
+    """Bits a second from a bandwidth in tc's units (``10mbit``, ``9.5mbit``, ``1gbit``); ValueError
+    in one line for anything else."""
     match = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?bit)\s*", raw.lower())
     value = float(match.group(1)) * _RATE_UNITS[match.group(2)] if match else 0.0
     if value <= 0:

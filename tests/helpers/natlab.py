@@ -36,6 +36,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 CLONE_NEWNET = 0x40000000
 ETH_P_ALL = 3
@@ -44,6 +46,7 @@ PACKET_STATISTICS = 6
 NETNS_DIR = "/run/netns"
 
 _counter = itertools.count()
+T = TypeVar("T")
 
 
 def _run(argv: list[str], input: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -110,17 +113,17 @@ def _setns(fd: int) -> None:
         raise OSError(err, f"setns: {os.strerror(err)}")
 
 
-def socket_in_netns(path: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
-                    proto: int = 0) -> socket.socket:
-    """Create a socket that lives in the network namespace at ``path`` (e.g. /run/netns/NAME).
+def call_in_netns(path: str, work: Callable[[], T]) -> T:
+    """``work()``, called in the network namespace at ``path`` (e.g. /run/netns/NAME): what it opens
+    (sockets) lives there.
 
     setns(CLONE_NEWNET) changes only the calling thread's namespace, so a short-lived helper thread
-    enters the namespace, creates the socket, goes back and exits; the socket stays bound to the
-    namespace it was created in.  The rest of the process is never moved.
+    enters the namespace, calls ``work``, goes back and exits; the sockets it made stay bound to the
+    namespace they were created in.  The rest of the process is never moved.
     """
     result: dict = {}
 
-    def work() -> None:
+    def run() -> None:
         try:
             here = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
             try:
@@ -128,7 +131,7 @@ def socket_in_netns(path: str, family: int = socket.AF_INET, type: int = socket.
                 try:
                     _setns(there)
                     try:
-                        result["sock"] = socket.socket(family, type, proto)
+                        result["value"] = work()
                     finally:
                         with contextlib.suppress(OSError):  # the thread ends right now anyway
                             _setns(here)
@@ -139,12 +142,18 @@ def socket_in_netns(path: str, family: int = socket.AF_INET, type: int = socket.
         except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
             result["error"] = e
 
-    thread = threading.Thread(target=work, name="natlab-setns", daemon=True)
+    thread = threading.Thread(target=run, name="natlab-setns", daemon=True)
     thread.start()
     thread.join()
     if "error" in result:
         raise result["error"]
-    return result["sock"]
+    return result["value"]
+
+
+def socket_in_netns(path: str, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM,
+                    proto: int = 0) -> socket.socket:
+    """Create a socket that lives in the network namespace at ``path`` (e.g. /run/netns/NAME)."""
+    return call_in_netns(path, lambda: socket.socket(family, type, proto))
 
 
 class NatLab:

@@ -14,3 +14,12 @@ def connected(a, b):
     a.connect({1: address_b})
     thread.join()
     return a, b
+
+
+def close_together(*transports) -> None:
+    """Close the transports at once (each waits for the others' goodbye, bounded by its linger)."""
+    threads = [threading.Thread(target=transport.close) for transport in transports]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()

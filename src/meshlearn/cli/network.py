@@ -15,13 +15,23 @@ from meshlearn.errors import UserInputError
 from meshlearn.network.bootstrap.service import BootstrapSettings
 from meshlearn.network.channel.addresses import is_wildcard, reachable_hosts
 from meshlearn.network.provider.service import ProviderSettings
-from meshlearn.network.task.spec import TaskRequest
+from meshlearn.network.task.spec import TaskRequest, udp_rate_mbit
 from meshlearn.tblog import require_tensorboard
 from meshlearn.training import ALGORITHM_SECTIONS
 
+
+def _udp_rate(text: str) -> float:
+    """``--udp-rate``'s value in Mbit/s, read once here (``10mbit``, ``1gbit``, or Mbit/s): a bad one
+    is argparse's one-line error."""
+    try:
+        return udp_rate_mbit(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 # The request flags; their defaults live in TaskRequest (its training settings, TrainingSettings).
 # epochs and batch size are read as numbers, so that a value the rules correct (2.6 epochs) is
-# corrected with a warning.
+# corrected with a warning; the UDP rate as Mbit/s, from the units it is written in.
 REQUEST_FLAGS = [name for name in TaskRequest.model_fields
                  if name not in ("data", "data_on_providers", "warnings", "algorithm_settings", *ALGORITHM_SECTIONS)]
 # The sections of the algorithms a network task runs, and their flags by flat name (--leader-sync):
@@ -30,8 +40,10 @@ REQUEST_SECTIONS = {name: TaskRequest.model_fields[name].annotation for name in 
                     if definition(name).needs.network}
 SECTION_FLAGS = {flat: (section, name) for section, cls in REQUEST_SECTIONS.items()
                  for flat, name in cls.flat_names().items()}
-REQUEST_TYPES = {"epochs": float, "batch_size": float}
+REQUEST_TYPES = {"epochs": float, "batch_size": float, "udp_rate": _udp_rate}
 PROVIDER_FLAGS = {"ram_gb": "ram", "provider_id": "id"}  # field -> flag, where they differ
+# request settings a resumed task may take anew: how it runs, not what it trains (outside its fingerprint)
+RESUME_MAY_CHANGE = ("udp_rate",)
 
 
 def _secret_flags(parser: argparse.ArgumentParser) -> None:
@@ -368,7 +380,8 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
         raise CheckpointError(f"task {record.task_id} is done: its result is in {folder}")
     changes = {name: value for name, value in _request_values(args).items() if value is not None}
     saved = record.request.model_dump()
-    differ = sorted(name for name, value in changes.items() if name != "data" and saved.get(name) != value)
+    differ = sorted(name for name, value in changes.items()
+                    if name not in ("data", *RESUME_MAY_CHANGE) and saved.get(name) != value)
     if differ or (args.data and args.data != record.request.data):
         raise CheckpointError("--resume goes on with the task's own settings; these differ from them: "
                               + ", ".join(differ or ["data"]) + " (leave them out, or request a new task)")
@@ -382,7 +395,8 @@ def _resume_task(args: argparse.Namespace, secret: bytes) -> int:
         raise CheckpointError(f"task {record.task_id} has no checkpoint from every one of its providers in {folder}: "
                               "request it afresh")
     kept.check(cycles, record.fingerprint)
-    request = record.request.model_copy(update={"providers": count})
+    request = record.request.model_copy(update={"providers": count, **{name: changes[name] for name in RESUME_MAY_CHANGE
+                                                                        if name in changes}})
     _load_models_module(args.models_module)
     dataset = None
     if request.data and not request.data_on_providers:

@@ -1,7 +1,10 @@
 """Encrypted engine messages: every frame of an encoded message sealed with AES-256-GCM.
 
 A network task's providers share one random 32-byte key, made by the requester and handed to
-each provider over its encrypted, authenticated control channel (CurveZMQ): the engine's
+each provider over its encrypted, authenticated control channel (CurveZMQ); it is the run's, not
+only the task's: every attempt of a task (each start on a set of providers) gets a fresh one, so
+a message sealed in an earlier run opens in no later one and cannot take a sender's counters (or,
+over UDP, its session) there, even before that sender's first message of the new run. The engine's
 model traffic then needs no channel encryption of its own, and AES-GCM (``cryptography``,
 OpenSSL, AES-NI) seals it several times faster than CurveZMQ's XSalsa20-Poly1305 could.
 
@@ -203,7 +206,7 @@ class FrameSeal:
                 opened.append(plain)
         except InvalidTag:
             raise WireError("message is not sealed with this task's key (forged, damaged, or from another "
-                            "task)") from None
+                            "task or another run of it)") from None
         return opened, Stamp(sender, counter)
 
 

@@ -16,7 +16,10 @@ probability 2^-64.
 Freshness: ``DatagramWindow`` takes each (sender, counter) once, within a window of counters
 below the sender's newest (datagrams overtake each other on the way); a sender's datagrams must
 all carry the prefix of its first authentic one, so a datagram played again from another of
-its sessions is refused too. Nothing is decrypted into the model before the tag checks.
+its sessions is refused too. Authentic means sealed with this run's key: a network task draws a
+key for every run (``wire.sealed``), so a datagram of an earlier run, played before a sender's
+first one, does not open and cannot set that sender's session. Nothing is decrypted into the
+model before the tag checks.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class DatagramSeal:
             self._aead.decrypt_into(nonce, body[NONCE:], bytes(head) + nonce, out)
         except InvalidTag:
             raise WireError("datagram is not sealed with this task's key (forged, damaged, or from another "
-                            "task)") from None
+                            "task or another run of it)") from None
         return nonce[:PREFIX], int.from_bytes(nonce[PREFIX:], "big")
 
 

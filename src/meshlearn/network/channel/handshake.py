@@ -17,9 +17,10 @@ from importlib import metadata
 
 from meshlearn.errors import ProtocolMismatch
 
-PROTOCOL_VERSION = 4  # 1: the releases before the protocol was declared and versioned (they state none);
+PROTOCOL_VERSION = 5  # 1: the releases before the protocol was declared and versioned (they state none);
 # 3: task.assign's FedAvg settings hold fedavg_cohort; a claim names its attempt (sent again to another
-# bootstrap, it claims once); 4: a task's providers name their ports for punching through NATs
+# bootstrap, it claims once); 4: a task's providers name their ports for punching through NATs;
+# 5: task.assign's spec holds the rate UDP engines send at (udp_rate)
 UNSTATED = 1  # the version of a peer that states none
 PROPERTY = "X-Meshlearn-Protocol"  # the handshake's metadata property (ZeroMQ: names start with X-)
 RELEASE_PROPERTY = "X-Meshlearn-Release"  # the meshlearn release the peer runs, for the refusal's line

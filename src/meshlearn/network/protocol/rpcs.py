@@ -120,9 +120,11 @@ TASK_PROGRESS = Rpc("task.progress", B, b.TaskProgress, b.Noted, Caller.REQUESTE
 
 PROVIDER_PING = Rpc("ping", P, Empty, b.Named, Caller.ANY_KEY, "nothing",
                     "names the service and the provider (the bootstrap's dial-back)")
+# task.assign's versions: 2: FedAvg's settings hold fedavg_cohort; 3: its status names its punching ports;
+# 4: its spec holds the task's udp_rate
 TASK_ASSIGN = Rpc("task.assign", P, p.Assign, p.RunStatus, Caller.CONFIRMED_REQUESTER,
                   "a task that claimed this provider, listing it with its key", "gives the provider its part of the task",
-                  version=3)  # 2: FedAvg's settings hold fedavg_cohort; 3: its status names its punching ports
+                  version=4)
 TASK_START = Rpc("task.start", P, p.Start, p.RunStatus, Caller.REQUESTER, "that task",
                  "starts training, with the engines' addresses", version=2)  # 2: and their punching ports
 TASK_JOIN = Rpc("task.join", P, p.Join, p.RunStatus, Caller.REQUESTER, "that task, while it runs",
@@ -161,7 +163,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "3b5a6c3302a315c5"
+PROTOCOL_DIGEST = "41ffc27fea4ca4df"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:

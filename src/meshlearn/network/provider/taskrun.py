@@ -140,7 +140,7 @@ class TaskRun:
                  on_change: Callable[[TaskRun], None] | None = None, fresh: bool = False):
         self.spec = spec
         self.ctx = ctx
-        self.task_key = task_key  # the requester's, for this task only: seals every engine message
+        self.task_key = task_key  # the requester's, for this run of the task only: seals every engine message
         self.access = access  # who may act on the task (its requester, its providers)
         self.fresh = fresh  # an earlier attempt of this task ran here: its files go first
         self.ids = [p.id for p in spec.peers]

@@ -90,8 +90,11 @@ class TaskDesk:
             earlier = self.runs.get(spec.task_id)
             if earlier is not None:
                 earlier.access.require_requester(access.requester, "task.assign")
-                if earlier.state.active or earlier.spec == spec:
+                if earlier.spec == spec and earlier.task_key == task_key:
                     return earlier.status()  # the requester asked again: the same run
+                if earlier.state.active:  # still ending an earlier attempt, sealed with that one's key
+                    raise BadMessage(f"provider {self.id} is still ending an earlier attempt of task "
+                                     f"{spec.task_id}: ask again in a moment")
             if self.leaving.is_set():
                 raise BadMessage(f"provider {self.id} is leaving the network")
             if self.busy():

@@ -48,6 +48,7 @@ class Claimer:
             order = previous + [pid for pid in order if pid not in previous]
         claimed = ctx.bootstrap.providers(rpcs.CLAIM, Claim(task=ctx.task_id, **self.planner.wanted(req.providers),
                                                             order=order, attempt=secrets.token_hex(8)))
+        claimed = in_places(claimed, previous)
         devices = Counter(p.device for p in claimed)
         ctx.say(f"task {ctx.task_id}: {len(claimed)} provider(s): " + ", ".join(p.id for p in claimed)
                 + " (" + ", ".join(f"{n} {d}" for d, n in devices.most_common()) + ")")
@@ -139,3 +140,12 @@ class Claimer:
                 return math.inf
             best = min(best, self.ctx.clock.monotonic() - started)
         return best
+
+
+def in_places(claimed: list[ProviderRecord], previous: list[str]) -> list[ProviderRecord]:
+    """``claimed`` in position order: each of a resumed task's providers of then (``previous``, by
+    position) that came back at its own position, the others in the positions left, in order."""
+    back = {p.id: p for p in claimed if p.id in previous}
+    others = iter([p for p in claimed if p.id not in back])
+    placed = [back[pid] if pid in back else next(others, None) for pid in previous]
+    return [p for p in placed if p is not None] + list(others)

@@ -73,8 +73,9 @@ class Roster:
 
 @dataclass(frozen=True)
 class Resume:
-    """A task that goes on from checkpoints: their ``cycles`` (one per provider), the providers it
-    had then (asked for first) and the fingerprint of the training it must go on with."""
+    """A task that goes on from checkpoints: their ``cycles`` (one per position), the providers
+    that held the positions then (asked for first, each for its own) and the fingerprint of the
+    training it must go on with."""
 
     cycles: list[int]
     providers: list[str]
@@ -102,7 +103,9 @@ class TaskContext:
     resume: Resume | None = None
     scalars: InitVar[ScalarLog | None] = None
     roster: Roster = field(default_factory=Roster)
-    task_key: bytes = field(default_factory=FrameSeal.new_key)  # seals the providers' engine messages (CurveZMQ only)
+    # seals the providers' engine messages (CurveZMQ only): the run's, drawn afresh for every attempt (Starter),
+    # so a message of an earlier run opens in no later one (it could take a sender's session there)
+    task_key: bytes = field(default_factory=FrameSeal.new_key)
     estimate: MemoryEstimate | None = None  # the task's peak memory per provider (where the data is here)
     spec_now: TaskSpec | None = None  # the attempt under way (what checkpoints are checked against)
     lifecycle: TaskLifecycle = field(init=False)
@@ -135,8 +138,11 @@ class TaskContext:
         """Whether the task's providers send checkpoints here (``checkpoint_every`` is not 0)."""
         return self.request.checkpoint_every != 0
 
-    def write_record(self) -> None:
-        """Write the task's record (task.json) into ``output``."""
+    def write_record(self, spec: TaskSpec | None = None) -> None:
+        """Write the task's record (task.json) into ``output``; with ``spec`` (the attempt under way,
+        started or grown) naming the providers that hold its positions now (``TaskRecord.note``)."""
+        if spec is not None:
+            self.record.note(spec)
         self.record.write(self.output)
 
     def report(self, body: dict) -> None:

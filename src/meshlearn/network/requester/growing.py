@@ -86,8 +86,7 @@ class Grower:
         ctx.providers.start(peer, engines, joins_at=at)
         ctx.roster.engines[str(index)] = engine
         ctx.spec_now = joined = joined.model_copy(update={"joining": False})
-        ctx.record.providers = [p.id for p in joined.peers]
-        ctx.write_record()
+        ctx.write_record(joined)  # the newcomer in its place: a resume claims it, not the provider it replaced
         return joined
 
     def _say_joined(self, spec: TaskSpec, shard: int, started: float) -> None:

@@ -27,6 +27,7 @@ from meshlearn.network.requester.lifecycle import TaskStage
 from meshlearn.network.requester.serving import DataServer
 from meshlearn.network.task.datashare import FileShare, dataset_meta
 from meshlearn.network.task.spec import WEIGHTS_FILE, Resumed, TaskSettings, TaskSpec
+from meshlearn.wire.sealed import FrameSeal
 
 MAX_STARTS_AT_ONCE = 16  # starts in flight together (a provider's links are punched as its start reaches it)
 
@@ -44,12 +45,14 @@ class Starter:
         """Start the task on the claimed providers. One that refuses it, cannot be reached or
         cannot prepare it is left out and, where a free provider matches, replaced by a fresh
         claim (added to ``claimed``): the others are told to drop this attempt, and the task starts
-        again (new shards), as long as one is left. Returns the spec that started (in the task's record)."""
+        again (new shards), as long as one is left. Each attempt is a run with an engine key of its
+        own (``task_key``). Returns the spec that started (in the task's record)."""
         ctx = self.ctx
         plan = list(claimed)
         while True:
             ctx.lifecycle.move(TaskStage.ASSIGNING, f"attempt {ctx.lifecycle.attempts + 1} on {len(plan)} provider(s)")
             spec = self.spec(plan, share, address, dataset, share_dir / f"attempt-{ctx.lifecycle.attempts}")
+            ctx.task_key = FrameSeal.new_key()  # this run's own: nothing sealed in an earlier attempt opens in it
             refused = self._assign_all(spec)
             if not refused:
                 break
@@ -59,8 +62,7 @@ class Starter:
         self._start_all(spec)
         ctx.say(f"task {ctx.task_id}: started on {len(spec.peers)} provider(s)")
         ctx.lifecycle.move(TaskStage.STARTED)
-        ctx.record.providers, ctx.record.fingerprint = [p.id for p in spec.peers], spec.fingerprint()
-        ctx.write_record()
+        ctx.write_record(spec)
         return spec
 
     def _start_all(self, spec: TaskSpec) -> None:

@@ -16,6 +16,7 @@ from meshlearn.data.specs import DATASETS, KINDS, parse_spec
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.settings import LeaderSettings
 from meshlearn.errors import BadMessage, ConfigError, UserInputError
+from meshlearn.netem import parse_rate
 from meshlearn.privacy.mechanism import active_mechanisms
 from meshlearn.settings import Settings
 from meshlearn.training import TrainingSettings
@@ -28,6 +29,16 @@ MAX_TASK_PEERS = 256
 MAX_PEER_TIMEOUT = 3600.0
 MAX_WAIT = 86400.0  # the longest a requester waits for providers (a day)
 UDP_TIMEOUT = 2.0  # seconds a UDP task's provider waits for an iteration's datagrams (internet round trips)
+# The rate, in Mbit/s, a UDP task's providers pace their datagrams at unless the requester says
+# (--udp-rate). Datagrams sent faster than the slowest link of their path pile up in its router's
+# small queue and are lost there; a home uplink commonly carries tens of Mbit/s, so a task paces
+# for one rather than flooding it (a LAN or data centre asks --udp-rate 1gbit). Simulations on one
+# machine keep UdpSettings' own rate_gbps, in effect unpaced.
+UDP_RATE = 50.0
+# The rates, in Mbit/s, a task may ask (providers refuse others): below, a model of a few MB takes
+# most of a minute to leave; above, 10 Gbit/s is more than any provider's link carries
+UDP_RATE_RANGE = (1.0, 10_000.0)
+MBIT_PER_GBIT = 1000.0
 WEIGHTS_FILE = "initial.safetensors"  # the name initial weights are served under
 BUILT_IN_DATA = ("digits", "pystdlib")  # dataset specs without a path
 
@@ -63,11 +74,17 @@ class TaskSettings(TrainingSettings):
     udp_timeout: float = Field(UDP_TIMEOUT, gt=0, le=MAX_PEER_TIMEOUT,
                                description="transport udp: seconds a provider waits for its peers' datagrams of an "
                                            "iteration before it averages what came")
+    udp_rate: float = Field(UDP_RATE, ge=UDP_RATE_RANGE[0], le=UDP_RATE_RANGE[1],
+                            description="transport udp: the rate each provider sends its datagrams at, to all its "
+                                        "peers together, in Mbit/s or with a unit (10mbit, 1gbit); faster than the "
+                                        "slowest provider's uplink, they are lost in its router's queue: set it a "
+                                        f"little under that uplink ({UDP_RATE_RANGE[0]:g}..{UDP_RATE_RANGE[1]:g})")
     checkpoint_every: int | None = Field(None, ge=0, le=1_000_000, description="cycles between the checkpoints each "
                                          "provider sends the requester, which keeps the task's state for request "
                                          "--resume; 0: none (default: one an epoch)")
 
     _valid_aggregation = field_validator("aggregation")(classmethod(lambda cls, value: check_rule(value)))
+    _valid_udp_rate = field_validator("udp_rate", mode="before")(classmethod(lambda cls, value: udp_rate_mbit(value)))
     _valid_algorithm = field_validator("algorithm")(classmethod(lambda cls, value: network_algorithm(value)))
     _valid_transport = model_validator(mode="after")(lambda self: transport_fits(self))
     _valid_outer = model_validator(mode="after")(lambda self: outer_fits(self))
@@ -322,6 +339,25 @@ def privacy_fits(task: "TaskRequest | TaskSpec", len_peers: int, joins: bool) ->
     return task
 
 
+def udp_rate_mbit(value: Any) -> float:
+    """A task's UDP rate in Mbit/s, from a bandwidth in tc's units (``10mbit``, ``1gbit``) or a
+    number of Mbit/s; ValueError in one line for anything else, or a rate outside ``UDP_RATE_RANGE``."""
+    low, high = UDP_RATE_RANGE
+    problem = f"{value!r} is not a rate: give one like 50mbit or 1gbit, or a number of Mbit/s"
+    number_or_text = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+    text = str(value).strip().lower() if number_or_text else ""  # "": not a rate
+    try:
+        mbit = parse_rate(text) / 1e6 if text.endswith("bit") else float(text)
+    except ValueError:
+        raise ValueError(problem) from None
+    if not math.isfinite(mbit):
+        raise ValueError(problem)
+    if not low <= mbit <= high:
+        raise ValueError(f"{mbit:g} Mbit/s is outside the {low:g}..{high:g} Mbit/s ({low:g}mbit.."
+                         f"{high / MBIT_PER_GBIT:g}gbit) a task may ask")
+    return mbit
+
+
 def network_algorithm(name: str) -> str:
     """``name`` if its algorithm's declaration lets it run as a network task; else ValueError
     naming those that can. (A name only selects a registered algorithm: nothing is imported by it.)"""
@@ -355,13 +391,13 @@ class TaskSpec(TaskSettings):
         return self.model_dump(mode="json", exclude={"data", "meta", "weights", "checkpoints_to", "resume"})
 
     def fingerprint(self) -> str:
-        """What makes two attempts of a task the same training (not who runs it, or from where), as
-        a digest each checkpoint records: a task resumes only from its own."""
+        """What makes two attempts of a task the same training (not who runs it, from where, or how
+        fast it sends), as a digest each checkpoint records: a task resumes only from its own."""
         import hashlib
         import json
 
         kept = self.model_dump(mode="json", exclude={"data", "weights", "checkpoints_to", "resume", "peers",
-                                                     "requester", "peer_timeout", "slots", "joining"})
+                                                     "requester", "peer_timeout", "udp_rate", "slots", "joining"})
         kept["providers"] = self.shards
         return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -418,8 +454,8 @@ class TaskSpec(TaskSettings):
             host=host, device=device,
             tcp=TcpSettings(wait_timeout=self.peer_timeout, handshake_timeout=self.handshake_timeout,
                             max_message_mb=max_message_mb),
-            udp=UdpSettings(timeout=self.udp_timeout, handshake_timeout=self.handshake_timeout,
-                            max_message_mb=max_message_mb),
+            udp=UdpSettings(timeout=self.udp_timeout, rate_gbps=self.udp_rate / MBIT_PER_GBIT,
+                            handshake_timeout=self.handshake_timeout, max_message_mb=max_message_mb),
             checkpoint_every=self.checkpoint_interval(iterations) if self.checkpoints_to else 0)
 
     @property

@@ -5,8 +5,10 @@ from its last checkpoint (``meshlearn request --resume TASK_ID``).
 A provider keeps its checkpoint in its task folder (``checkpoint``'s safetensors + JSON), then
 sends both files to the requester over the task's encrypted channel (``task.checkpoint``). The
 requester takes a checkpoint only from the provider it names, checks it whole (format, checksum,
-the task's fingerprint) before writing it, and keeps the newest two per provider. A resumed task
-serves them back to the providers it claims, provider I its ``provider-I`` pair.
+the task's fingerprint) before writing it, and keeps the newest two per position: a data shard,
+whose checkpoints go by ``provider-I`` (I: the shard), written by the provider that holds it (one
+taken in at a lost provider's place holds that one's). A resumed task serves them back to the
+providers it claims, provider I its ``provider-I`` pair.
 """
 
 from __future__ import annotations
@@ -35,8 +37,15 @@ CHECKPOINT_TIMEOUT = 120.0  # seconds a provider gives the requester to take one
 
 
 def checkpoint_name(index: int) -> str:
-    """The name provider ``index``'s checkpoints go by (on the provider and at the requester)."""
+    """The name provider ``index``'s checkpoints go by (on the provider; at the requester, those of
+    position ``index``)."""
     return f"provider-{index}"
+
+
+def holders(spec: TaskSpec) -> dict[int, int]:
+    """Who holds each position of ``spec``: data shard -> the index of the provider training on it
+    (one taken in at a lost provider's place, later in ``peers``, holds that one's)."""
+    return {spec.shard_of(index): index for index in range(len(spec.peers))}
 
 
 # How a provider sends the requester its checkpoint of a cycle: (cycle, [its JSON, its tensors]);
@@ -100,8 +109,16 @@ class TaskRecord:
     request: TaskRequest
     secret: str
     status: str = "running"
-    providers: list[str] | None = None  # those of the attempt that started, in index order
+    providers: list[str] | None = None  # the provider holding each position of the attempt under way, in order
     fingerprint: str = ""  # the started spec's (TaskSpec.fingerprint)
+
+    def note(self, spec: TaskSpec) -> None:
+        """Take in the attempt under way: the provider that holds each of its positions now (what a
+        resume claims first, each for its own position; not one a newcomer took the place of) and
+        its fingerprint."""
+        held = holders(spec)
+        self.providers = [spec.peers[held[shard]].id for shard in sorted(held)]
+        self.fingerprint = spec.fingerprint()
 
     def write(self, folder: Path) -> None:
         """Write ``task.json`` into ``folder`` (whole or not at all)."""
@@ -119,13 +136,24 @@ class TaskRecord:
         try:
             data = json.loads(path.read_text())
             record = cls(str(data["task"]), TaskRequest(**data["request"]), str(data["secret"]),
-                         str(data["status"]), data.get("providers"), str(data.get("fingerprint", "")))
+                         str(data["status"]), _ids(data.get("providers")), str(data.get("fingerprint", "")))
         except FileNotFoundError:
             raise CheckpointError(f"{folder} holds no task ({RECORD} is missing): give the results folder of the "
                                   "task to resume (--output)") from None
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(f"{path} is not a task record meshlearn wrote ({exc})") from None
+        if len(record.providers or []) > record.request.providers:
+            raise CheckpointError(f"{path} names {len(record.providers)} providers for a task of at most "
+                                  f"{record.request.providers}: an older meshlearn wrote it after a provider took a "
+                                  "lost one's place, which it does not tell apart; request the task afresh")
         return record
+
+
+def _ids(providers: Any) -> list[str] | None:
+    """A record's providers as read (None: it names none yet); ValueError unless a list of ids."""
+    if providers is not None and not (isinstance(providers, list) and all(isinstance(p, str) for p in providers)):
+        raise ValueError("its providers are not a list of ids")
+    return providers
 
 
 def find_task(task_id: str, output: str | None) -> Path:
@@ -144,7 +172,7 @@ def find_task(task_id: str, output: str | None) -> Path:
 
 class KeptCheckpoints:
     """The checkpoints a requester keeps of its task's providers (``folder``: its results folder),
-    the newest two per provider."""
+    the newest two per position (``holders``)."""
 
     def __init__(self, folder: Path):
         self.store = CheckpointStore(Path(folder) / FOLDER, keep=2)
@@ -152,9 +180,10 @@ class KeptCheckpoints:
     def take(self, spec: TaskSpec | None, task: str, index: int, cycle: int, meta: bytes, tensors: bytes,
              check_caller: Callable[[int], None]) -> int:
         """Keep provider ``index``'s checkpoint of ``cycle`` of task ``task`` (its JSON ``meta`` and
-        its ``tensors``), sent while ``spec`` runs; returns the cycle kept. ``check_caller`` refuses
-        a caller that is not provider ``index``. Kept only once whole and of this task (BadMessage,
-        in one line, where it is not)."""
+        its ``tensors``), sent while ``spec`` runs, as its position's; returns the cycle kept.
+        ``check_caller`` refuses a caller that is not provider ``index``. Kept only once whole, of
+        this task and from the provider that holds its position now (BadMessage, in one line, where
+        it is not)."""
         if spec is None:
             raise BadMessage("no task is running here to take a checkpoint of")
         if task != spec.task_id:
@@ -162,14 +191,15 @@ class KeptCheckpoints:
         if index >= len(spec.peers) or index >= MAX_TASK_PEERS:
             raise BadMessage(f"task {spec.task_id} has no provider {index}")
         check_caller(index)
+        position = _position(spec, index)
         try:
-            self.store.put(cycle, checkpoint_name(index), meta, tensors, spec.fingerprint())
+            self.store.put(cycle, checkpoint_name(position), meta, tensors, spec.fingerprint())
         except CheckpointError as exc:
             raise BadMessage(f"checkpoint of provider {index}, cycle {cycle}, refused: {exc}") from None
         return cycle
 
     def latest(self, providers: int) -> int | None:
-        """The newest cycle every one of ``providers`` providers has a checkpoint of."""
+        """The newest cycle every one of ``providers`` positions has a checkpoint of."""
         return self.store.latest([checkpoint_name(index) for index in range(providers)])
 
     def resume_cycles(self, providers: int, in_step: bool) -> list[int] | None:
@@ -205,3 +235,14 @@ class KeptCheckpoints:
         """The files to serve a resumed task: name -> path, each provider's of its cycle."""
         return {f"{checkpoint_name(index)}{suffix}": self.store.folder(cycle) / f"{checkpoint_name(index)}{suffix}"
                 for index, cycle in enumerate(cycles) for suffix in (".json", ".safetensors")}
+
+
+def _position(spec: TaskSpec, index: int) -> int:
+    """The position (data shard) whose checkpoints provider ``index`` of ``spec`` sends; BadMessage
+    where a provider taken in at its place holds it now (its own are not the position's any more)."""
+    shard = spec.shard_of(index)
+    holder = holders(spec)[shard]
+    if holder != index:
+        raise BadMessage(f"provider {index} of task {spec.task_id} lost its place (shard {shard}) to provider "
+                         f"{holder}: its checkpoints are not kept")
+    return shard

@@ -31,6 +31,10 @@ from meshlearn.wire.sealed_datagram import OVERHEAD, DatagramSeal
 Address = tuple[str, int]
 SendFn = Callable[[list, Address], None]  # raises OSError when the kernel refuses the datagram
 PACE_SLACK = 0.002  # seconds a sender may run ahead of its rate before it sleeps
+# Seconds of sending a sender that fell behind its rate (descheduled, or slower than it) may make
+# up at full speed; the rest is let go: sent at once, the lag would leave as one burst, which the
+# small queue of a slow link's router drops
+CATCH_UP = 0.005
 
 
 @dataclass
@@ -87,6 +91,8 @@ class DatagramSender:
                 ahead = sent / self.rate - (self.clock() - started)
                 if ahead > PACE_SLACK:
                     self.sleep(ahead)
+                elif ahead < -CATCH_UP:
+                    started -= ahead + CATCH_UP  # behind by CATCH_UP at most: no burst after a stall
             messages += 1
         self._count(tally, messages=messages, nbytes=sent)
 
