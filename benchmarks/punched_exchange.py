@@ -82,9 +82,7 @@ def node(index: int, path: str, key_hex: str, reps: int, mb: float) -> None:
         paths = LinkPaths(index, "0.0.0.0", ENGINE[index], ports[index], PunchMemory(), quic,
                           **({"punch": no_tcp} if path == "quic" else {}))
         book = paths.route(book, {0: "node0", 1: "node1"}, {other: ports[other]})
-        book, meets = paths.settle(book)  # a punched link: each engine connects between the punched ports
-        for peer, address in meets.items():
-            transport.meet(peer, address)
+        book = paths.settle(book).give(transport)  # a punched link: each engine connects between the punched ports
     transport.connect(book)
     print("ready", flush=True)
     torch.manual_seed(0)

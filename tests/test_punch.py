@@ -192,9 +192,9 @@ def never_answered(local, peer, deadline, clock, cancelled=None):
     return PunchResult(None, 1, "timed out")
 
 
-def paths_of(side, mine="own", punch=None, clock=None):
+def paths_of(side, mine="own", punch=None, clock=None, engine_meets=True):
     return LinkPaths(side["index"], "127.0.0.1", side["engine"].port, side["ports"] if mine == "own" else mine, side["memory"],
-                     punch=punch or never_answered, **({"clock": clock} if clock else {}))
+                     punch=punch or never_answered, engine_meets=engine_meets, **({"clock": clock} if clock else {}))
 
 
 def settle_both(a, b, book_a, book_b):
@@ -209,7 +209,7 @@ def settle_both(a, b, book_a, book_b):
     return settled["a"], settled["b"]
 
 
-def test_a_link_punched_both_ways_is_handed_to_the_engines_to_connect_between_the_punched_ports(sides):
+def test_a_link_punched_both_ways_and_confirmed_is_the_engines_own_with_its_front_to_fall_back_on(sides):
     rendezvous = Rendezvous()
     a, b = paths_of(sides["a"], punch=rendezvous.punch), paths_of(sides["b"], punch=rendezvous.punch)
     try:
@@ -217,37 +217,83 @@ def test_a_link_punched_both_ways_is_handed_to_the_engines_to_connect_between_th
         pa, pb = sides["a"]["ports"], sides["b"]["ports"]
         book_a = a.route({1: sides["relay"]}, ids, {1: pb})
         book_b = b.route({0: sides["relay"]}, ids, {0: pa})
-        (dial_a, meet_a), (dial_b, meet_b) = settle_both(a, b, book_a, book_b)
+        routes_a, routes_b = settle_both(a, b, book_a, book_b)
         # a's engine dials from a's out port to b's in port, b's ROUTER meets it from there (and back)
-        assert dial_a == {1: f"tcp://127.0.0.1:{pa.out_port};127.0.0.1:{pb.in_port}"}
-        assert meet_b == {0: f"tcp://127.0.0.1:{pb.in_port};127.0.0.1:{pa.out_port}"}
-        assert dial_b == {0: f"tcp://127.0.0.1:{pb.out_port};127.0.0.1:{pa.in_port}"}
-        assert meet_a == {1: f"tcp://127.0.0.1:{pa.in_port};127.0.0.1:{pb.out_port}"}
+        assert routes_a.book == {1: f"tcp://127.0.0.1:{pa.out_port};127.0.0.1:{pb.in_port}"}
+        assert routes_b.meets == {0: f"tcp://127.0.0.1:{pb.in_port};127.0.0.1:{pa.out_port}"}
+        assert routes_b.book == {0: f"tcp://127.0.0.1:{pb.out_port};127.0.0.1:{pa.in_port}"}
+        assert routes_a.meets == {1: f"tcp://127.0.0.1:{pa.in_port};127.0.0.1:{pb.out_port}"}
+        assert routes_a.fallbacks == book_a and routes_b.fallbacks == book_b  # the fronts, should the engines not meet
+        assert 0 < routes_a.fallback_after <= a.punch_time
         assert len(rendezvous.made) == 4 and all(sock.fileno() == -1 for sock in rendezvous.made)  # reset, ports free
         assert a.report() == {"b": {"path": "punched", "relay_bytes": 0}}
         assert b.report() == {"a": {"path": "punched", "relay_bytes": 0}}
+        assert ask(book_a[1], b"hello") == b"relay:hello"  # the front, dialed as the fallback: the relay carries it
+        assert a.report()["b"]["path"] == "relayed"
     finally:
         a.close()
         b.close()
 
 
-def test_a_punch_that_ends_after_the_engine_got_its_book_is_spliced_through_the_front_and_costs_the_relay_nothing(sides):
-    rendezvous, clock = Rendezvous(), FakeClock()
-    rendezvous.gate.clear()  # the punches end only after both engines got their books
-    a, b = paths_of(sides["a"], punch=rendezvous.punch, clock=clock), paths_of(sides["b"], punch=rendezvous.punch, clock=clock)
+def test_a_punch_the_other_end_does_not_confirm_is_not_the_engines_and_is_remembered_as_failed(sides):
+    def stranger(local, peer, deadline, clock, cancelled=None):  # a listener that answers the SYN, says nothing
+        with socket.create_server(("127.0.0.1", 0)) as listener:
+            mine = socket.create_connection(listener.getsockname())
+            stranger.ends.append(listener.accept()[0])
+        return PunchResult(mine, 1)
+    stranger.ends = []
+    a = paths_of(sides["a"], punch=stranger)
+    try:
+        book = a.route({1: sides["relay"]}, {0: "a", 1: "b"}, {1: sides["b"]["ports"]})
+        routes = a.settle(book)
+        assert routes.book == book and routes.meets == {} and routes.fallbacks == {}
+        assert ask(book[1], b"hello") == b"relay:hello" and a.report()["b"]["path"] == "relayed"
+        assert not sides["a"]["memory"].worth_trying("b", "tcp")
+    finally:
+        a.close()
+        for end in stranger.ends:
+            end.close()
+
+
+def test_an_engine_that_connects_once_per_thread_keeps_its_front_and_the_punched_connection_goes_through_it(sides):
+    rendezvous = Rendezvous()
+    a, b = (paths_of(sides[name], punch=rendezvous.punch, engine_meets=False) for name in ("a", "b"))
     try:
         ids = {0: "a", 1: "b"}
         book_a = a.route({1: sides["relay"]}, ids, {1: sides["b"]["ports"]})
         book_b = b.route({0: sides["relay"]}, ids, {0: sides["a"]["ports"]})
-        threading.Timer(0.2, clock.advance, args=(60.0,)).start()  # settle's wait for the punches runs out
-        (dial_a, meet_a), (dial_b, meet_b) = settle_both(a, b, book_a, book_b)
-        assert (dial_a, dial_b, meet_a, meet_b) == (book_a, book_b, {}, {})  # the fronts, as route gave them
-        assert dial_a[1].startswith("tcp://127.0.0.1:") and dial_a[1] != sides["relay"]
-        rendezvous.gate.set()
-        assert ask(dial_a[1], b"hello") == b"b-engine:hello"
-        assert ask(dial_b[0], b"hello") == b"a-engine:hello"
+        routes_a, routes_b = settle_both(a, b, book_a, book_b)
+        assert (routes_a.book, routes_b.book, routes_a.meets, routes_b.fallbacks) == (book_a, book_b, {}, {})
+        assert ask(book_a[1], b"hello") == b"b-engine:hello"
+        assert ask(book_b[0], b"hello") == b"a-engine:hello"
         assert a.report() == {"b": {"path": "punched", "relay_bytes": 0}}
     finally:
+        a.close()
+        b.close()
+
+
+def test_a_punch_confirmed_after_the_engine_got_its_book_leaves_the_link_to_the_front(sides):
+    rendezvous, clock, settled = Rendezvous(), FakeClock(), threading.Event()
+    rendezvous.gate.clear()  # the punches end only after both engines got their books
+    a, b = (paths_of(sides[name], punch=rendezvous.punch, clock=clock) for name in ("a", "b"))
+
+    def run_clock():  # settle's wait for the punches runs out, however late each side reads the clock
+        while not settled.is_set():
+            clock.advance(60.0)
+            settled.wait(0.05)
+    threading.Thread(target=run_clock, daemon=True).start()
+    try:
+        ids = {0: "a", 1: "b"}
+        book_a = a.route({1: sides["relay"]}, ids, {1: sides["b"]["ports"]})
+        book_b = b.route({0: sides["relay"]}, ids, {0: sides["a"]["ports"]})
+        routes_a, routes_b = settle_both(a, b, book_a, book_b)
+        settled.set()
+        assert (routes_a.book, routes_b.book, routes_a.meets, routes_b.meets) == (book_a, book_b, {}, {})
+        rendezvous.gate.set()
+        assert ask(book_a[1], b"hello") == b"relay:hello"  # parked until the punch ended, then the relay
+        assert a.report() == {"b": {"path": "relayed", "relay_bytes": len(b"hello") + len(b"relay:hello")}}
+    finally:
+        settled.set()
         rendezvous.gate.set()
         a.close()
         b.close()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers.pairs import close_together
 from helpers.waiting import wait_until
 
 from meshlearn.errors import PortInUseError, TransportError
@@ -309,28 +310,21 @@ def test_a_router_that_meets_a_neighbours_dealer_connecting_out_too_carries_its_
         for transport in (a, b):
             transport.bind()
         a_to_b, b_to_a = meetings
-        with socket.socket() as spare:  # a free port for each DEALER to connect from, as from a punched one
-            spare.bind(("127.0.0.1", 0))
-            source = spare.getsockname()[1]
+        source = _free_port()  # for the DEALER to connect from, as from a punched port
         b.meet(0, f"tcp://127.0.0.1:0;127.0.0.1:{a_to_b.ports[1]}")
         a.meet(1, f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[1]}")
-        threads = [threading.Thread(target=a.connect, args=({1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"},)),
-                   threading.Thread(target=b.connect, args=({0: f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[0]}"},))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(30)
-        assert a.peers == {1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"}
+        dead = _free_port()  # the fallback, never needed: each path carries its handshake at once
+        a.fall_back(1, f"tcp://127.0.0.1:{dead}", after=0.2)
+        b.fall_back(0, f"tcp://127.0.0.1:{dead}", after=0.2)
+        _connect_both(a, {1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"},
+                      b, {0: f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[0]}"})
+        time.sleep(0.3)  # past the fallbacks' deadline: the links must stay where they are
         a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.arange(10.0)}))
         b.send(0, Message(Kind.MODEL, 1, 0, 1, {"p": torch.ones(3)}))
         assert torch.equal(b.gather(0, [0], timeout=20)[0].tensors["p"], torch.arange(10.0))
         assert torch.equal(a.gather(0, [1], timeout=20)[1].tensors["p"], torch.ones(3))
     finally:
-        closing = [threading.Thread(target=transport.close) for transport in (a, b)]  # each awaits the other's BYE
-        for thread in closing:
-            thread.start()
-        for thread in closing:
-            thread.join(30)
+        close_together(a, b)
         for meeting in meetings:
             meeting.close()
 
@@ -344,3 +338,43 @@ def test_only_a_transport_with_one_connection_per_neighbour_meets_and_only_at_a_
         transport.meet(1, "tcp://127.0.0.1:5000")
     with pytest.raises(TransportError, match="HubEndpoint cannot meet neighbour 1"):
         HubEndpoint(0).meet(1, "tcp://127.0.0.1:1;127.0.0.1:2")
+
+
+def _free_port() -> int:
+    with socket.socket() as spare:
+        spare.bind(("127.0.0.1", 0))
+        return spare.getsockname()[1]
+
+
+def _connect_both(a: TcpTransport, book_a: dict, b: TcpTransport, book_b: dict) -> None:
+    """Both handshakes at once (each waits for the other's HELLO); raises what either raised."""
+    failed = []
+
+    def connect(transport, book):
+        try:
+            transport.connect(book)
+        except Exception as exc:
+            failed.append(exc)
+    threads = [threading.Thread(target=connect, args=pair) for pair in ((a, book_a), (b, book_b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not failed and not any(thread.is_alive() for thread in threads), failed
+
+
+def test_a_punched_path_that_carries_no_handshake_falls_back_in_time_and_the_link_works():
+    """The DEALER's punched path leads nowhere (the NATs let the punch through, not the engine's
+    connect): after ``after`` seconds it dials the fallback (a front, carrying it through the
+    relay), says HELLO again, and the handshake and a model go through within the timeout."""
+    settings = TcpSettings(handshake_timeout=20, wait_timeout=10, linger=1)
+    a, b = (TcpTransport(i, settings=settings) for i in (0, 1))
+    try:
+        address_a, address_b = a.bind(), b.bind()
+        a.fall_back(1, address_b, after=0.5)
+        _connect_both(a, {1: f"tcp://127.0.0.1:{_free_port()};127.0.0.1:{_free_port()}"}, b, {0: address_a})
+        a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.arange(5.0)}))
+        assert torch.equal(b.gather(0, [0], timeout=20)[0].tensors["p"], torch.arange(5.0))
+        assert a._watching == {}
+    finally:
+        close_together(a, b)

@@ -126,13 +126,19 @@ class Endpoint(ABC):
     def bind(self) -> str:
         """Open this node's endpoint; return its address."""
 
-    meets = False  # whether ``meet`` works: one connection to each neighbour, its ends the punched ports
+    meets = False  # whether ``meet`` and ``fall_back`` work: one connection to each neighbour, its ends punched ports
 
     def meet(self, peer: int, address: str) -> None:
         """Connect out to ``address`` to meet ``peer``'s link to this node (a path punched through
         NATs: ``TcpTransport``); other transports have no such links."""
         raise TransportError(f"{type(self).__name__} cannot meet neighbour {peer} at {address}: its links are "
                              "not punched TCP")
+
+    def fall_back(self, peer: int, address: str, after: float) -> None:
+        """Dial ``address`` instead should the link to ``peer`` not work within ``after`` seconds
+        (a punched path: ``TcpTransport``); other transports have no such links."""
+        raise TransportError(f"{type(self).__name__} cannot fall back to {address} for neighbour {peer}: its links "
+                             "are not punched TCP")
 
     @abstractmethod
     def connect(self, peers: Mapping[int, str]) -> None:

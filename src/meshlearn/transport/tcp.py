@@ -11,6 +11,10 @@ window takes it, once. Until the answer comes the receiver waits for that neighb
 said goodbye meanwhile (it refuses a model of its last round and leaves). A refusal is sealed
 like any message, so none can be forged, and one played again is refused as a replay; a message
 whose header is too damaged to name it is not refused, and costs the wait as before.
+
+A link punched through NATs is connected from both ends (``meet``: the ROUTER connects out to
+the neighbour's DEALER, TCP's simultaneous open joining the two), and its DEALER falls back to
+another address should that path carry no handshake in time (``fall_back``).
 """
 
 from __future__ import annotations
@@ -58,6 +62,19 @@ MAX_RESENDS = 16
 REFUSAL_BYTES = 64 * 1024  # the most a refusal may take (it carries a reason only): a sender reads no more
 AWAITED = 2 * KEEP_SENT  # refusals a receiver awaits the answer to, per neighbour (the oldest forgotten)
 DECLINED = "declined"  # a sender's answer to a refusal of a model it will not send again
+WATCH_EVERY = 0.05  # seconds between looks at the punched paths not yet known to work, while connecting
+MEET_RECONNECT_MAX_MS = 2000  # both ends of a punched link that broke connect again from 100 ms to this
+
+
+@dataclass
+class _Watch:
+    """A DEALER connecting over a punched path: ``monitor`` says when ZeroMQ's handshake is done;
+    at ``deadline``, if it is not, the DEALER dials ``fallback`` instead of ``primary``."""
+
+    monitor: zmq.Socket
+    deadline: float
+    primary: str
+    fallback: str
 
 
 @dataclass
@@ -108,6 +125,8 @@ class TcpTransport(Transport):
         self._router: zmq.Socket | None = None
         self._dealers: dict[int, zmq.Socket] = {}
         self._meets: dict[int, str] = {}  # neighbour -> where the ROUTER connects to meet its link (``meet``)
+        self._fallbacks: dict[int, tuple[str, float]] = {}  # neighbour -> (address, seconds) (``fall_back``)
+        self._watching: dict[int, _Watch] = {}  # DEALERs over punched paths, until their handshake is done
         self._routes: dict[bytes, int] = {}  # connection (ZeroMQ routing id) -> the neighbour it said HELLO as
         self._poller = zmq.Poller()
         self._closed = False
@@ -143,13 +162,15 @@ class TcpTransport(Transport):
         if self._router is None:
             raise TransportError("bind() must be called before connect()")
         self.peers = dict(peers)
+        if self._meets:
+            self._router.setsockopt(zmq.RECONNECT_IVL_MAX, MEET_RECONNECT_MAX_MS)
         for address in self._meets.values():
             self._router.connect(address)
         for peer, address in self.peers.items():
             self._dial(peer, address)
         greeted: set[int] = set()
         deadline = time.monotonic() + self.handshake_timeout
-        while self.peers.keys() - greeted - self.departed:
+        while self.peers.keys() - greeted - self.departed or self._watching:  # and each punched path known
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(self.peers.keys() - greeted - self.departed)
@@ -158,7 +179,7 @@ class TcpTransport(Transport):
                     f"node {self.node_id}: neighbour(s) {where} did not answer the handshake "
                     f"within {self.handshake_timeout:g} s"
                 )
-            msg = self.recv(remaining)
+            msg = self.recv(min(remaining, WATCH_EVERY) if self._watching else remaining)
             if msg is None:
                 continue
             if msg.kind == Kind.HELLO:
@@ -178,6 +199,29 @@ class TcpTransport(Transport):
                                  "expected tcp://SOURCE:PORT;TARGET:PORT")
         self._meets[peer] = address
 
+    def fall_back(self, peer: int, address: str, after: float) -> None:
+        """Have the DEALER to ``peer`` dial ``address`` instead should its connection not have
+        carried ZeroMQ's handshake ``after`` seconds into ``connect`` (a punched path the NATs let
+        the punch through but not the engine's connect: ``address`` carries the link another way).
+        Before ``connect``."""
+        self._fallbacks[peer] = (address, after)
+
+    def _check_fallbacks(self) -> None:
+        """Forget the watches whose handshake is done; dial the fallback of those past their deadline."""
+        for peer, watch in list(self._watching.items()):
+            if not watch.monitor.poll(0) and time.monotonic() < watch.deadline:
+                continue
+            dealer = self._dealers[peer]
+            if not watch.monitor.poll(0):  # the punched path did not carry it: the fallback, and HELLO again
+                log.info("node %d: the punched path to %d carried no handshake: dialing %s", self.node_id, peer,
+                         watch.fallback)
+                dealer.disconnect(watch.primary)
+                dealer.connect(watch.fallback)
+                self._send_frames(peer, encode_for(Message(Kind.HELLO, self.node_id), self.secret, self.seal))
+            del self._watching[peer]
+            dealer.disable_monitor()
+            watch.monitor.close(linger=0)
+
     def _dial(self, peer: int, address: str) -> None:
         """Connect to ``peer`` at ``address`` and say HELLO (the handshake's half this side sends)."""
         dealer = self._ctx.socket(zmq.DEALER)
@@ -188,6 +232,11 @@ class TcpTransport(Transport):
         dealer.setsockopt(zmq.SNDHWM, 64)
         dealer.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)  # what comes back is refusals: few, and small
         dealer.setsockopt(zmq.MAXMSGSIZE, REFUSAL_BYTES)
+        fallback = self._fallbacks.pop(peer, None)
+        if fallback is not None:  # a punched path: watched from before the connect, so its handshake is never missed
+            dealer.setsockopt(zmq.RECONNECT_IVL_MAX, MEET_RECONNECT_MAX_MS)
+            self._watching[peer] = _Watch(dealer.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED),
+                                          time.monotonic() + fallback[1], address, fallback[0])
         dealer.connect(address)
         self._dealers[peer] = dealer
         self._poller.register(dealer, zmq.POLLIN)  # refusals of what this node sent
@@ -213,6 +262,8 @@ class TcpTransport(Transport):
     def broadcast(self, peers: Iterable[int], msg: Message) -> Receipt:
         """Send one message to several neighbours, encoding it (and viewing its tensors) once."""
         self._take_in_joined()
+        if self._watching:
+            self._check_fallbacks()
         self._take_refusals()  # a model of the round before, refused, goes again before this one
         frames = encode_for(msg, self.secret, self.seal)
         peers = list(peers)
@@ -300,6 +351,9 @@ class TcpTransport(Transport):
             if due is not None:
                 return self._deliver(due)
             remaining = deadline - time.monotonic()
+            if self._watching:  # punched paths not yet known to work: looked at by their deadlines
+                self._check_fallbacks()
+                remaining = min([remaining, *(w.deadline - time.monotonic() + 0.01 for w in self._watching.values())])
             if self._held:
                 remaining = min(remaining, self._held.next_due() - self.clock())
             ready = dict(self._poller.poll(max(0, int(remaining * 1000))))
@@ -404,6 +458,8 @@ class TcpTransport(Transport):
                 while set(self._routes.values()) & self.peers.keys() - self.departed and time.monotonic() < deadline:
                     self.recv(deadline - time.monotonic())
         finally:
+            for watch in self._watching.values():
+                watch.monitor.close(linger=0)
             heard = set(self._routes.values())
             for peer, dealer in self._dealers.items():
                 dealer.close(linger=None if peer in heard else 0)  # what is queued for one never there goes nowhere

@@ -28,6 +28,7 @@ import errno
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ REFUSED_PAUSE = 0.05  # seconds before connecting again after a reset (the peer 
 RETRY_AFTER = 600.0  # seconds a pair whose punch failed goes straight to the relay before punching again
 UDP_PUNCH_TIME = 12.0  # seconds a UDP punch keeps trying: a peer that still tries TCP joins within PUNCH_TIME
 UDP_EVERY = 0.05  # seconds between a UDP punch's datagrams
+PUNCH_TOKEN = b"meshlearn-punch\x01"  # what each end of a punched TCP connection sends the other (``confirm``)
+PUNCH_DONE = b"\x02"  # what the outward end sends once it read the other's token (``confirm``)
+CONFIRM_TIME = 2.0  # seconds an end waits for the other's token
 UDP_AFTER = 3  # datagrams sent once the peer was heard (the first ones may have met a NAT not yet open)
 PUNCH_DATAGRAM = b"\x00meshlearn-punch"  # what a UDP punch sends: its first byte's QUIC fixed bit is clear, so
 # a QUIC endpoint that reads one discards it (RFC 9000, 17.2 and 17.3)
@@ -69,6 +73,51 @@ def connect_once(local: tuple[str, int], peer: tuple[str, int], timeout: float) 
     except BaseException:
         sock.close()
         raise
+
+
+def confirm(sock: socket.socket, outward: bool, timeout: float = CONFIRM_TIME) -> bool:
+    """Whether the other end of a punched connection is a meshlearn punch that holds it too, and
+    both ends agree to let it go for their engines to connect between the same ports: each end
+    sends PUNCH_TOKEN and reads the other's; then the ``outward`` end (the one whose engine will
+    dial) sends PUNCH_DONE, and the inward end, once it read that, resets the connection, which the
+    outward end waits for. So no end resets before the other read what it needs (a reset drops
+    what its receiver has not read yet). A stranger's listener that happened to answer the SYN
+    sends something else, or nothing; within ``timeout`` seconds, or False. The inward end's
+    socket is closed when it returns True."""
+    deadline = time.monotonic() + timeout
+    token_read = False
+    try:
+        sock.sendall(PUNCH_TOKEN)
+        token_read = _read(sock, len(PUNCH_TOKEN), deadline) == PUNCH_TOKEN
+        if not token_read:
+            return False
+        if not outward:
+            if _read(sock, len(PUNCH_DONE), deadline) != PUNCH_DONE:
+                return False
+            reset_close(sock)
+            return True
+        sock.sendall(PUNCH_DONE)
+        _read(sock, 1, deadline)  # the inward end's reset ends it (EOF or anything else: it did not agree)
+        return False
+    except ConnectionResetError:
+        return outward and token_read
+    except OSError:
+        return False
+
+
+def _read(sock: socket.socket, count: int, deadline: float) -> bytes:
+    """Up to ``count`` bytes from ``sock`` by ``deadline`` (fewer at its end); TimeoutError after."""
+    got = b""
+    while len(got) < count:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the other end of the punch said nothing in time")
+        sock.settimeout(left)
+        chunk = sock.recv(count - len(got))
+        if not chunk:
+            break
+        got += chunk
+    return got
 
 
 def reset_close(sock: socket.socket) -> None:

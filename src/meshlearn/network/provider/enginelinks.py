@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from meshlearn.network.protocol.providerapi import PunchPorts
-from meshlearn.network.provider.linkpaths import ANNOUNCED, DIRECT, PUNCHED, LinkPaths
+from meshlearn.network.provider.linkpaths import ANNOUNCED, DIRECT, PUNCHED, EngineRoutes, LinkPaths
 from meshlearn.network.provider.natside import LinkSide, public_ports
 
 if TYPE_CHECKING:
@@ -69,17 +69,20 @@ class EngineLinks:
             self._side = ctx.nat.punch_ports(ctx.host, others) if ctx.nat is not None \
                 else public_ports(ctx.host, ctx.public_host or ctx.host, others)
 
-    def route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts]) -> dict[int, str]:
+    def route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts],
+              engine_meets: bool = False) -> dict[int, str]:
         """The book the engine dials (routed once: a start sent again gets the first one's book;
-        after ``close``, ``book`` as it is, and nothing is started)."""
+        after ``close``, ``book`` as it is, and nothing is started; ``engine_meets``: whether the
+        engine takes punched paths over, ``Endpoint.meets``)."""
         with self._lock:
             if self._closed:
                 return book
             if self._routed is None:
-                self._routed = self._route(book, ids, punches)
+                self._routed = self._route(book, ids, punches, engine_meets)
             return self._routed
 
-    def _route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts]) -> dict[int, str]:
+    def _route(self, book: dict[int, str], ids: dict[int, str], punches: dict[int, PunchPorts],
+               engine_meets: bool) -> dict[int, str]:
         udp = self.address.startswith("udp://")  # HELLOs punch the path; nothing goes through the relay
         if udp or not self.ctx.relayed and not any(p.behind_nat for p in punches.values()):
             behind = udp and self.ctx.relayed
@@ -89,18 +92,17 @@ class EngineLinks:
             self._report = lambda: {peer: dict(link) for peer, link in report.items()}
             return book
         self._paths = LinkPaths(self.index, self.ctx.host, self._engine_port, self.punch, self.ctx.punch_memory,
-                                self._side.quic, self.ctx.clock, self.budget, here=self._side.here)
+                                self._side.quic, self.ctx.clock, self.budget, here=self._side.here,
+                                engine_meets=engine_meets)
         routed = self._paths.route(book, ids, punches)
         self._report = self._paths.report
         return routed
 
-    def settle(self, book: dict[int, str], engine_meets: bool) -> tuple[dict[int, str], dict[int, str]]:
-        """Once the links' TCP punches ended: the book the engine dials (``book``, as ``route`` gave
-        it, with punched links dialed from the punching port itself) and the addresses its ROUTER
-        meets punched links at, by neighbour (``LinkPaths.settle``; ``engine_meets``: whether the
-        engine can, ``Endpoint.meets``)."""
+    def settle(self, book: dict[int, str]) -> EngineRoutes:
+        """Once the links' TCP punches ended: what the engine dials (``book``, as ``route`` gave it,
+        with each punched link the engine's own to connect), meets and falls back to (``LinkPaths.settle``)."""
         paths = self._paths
-        return paths.settle(book, engine_meets) if paths is not None else (book, {})
+        return paths.settle(book) if paths is not None else EngineRoutes(book)
 
     def report(self) -> dict[str, dict]:
         """Each link this provider's engine dials, by neighbour id: its path and its bytes through the relay."""

@@ -6,13 +6,17 @@ relayed address: a port on loopback whose connections are carried over a path ch
 
 - *punched*: a TCP connection opened through both NATs at once (``channel.punch``), from this
   provider's ``out`` port to the neighbour's ``in`` port (each direction of a pair is punched on
-  its own: a provider behind NAT is dialed that way too). Once it is open, ``settle`` hands it to
-  the engines: both ends reset it, this engine's DEALER connects from the ``out`` port to the
-  neighbour's ``in`` port and the neighbour's ROUTER from there back (ZeroMQ's
-  ``tcp://SOURCE;TARGET``), and TCP's simultaneous open joins them again through the mappings the
-  punch opened, with no hop on loopback (ZeroMQ connects the same way again if it ever breaks). A
-  punch that ends after ``settle`` is spliced to the front instead, and into the engine at the
-  neighbour's side;
+  its own: a provider behind NAT is dialed that way too). Once both ends confirmed it
+  (``punch.confirm``), an engine that holds one connection per neighbour takes it over: both
+  ends reset it, and ``settle`` has this engine's DEALER connect from the ``out`` port to the
+  neighbour's ``in`` port while the neighbour's ROUTER connects from there back (ZeroMQ's
+  ``tcp://SOURCE;TARGET``): TCP's simultaneous open joins them again through the mappings the
+  punch opened, with no hop on loopback (ZeroMQ connects the same way again if it ever breaks).
+  Should that connect not carry ZeroMQ's handshake in time, the DEALER dials the front instead
+  (``TcpTransport.fall_back``), which carries it over QUIC or the relay; so does a punch
+  confirmed after the engine got its book. An engine that connects once per calling thread
+  (served endpoints) dials its front, which carries the punched connection as it is, into the
+  neighbour's engine;
 - *quic*: where a TCP punch of the pair failed (a NAT or firewall that drops every unasked-for
   SYN) but UDP gets through: both sides punch a UDP path from the sockets whose mappings they
   named, and run QUIC over it (``channel.quicpath``: certificates pinned through the requester);
@@ -42,10 +46,13 @@ from meshlearn.clock import SYSTEM, Clock
 from meshlearn.errors import NetworkError
 from meshlearn.network.channel.addresses import is_wildcard
 from meshlearn.network.channel.punch import (
+    ATTEMPT_TIME,
+    CONFIRM_TIME,
     PUNCH_TIME,
     UDP_PUNCH_TIME,
     PunchMemory,
     PunchResult,
+    confirm,
     engine_path,
     punch_tcp,
     punch_udp,
@@ -56,11 +63,12 @@ from meshlearn.network.channel.relaywire import host_port, tune
 from meshlearn.network.channel.splicer import Acceptor, Loop, Splice, Splicer, close_socket, dial
 from meshlearn.network.protocol.providerapi import PunchPorts
 from meshlearn.network.provider.natside import QuicSockets
+from meshlearn.transport.base import Endpoint
 
 log = logging.getLogger(__name__)
 MAX_PIPES = 16  # kernel pipes the task's splices may hold at once (two per busy link direction)
 MAX_PUNCHED_PAIRS = 16  # neighbours a provider punches paths to at once (two threads each); the rest: the relay
-SETTLE_GRACE = 2.0  # seconds past its punch time ``settle`` waits for a punch to end (a punch overruns by one try)
+SETTLE_GRACE = ATTEMPT_TIME + CONFIRM_TIME + 0.5  # seconds past its punch time ``settle`` waits: a punch's last try, its confirmation
 DIRECT, PUNCHED, QUIC, RELAYED, PUNCHING = "direct", "punched", "quic", "relayed", "punching"
 ANNOUNCED = "announced"  # a neighbour that named no punching ports (one taken in mid-task): dialed where it said
 
@@ -91,6 +99,27 @@ def may_dial(host: str | None, mine: PunchPorts | None) -> bool:
 
 
 @dataclass
+class EngineRoutes:
+    """What a run's engine dials once its punches ended (``LinkPaths.settle``): ``book``, by
+    neighbour; where its ROUTER connects to meet a neighbour's punched link (``meets``); and for
+    each punched path it connects itself, the front to dial instead should that path not carry
+    ZeroMQ's handshake within ``fallback_after`` seconds (``fallbacks``)."""
+
+    book: dict[int, str]
+    meets: dict[int, str] = field(default_factory=dict)
+    fallbacks: dict[int, str] = field(default_factory=dict)
+    fallback_after: float = 0.0
+
+    def give(self, endpoint: Endpoint) -> dict[int, str]:
+        """Tell ``endpoint`` (before its ``connect``) where it meets and falls back; the book it connects to."""
+        for peer, address in self.meets.items():
+            endpoint.meet(peer, address)
+        for peer, address in self.fallbacks.items():
+            endpoint.fall_back(peer, address, self.fallback_after)
+        return self.book
+
+
+@dataclass
 class _Front:
     """The loopback port a link's engine connections come to, and how they go on."""
 
@@ -102,7 +131,7 @@ class _Front:
     relay_bytes: int = 0  # bytes of finished relayed splices
     relaying: list[Splice] = field(default_factory=list)
     acceptor: Acceptor | None = None
-    direct: bool = False  # the punched path was handed to the engine (``settle``): it dials it itself
+    direct: bool = False  # the punched path is the engine's own to connect (``settle``): the front is its fallback
 
     def bytes_through_relay(self) -> int:
         return self.relay_bytes + sum(splice.moved for splice in self.relaying)
@@ -122,8 +151,8 @@ class _Pair:
     quic: QuicPath | None = None
     quic_port: int | None = None  # 127.0.0.1 port whose connections the QUIC path carries to the neighbour's engine
     settled: bool = False
-    inbound: socket.socket | None = None  # the neighbour's link to this engine, punched, for ``settle`` to hand over
-    handed: bool = False  # ``settle`` gave the engine its book: a punch that ends later is spliced
+    meets: bool = False  # the neighbour's link to this engine was punched: the engine's ROUTER meets it (``settle``)
+    handed: bool = False  # ``settle`` gave the engine its book: a punch confirmed later is not the engine's
     punches_over: threading.Event = field(default_factory=threading.Event)  # no TCP punch of the pair under way
 
 
@@ -133,7 +162,8 @@ class LinkPaths:
 
     def __init__(self, me: int, bind_host: str, engine_port: int, mine: PunchPorts | None, memory: PunchMemory,
                  quic: QuicSockets | None = None, clock: Clock = SYSTEM, budget: float | None = None,
-                 punch: Callable[..., PunchResult] = punch_tcp, here: tuple[int | None, int | None] | None = None):
+                 punch: Callable[..., PunchResult] = punch_tcp, here: tuple[int | None, int | None] | None = None,
+                 engine_meets: bool = True):
         self.me = me  # this provider's index in the task
         self.bind_host = bind_host  # where this provider's punching ports are bound
         self.engine = ("127.0.0.1" if is_wildcard(bind_host) else bind_host, engine_port)  # where its engine listens
@@ -150,6 +180,7 @@ class LinkPaths:
         self.punch_time, self.udp_time, self.quic_time = (min(PUNCH_TIME, share), min(UDP_PUNCH_TIME, share),
                                                           min(HANDSHAKE_TIMEOUT, share))
         self.punch = punch  # ``punch_tcp``; tests give both ends of a pair one connection instead
+        self.engine_meets = engine_meets  # whether the engine takes punched paths over (``Endpoint.meets``)
         self._loop = Loop("link-paths", on_stop=self._close_all)
         self._splicer = Splicer(self._loop, MAX_PIPES)
         self._pairs: dict[int, _Pair] = {}
@@ -179,19 +210,23 @@ class LinkPaths:
                 self._loop.call_soon(partial(self._start_pair, pair))
         return routed
 
-    def settle(self, book: dict[int, str], engine_meets: bool = True) -> tuple[dict[int, str], dict[int, str]]:
-        """Wait for the TCP punches ``route`` started to end (each within its punch time and
-        SETTLE_GRACE); ``book`` (as ``route`` gave it) with each link punched this way dialed by the
-        engine itself, and the addresses its ROUTER meets its neighbours' punched links at (by index).
-        An engine that cannot meet (``engine_meets`` false: one connection per calling thread) keeps
-        its fronts, and the punched links are spliced to them, at once."""
+    def settle(self, book: dict[int, str]) -> EngineRoutes:
+        """The engine's routes once the TCP punches ``route`` started ended (waited for, each within
+        its punch time and SETTLE_GRACE, where the engine takes punched paths over): ``book`` (as
+        ``route`` gave it) with each punched link the engine's own."""
         deadline = self.clock.monotonic() + self.punch_time + SETTLE_GRACE
-        for pair in list(self._pairs.values()) if engine_meets else []:
+        for pair in list(self._pairs.values()) if self.engine_meets else []:
             self.clock.wait(pair.punches_over, max(0.0, deadline - self.clock.monotonic()))
         routes: Future = Future()  # the loop makes every call handed to it, even one that comes as it stops
-        if not self._loop.call_soon(lambda: routes.set_result(self._hand_over(book, engine_meets))):  # the task ended
-            return book, {}
-        return routes.result(timeout=30)
+
+        def hand_over() -> None:
+            try:
+                routes.set_result(self._hand_over(book))
+            except Exception as exc:  # a bug: the run fails with it, at once
+                routes.set_exception(exc)
+        if not self._loop.call_soon(hand_over):  # the task ended
+            return EngineRoutes(book)
+        return routes.result()
 
     def report(self) -> dict[str, dict]:
         """Each link this provider's engine dials, by neighbour id: its path (direct, punched, quic,
@@ -224,10 +259,10 @@ class LinkPaths:
         pair.failed = (outward or inward) and not tcp
         if tcp and outward:
             pair.pending += 1
-            self._punch(pair, self.out_here, (pair.theirs.host, pair.theirs.in_port), partial(self._punched_out, pair))
+            self._punch(pair, self.out_here, (pair.theirs.host, pair.theirs.in_port), partial(self._punched_out, pair), True)
         if tcp and inward:
             pair.pending += 1
-            self._punch(pair, self.in_here, (pair.theirs.host, pair.theirs.out_port), partial(self._punched_in, pair))
+            self._punch(pair, self.in_here, (pair.theirs.host, pair.theirs.out_port), partial(self._punched_in, pair), False)
         self._settle(pair)
 
     def _settle(self, pair: _Pair) -> None:
@@ -257,27 +292,17 @@ class LinkPaths:
         for sock in parked:
             self._carry(pair, sock)
 
-    def _hand_over(self, book: dict[int, str], engine_meets: bool) -> tuple[dict[int, str], dict[int, str]]:
-        """``settle``'s book and meeting addresses: each punched connection the engine has not used
-        is reset, for the engine to connect between the same two ports (or spliced, where it cannot)."""
-        routed, meets = dict(book), {}
+    def _hand_over(self, book: dict[int, str]) -> EngineRoutes:
+        """``settle``'s routes: each confirmed punched path the engine's own to connect, its front the fallback."""
+        routes = EngineRoutes(dict(book), fallback_after=self.punch_time)
         for pair in self._pairs.values():
-            pair.handed = True
-            inbound, pair.inbound, front = pair.inbound, None, pair.front
-            if not engine_meets:
-                if inbound is not None:
-                    self._dial_and_join(inbound, self.engine, self._joined, "this provider's engine")
-                continue
-            if front is not None and front.punched is not None and not front.parked:
-                reset_close(front.punched)
-                front.punched, front.path, front.direct = None, PUNCHED, True
-                theirs = (pair.theirs.host, pair.theirs.in_port)
-                routed[pair.index] = engine_path((self.bind_host, self.out_here), theirs)
-            if inbound is not None:
-                reset_close(inbound)
-                theirs = (pair.theirs.host, pair.theirs.out_port)
-                meets[pair.index] = engine_path((self.bind_host, self.in_here), theirs)
-        return routed, meets
+            pair.handed, front = True, pair.front
+            if front is not None and front.direct and not front.parked:
+                routes.book[pair.index] = engine_path((self.bind_host, self.out_here), (pair.theirs.host, pair.theirs.in_port))
+                routes.fallbacks[pair.index] = book[pair.index]
+            if pair.meets:
+                routes.meets[pair.index] = engine_path((self.bind_host, self.in_here), (pair.theirs.host, pair.theirs.out_port))
+        return routes
 
     def _open_front(self, pair: _Pair, relayed_at: tuple[str, int]) -> _Front:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -335,16 +360,21 @@ class LinkPaths:
 
     def _punched_out(self, pair: _Pair, result: PunchResult) -> None:
         pair.pending -= 1
-        pair.front.punched = result.sock
         pair.failed |= result.sock is None
+        if result.sock is not None and self.engine_meets:  # confirmed: the engine connects between these ports
+            reset_close(result.sock)
+            pair.front.direct = True
+        else:
+            pair.front.punched = result.sock
         self._settle(pair)
 
     def _punched_in(self, pair: _Pair, result: PunchResult) -> None:
         """A neighbour's link to this provider was punched (or not): join it to this provider's engine."""
         pair.pending -= 1
         pair.failed |= result.sock is None
-        if result.sock is not None and not pair.handed:
-            pair.inbound = result.sock  # ``settle`` hands it to the engine
+        if result.sock is not None and self.engine_meets:  # confirmed: the engine's ROUTER meets it (unless too late)
+            reset_close(result.sock)
+            pair.meets = not pair.handed
         elif result.sock is not None:
             self._dial_and_join(result.sock, self.engine, self._joined, "this provider's engine")
         self._settle(pair)
@@ -359,8 +389,6 @@ class LinkPaths:
 
     def _close_all(self) -> None:
         for pair in self._pairs.values():
-            if pair.inbound is not None:
-                close_socket(pair.inbound)
             front = pair.front
             if front is None:
                 continue
@@ -375,8 +403,10 @@ class LinkPaths:
 
     # ---- threads -----------------------------------------------------------------------------
 
-    def _punch(self, pair: _Pair, port: int, target: tuple[str, int], then: Callable[[PunchResult], None]) -> None:
-        """Punch from ``port`` to ``target`` in a thread of its own; ``then(result)`` in the loop."""
+    def _punch(self, pair: _Pair, port: int, target: tuple[str, int], then: Callable[[PunchResult], None],
+               outward: bool) -> None:
+        """Punch from ``port`` to ``target`` in a thread of its own (``outward``: this engine's link, not
+        the neighbour's), confirmed where the engine takes it over; ``then(result)`` in the loop."""
         deadline = self.clock.monotonic() + self.punch_time
 
         def work() -> None:
@@ -384,6 +414,9 @@ class LinkPaths:
                 result = self.punch((self.bind_host, port), target, deadline, self.clock, cancelled=self._cancelled)
             except Exception as exc:  # a bug, or an address the system refuses: the pair goes on without it
                 result = PunchResult(None, 0, f"{type(exc).__name__}: {exc}")
+            if result.sock is not None and self.engine_meets and not confirm(result.sock, outward):
+                result.sock.close()  # the ends do not agree they hold it: not the engines' to take over
+                result = PunchResult(None, result.tries, "the other end did not confirm the punch")
             if self._cancelled.is_set():
                 pass  # the task ended: says nothing of the pair
             elif result.sock is None:

@@ -191,9 +191,7 @@ class TaskRun:
             election = self.finisher.election
             threading.Thread(target=election.watch, name=f"task-watch-{self.spec.task_id}", daemon=True,
                              args=(stop_watching, max(0.2, self.spec.peer_timeout / 4), self.ctx.clock)).start()
-            book, meets = self.links.settle(self._book, self.node.transport.meets)  # punched: the engine's own
-            for peer, address in meets.items():
-                self.node.transport.meet(peer, address)
+            book = self.links.settle(self._book).give(self.node.transport)  # punched paths: the engine's own
             self.node.run(book)
             if said := self.links.describe():  # which links crossed a NAT, and how
                 print(f"provider {self.ctx.id}: task {self.spec.task_id}'s links: {said}", flush=True)
@@ -372,7 +370,8 @@ class TaskRun:
                 self.exclude(index, "it was lost before this provider joined")
         self._book = {j: a for j, a in book.items() if j != self.index and j not in self.finisher.excluded}
         self._book = self.links.route(self._book, dict(enumerate(self.ids)),
-                                      {j: p for j, p in (punches or {}).items() if j != self.index})
+                                      {j: p for j, p in (punches or {}).items() if j != self.index},
+                                      self.node is not None and self.node.transport.meets)
         if joins_at is not None and self.node is not None:
             self.node.algorithm.join_round = joins_at
         self._start.set()
