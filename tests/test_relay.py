@@ -52,12 +52,15 @@ def echo():
 
 
 def _port_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    """Whether ``port`` is free on loopback for TCP and for UDP (a bootstrap holds both: its
+    reflector answers on the same number)."""
+    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
+        with socket.socket(socket.AF_INET, kind) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
 
 
 def _exchange(address: str, payload: bytes) -> bytes:
