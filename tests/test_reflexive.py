@@ -14,7 +14,7 @@ import threading
 
 import pytest
 from helpers.natlab import NatLab, natlab_available
-from helpers.netproc import free_port, running_in_thread
+from helpers.netproc import bindable, free_port, running_in_thread
 from helpers.waiting import wait_until
 
 from meshlearn.clock import FakeClock
@@ -321,17 +321,7 @@ def test_a_bootstrap_whose_udp_port_is_taken_says_so_and_leaves_nothing_behind(t
     assert not (tmp_path / "b.sqlite").exists()
     for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):  # ZeroMQ closes its listener in its own thread, soon
         for server_port in (port, port + 1):
-            assert wait_until(lambda: _bindable(kind, server_port)), (kind, server_port)
-
-
-def _bindable(kind: int, port: int) -> bool:
-    """Whether ``port`` on loopback can be bound for ``kind`` now."""
-    with socket.socket(socket.AF_INET, kind) as again:
-        try:
-            again.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+            assert wait_until(lambda: bindable(kind, server_port)), (kind, server_port)
 
 
 # --- a real NAT ---

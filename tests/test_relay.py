@@ -11,6 +11,7 @@ import sys
 import threading
 
 import pytest
+from helpers.netproc import port_free
 from helpers.waiting import wait_until
 
 from meshlearn.network.channel.probes import fetch_key_line
@@ -49,18 +50,6 @@ def echo():
     threading.Thread(target=serve, daemon=True).start()
     yield listener.getsockname()[1]
     listener.close()
-
-
-def _port_free(port: int) -> bool:
-    """Whether ``port`` is free on loopback for TCP and for UDP (a bootstrap holds both: its
-    reflector answers on the same number)."""
-    for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM):
-        with socket.socket(socket.AF_INET, kind) as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
 
 
 def _exchange(address: str, payload: bytes) -> bytes:
@@ -389,7 +378,7 @@ def test_a_provider_the_bootstrap_cannot_dial_is_served_through_the_relay_even_a
                                                  "cores": 1, "device": "cpu"}, secret, timeout=10).body
         assert reply["reachable"] is False and "squatter" not in listed(first)
         first.stop()  # the bootstrap restarts: its relay's allocations are gone
-        assert wait_until(lambda: _port_free(port), timeout=10)
+        assert wait_until(lambda: port_free(port), timeout=10)
         second = bootstrap()
         with running_in_thread(second):
             assert wait_until(lambda: "home" in listed(second), timeout=20)

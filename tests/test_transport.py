@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import zmq
+from helpers.netproc import free_port
 from helpers.pairs import close_together
 from helpers.waiting import wait_until
 
@@ -310,10 +311,10 @@ def test_a_router_that_meets_a_neighbours_dealer_connecting_out_too_carries_its_
         for transport in (a, b):
             transport.bind()
         a_to_b, b_to_a = meetings
-        source = _free_port()  # for the DEALER to connect from, as from a punched port
+        source = free_port()  # for the DEALER to connect from, as from a punched port
         b.meet(0, f"tcp://127.0.0.1:0;127.0.0.1:{a_to_b.ports[1]}")
         a.meet(1, f"tcp://127.0.0.1:0;127.0.0.1:{b_to_a.ports[1]}")
-        dead = _free_port()  # the fallback, never needed: each path carries its handshake at once
+        dead = free_port()  # the fallback, never needed: each path carries its handshake at once
         a.fall_back(1, f"tcp://127.0.0.1:{dead}", after=0.2)
         b.fall_back(0, f"tcp://127.0.0.1:{dead}", after=0.2)
         _connect_both(a, {1: f"tcp://127.0.0.1:{source};127.0.0.1:{a_to_b.ports[0]}"},
@@ -338,12 +339,6 @@ def test_only_a_transport_with_one_connection_per_neighbour_meets_and_only_at_a_
         transport.meet(1, "tcp://127.0.0.1:5000")
     with pytest.raises(TransportError, match="HubEndpoint cannot meet neighbour 1"):
         HubEndpoint(0).meet(1, "tcp://127.0.0.1:1;127.0.0.1:2")
-
-
-def _free_port() -> int:
-    with socket.socket() as spare:
-        spare.bind(("127.0.0.1", 0))
-        return spare.getsockname()[1]
 
 
 def _connect_both(a: TcpTransport, book_a: dict, b: TcpTransport, book_b: dict) -> None:
@@ -372,7 +367,7 @@ def test_a_punched_path_that_carries_no_handshake_falls_back_in_time_and_the_lin
     try:
         address_a, address_b = a.bind(), b.bind()
         a.fall_back(1, address_b, after=0.5)
-        _connect_both(a, {1: f"tcp://127.0.0.1:{_free_port()};127.0.0.1:{_free_port()}"}, b, {0: address_a})
+        _connect_both(a, {1: f"tcp://127.0.0.1:{free_port()};127.0.0.1:{free_port()}"}, b, {0: address_a})
         a.send(1, Message(Kind.MODEL, 0, 0, 1, {"p": torch.arange(5.0)}))
         assert torch.equal(b.gather(0, [0], timeout=20)[0].tensors["p"], torch.arange(5.0))
         assert a._watching == {}

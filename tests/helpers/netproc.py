@@ -25,6 +25,22 @@ def requester_keys():
     return load_or_create_key(state_home() / "requester.key")[0]
 
 
+def bindable(kind: int, port: int) -> bool:
+    """Whether ``port`` on loopback can be bound for ``kind`` (SOCK_STREAM, SOCK_DGRAM) now."""
+    with socket.socket(socket.AF_INET, kind) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def port_free(port: int) -> bool:
+    """Whether ``port`` is free on loopback for TCP and for UDP (a bootstrap holds both: its
+    reflector answers on the same number)."""
+    return all(bindable(kind, port) for kind in (socket.SOCK_STREAM, socket.SOCK_DGRAM))
+
+
 def free_port() -> int:
     """A free loopback port P whose P + 1 is free too: a bootstrap's relay listens on --port + 1,
     and a busy neighbour port would fail the start with "give the relay another port". Free for

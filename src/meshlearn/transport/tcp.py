@@ -209,10 +209,11 @@ class TcpTransport(Transport):
     def _check_fallbacks(self) -> None:
         """Forget the watches whose handshake is done; dial the fallback of those past their deadline."""
         for peer, watch in list(self._watching.items()):
-            if not watch.monitor.poll(0) and time.monotonic() < watch.deadline:
+            shook = bool(watch.monitor.poll(0))  # its one event: the handshake is done
+            if not shook and time.monotonic() < watch.deadline:
                 continue
             dealer = self._dealers[peer]
-            if not watch.monitor.poll(0):  # the punched path did not carry it: the fallback, and HELLO again
+            if not shook:  # the punched path did not carry it: the fallback, and HELLO again
                 log.info("node %d: the punched path to %d carried no handshake: dialing %s", self.node_id, peer,
                          watch.fallback)
                 dealer.disconnect(watch.primary)
