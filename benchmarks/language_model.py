@@ -33,6 +33,7 @@ import torch
 from meshlearn.config import make_config
 from meshlearn.data import load_dataset
 from meshlearn.evaluation import evaluate_model
+from meshlearn.metrics import Evaluation
 from meshlearn.models import build_model
 from meshlearn.optim import make_optimizer
 from meshlearn.schedule import LrSchedule
@@ -44,20 +45,21 @@ SEED, LR, OPTIMIZER = 90, 0.003, "adamw"
 
 
 def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, optimizer: str = OPTIMIZER,
-               lr: float = LR, momentum: float = 0.0, schedule: str = "constant", seed: int = SEED
-               ) -> tuple[float, float]:
-    """One gpt-tiny trained alone on ``batch``-window batches: (validation perplexity, training tokens a
-    second, the first step left out of the timing)."""
-    dataset = load_dataset("pystdlib", context=context)
+               lr: float = LR, momentum: float = 0.0, schedule: str = "constant", seed: int = SEED,
+               dataset=None, model_name: str = "gpt-tiny", weight_decay: float = 0.0) -> tuple[Evaluation, float]:
+    """One model (gpt-tiny on pystdlib unless ``dataset`` and ``model_name`` say another) trained alone
+    on random ``batch``-sample batches: (its evaluation on the held-out set, training tokens a second,
+    the first step left out of the timing)."""
+    dataset = dataset or load_dataset("pystdlib", context=context)
     torch.manual_seed(seed)
-    model = build_model("gpt-tiny", dataset.input_shape, dataset.num_classes)
+    model = build_model(model_name, dataset.input_shape, dataset.num_classes)
     params = list(model.parameters())
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     offset = 0
     for p in params:  # the parameters as views of one row, as a node's FlatState keeps them
         p.data = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
-    rows = make_optimizer(optimizer, flat.unsqueeze(0), lr, momentum)
+    rows = make_optimizer(optimizer, flat.unsqueeze(0), lr, momentum, weight_decay)
     generator = torch.Generator().manual_seed(seed)
     loss_of = task_of(dataset).loss
     started = 0.0
@@ -69,7 +71,7 @@ def plain_loop(iterations: int, batch: int, context: int, eval_samples: int, opt
         chosen = torch.randint(0, len(dataset.train_x), (batch,), generator=generator)
         local_step(model, params, rows, dataset.normalize(dataset.train_x[chosen]), dataset.train_y[chosen], loss_of)
     seconds = time.perf_counter() - started
-    return evaluate_model(model, dataset, limit=eval_samples).perplexity, (iterations - 1) * batch * context / seconds
+    return evaluate_model(model, dataset, limit=eval_samples), (iterations - 1) * batch * context / seconds
 
 
 def meshlearn_run(output: Path, **values) -> dict:
@@ -89,9 +91,9 @@ def quality(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         for index, seed in enumerate(args.seeds):
             started = time.perf_counter()
-            perplexity, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples,
+            evaluation, _ = plain_loop(args.iterations, 8 * args.batch, args.context, args.eval_samples,
                                        args.optimizer, args.lr, args.momentum, args.lr_schedule, seed)
-            runs.setdefault(alone, []).append((perplexity, time.perf_counter() - started))
+            runs.setdefault(alone, []).append((evaluation.perplexity, time.perf_counter() - started))
             for name, engine, algorithm in (("D-PSGD", "batched", "dpsgd"), ("gossip", "process", "gossip"),
                                             ("leader", "process", "leader")):
                 if index and algorithm != "dpsgd":  # gossip and the leader: the first seed only

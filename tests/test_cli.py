@@ -494,7 +494,7 @@ def _said(capsys, *words) -> str:
     (["sim"], "did you mean simulate?"),
     (["simulate", "--engine", "batch"], "--engine batch: did you mean batched? choose from process, batched"),
     (["simulate", "--algorithm", "gosip"], ("--algorithm gosip: unknown algorithm 'gosip': did you mean gossip? "
-                                            "choose one of dpsgd, fedavg, gossip")),
+                                            "choose one of dadam, dpsgd, fedavg, gossip")),
     (["simulate", "--model", "lenett"], ("--model lenett: unknown model 'lenett': did you mean lenet? choose one of "
                                          "gpt-small, gpt-tiny, lenet, mlp")),
     (["simulate", "--dataset", "digts"], "did you mean digits?"),

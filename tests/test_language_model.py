@@ -163,11 +163,13 @@ def test_every_algorithm_trains_a_gpt_on_the_batched_engine(tmp_path):
     from meshlearn.definitions.base import DEFINITIONS
 
     for algorithm in DEFINITIONS.names():
-        optimizer = "sgd" if algorithm in ("gossip", "leader") else "adam"  # asynchronous nodes: torch.optim's AdamW
+        optimizer = "sgd" if algorithm in ("gossip", "leader", "qgdsgdm") else "adam"  # asynchronous nodes: SGD;
+        # quasi-global momentum: SGD's momentum buffer
         config = make_config({"engine": "batched", "algorithm": algorithm, "nodes": 4, "topology": "ring",
                               "dataset": "pystdlib", "model": "gpt-tiny", "context": 8, "batch_size": 4,
                               "iterations": 6, "test_after": 6, "eval_samples": 16, "optimizer": optimizer,
                               "lr": 0.003 if optimizer == "adam" else 0.1, "step_time": 0.01,
+                              "momentum": 0.9 if algorithm == "qgdsgdm" else 0.0,
                               "output": str(tmp_path / algorithm)})
         simulate(config, progress=False)
         final = json.loads((tmp_path / algorithm / "summary.json").read_text())["final"]

@@ -45,6 +45,9 @@ NOT_RUN = {
     "meshlearn simulate --algorithm tracking --partition shards:2 --topology ring --nodes 16 --lr 0.3":
         "16 node processes; test_batched runs both algorithms on both engines and test_algorithm_layer checks their "
         "rules by hand; benchmarks/RESULTS.md has these runs' accuracies",
+    "meshlearn simulate --engine batched --algorithm gtadam --optimizer adamw --lr 0.0015 --nodes 8 \\":
+        "300 iterations of 8 GPTs (minutes); test_adaptive runs all three algorithms on both engines, GT-Adam against "
+        "one model by hand, and test_language_model runs each on a GPT; benchmarks/graph_optimizers.py runs these",
     "meshlearn simulate --nodes 16 --topology regular:3 --peer-sampling graph":
         "16 node processes; test_sampling runs both modes on digits and test_batched on the process engine",
     "meshlearn simulate --engine batched --nodes 8 --dataset pystdlib --model gpt-tiny --context 64 \\":

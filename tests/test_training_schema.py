@@ -79,7 +79,7 @@ def test_a_field_added_to_training_settings_reaches_flags_files_requests_and_pro
 def test_the_three_schemas_share_every_training_field():
     for schema in (ExperimentConfig, TaskSettings, TaskRequest, TaskSpec):
         assert set(TrainingSettings.model_fields) <= set(schema.model_fields), schema.__name__
-    assert set(ALGORITHM_SECTIONS) == {"dpsgd", "gossip", "leader", "fedavg", "pushsum"}
+    assert set(ALGORITHM_SECTIONS) == {"dpsgd", "gossip", "leader", "fedavg", "pushsum", "qgdsgdm"}
 
 
 def test_each_built_in_algorithms_section_is_the_settings_class_its_definition_declares():

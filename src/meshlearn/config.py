@@ -84,7 +84,7 @@ class ExperimentConfig(TrainingSettings):
                           "erdos:P | one-peer-exponential (one peer per round, 1, 2, 4, ... places on) | file:PATH "
                           "(a DecentralizePy graph file); when none is given, regular:3 where it "
                           "exists, else full (under 4 nodes) or regular:4 (an odd node count)")
-    peer_sampling: str = Field("off", description="dynamic topologies (dpsgd, pushsum, tracking): " + SAMPLING_HELP)
+    peer_sampling: str = Field("off", description="dynamic topologies (dpsgd, pushsum; tracking and gtadam with graph only): " + SAMPLING_HELP)
     dataset: str = Field("digits", description="digits | fashion-mnist:DIR | mnist:DIR | cifar10:PATH | "
                                                "imagefolder:DIR | leaf:DIR (LEAF's per-writer JSON: FEMNIST, or "
                                                "Shakespeare's text) | pystdlib (text: the running Python's standard library) | text:PATH "

@@ -86,6 +86,37 @@ class TorchRows(Stateful):
         self.optimizer.step()
         self.params.grad = None
 
+    def rows_state(self) -> dict[str, "torch.Tensor"]:
+        """The optimizer's state with a value per parameter (Adam's moments, RMSprop's averages), by
+        torch's names, each [N, P] and live: writing one changes the next step. Empty before the
+        first step (torch makes its state then)."""
+        state = self.optimizer.state.get(self.params, {})
+        return {name: value for name, value in state.items()
+                if hasattr(value, "shape") and value.shape == self.params.shape}
+
+
+class GradientInbox(Stateful):
+    """What the local steps call in place of the run's ``optimizer`` where an algorithm takes the
+    step itself, along a direction of its own (gradient tracking's): ``step(grads)`` keeps the
+    gradients in ``gradient`` ([N, P], the algorithm's) and moves no parameter; ``set_lr`` goes on
+    to the optimizer, which the algorithm steps. A checkpoint keeps that optimizer."""
+
+    state_fields = ("optimizer",)
+
+    def __init__(self, optimizer: Any, gradient: "torch.Tensor"):
+        self.optimizer, self.gradient = optimizer, gradient
+        self.params = optimizer.params
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the optimizer's next steps (a schedule's)."""
+        self.optimizer.set_lr(lr)
+
+    def step(self, grads: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
+        """Keep ``grads`` (every row's) for the algorithm; nothing moves."""
+        if rows is not None:
+            raise ConfigError("this algorithm takes every node's gradients together: every node trains every iteration")
+        self.gradient.copy_(grads)
+
 
 def steps_rows_apart(spec: str) -> bool:
     """Whether the optimizer ``spec`` names steps each node's parameter rows on its own in the batched
@@ -110,3 +141,9 @@ def make_optimizer(spec: str, params: "torch.Tensor", lr: float, momentum: float
         return TorchRows(params, getattr(torch.optim, name)([params], **settings))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"torch.optim.{name} says: {exc}", setting="optimizer", value=spec) from None
+
+
+def optimizer_of(run: Any, params: "torch.Tensor"):
+    """The optimizer a run's settings ``run`` name (``optimizer``, ``lr``, ``momentum``,
+    ``weight_decay``) over parameter rows ``params`` (``make_optimizer``): what both engines build."""
+    return make_optimizer(run.optimizer, params, run.lr, run.momentum, run.weight_decay)

@@ -62,6 +62,17 @@ class StackedSGD(Stateful):
         if rows is not None:
             self.params[rows] = params
 
+    def rows_state(self) -> dict[str, torch.Tensor]:
+        """The momentum buffer ([N, P], live: writing it changes the next step), made now where no
+        step has made it yet (zero, which the next step turns into the gradient, as torch's first
+        step does); empty without momentum."""
+        if not self.momentum:
+            return {}
+        if self.buffer is None:
+            self.buffer = torch.zeros_like(self.params)
+            self.started = torch.ones(self.params.shape[0], dtype=torch.bool, device=self.params.device)
+        return {"momentum_buffer": self.buffer}
+
     @property
     def plain(self) -> bool:
         """Whether the update is the gradient times the learning rate alone (no momentum, no weight decay)."""

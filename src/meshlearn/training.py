@@ -21,6 +21,7 @@ from meshlearn.aggregation.spec import BUILT_IN_RULES, RULE_HELP, parse_rule
 from meshlearn.data.specs import VOCABULARY_HELP, VocabularyKind
 from meshlearn.definitions.base import DEFINITIONS, algorithms_help, definition
 from meshlearn.definitions.pushsum import PushSumSettings
+from meshlearn.definitions.qgdsgdm import QuasiGlobalSettings
 from meshlearn.definitions.settings import (
     DpsgdSettings,
     FedAvgSettings,
@@ -75,6 +76,7 @@ class TrainingSettings(Settings):
     leader: LeaderSettings = Field(LeaderSettings(), description="leader aggregation (CloudMesh)")
     fedavg: FedAvgSettings = Field(FedAvgSettings(), description="FedAvg with a parameter server")
     pushsum: PushSumSettings = Field(PushSumSettings(), description="push-sum (Stochastic Gradient Push)")
+    qgdsgdm: QuasiGlobalSettings = Field(QuasiGlobalSettings(), description="QG-DSGDm (quasi-global momentum)")
     algorithm_settings: dict[str, Any] = Field(
         default_factory=dict, max_length=MAX_USER_SETTINGS, description="the settings of an algorithm registered by "
         "--models-module, by their names (its flags, once the module is loaded, fill it); checked against the "

@@ -33,7 +33,7 @@ from meshlearn.batched.shards import Collective
 from meshlearn.batched.stacked import StackedState
 from meshlearn.data import partition_dataset
 from meshlearn.models import build_model
-from meshlearn.optim import make_optimizer
+from meshlearn.optim import optimizer_of
 from meshlearn.runlog import JsonlLog
 from meshlearn.tasks import task_of
 
@@ -134,7 +134,7 @@ def build_cohort_run(simulation: Any) -> _CohortRun:
                   torch.zeros(0, dtype=torch.float64), torch.zeros(0, dtype=torch.int64))
     clocks = VirtualClocks(config, simulation.step_time, stacked.row_bytes, nobody, nobody)
     traffic = Traffic(config.nodes)
-    optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
+    optimizer = optimizer_of(config, stacked.params)
     states = ClientStates(config.batched.client_memory, simulation.log_path.parent / "clients")
     batches = CohortBatches(samples, config.batch_size, config.seed, states, device)
     context = BatchedContext(config, graph, stacked, links, clocks, shard, links, Collective(shard),

@@ -61,7 +61,7 @@ from meshlearn.iterations import (
 )
 from meshlearn.metrics import Evaluation
 from meshlearn.models import MODEL_FILE, build_model, save_weights
-from meshlearn.optim import make_optimizer, steps_rows_apart
+from meshlearn.optim import optimizer_of, steps_rows_apart
 from meshlearn.privacy.dpsgd import secret_seed
 from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
 from meshlearn.runlog import COLUMNAR_LOG, JsonlLog, columnar_event
@@ -195,7 +195,7 @@ class BatchedSimulation:
         algorithm = make_batched_algorithm(config.algorithm, BatchedContext(
             config, graph, stacked, links, clocks, shard, local, collective, plan, [len(part) for part in parts],
             ModelledNetwork(config, clocks, traffic)), traffic)
-        optimizer = make_optimizer(config.optimizer, stacked.params, config.lr, config.momentum, config.weight_decay)
+        optimizer = algorithm.local_optimizer(optimizer_of(config, stacked.params))  # a stand-in where it steps itself
         outer = config.outer.begin(stacked.params) if config.outer.active and not algorithm.asynchronous else None
         if not privacy.changes_steps:  # a privacy mechanism's step needs the gradients
             models.fuse(optimizer)  # plain SGD steps in the workers, right after each block's gradients

@@ -18,7 +18,7 @@ from meshlearn.data import Dataset, require_materialized, split_validation
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.models.cost import saved_activation_bytes, step_flops
-from meshlearn.optim import make_optimizer
+from meshlearn.optim import optimizer_of
 from meshlearn.plugins import load_user_module
 from meshlearn.sgd import local_step
 from meshlearn.tasks import task_of
@@ -83,8 +83,7 @@ def measure_step_time(model: nn.Module, dataset: Dataset, indices: np.ndarray, c
     with torch.random.fork_rng(devices=[]):
         alone = copy.deepcopy(model).to(device)
         flat = FlatState(alone)
-        optimizer = make_optimizer(config.optimizer, flat.params.unsqueeze(0), config.lr, config.momentum,
-                                   config.weight_decay)
+        optimizer = optimizer_of(config, flat.params.unsqueeze(0))
         parameters = list(alone.parameters())
         batch = torch.from_numpy(np.array(indices[:config.batch_size], dtype=np.int64))  # (a Partition's parts are read-only)
         x, y = dataset.normalize(dataset.train_x[batch]).to(device), dataset.train_y[batch].to(device)

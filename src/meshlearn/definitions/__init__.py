@@ -10,7 +10,7 @@ _WHERE = {
     "definition": "base", "names_that": "base", "algorithms_help": "base", "register_algorithm": "base", "Needs": "needs",
     "RunShape": "needs", "refusal": "needs",
     "DpsgdSettings": "settings", "FedAvgSettings": "settings", "GossipSettings": "settings",
-    "LeaderSettings": "settings", "PushSumSettings": "pushsum",
+    "LeaderSettings": "settings", "PushSumSettings": "pushsum", "QuasiGlobalSettings": "qgdsgdm",
 }
 __all__ = sorted(_WHERE)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from meshlearn.definitions.needs import Needs
 from meshlearn.errors import ConfigError
@@ -148,6 +148,16 @@ class RoundAlgorithm(Definition):
         """The algorithm's per-node tensors, made once from the nodes' first models ``own`` [B, P]."""
         return {}
 
+    def local_optimizer(self, optimizer: Any, state: State) -> Any:
+        """What the engines' local steps call for this definition's rows: ``step(grads)`` with their
+        gradients [B, P], ``set_lr(lr)`` with the schedule's rate. By default the run's ``optimizer``
+        (``optim.make_optimizer``'s, over the rows' parameters: the first P values of ``own``)
+        itself. A definition that steps its rows itself (gradient tracking into an adaptive step)
+        keeps ``optimizer`` and returns a stand-in (``optim.GradientInbox``); one that averages the
+        optimizer's state keeps it and reads its ``rows_state``. The engines call it once, after
+        ``begin``; what it adds to ``state`` a checkpoint keeps."""
+        return optimizer
+
     def start_round(self, own: Tensor, state: State, iteration: int) -> None:
         """Called with the models ``own`` each node starts ``iteration``'s local steps from (after
         any outer step of the iteration before)."""
@@ -198,10 +208,30 @@ class RoundAlgorithm(Definition):
         self.merge(own, state, mixed, exchange)
 
 
+def one_step_refusal(name: str, run: Settings) -> str | None:
+    """Why a run's settings ``run`` cannot go with algorithm ``name``, whose update rule takes one
+    gradient per exchange (one local step an iteration), in one line; or None."""
+    if getattr(run, "rounds", 1) != 1 or getattr(run, "full_epochs", False):
+        return (f"algorithm {name} takes one local step per iteration, as its update rule is written: set rounds 1 "
+                "(and not full_epochs)")
+    return None
+
+
+def row_stochastic_refusal(name: str, run: Settings) -> str | None:
+    """Why a run's settings ``run`` cannot go with algorithm ``name``, whose tracker follows the
+    average only under doubly stochastic weights: epidemic peer sampling's are row-stochastic only
+    (a node averages what it hears, whoever sent it), in one line; or None."""
+    if str(getattr(run, "peer_sampling", "off")).startswith("epidemic"):
+        return (f"algorithm {name} needs doubly stochastic weights, which peer_sampling {run.peer_sampling} does not "
+                "give (a node weighs whatever it hears alike): use peer_sampling graph, or algorithm pushsum")
+    return None
+
+
 DEFINITIONS: Registry[type[Definition]] = Registry("algorithm", built_in={
     name: f"meshlearn.definitions.{module}" for name, module in (
         ("dpsgd", "dpsgd"), ("gossip", "gossip"), ("leader", "leader"), ("fedavg", "fedavg"), ("local", "local"),
-        ("pushsum", "pushsum"), ("tracking", "tracking"))})
+        ("pushsum", "pushsum"), ("tracking", "tracking"), ("gtadam", "gtadam"), ("dadam", "dadam"),
+        ("qgdsgdm", "qgdsgdm"))})
 
 
 def register_algorithm(cls: type[Definition]) -> type[Definition]:

@@ -14,7 +14,10 @@ units (``d = -lr * y``)::
 
 so each round a node sends ``x + d`` and ``d`` (twice a model) and its model moves only by the
 tracked update: its own update enters once, through ``d``. The weights are the topology's
-Metropolis-Hastings ones (doubly stochastic), or those of a dynamic topology's rounds."""
+Metropolis-Hastings ones (doubly stochastic), or those of a dynamic topology's rounds (epidemic
+peer sampling's, row-stochastic only, are refused). A message that does not come in time leaves
+its weight with the receiver (D-PSGD's rule): the trackers' average then drifts from the average
+update for good, so the tracker is exact only where every message arrives."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from meshlearn.definitions.base import (
     RoundAlgorithm,
     State,
     register_algorithm,
+    row_stochastic_refusal,
 )
 from meshlearn.definitions.needs import Needs
 
@@ -43,6 +47,10 @@ class GradientTracking(RoundAlgorithm):
         ("robust", ("the tracker follows the average update only under doubly stochastic weights, which a "
                     "robust rule's are not"))))
     summary = "gradient tracking as DSGT, Pu and Nedić 2021: D-PSGD along the tracked average update, for non-IID data"
+
+    @classmethod
+    def conflict(cls, run) -> str | None:
+        return row_stochastic_refusal(cls.name, run)
 
     def begin(self, own: Tensor) -> State:
         """The model the local steps started from, the last update, and ``W d`` of the last round (zero)."""

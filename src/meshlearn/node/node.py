@@ -18,7 +18,7 @@ from meshlearn.iterations import drive, more_evaluations, restore_run
 from meshlearn.metrics import Evaluation
 from meshlearn.node.algorithms import Algorithm, AlgorithmContext, make_algorithm
 from meshlearn.node.iterations import NodeIterations
-from meshlearn.optim import make_optimizer, steps_rows_apart
+from meshlearn.optim import optimizer_of, steps_rows_apart
 from meshlearn.privacy.dpsgd import PrivateGradients, clipped_gradient, secret_seed
 from meshlearn.privacy.mechanism import Privacy, PrivateNodes, secret_batches
 from meshlearn.runlog import JsonlLog
@@ -70,8 +70,7 @@ class Node:
         self.model = model.to(self.device)
         self.flat = FlatState(self.model)
         self.parameters = list(self.model.parameters())  # views into self.flat.params, in its order
-        self.optimizer = make_optimizer(config.optimizer, self.flat.params.unsqueeze(0), config.lr, config.momentum,
-                                        config.weight_decay)
+        self.optimizer = optimizer_of(config, self.flat.params.unsqueeze(0))
         self.loader = ShardLoader(dataset, indices, config.batch_size,  # DP-SGD: batches no one can draw again
                                   seed=secret_seed() if secret_batches(config) else loader_seed(config.seed, rank))
         self.steps = config.rounds * (self.loader.batches_per_epoch if config.full_epochs else 1)
@@ -93,6 +92,7 @@ class Node:
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining,
             members=None if members is None else tuple(members), privacy=self.privacy))
+        self.optimizer = self.algorithm.local_optimizer(self.optimizer)  # a stand-in where it steps itself
         self.log = log
         self.hooks: list[IterationHook] = []
         self.slowdown = config.slowdown_of(rank)

@@ -31,7 +31,7 @@ from meshlearn.config import ExperimentConfig
 from meshlearn.data import partition_dataset, require_materialized
 from meshlearn.errors import ConfigError, MeshlearnError, NodeFailure, TransportError
 from meshlearn.models import build_model
-from meshlearn.optim import make_optimizer
+from meshlearn.optim import optimizer_of
 from meshlearn.runlog import COLUMNAR_LOG
 from meshlearn.sim.checks import check_before_start
 from meshlearn.sim.summary import RUN_TIMES
@@ -119,7 +119,7 @@ def check_optimizer(config: ExperimentConfig) -> None:
     ``momentum`` for an optimizer without it), before any node process starts."""
     import torch
 
-    make_optimizer(config.optimizer, torch.zeros(1, 1), config.lr, config.momentum, config.weight_decay)
+    optimizer_of(config, torch.zeros(1, 1))
 
 
 def check_device(device: str) -> None:

@@ -82,6 +82,11 @@ class BatchedAlgorithm(Stateful, ABC):
         (None: every one); the others skip them, where the optimizer allows (``steps_rows_apart``)."""
         return None
 
+    def local_optimizer(self, optimizer: Any) -> Any:
+        """What the nodes' local steps call in place of the run's ``optimizer`` (``RoundAlgorithm.local_optimizer``):
+        the optimizer itself for an algorithm that leaves the steps to it."""
+        return optimizer
+
     def before_local_steps(self, iteration: int) -> None:
         """Called before each iteration's local steps (synchronous algorithms)."""
 

@@ -74,6 +74,9 @@ class BatchedRounds(BatchedAlgorithm):
         chunk_elements = ctx.network.chunk_bytes // state.element_size() if self.lossy else 0
         return RobustMixing(rule, config.nodes, chunk_elements) if rule.robust else None
 
+    def local_optimizer(self, optimizer):
+        return self.rules.local_optimizer(optimizer, self.state)
+
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.stacked.state, self.state, iteration)
 

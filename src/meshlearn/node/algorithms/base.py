@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping
 
 import torch
 
@@ -138,6 +138,11 @@ class Algorithm(Stateful, ABC):
         may run on): its messages are dropped, nothing is sent to it, nobody waits for it. Safe
         from any thread."""
         self.ctx.transport.exclude(rank)
+
+    def local_optimizer(self, optimizer: Any) -> Any:
+        """What the node's local steps call in place of its ``optimizer`` (``RoundAlgorithm.local_optimizer``):
+        the optimizer itself for an algorithm that leaves the steps to it."""
+        return optimizer
 
     def before_local_steps(self, iteration: int) -> None:
         """Called at the start of each iteration, before the local steps."""

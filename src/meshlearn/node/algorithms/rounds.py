@@ -121,6 +121,9 @@ class RoundRunner(Algorithm):
         ctx.transport.recycle(received.values())
         self.joined_at = at
 
+    def local_optimizer(self, optimizer):
+        return self.rules.local_optimizer(optimizer, self.state)
+
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration)
 
