@@ -17,10 +17,11 @@ from importlib import metadata
 
 from meshlearn.errors import ProtocolMismatch
 
-PROTOCOL_VERSION = 5  # 1: the releases before the protocol was declared and versioned (they state none);
+PROTOCOL_VERSION = 6  # 1: the releases before the protocol was declared and versioned (they state none);
 # 3: task.assign's FedAvg settings hold fedavg_cohort; a claim names its attempt (sent again to another
 # bootstrap, it claims once); 4: a task's providers name their ports for punching through NATs;
-# 5: task.assign's spec holds the rate UDP engines send at (udp_rate)
+# 5: task.assign's spec holds the rate UDP engines send at (udp_rate); 6: its training settings hold the
+# quasi-global momentum's section (qgdsgdm) and name the optimizers over graphs
 UNSTATED = 1  # the version of a peer that states none
 PROPERTY = "X-Meshlearn-Protocol"  # the handshake's metadata property (ZeroMQ: names start with X-)
 RELEASE_PROPERTY = "X-Meshlearn-Release"  # the meshlearn release the peer runs, for the refusal's line

@@ -124,7 +124,7 @@ PROVIDER_PING = Rpc("ping", P, Empty, b.Named, Caller.ANY_KEY, "nothing",
 # 4: its spec holds the task's udp_rate
 TASK_ASSIGN = Rpc("task.assign", P, p.Assign, p.RunStatus, Caller.CONFIRMED_REQUESTER,
                   "a task that claimed this provider, listing it with its key", "gives the provider its part of the task",
-                  version=4)
+                  version=5)  # 5: the training settings' qgdsgdm section
 TASK_START = Rpc("task.start", P, p.Start, p.RunStatus, Caller.REQUESTER, "that task",
                  "starts training, with the engines' addresses", version=2)  # 2: and their punching ports
 TASK_JOIN = Rpc("task.join", P, p.Join, p.RunStatus, Caller.REQUESTER, "that task, while it runs",
@@ -163,7 +163,7 @@ RPCS: tuple[Rpc, ...] = (
 )
 # What every declared message looks like at PROTOCOL_VERSION (``protocol_digest``): a change without a new
 # version fails tests/test_rpcs.py
-PROTOCOL_DIGEST = "41ffc27fea4ca4df"
+PROTOCOL_DIGEST = "92d18031bd35a0f3"
 
 
 def served_by(server: Server) -> tuple[Rpc, ...]:
