@@ -59,20 +59,19 @@ class MixedMomentsAdam(RoundAlgorithm):
 
     def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """``[x, *moments]``: [B, S + k P] for the optimizer's k per-parameter state tensors."""
-        moments = list(self.optimizer.rows_state().values())
-        size = own.shape[1]
-        width = moments[0].shape[1] if moments else 0
-        sent = own.new_empty((own.shape[0], size + len(moments) * width))
-        sent[:, :size] = own
-        for k, moment in enumerate(moments):
-            sent[:, size + k * width:size + (k + 1) * width] = moment
+        parts = (own, *self.optimizer.rows_state().values())
+        sent = own.new_empty((own.shape[0], sum(part.shape[1] for part in parts)))
+        for into, part in zip(_split(sent, parts), parts):
+            into.copy_(part)
         return sent
 
     def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """The model and each moment become their weighted averages."""
-        size = own.shape[1]
-        own.copy_(mixed[:, :size])
-        moments = list(self.optimizer.rows_state().values())
-        width = moments[0].shape[1] if moments else 0
-        for k, moment in enumerate(moments):
-            moment.copy_(mixed[:, size + k * width:size + (k + 1) * width])
+        parts = (own, *self.optimizer.rows_state().values())
+        for part, average in zip(parts, _split(mixed, parts)):
+            part.copy_(average)
+
+
+def _split(payload: Tensor, parts: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """``payload`` [B, S + k P] as views, one of each of ``parts``' widths."""
+    return payload.split([part.shape[1] for part in parts], 1)

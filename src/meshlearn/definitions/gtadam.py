@@ -62,14 +62,14 @@ class GradientTrackingAdam(RoundAlgorithm):
 
     def local_optimizer(self, optimizer: Any, state: State) -> Any:
         """The local step only records the gradient (``gradient``); the tracker's last gradient
-        (``previous``), ``W y`` of the last round (``mixed``) and the step's direction (``direction``)
-        are kept beside it, all of the parameters' width. ``optimizer`` steps after each merge."""
+        (``previous``) and ``W y`` of the last round (``mixed``) are kept beside it, all of the
+        parameters' width. ``optimizer`` steps after each merge."""
         from meshlearn.optim import GradientInbox
 
         params = optimizer.params
-        for name in ("gradient", "previous", "mixed", "direction"):
+        for name in ("gradient", "previous", "mixed"):
             state[name] = params.new_zeros(params.shape)
-        self.optimizer = optimizer
+        self.optimizer, self._direction = optimizer, params.new_zeros(params.shape)  # the step's, a scratch copy
         return GradientInbox(optimizer, state["gradient"])
 
     def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
@@ -87,5 +87,5 @@ class GradientTrackingAdam(RoundAlgorithm):
         size = own.shape[1]
         own.copy_(mixed[:, :size])
         state["mixed"].copy_(mixed[:, size:])
-        state["direction"].copy_(state["mixed"])  # the optimizer may write into what it is given
-        self.optimizer.step(state["direction"])
+        self._direction.copy_(state["mixed"])  # the optimizer may write into what it is given
+        self.optimizer.step(self._direction)
