@@ -11,7 +11,9 @@ on a ring, simplecnn; test accuracy on 2,000 test images, evenly spaced (higher 
 Each (run, graph) is swept over ``--lrs`` (its own grid: the Adam family's, or SGD's) at the first
 seed; the best is run at the other seeds. Every finished run is appended to ``--record`` (JSON
 lines) and skipped when the benchmark is started again, so a long sweep resumes where it stopped.
-The table gives each run's mean ± std over the seeds and its ratio to the one model's.
+The table gives each run's mean ± std over the seeds and its ratio to the one model's (of the
+nodes' own models: the sweep chooses by it), and the nodes' average model's (the batched engine's
+``average_model``: what the nodes would agree on by averaging alone once training stops).
 
     python3 benchmarks/graph_optimizers.py lm [--graphs regular:3 ring] [--seeds 90 91 92]
         [--runs one dpsgd gtadam dadam qgdsgdm] [--iterations 300] [--record FILE]
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -53,6 +56,7 @@ RUNS = {
     "gtadam": Optimizer("GT-Adam (AdamW)", "gtadam", "adamw", 0.0, True),
     "dadam": Optimizer("AdamW, mixed moments", "dadam", "adamw", 0.0, True),
     "qgdsgdm": Optimizer("QG-DSGDm (momentum 0.9)", "qgdsgdm", "sgd", 0.9, False),
+    "gtsgdm": Optimizer("gradient tracking into SGD momentum 0.9", "gtadam", "sgd", 0.9, False),
     "onesgdm": Optimizer("one model, SGD momentum 0.9", "", "sgd", 0.9, False),
 }
 
@@ -85,20 +89,21 @@ def task_of(args: argparse.Namespace) -> Task:
                 tuple(args.lrs or (5e-4, 1e-3, 2e-3)), tuple(args.sgd_lrs or (0.01, 0.02, 0.05)))
 
 
-def measure(task: Task, run: Optimizer, graph: str, lr: float, seed: int, folder: Path) -> float:
-    """One run's final metric (the mean over the nodes for a decentralized one)."""
+def measure(task: Task, run: Optimizer, graph: str, lr: float, seed: int, folder: Path) -> tuple[float, float]:
+    """One run's final metric: the mean over the nodes' models for a decentralized one, and the
+    nodes' average model's (the batched engine's ``average_model``); the one model's twice."""
     if not run.algorithm:
         dataset = load_dataset(task.values["dataset"], context=task.values.get("context", 128))
         evaluation, _ = plain_loop(task.iterations, task.nodes * task.batch, task.values.get("context", 1),
                                    task.values["eval_samples"], run.optimizer, lr, run.momentum, task.schedule, seed,
                                    dataset=dataset, model_name=task.values["model"])
-        return getattr(evaluation, task.metric)
+        return getattr(evaluation, task.metric), getattr(evaluation, task.metric)
     summary = meshlearn_run(folder / f"{run.algorithm}-{graph}-{lr}-{seed}", engine="batched",
                             algorithm=run.algorithm, nodes=task.nodes, topology=graph, batch_size=task.batch,
                             iterations=task.iterations, test_after=task.iterations, optimizer=run.optimizer, lr=lr,
                             momentum=run.momentum, lr_schedule=task.schedule, seed=seed, step_time=0.01,
                             **task.values)
-    return float(summary["final"][task.metric])
+    return float(summary["final"][task.metric]), float(summary["average_model"][task.metric])
 
 
 def main() -> None:
@@ -124,19 +129,23 @@ def main() -> None:
     if record.exists():
         for line in record.read_text().splitlines():
             entry = json.loads(line)
-            done[(entry["run"], entry["graph"], entry["lr"], entry["seed"], entry["iterations"])] = entry["value"]
+            done[(entry["run"], entry["graph"], entry["lr"], entry["seed"], entry["iterations"])] = \
+                entry["value"], entry.get("average")  # records before the average model was measured: None
 
     def value(name: str, graph: str, lr: float, seed: int, folder: Path) -> float:
+        """The run's metric over the nodes' models (what the sweep chooses by); its average model's
+        is kept beside it in ``done``."""
         key = (name, graph if RUNS[name].algorithm else "-", lr, seed, task.iterations)
         if key not in done:
             started = time.perf_counter()
             done[key] = measure(task, RUNS[name], graph, lr, seed, folder)
             with record.open("a") as out:
                 out.write(json.dumps({"run": name, "graph": key[1], "lr": lr, "seed": seed,
-                                      "iterations": task.iterations, "value": done[key],
+                                      "iterations": task.iterations, "value": done[key][0], "average": done[key][1],
                                       "wall": round(time.perf_counter() - started, 1)}) + "\n")
-            print(f"{name} {key[1]} lr {lr} seed {seed}: {task.metric} {done[key]:.4f}", flush=True)
-        return done[key]
+            print(f"{name} {key[1]} lr {lr} seed {seed}: {task.metric} {done[key][0]:.4f}, average model "
+                  f"{done[key][1]:.4f}", flush=True)
+        return done[key][0]
 
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -152,21 +161,26 @@ def main() -> None:
                     if task.better(result, best[0]):
                         best = result, lr
                 values = [best[0]] + [value(name, graph, best[1], seed, Path(folder)) for seed in args.seeds[1:]]
-                rows.append((run.name, graph if run.algorithm else "-", best[1], swept, values))
+                averages = [done[(name, graph if run.algorithm else "-", best[1], seed, task.iterations)][1]
+                            for seed in args.seeds]
+                rows.append((run.name, graph if run.algorithm else "-", best[1], swept, values, averages))
     print(f"\n{args.what}: {task.nodes} nodes of batch {task.batch}, {task.iterations} iterations, {task.schedule}; "
           f"{task.metric}; lr swept at seed {args.seeds[0]}, the best run at seeds {', '.join(map(str, args.seeds))}")
-    print(f"| run | graph | best lr (sweep: {task.metric}) | {task.metric} per seed | mean ± std | of one model's |")
-    print("|---|---|---|---|---|---|")
+    print(f"| run | graph | best lr (sweep: {task.metric}) | {task.metric} per seed | mean ± std | of one model's | "
+          "average model per seed | its mean |")
+    print("|---|---|---|---|---|---|---|---|")
     alone = [statistics.fmean(row[4]) for row in rows if row[1] == "-"]  # the one model's, at its best
     reference = (min if task.metric == "perplexity" else max)(alone) if alone else None
-    for run_name, graph, lr, swept, values in rows:
+    for run_name, graph, lr, swept, values, averages in rows:
         mean = statistics.fmean(values)
         spread = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
         sweep = ", ".join(f"{k:g}: {v:.3f}" for k, v in swept.items())
         ratio = f"{mean / reference:.3f}" if reference and task.metric == "perplexity" else \
             (f"{mean - reference:+.4f}" if reference else "")
+        measured = [a for a in averages if a is not None]  # records from before it was measured: not shown
         print(f"| {run_name} | {graph} | {lr:g} ({sweep}) | {', '.join(f'{v:.3f}' for v in values)} | "
-              f"{mean:.3f}{spread} | {ratio} |")
+              f"{mean:.3f}{spread} | {ratio} | {', '.join(f'{a:.3f}' for a in measured) or '-'} | "
+              f"{statistics.fmean(measured) if measured else math.nan:.3f} |")
 
 
 if __name__ == "__main__":

@@ -21,12 +21,16 @@ from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.loss import ChunkLoss
 from meshlearn.batched.mixing import ChunkedMixing, Links, mixing_matrix, weighted_sums
 from meshlearn.config import make_config
+from meshlearn.data import load_dataset
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES
 from meshlearn.errors import ConfigError
+from meshlearn.evaluation import evaluate_model
+from meshlearn.models import build_model
 from meshlearn.netem import NetemSpec
 from meshlearn.node.algorithms.dpsgd import chunked_average_
 from meshlearn.sgd import StackedSGD
 from meshlearn.sim import simulate
+from meshlearn.sim.summary import final_summary
 from meshlearn.sim.tables import load_logs
 from meshlearn.topology import Graph, build_topology, mh_row
 from meshlearn.topology.sampling import Round
@@ -73,10 +77,12 @@ def test_the_last_evaluation_is_the_final_one_not_a_second_pass(tmp_path, monkey
 
     calls = []
     evaluate = engine.evaluate_nodes
-    monkeypatch.setattr(engine, "evaluate_nodes", lambda *args: calls.append(args[4]) or evaluate(*args))
+    monkeypatch.setattr(engine, "evaluate_nodes",
+                        lambda *args: calls.append((len(args[1]), args[4])) or evaluate(*args))
     config = make_config({**BASE, "engine": "batched", "iterations": 7, "test_after": 3, "step_time": 0.001})
     summaries = BatchedSimulation(config, build_topology(config.topology, config.nodes, config.seed), tmp_path).run()
-    assert calls == [False, False, True]  # after iterations 3, 6 and 7 (the last, with every metric)
+    # the six nodes, then their average model, after iterations 3, 6 and 7 (the last: the nodes with every metric)
+    assert calls == [(6, False), (1, False), (6, False), (1, False), (6, True), (1, False)]
     assert all(s["metrics"]["f1"] is not None and "confusion" in s["metrics"] for s in summaries.values())
 
 
@@ -225,7 +231,7 @@ def test_256_mlp_nodes_train_in_one_process_and_report_like_the_process_engine(t
     assert summary["bytes_sent"] == 256 * 3 * 4 * 17226 * 4  # 4 iterations to 3 neighbours, 17,226 floats each
     assert len(summary["per_node"]["0"]["metrics"]["confusion"]) == 10
     rows = (tmp_path / "summary.csv").read_text().splitlines()
-    assert rows[0].endswith("consensus_distance") and len(rows) == 3  # evaluations after iterations 2 and 4
+    assert rows[0].endswith("consensus_distance,average_acc,average_loss") and len(rows) == 3  # after iterations 2, 4
     assert [p.name for p in (tmp_path / "logs").iterdir()] == ["nodes.jsonl"]  # one log for all nodes
     assert (tmp_path / "accuracy.png").stat().st_size > 0
 
@@ -532,7 +538,7 @@ def test_nodes_holding_the_same_model_are_evaluated_once(tmp_path, monkeypatch):
     assert set(evaluated) == {1}  # every node holds the server's model: one evaluation serves all six
     evaluated.clear()
     _batched({**BASE, "test_after": 5}, tmp_path / "dpsgd")
-    assert set(evaluated) == {6}  # D-PSGD's nodes differ
+    assert set(evaluated) == {6, 1}  # D-PSGD's nodes differ (and their average model is one more)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
@@ -585,3 +591,26 @@ def test_a_gossip_answer_carries_the_clock_and_loss_its_state_was_published_with
               "fetch_fresh": False, "interpolation": "clock", "net": "delay=3ms,jitter=2ms"}, tmp_path)
     assert answered and all(sent == published for sent, published, _ in answered)
     assert any(now != published for _, published, now in answered)  # merges moved clocks past a publish
+
+
+def test_the_average_model_is_the_honest_nodes_models_averaged_and_evaluated_as_one_model(tmp_path):
+    # D-PSGD on a ring with a sign-flipping node 2: its row is left out of the average; the average
+    # state, loaded into the model and evaluated as the process engine evaluates one, gives the
+    # logged figures, and summary.json's (final_summary)
+    values = {**BASE, "topology": "ring", "iterations": 4, "test_after": 2, "byzantine": "2:sign-flip:3",
+              "eval_samples": 300}
+    simulation = _batched(values, tmp_path / "logs")
+    rows, config = simulation.stacked.state, make_config({**values, "engine": "batched"})
+    honest = [rank for rank in range(6) if rank not in config.attackers()]
+    assert honest == [0, 1, 3, 4, 5] and not torch.allclose(rows[0], rows[1])  # the models differ
+    average = rows[honest].double().mean(0).float()
+    model = build_model("mlp", load_dataset("digits").input_shape, 10)
+    model.load_state_dict({slot.name: average[slot.offset:slot.offset + slot.numel].view(slot.shape)
+                           for slot in simulation.stacked.slots})
+    expected = evaluate_model(model, load_dataset("digits"), limit=300)
+    evals = [e for e in load_logs(tmp_path).get(0) if e["event"] == "eval"]
+    assert [e["iteration"] for e in evals] == [2, 4] and evals[0]["average_acc"] != evals[1]["average_acc"]
+    assert evals[-1]["average_acc"] == pytest.approx(expected.accuracy, abs=1e-9)
+    assert evals[-1]["average_loss"] == pytest.approx(expected.loss, rel=1e-5)
+    summary = final_summary(load_logs(tmp_path))  # summary.json's
+    assert summary["average_model"] == {"accuracy": evals[-1]["average_acc"], "loss": evals[-1]["average_loss"]}

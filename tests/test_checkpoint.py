@@ -203,6 +203,7 @@ def test_a_batched_run_killed_at_iteration_50_of_100_resumes_to_the_same_final_m
     _same_results(tmp_path / "whole", tmp_path / "cut")
 
 
+@pytest.mark.slow  # 30 s; quick siblings: the process engine's nodes resuming each from its own checkpoint, below
 def test_a_process_engine_run_killed_whole_resumes_within_noise(tmp_path):
     argv = ["--nodes", "4", "--iterations", "40", "--test-after", "5", "--seed", "4", "--checkpoint-every", "5",
             "--model", "held-mlp", "--models-module", MODELS]  # mlp, held at a step (helpers/hold.py)

@@ -290,8 +290,10 @@ def test_the_bandwidth_experiment_at_quick_scale_holds_each_model_for_its_time_o
     assert int(rows["tcp-1mbit"]["chunks_lost"]) == 0 and float(rows["tcp-1mbit"]["accuracy"]) > 0.2
 
 
-# the process engine over lossy UDP learns in test_udp in the default run; its sharing run is slow
-@pytest.mark.parametrize("batched", [pytest.param(False, marks=pytest.mark.slow), True], ids=["process", "batched"])
+# slow (25 s, 60 s): quick siblings are test_sharing's runs of every scheme, test_udp's rules for shares
+# that come in part, and this file loading at both scales (test_shipped_experiment_files_load_at_both_scales)
+@pytest.mark.slow
+@pytest.mark.parametrize("batched", [False, True], ids=["process", "batched"])
 def test_the_sharing_experiment_at_quick_scale_runs_every_scheme_over_udp_from_the_shares_that_came_in_part(
         tmp_path, batched):
     """experiments/udp-sharing.yaml, quick: each scheme over TCP without loss and over UDP losing a

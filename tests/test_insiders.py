@@ -132,6 +132,7 @@ def test_only_the_claimer_ends_a_task_and_a_provider_it_lost_keeps_its_id(procs)
     procs.wait_for("twin", "another provider on this machine runs with the key in")
 
 
+@pytest.mark.slow  # 30 s; quick siblings: test_network_keys's revoked keys, test_network_join's task that lost p0
 def test_a_revoked_leader_leaves_the_task_to_the_others(procs):
     """Provider p0 leads (the first by id); its key is revoked mid-task with `meshlearn revoke`: it
     stops, the others go on without it, one of them leads, and the result is theirs."""

@@ -31,6 +31,7 @@ def _request(procs: Processes, name: str, bootstrap: str, *args: str) -> dict:
     return metrics
 
 
+@pytest.mark.slow  # 30 s; quick sibling: the FedAvg task below, the same synchronous leader, a fraction a cycle
 def test_a_synchronous_leader_task_waits_every_cycle_for_every_provider(network):
     procs, bootstrap, ids = network
     metrics = _request(procs, "req-sync", bootstrap, "--algorithm", "leader", "--leader-sync", "true",

@@ -89,6 +89,7 @@ def test_sample_imports_a_folders_module_only_when_its_user_names_it(shared):
     assert (shared / "mods" / "imported").exists()
 
 
+@pytest.mark.slow  # quick sibling: sample's, above: the same rule (plugins.load_folder_module), another command
 def test_simulate_resume_imports_a_folders_module_only_when_its_user_names_it(shared):
     (shared / "images" / "summary.json").unlink()  # a run that stopped before its report: resumable
     _refused(_meshlearn(shared, "simulate", "--resume", "images", "--quiet"), "images", shared)
@@ -119,6 +120,7 @@ def _report(root: Path, allowed: str | None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, check=False)
 
 
+@pytest.mark.slow  # quick sibling: sample's, above: the same rule (plugins.load_folder_module), another command
 def test_a_report_of_a_folder_imports_its_module_only_when_its_caller_names_it(shared):
     for figure in ("summary.json", "accuracy.png", "predictions.png"):
         (shared / "images" / figure).unlink()

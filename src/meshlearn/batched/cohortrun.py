@@ -62,6 +62,10 @@ class _CohortRun(Run):
         """0: every client of a round starts from the server's model, the only one kept."""
         return 0.0
 
+    def average_evaluation(self, rows=None) -> None:
+        """None: the server's model is the only one kept, evaluated as every node's."""
+        return None
+
     def close(self) -> None:
         """As every run's, and the clients' spilled state removed (a checkpoint holds all of it)."""
         super().close()

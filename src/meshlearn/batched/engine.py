@@ -308,9 +308,9 @@ class _Asynchronous:
         rows = self.snapshots.pop(iteration, None)
         if rows is not None:
             evaluation, validation, on_shards = evaluated(run, rows=rows)
-            consensus = consensus_distance(run.stacked.consensus_sums(rows))
+            consensus, average = consensus_distance(run.stacked.consensus_sums(rows)), run.average_evaluation(rows)
             if run.log is not None:
-                run.write_evaluation(done, evaluation, columns["t"], consensus, validation, on_shards)
+                run.write_evaluation(done, evaluation, columns["t"], consensus, validation, on_shards, average)
         if self.progress is not None:
             self.progress(done)
 

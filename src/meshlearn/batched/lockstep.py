@@ -21,7 +21,7 @@ from meshlearn.batched.clock import VirtualClocks
 from meshlearn.batched.evaluate import evaluate_nodes
 from meshlearn.batched.models import NodeModels
 from meshlearn.batched.shards import Collective, Shard
-from meshlearn.batched.stacked import StackedState, consensus_distance
+from meshlearn.batched.stacked import StackedState, average_row, consensus_distance
 from meshlearn.checkpoint import RunCheckpoints
 from meshlearn.config import ExperimentConfig
 from meshlearn.data import (
@@ -87,16 +87,16 @@ class Lockstep(IterationSteps):
         train_loss = collective.gather(losses)
         columns["t"] = run.clocks.now if ranks is None else run.clocks.now[ranks]
         done = iteration + 1
-        evaluation = consensus = validation = on_shards = None
+        evaluation = consensus = validation = on_shards = average = None
         if evaluate:
             evaluation, validation, on_shards = evaluated(run, full, gather=collective.gather)
-            consensus = run.consensus()
+            consensus, average = run.consensus(), run.average_evaluation()
         self.evaluation = evaluation
         if run.log is not None:
             columns["train_loss"] = train_loss
             run.write_iteration(iteration, as_lists(columns), ranks)
             if evaluation:
-                run.write_evaluation(done, evaluation, run.clocks.now, consensus, validation, on_shards)
+                run.write_evaluation(done, evaluation, run.clocks.now, consensus, validation, on_shards, average)
         if self.simulation.progress is not None:
             self.simulation.progress(done)
 
@@ -161,6 +161,19 @@ class Run:
         """The consensus distance of the nodes' models now (every process's)."""
         return consensus_distance(self.collective.sum_(self.stacked.consensus_sums()))
 
+    def average_evaluation(self, rows: torch.Tensor | None = None) -> Evaluation | None:
+        """The honest nodes' average model (every process's nodes; of ``rows``, a snapshot of this
+        process's, where given) on the test set, as each node's is evaluated: the model the nodes
+        agree on once they stop training and only average, which papers on decentralized training
+        report beside the nodes' own. None in the processes that do not log (torchrun's others)."""
+        bad = self.config.attackers()
+        leave_out = [rank - self.shard.start for rank in self.shard.ranks if rank in bad]
+        sums = self.collective.sum_(self.stacked.state_sums(rows, leave_out))
+        if self.log is None:
+            return None
+        average = average_row(sums, self.stacked.state.dtype)
+        return evaluate_nodes(self.models, [0], self.dataset, self.config.eval_samples, False, average)[0]
+
     def train(self, rows: list[int] | None = None) -> list[float | None]:
         """This iteration's local steps of every node of the block (or of ``rows`` only: the others
         draw no batch and take no step); each node's mean loss (None for an idle one)."""
@@ -201,7 +214,11 @@ class Run:
 
     def write_evaluation(self, done: int, evaluation: list[tuple[int, Evaluation]], times, consensus: float,
                          validation: list[tuple[int, Evaluation]] | None = None,
-                         on_shards: list[tuple[int, Evaluation]] | None = None) -> None:
+                         on_shards: list[tuple[int, Evaluation]] | None = None,
+                         average: Evaluation | None = None) -> None:
+        """The evaluation's event: each node's fields (``evaluation_fields``), the ``consensus``
+        distance and, where evaluated, the average model's (``average_acc``, ``average_loss``, a
+        language model's ``average_perplexity``)."""
         tested = [rank for rank, _ in evaluation]
         fields = [evaluation_fields(test, *(None if more is None else more[k][1] for more in (validation, on_shards)))
                   for k, (_, test) in enumerate(evaluation)]
@@ -209,7 +226,9 @@ class Run:
                    **{name: [node[name] for node in fields] for name in (fields[0] if fields else ())}}
         if self.shard.count == 1:  # as write_iteration: each process counts its own nodes' traffic
             columns["bytes_sent"] = [int(self.traffic.counters["bytes_sent"][r]) for r in tested]
-        self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus))
+        averaged = {} if average is None else {f"average_{name[5:]}": value
+                                               for name, value in evaluation_fields(average).items()}
+        self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus, **averaged))
 
 
 def evaluated(run: Run, full: bool = False, rows: torch.Tensor | None = None,

@@ -78,6 +78,25 @@ class StackedState(Stateful):
         return sums
 
 
+    def state_sums(self, rows: torch.Tensor | None = None, leave_out: list[int] = ()) -> torch.Tensor:
+        """What the nodes' average model needs of these nodes' rows (or of ``rows``, shaped like
+        them) but those of ``leave_out``, to be summed with other blocks' (float64): the row
+        count, then the sum of the rows (parameters and buffers)."""
+        states = self.state if rows is None else rows
+        sums = torch.zeros(1 + states.shape[1], dtype=torch.float64, device=states.device)
+        sums[0] = states.shape[0] - len(leave_out)
+        for block in states.split(max(1, CONSENSUS_BLOCK // max(1, states.shape[1]))):  # bounded float64 copies
+            sums[1:] += block.double().sum(0)
+        for row in leave_out:
+            sums[1:] -= states[row].double()
+        return sums
+
+
+def average_row(sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The average state, one row [1, S] of ``dtype``, from every block's ``state_sums`` added up."""
+    return (sums[1:] / sums[0].clamp(min=1)).to(dtype).unsqueeze(0)
+
+
 def consensus_distance(sums: torch.Tensor) -> float:
     """sqrt(mean_i ||x_i - mean_j x_j||^2) over the parameters, from every block's
     ``consensus_sums`` added up: how far the nodes' models are apart."""

@@ -13,6 +13,7 @@ import numpy as np
 
 from meshlearn.privacy.budget import privacy_summary
 from meshlearn.sim.tables import (
+    AVERAGE_FIELDS,
     PHASES,
     Records,
     attackers_of,
@@ -85,6 +86,16 @@ def _findings(nodes: dict[int, dict[str, Any]], attackers: dict[int, str], robus
     return extra
 
 
+def _average_model(logs: dict[int, list[dict]]) -> dict[str, float] | None:
+    """The honest nodes' average model at the last evaluation (the batched engine's: ``accuracy``,
+    ``loss``, a language model's ``perplexity``), or None where the run's log gives none."""
+    last = max((e for events in logs.values() for e in events if e.get("event") == "eval" and "average_acc" in e),
+               key=lambda e: e.get("iteration", 0), default=None)
+    if last is None:
+        return None
+    return {key: last[name] for name, key in AVERAGE_FIELDS.items() if name in last}
+
+
 def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Records | None = None) -> dict[str, Any]:
     """Final metrics (mean over the honest evaluating nodes; bad nodes' apart), traffic and
     timeouts, the peers the honest nodes suspect, and per-node rows. Under a rule that is not
@@ -104,6 +115,7 @@ def final_summary(logs: dict[int, list[dict]], robust: bool = True, records: Rec
         "nodes_evaluated": len(evaluated),
         "clock": "modelled" if modelled else "wall",
         "final": _final_means(evaluated),
+        **({"average_model": average} if (average := _average_model(logs)) else {}),
         **_findings(nodes, attackers, robust),
         "bytes_sent": bytes_sent,
         "bytes_per_iteration": bytes_sent / iterations if iterations else float("nan"),  # per node
@@ -170,6 +182,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         + (", honest only" if "attackers" in summary else "") + ")",
         *_task_lines(final),
     ]
+    average = summary.get("average_model")
+    if average:  # the batched engine's
+        lines.append("average model       " + (f"perplexity {average['perplexity']:.3f}" if "perplexity" in average
+                                               else f"accuracy {average['accuracy']:.4f}")
+                     + " (the honest nodes' models averaged)")
     if "attackers" in summary:
         behaviours = ", ".join(f"{rank} {what}" for rank, what in summary["attackers"].items())
         lines.append(f"bad nodes           {behaviours} (their accuracy {summary['attackers_accuracy']:.4f})")

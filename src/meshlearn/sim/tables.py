@@ -115,6 +115,10 @@ def _training_losses(records: Records, attackers: dict[int, str], iterations: li
     return windows
 
 
+# the batched engine's average model's fields of an eval event (summary.csv's columns), and their names in summary.json
+AVERAGE_FIELDS = {"average_acc": "accuracy", "average_loss": "loss", "average_perplexity": "perplexity"}
+
+
 def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = None) -> dict[str, float]:
     """One row of summary.csv: the honest nodes' ``eval`` events of one iteration (``group``), as
     mean and std of time, test accuracy and loss, and the MB each had sent by then (where the
@@ -132,6 +136,9 @@ def evaluation_row(iteration: int, group: list[dict], bad: list[dict] | None = N
         row["mb_sent_mean"] = statistics.fmean(e["bytes_sent"] for e in group) / 1e6
     if group and all("consensus" in e for e in group):  # the batched engine sees every model: how far apart they are
         row["consensus_distance"] = group[0]["consensus"]
+    for name in AVERAGE_FIELDS:  # and their average's (the same in every node's event)
+        if group and all(name in e for e in group):
+            row[name] = group[0][name]
     for prefix in ("val", "shard"):  # a validation split (validation: SHARE); train_evaluate
         if group and all(f"{prefix}_acc" in e for e in group):
             row[f"{prefix}_acc_mean"], row[f"{prefix}_acc_std"] = mean_std([e[f"{prefix}_acc"] for e in group])

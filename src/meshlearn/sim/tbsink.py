@@ -7,7 +7,8 @@ done: ``train/loss``, ``time/<phase>`` and ``time/iteration`` (seconds), ``traff
 rows, each written once every honest evaluating node has reported it (the rest when the run ends):
 ``test/accuracy`` and ``test/accuracy_std``, ``test/loss`` and ``test/loss_std`` (a language
 model's ``test/perplexity`` and ``test/perplexity_std``), ``time/elapsed`` and
-``time/elapsed_std``, ``consensus/distance`` (batched engine), ``bad_nodes/accuracy``,
+``time/elapsed_std``, ``consensus/distance`` and ``average_model/accuracy``, ``/loss`` (a language
+model's ``/perplexity``: the honest nodes' average model, batched engine), ``bad_nodes/accuracy``,
 ``traffic/mb_sent`` (MB sent per node by then); and per
 iteration, once every node has done it, the mean ``train/loss`` and ``time/<phase>``.
 """
@@ -28,7 +29,8 @@ ROW_TAGS = {"test_acc_mean": "test/accuracy", "test_acc_std": "test/accuracy_std
             "test_loss_std": "test/loss_std", "time_mean": "time/elapsed", "time_std": "time/elapsed_std",
             "consensus_distance": "consensus/distance", "attackers_acc_mean": "bad_nodes/accuracy",
             "mb_sent_mean": "traffic/mb_sent", "test_perplexity_mean": "test/perplexity",
-            "test_perplexity_std": "test/perplexity_std"}
+            "test_perplexity_std": "test/perplexity_std", "average_acc": "average_model/accuracy",
+            "average_loss": "average_model/loss", "average_perplexity": "average_model/perplexity"}
 NODE_TAGS = {"train_loss": "train/loss", "bytes_sent": "traffic/bytes_sent", "missing": "link/missing",
              "chunks_missing": "link/chunks_missing", **{p: f"time/{p}" for p in PHASES}}
 
