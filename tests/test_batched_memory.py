@@ -66,13 +66,14 @@ def test_language_model_nodes_train_and_are_evaluated_in_bounded_blocks_to_the_s
                         or vectorized(self, replica, ranks, *rest))
     monkeypatch.setattr(NodeModels, "__init__", recording_init)
     whole = _lm_run(tmp_path / "whole", 4, training)
-    assert set(training) == {4} and set(evaluation) == {4}  # batched_chunk 4: every node in each call
+    # batched_chunk 4: every node in each call (and the nodes' average model, evaluated as one more node)
+    assert set(training) == {4} and set(evaluation) == {4, 1}
     training.clear()
     evaluation.clear()
     per_node = 4 * saved_activation_bytes(build_model("gpt-tiny", (16,), 256), torch.zeros(1, 16, dtype=torch.int64))
     monkeypatch.setattr(batched_engine, "ACTIVATIONS_PER_CALL", 2 * per_node + 1)  # room for two nodes a call
     blocks = _lm_run(tmp_path / "blocks", 0, training)
-    assert set(training) == {2} and set(evaluation) == {2}
+    assert set(training) == {2} and set(evaluation) == {2, 1}
     assert torch.equal(whole, blocks)  # the block size never changes a node's result
 
 
