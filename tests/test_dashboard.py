@@ -883,7 +883,8 @@ def test_a_private_runs_page_shows_the_epsilon_spent_in_chromium(browser):
     server = _served_board(board)
     try:
         browser.get(server.url)
-        shown = lambda: browser.find_element("css selector", ".privacy").text  # noqa: E731
-        wait_until(lambda: "epsilon 7.00 spent at delta 0.00001" in shown(), 10, "the epsilon spent on the page")
+        # read in one script call: the page redraws the element, and a handle found before a redraw is stale
+        wait_until(lambda: "epsilon 7.00 spent at delta 0.00001" in _text(browser, ".privacy"), 10,
+                   "the epsilon spent on the page")
     finally:
         server.stop()
