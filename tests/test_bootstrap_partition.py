@@ -250,7 +250,7 @@ def _provider_record(lab, provider_id: str) -> dict | None:
     return next((record for record in records if record["id"] == provider_id), None)
 
 
-@pytest.mark.slow  # 35 s; quick siblings: the partition test above, and test_relay's relayed tasks
+@pytest.mark.slow  # 35 s; quick siblings: the partition test above; test_relay's relayed provider across a restart
 def test_a_relayed_provider_keeps_taking_tasks_across_the_death_of_its_relays_bootstrap(tmp_path):
     with cluster_lab(tmp_path, ttl=TTL) as lab:
         # it announces an address no bootstrap dials (not where its requests come from): it is relayed
