@@ -62,7 +62,7 @@ class _CohortRun(Run):
         """0: every client of a round starts from the server's model, the only one kept."""
         return 0.0
 
-    def average_evaluation(self, rows=None) -> None:
+    def average_evaluation(self, rows: torch.Tensor | None = None) -> None:
         """None: the server's model is the only one kept, evaluated as every node's."""
         return None
 

@@ -226,7 +226,7 @@ class Run:
                    **{name: [node[name] for node in fields] for name in (fields[0] if fields else ())}}
         if self.shard.count == 1:  # as write_iteration: each process counts its own nodes' traffic
             columns["bytes_sent"] = [int(self.traffic.counters["bytes_sent"][r]) for r in tested]
-        averaged = {} if average is None else {f"average_{name[5:]}": value
+        averaged = {} if average is None else {"average_" + name.removeprefix("test_"): value
                                                for name, value in evaluation_fields(average).items()}
         self.log.write(columnar_event("eval", tested, columns, iteration=done, consensus=consensus, **averaged))
 

@@ -71,12 +71,10 @@ class StackedState(Stateful):
         params = (self.state if rows is None else rows)[:, :self.param_count]
         sums = torch.zeros(2 + self.param_count, dtype=torch.float64, device=params.device)
         sums[0] = params.shape[0]
-        for block in params.split(max(1, CONSENSUS_BLOCK // max(1, self.param_count))):  # bounded float64 copies
-            block = block.double()
+        for block in _double_blocks(params):
             sums[1] += block.pow(2).sum()
             sums[2:] += block.sum(0)
         return sums
-
 
     def state_sums(self, rows: torch.Tensor | None = None, leave_out: list[int] = ()) -> torch.Tensor:
         """What the nodes' average model needs of these nodes' rows (or of ``rows``, shaped like
@@ -85,11 +83,18 @@ class StackedState(Stateful):
         states = self.state if rows is None else rows
         sums = torch.zeros(1 + states.shape[1], dtype=torch.float64, device=states.device)
         sums[0] = states.shape[0] - len(leave_out)
-        for block in states.split(max(1, CONSENSUS_BLOCK // max(1, states.shape[1]))):  # bounded float64 copies
-            sums[1:] += block.double().sum(0)
+        for block in _double_blocks(states):
+            sums[1:] += block.sum(0)
         for row in leave_out:
             sums[1:] -= states[row].double()
         return sums
+
+
+def _double_blocks(rows: torch.Tensor):
+    """``rows`` in blocks of at most ``CONSENSUS_BLOCK`` values, each a float64 copy: sums over
+    many rows without a float64 copy of them all."""
+    for block in rows.split(max(1, CONSENSUS_BLOCK // max(1, rows.shape[1]))):
+        yield block.double()
 
 
 def average_row(sums: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
