@@ -48,6 +48,9 @@ NOT_RUN = {
     "meshlearn simulate --engine batched --algorithm gtadam --optimizer adamw --lr 0.0015 --nodes 8 \\":
         "300 iterations of 8 GPTs (minutes); test_adaptive runs all three algorithms on both engines, GT-Adam against "
         "one model by hand, and test_language_model runs each on a GPT; benchmarks/graph_optimizers.py runs these",
+    "meshlearn simulate --engine batched --algorithm gtadam --optimizer adamw --lr 0.002 --nodes 16 --topology ring \\":
+        "10 s; test_mixing runs GT-Adam with accelerated exchanges on both engines against one model, and the plain "
+        "and accelerated steps by hand; benchmarks/graph_optimizers.py runs these settings on Fashion-MNIST",
     "meshlearn simulate --nodes 16 --topology regular:3 --peer-sampling graph":
         "16 node processes; test_sampling runs both modes on digits and test_batched on the process engine",
     "meshlearn simulate --engine batched --nodes 8 --dataset pystdlib --model gpt-tiny --context 64 \\":

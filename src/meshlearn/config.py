@@ -23,6 +23,7 @@ from pydantic.fields import FieldInfo
 from meshlearn.attacks.spec import BYZANTINE_HELP, parse_byzantine
 from meshlearn.data.specs import IMAGE_KINDS, KINDS
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
+from meshlearn.definitions.mixing import MixingSettings, mixing_refusal
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
 from meshlearn.enginesettings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError, about
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 SECTIONS: dict[str, type[Settings]] = {
     "tcp": TcpSettings, "udp": UdpSettings,
     **{name: TrainingSettings.model_fields[name].annotation for name in ALGORITHM_SECTIONS},
-    "batched": BatchedSettings,
+    "mixing": MixingSettings, "batched": BatchedSettings,
 }
 
 
@@ -133,6 +134,8 @@ class ExperimentConfig(TrainingSettings):
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="how many of the newest checkpoints a run keeps")
     tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
     udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
+    mixing: MixingSettings = Field(MixingSettings(), description="exchanges with the neighbours per iteration "
+                                   "(multi-step and accelerated gossip)")
     batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
 
     @model_validator(mode="before")
@@ -275,6 +278,13 @@ class ExperimentConfig(TrainingSettings):
         problem = algorithm_refusal(self) or definition(self.algorithm).conflict(self) \
             if self.algorithm in DEFINITIONS else None  # a user's: once loaded
         if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _mixing_fits(self) -> "ExperimentConfig":
+        problem = mixing_refusal(self.algorithm, self.mixing, self) if self.algorithm in DEFINITIONS else None
+        if problem:  # a user's algorithm: the engines check it once loaded
             raise ValueError(problem)
         return self
 

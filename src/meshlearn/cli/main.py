@@ -229,7 +229,7 @@ NODE_FLAGS = {"this node": ["config", "addresses", "rank"],
               "often changed": ["host", "base_port", "output", "threads", "device"]}  # `node --help`'s
 SECTION_GROUPS = {"tcp": "TCP transport", "udp": "UDP transport", "dpsgd": "D-PSGD", "gossip": "gossip",
                   "leader": "leader aggregation", "fedavg": "FedAvg", "pushsum": "push-sum",
-                  "qgdsgdm": "quasi-global momentum",
+                  "qgdsgdm": "quasi-global momentum", "mixing": "exchanges per iteration (multi-step gossip)",
                   "batched": "the batched engine"}
 
 

@@ -16,6 +16,7 @@ from meshlearn.batched.robust import RobustMixing
 from meshlearn.batched.sharing import SharedMixing
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
+from meshlearn.definitions.mixing import with_mixing
 from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
@@ -48,8 +49,8 @@ class BatchedRounds(BatchedAlgorithm):
         config = ctx.config
         settings = config.settings_of(self.name) if definition.settings is not None else None
         self.rounds = rounds_of(config.peer_sampling, config.topology, ctx.graph, config.seed)
-        self.rules = definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
-                                ranks=list(ctx.shard.ranks))
+        self.rules = with_mixing(definition(self.rounds, config.nodes, config.seed, settings, shard_sizes=ctx.samples,
+                                            ranks=list(ctx.shard.ranks)), config.mixing)
         self.network = ctx.network
         self.state = self.rules.begin(ctx.stacked.state)
         self._round: tuple[Round, tuple[float, ...], Links, Links, torch.Tensor] | None = None

@@ -14,6 +14,7 @@ from meshlearn.aggregation.base import get_rule
 from meshlearn.aggregation.suspects import PeerWatch
 from meshlearn.checkpoint import Stateful
 from meshlearn.definitions.exchange import BadSenders
+from meshlearn.definitions.mixing import MixingSettings
 from meshlearn.errors import ConfigError
 from meshlearn.flat import FlatState
 from meshlearn.privacy.mechanism import Privacy
@@ -36,7 +37,8 @@ class AlgorithmContext:
     the sharing scheme (what it sends of its model), the peer sampler of a dynamic topology,
     for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
     nodes it colludes with; ``bad``: what it sends), and the node's active privacy mechanisms,
-    whose hooks an algorithm calls where it pushes and aggregates (``privacy``: the leader's)."""
+    whose hooks an algorithm calls where it pushes and aggregates (``privacy``: the leader's), and
+    how many exchanges with its neighbours a synchronous algorithm's iteration holds (``mixing``)."""
 
     rank: int
     flat: FlatState
@@ -57,6 +59,7 @@ class AlgorithmContext:
     joining: bool = False  # a node joining a group that already trains (a network task's newcomer)
     members: tuple[int, ...] | None = None  # a group that takes in nodes as it runs: its members now (None: every node)
     privacy: Privacy = field(default_factory=Privacy)
+    mixing: MixingSettings | None = None  # exchanges with the neighbours per iteration (None: one)
     bad: BadSenders = field(init=False)  # what this node sends in place of its payloads (nothing else: honest)
 
     def __post_init__(self) -> None:

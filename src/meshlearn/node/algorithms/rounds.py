@@ -23,6 +23,7 @@ from meshlearn.definitions.averaging import take_shares_
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, robust_merge
 from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
+from meshlearn.definitions.mixing import with_mixing
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
 from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
@@ -65,8 +66,8 @@ class RoundRunner(Algorithm):
         self.growing = GrowingRounds(ctx.members) if ctx.members is not None and ctx.sampler is None \
             else None  # a network task's group (a complete graph) that takes in members as it runs
         rounds = ctx.sampler or self.growing or StaticRounds(ctx.graph)
-        self.rules = definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
-                                ranks=[ctx.rank])
+        self.rules = with_mixing(definition(rounds, ctx.graph.n, ctx.seed, ctx.settings, shard_sizes=ctx.shard_sizes,
+                                            ranks=[ctx.rank]), ctx.mixing)
         self._refuse_unmergeable(ctx)
         self.state = self.rules.begin(ctx.flat.state.detach().unsqueeze(0))
         self.missing_chunk_rule = MISSING_CHUNK_RULES[self.rules.missing_chunks]  # over a lossy transport
