@@ -25,6 +25,7 @@ from meshlearn.data.specs import IMAGE_KINDS, KINDS
 from meshlearn.definitions.base import DEFINITIONS, definition, names_that
 from meshlearn.definitions.mixing import MixingSettings, mixing_refusal
 from meshlearn.definitions.needs import RunShape, accepts_sharing, refusal
+from meshlearn.definitions.objective import OBJECTIVE_HELP, Objective, objective_refusal
 from meshlearn.enginesettings import BatchedSettings
 from meshlearn.errors import ConfigError, TopologyError, about
 from meshlearn.netem import NetemSpec
@@ -134,6 +135,7 @@ class ExperimentConfig(TrainingSettings):
     checkpoint_keep: int = Field(2, ge=1, le=1000, description="how many of the newest checkpoints a run keeps")
     tcp: TcpSettings = Field(TcpSettings(), description="the TCP transport (also carries gossip and leader)")
     udp: UdpSettings = Field(UdpSettings(), description="the UDP transport")
+    objective: Objective = Field("nodes", description=OBJECTIVE_HELP)
     mixing: MixingSettings = Field(MixingSettings(), description="exchanges with the neighbours per iteration "
                                    "(multi-step and accelerated gossip)")
     batched: BatchedSettings = Field(BatchedSettings(), description="the batched engine")
@@ -282,9 +284,12 @@ class ExperimentConfig(TrainingSettings):
         return self
 
     @model_validator(mode="after")
-    def _mixing_fits(self) -> "ExperimentConfig":
-        problem = mixing_refusal(self.algorithm, self.mixing, self) if self.algorithm in DEFINITIONS else None
-        if problem:  # a user's algorithm: the engines check it once loaded
+    def _exchanges_fit(self) -> "ExperimentConfig":
+        if self.algorithm not in DEFINITIONS:  # a user's algorithm: once loaded (the engines refuse its mixing)
+            return self
+        problem = mixing_refusal(self.algorithm, self.mixing, self) or \
+            objective_refusal(self.algorithm, self.objective, parse_optimizer(self.optimizer))
+        if problem:
             raise ValueError(problem)
         return self
 

@@ -118,6 +118,31 @@ class GradientInbox(Stateful):
         self.gradient.copy_(grads)
 
 
+class ScaledGradients(Stateful):
+    """What the local steps call in place of ``optimizer`` where each row's gradients count by a
+    weight of its own (``weights`` [N]: an ``objective`` of samples): ``step`` scales them, in
+    place, and steps ``optimizer``; every other use goes to it. A checkpoint keeps ``optimizer``."""
+
+    state_fields = ("optimizer",)
+
+    def __init__(self, optimizer: Any, weights: "torch.Tensor"):
+        self.optimizer, self.weights = optimizer, weights[:, None]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not yet set (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the optimizer's next steps (a schedule's)."""
+        self.optimizer.set_lr(lr)
+
+    def step(self, grads: "torch.Tensor", rows: "torch.Tensor | None" = None) -> None:
+        """Scale ``grads`` (every row's, or those of ``rows``, in that order) by their weights, then step."""
+        grads.mul_(self.weights if rows is None else self.weights[rows])
+        self.optimizer.step(grads, rows)
+
+
 def steps_rows_apart(spec: str) -> bool:
     """Whether the optimizer ``spec`` names steps each node's parameter rows on its own in the batched
     engine (plain SGD: ``StackedSGD``), so a node may skip a round's local steps (an algorithm's

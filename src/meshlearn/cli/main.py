@@ -209,8 +209,8 @@ def _takes(action: argparse.Action, value: str) -> bool:
 FLAG_GROUPS = {
     "core": ["nodes", "engine", "algorithm", "topology", "peer_sampling", "iterations", "seed"],
     "data and model": ["dataset", "task", "context", "vocabulary", "partition", "validation", "reshuffle", "model", "models_module"],
-    "training": ["rounds", "batch_size", "lr", "lr_schedule", "outer", "dp", "privacy", "optimizer", "momentum", "weight_decay", "full_epochs",
-                 "device", "threads"],
+    "training": ["rounds", "objective", "batch_size", "lr", "lr_schedule", "outer", "dp", "privacy", "optimizer",
+                 "momentum", "weight_decay", "full_epochs", "device", "threads"],
     "evaluation": ["test_after", "eval_nodes", "eval_samples", "train_evaluate", "topology_colour"],
     "transport and emulated network": ["transport", "net", "loss_mode", "slowdown", "host", "base_port"],
     "what nodes share, robust aggregation, attacks": ["sharing", "aggregation", "byzantine"],

@@ -91,7 +91,8 @@ class Node:
             sampler=dynamic_rounds(config.peer_sampling, config.topology, config.nodes, config.seed),
             attack=self.attack, initial=None if self.attack is None else self.flat.state.detach().clone(),
             colluders=frozenset(attackers) - {rank} if self.attack is not None else frozenset(), joining=joining,
-            members=None if members is None else tuple(members), privacy=self.privacy, mixing=config.mixing))
+            members=None if members is None else tuple(members), privacy=self.privacy, mixing=config.mixing,
+            objective=config.objective))
         self.optimizer = self.algorithm.local_optimizer(self.optimizer)  # a stand-in where it steps itself
         self.log = log
         self.hooks: list[IterationHook] = []

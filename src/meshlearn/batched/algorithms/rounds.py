@@ -17,6 +17,7 @@ from meshlearn.batched.sharing import SharedMixing
 from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
 from meshlearn.definitions.mixing import with_mixing
+from meshlearn.definitions.objective import weighted_optimizer
 from meshlearn.errors import ConfigError
 from meshlearn.topology.sampling import Round, StaticRounds, rounds_of
 
@@ -76,7 +77,8 @@ class BatchedRounds(BatchedAlgorithm):
         return RobustMixing(rule, config.nodes, chunk_elements) if rule.robust else None
 
     def local_optimizer(self, optimizer):
-        return self.rules.local_optimizer(optimizer, self.state)
+        return weighted_optimizer(self.rules.local_optimizer(optimizer, self.state), self.rules,
+                                  self.ctx.config.objective)
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.stacked.state, self.state, iteration)

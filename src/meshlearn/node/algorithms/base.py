@@ -38,7 +38,8 @@ class AlgorithmContext:
     for a bad node, its ``attack`` (with ``initial``, its first model, and the other bad
     nodes it colludes with; ``bad``: what it sends), and the node's active privacy mechanisms,
     whose hooks an algorithm calls where it pushes and aggregates (``privacy``: the leader's), and
-    how many exchanges with its neighbours a synchronous algorithm's iteration holds (``mixing``)."""
+    how many exchanges with its neighbours a synchronous algorithm's iteration holds (``mixing``)
+    and what its nodes minimise together (``objective``)."""
 
     rank: int
     flat: FlatState
@@ -60,6 +61,7 @@ class AlgorithmContext:
     members: tuple[int, ...] | None = None  # a group that takes in nodes as it runs: its members now (None: every node)
     privacy: Privacy = field(default_factory=Privacy)
     mixing: MixingSettings | None = None  # exchanges with the neighbours per iteration (None: one)
+    objective: str = "nodes"  # what the nodes minimise together (``definitions.objective``)
     bad: BadSenders = field(init=False)  # what this node sends in place of its payloads (nothing else: honest)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from meshlearn.definitions.base import Exchange, RoundAlgorithm
 from meshlearn.definitions.dpsgd import MISSING_CHUNK_RULES, robust_merge
 from meshlearn.definitions.exchange import merge_came, phases, run_exchanges
 from meshlearn.definitions.mixing import with_mixing
+from meshlearn.definitions.objective import weighted_optimizer
 from meshlearn.errors import ConfigError
 from meshlearn.flat import segment_ranges
 from meshlearn.node.algorithms.base import Algorithm, AlgorithmContext
@@ -123,7 +124,7 @@ class RoundRunner(Algorithm):
         self.joined_at = at
 
     def local_optimizer(self, optimizer):
-        return self.rules.local_optimizer(optimizer, self.state)
+        return weighted_optimizer(self.rules.local_optimizer(optimizer, self.state), self.rules, self.ctx.objective)
 
     def before_local_steps(self, iteration: int) -> None:
         self.rules.start_round(self.ctx.flat.state.detach().unsqueeze(0), self.state, iteration)

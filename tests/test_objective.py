@@ -1,0 +1,80 @@
+"""What the nodes minimise together (``objective``): with ``samples`` each node's gradients count by
+its share of the training samples, so GT-Adam on a complete graph over a split of unequal shards
+is one model trained on the nodes' batches with each node's loss so weighted (both engines); the
+weights by hand; the settings refused."""
+
+import pytest
+import torch
+from helpers.engines import batched_states, process_engine_states
+from test_adaptive import EXACT
+
+from meshlearn.config import make_config
+from meshlearn.data import ShardLoader, loader_seed, partition_dataset
+from meshlearn.definitions.objective import sample_weights
+from meshlearn.errors import ConfigError
+from meshlearn.models import build_model
+from meshlearn.node.factory import load_run_dataset
+from meshlearn.optim import ScaledGradients, make_optimizer
+
+SKEWED = {**EXACT, "partition": "dirichlet:0.3", "objective": "samples"}
+
+
+def one_model_on_the_weighted_union(values: dict, weighted: bool = True) -> torch.Tensor:
+    """One model trained with torch.optim.AdamW on the nodes' batches of every step (each node's as
+    its loader draws them), its loss the mean over the nodes of each one's batch loss times its
+    ``sample_weights`` (1 each where not ``weighted``): its parameters."""
+    config = make_config(values)
+    dataset = load_run_dataset(config)
+    parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
+    sizes = [len(part) for part in parts]
+    weights = sample_weights(sizes, range(config.nodes)) if weighted else [1.0] * config.nodes
+    loaders = [ShardLoader(dataset, parts[rank], config.batch_size, loader_seed(config.seed, rank))
+               for rank in range(config.nodes)]
+    torch.manual_seed(config.seed)
+    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    for _ in range(config.iterations):
+        optimizer.zero_grad()
+        loss = sum(weight * torch.nn.functional.cross_entropy(model(x), y)
+                   for weight, (x, y) in zip(weights, [loader.next_batch() for loader in loaders]))
+        (loss / config.nodes).backward()
+        optimizer.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def test_the_weights_are_each_nodes_share_of_the_samples_times_the_nodes():
+    assert sample_weights([100, 300, 0, 400], [0, 1, 2, 3]) == [0.5, 1.5, 0.0, 2.0]
+    assert sample_weights([100, 300, 0, 400], [3]) == [2.0]  # a block of rows: its own
+    params = torch.zeros(3, 2)
+    scaled = ScaledGradients(make_optimizer("sgd", params, lr=1.0), torch.tensor([0.5, 1.0, 2.0]))
+    scaled.step(torch.ones(3, 2))
+    assert params.tolist() == [[-0.5, -0.5], [-1.0, -1.0], [-2.0, -2.0]]
+    scaled.set_lr(0.5)
+    scaled.step(torch.ones(1, 2), rows=torch.tensor([2]))  # the rows that trained: their own weights
+    assert params.tolist() == [[-0.5, -0.5], [-1.0, -1.0], [-3.0, -3.0]]
+    assert scaled.params is params  # every other use goes to the optimizer
+
+
+@pytest.mark.parametrize("engine", ["process", "batched"])
+def test_gt_adam_minimising_the_samples_loss_is_one_model_on_the_weighted_union(engine, tmp_path):
+    sizes = [len(part) for part in partition_dataset(load_run_dataset(make_config(SKEWED)), 4, SKEWED["partition"],
+                                                       SKEWED["seed"])]
+    assert max(sizes) > 2 * min(sizes)  # shards unequal enough for the weights to matter
+    expected = one_model_on_the_weighted_union(SKEWED)
+    alike = one_model_on_the_weighted_union(SKEWED, weighted=False)
+    assert float((expected - alike).abs().max()) > 1e-2  # the objectives train different models
+    states = process_engine_states(SKEWED) if engine == "process" else list(batched_states(SKEWED, tmp_path, "on"))
+    for state in states:
+        assert torch.allclose(state[:len(expected)], expected, rtol=0, atol=1e-5)
+
+
+def test_what_the_samples_objective_refuses():
+    for values, message in [
+        ({"objective": "samples", "algorithm": "fedavg"}, "fedavg's server already weighs clients by their samples"),
+        ({"objective": "samples", "algorithm": "gossip"}, "not algorithm gossip's: use objective nodes"),
+        ({"objective": "samples", "optimizer": "adamw"}, "use optimizer sgd, or algorithm gtadam"),
+        ({"objective": "everyone"}, "objective 'everyone': Input should be 'nodes' or 'samples'")]:
+        with pytest.raises(ConfigError, match=message):
+            make_config(values)
+    make_config({"objective": "samples", "algorithm": "gtadam", "optimizer": "adamw"})
+    make_config({"objective": "samples", "algorithm": "qgdsgdm", "momentum": 0.9})
