@@ -74,6 +74,9 @@ RUNS = {
     # split equal batches from every node over-represent the small shards' classes
     "gtadam-ag10s": Optimizer("GT-Adam (AdamW), 10 accelerated exchanges, the samples' loss", "gtadam", "adamw", 0.0,
                               True, 10, True, "samples"),
+    "gtadam-ag20s": Optimizer("GT-Adam (AdamW), 20 accelerated exchanges, the samples' loss", "gtadam", "adamw", 0.0,
+                              True, 20, True, "samples"),
+    "gtadam-ag20": Optimizer("GT-Adam (AdamW), 20 accelerated exchanges", "gtadam", "adamw", 0.0, True, 20, True),
     "gtadam-s": Optimizer("GT-Adam (AdamW), the samples' loss", "gtadam", "adamw", 0.0, True, 1, False, "samples"),
     "qgdsgdm-s": Optimizer("QG-DSGDm, the samples' loss", "qgdsgdm", "sgd", 0.9, False, 1, False, "samples"),
 }
