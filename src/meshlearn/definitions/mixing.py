@@ -152,6 +152,8 @@ class RepeatedMixing:
         return rules.round(0)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "rules":  # not yet set (a copy being made): no recursion
+            raise AttributeError(name)
         return getattr(self.rules, name)
 
     def exchange(self, iteration: int, phase: int = 0) -> Exchange:
@@ -171,8 +173,8 @@ class RepeatedMixing:
 
     def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
         """The next mix from ``mixed`` (``W p_k``); at the last phase the definition's merge takes it."""
-        if self.momentum:  # p_{k+1} = (1 + η) W p_k - η p_{k-1}, made where p_{k-1} was
-            following = self._before.mul_(-self.momentum).add_(mixed, alpha=1.0 + self.momentum)
+        if self.momentum:  # p_{k+1} = (1 + η) W p_k - η p_{k-1} = p_{k-1} + (1 + η)(W p_k - p_{k-1}), one pass
+            following = self._before.lerp_(mixed, 1.0 + self.momentum)
             self._before, self._mix = self._mix, following
         else:
             self._mix.copy_(mixed)
