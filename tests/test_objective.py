@@ -43,8 +43,9 @@ def one_model_on_the_weighted_union(values: dict, weighted: bool = True) -> torc
 
 
 def test_the_weights_are_each_nodes_share_of_the_samples_times_the_nodes():
-    assert sample_weights([100, 300, 0, 400], [0, 1, 2, 3]) == [0.5, 1.5, 0.0, 2.0]
-    assert sample_weights([100, 300, 0, 400], [3]) == [2.0]  # a block of rows: its own
+    assert sample_weights([100, 300, 400], [0, 1, 2]) == pytest.approx([0.375, 1.125, 1.5])
+    assert sample_weights([100, 300, 400], [2]) == pytest.approx([1.5])  # a block of rows: its own
+    assert sample_weights([99, 0], [0, 1]) == [1.98, 0.02]  # an empty shard counts as one sample, as FedAvg's
     params = torch.zeros(3, 2)
     scaled = ScaledGradients(make_optimizer("sgd", params, lr=1.0), torch.tensor([0.5, 1.0, 2.0]))
     scaled.step(torch.ones(3, 2))

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from meshlearn.aggregation.weights import by_samples
 from meshlearn.definitions.base import DEFINITIONS, RoundAlgorithm, definition
 
 Objective = Literal["nodes", "samples"]
@@ -52,9 +53,11 @@ def objective_refusal(algorithm: str, objective: str, optimizer: tuple[str, dict
 
 
 def sample_weights(shard_sizes: Sequence[int], ranks: Sequence[int]) -> list[float]:
-    """Each of the nodes ``ranks``' weight ``N n_i / Σ n`` over the run's ``shard_sizes``."""
-    total = sum(shard_sizes)
-    return [len(shard_sizes) * shard_sizes[rank] / total for rank in ranks]
+    """Each of the nodes ``ranks``' weight ``N n_i / Σ n`` over the run's ``shard_sizes``, each
+    ``n_i`` as FedAvg's server counts it (``by_samples``: an empty shard as one sample)."""
+    counts = by_samples(shard_sizes)
+    total = sum(counts)
+    return [len(counts) * counts[rank] / total for rank in ranks]
 
 
 def weighted_optimizer(optimizer: Any, rules: RoundAlgorithm, objective: str) -> Any:
