@@ -53,7 +53,8 @@ class Optimizer:
 
 
 RUNS = {
-    "one": Optimizer("one model, the nodes' batches together", "", "adamw", 0.0, True),
+    "one": Optimizer("one model, batches from the pooled data as large as the nodes' together", "", "adamw", 0.0,
+                     True),
     "dpsgd": Optimizer("D-PSGD, each node's AdamW", "dpsgd", "adamw", 0.0, True),
     "dpsgdm": Optimizer("D-PSGD, SGD momentum 0.9", "dpsgd", "sgd", 0.9, False),
     "gtadam": Optimizer("GT-Adam (AdamW)", "gtadam", "adamw", 0.0, True),
