@@ -333,7 +333,8 @@ def _run(command: list[str], folder, timeout: float = 240) -> subprocess.Complet
 
 
 @pytest.mark.parametrize("net", [pytest.param("tcp", marks=pytest.mark.slow), "udp-lossy",  # lossy UDP: the harder
-                                 pytest.param("gpt", marks=pytest.mark.slow)])  # a language model, over TCP
+                                 pytest.param("gpt", marks=pytest.mark.slow),  # a language model, over TCP
+                                 pytest.param("mixing", marks=pytest.mark.slow)])  # accelerated exchanges, samples
 def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_path, net):
     flags = ["--engine", "batched", "--nodes", "7", "--topology", "regular:4", "--iterations", "4", "--rounds", "2",
              "--batch-size", "16", "--test-after", "2", "--seed", "5", "--step-time", "0.001", "--quiet"]
@@ -343,6 +344,9 @@ def test_two_gloo_processes_under_torchrun_give_the_single_process_result(tmp_pa
     if net == "udp-lossy":  # with bad nodes in both blocks, one of them rushing, and a robust rule per chunk
         flags += ["--transport", "udp", "--chunk-bytes", "4000", "--net", "loss=30%,corr=20%",
                   "--byzantine", "1:alie,5:sign-flip:4", "--aggregation", "trimmed-mean:1"]
+    if net == "mixing":  # three exchanges an iteration, each a collective across the processes
+        flags += ["--mixing-steps", "3", "--mixing-accelerated", "true", "--objective", "samples",
+                  "--partition", "dirichlet:0.5", "--momentum", "0.9"]
     single = _run([sys.executable, "-m", "meshlearn", "simulate", *flags, "--output", str(tmp_path / "one")], tmp_path)
     assert single.returncode == 0, single.stdout
     spread = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
