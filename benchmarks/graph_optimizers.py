@@ -15,6 +15,10 @@ The table gives each run's mean ± std over the seeds and its ratio to the one m
 nodes' own models: the sweep chooses by it), and the nodes' average model's (the batched engine's
 ``average_model``: what the nodes would agree on by averaging alone once training stops).
 
+Runs named ``-agK`` average K times an iteration with accelerated gossip (``--mixing-steps K
+--mixing-accelerated true``), ``-mK`` K plain times; a trailing ``s`` minimises the pooled samples'
+loss (``--objective samples``). Every run keeps the same samples and gradient steps.
+
     python3 benchmarks/graph_optimizers.py lm [--graphs regular:3 ring] [--seeds 90 91 92]
         [--runs one dpsgd gtadam dadam qgdsgdm] [--iterations 300] [--record FILE]
     python3 benchmarks/graph_optimizers.py fmnist --data ../shared/datasets/fashion-mnist [...]
