@@ -190,7 +190,9 @@ class RoundAlgorithm(Definition):
 
     def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """What each node sends in ``exchange``, [B, Q] (every peer gets the same). An engine may write
-        into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent."""
+        into a payload that is neither ``own`` nor a tensor of ``state`` once it is sent; the
+        definition must not change one it returned (a tensor of its own, not a buffer it fills
+        again next exchange): the process engine's transport may still be sending it."""
         return own
 
     def merge(self, own: Tensor, state: State, mixed: Tensor, exchange: Exchange) -> None:
