@@ -11,6 +11,7 @@ from meshlearn.config import make_config
 from meshlearn.data import ShardLoader, loader_seed, partition_dataset
 from meshlearn.definitions.dadam import MixedMomentsAdam
 from meshlearn.definitions.gtadam import GradientTrackingAdam
+from meshlearn.definitions.objective import sample_weights
 from meshlearn.definitions.qgdsgdm import QuasiGlobalMomentum, QuasiGlobalSettings
 from meshlearn.errors import ConfigError
 from meshlearn.models import build_model
@@ -118,22 +119,26 @@ EXACT = {**BASE, "nodes": 4, "topology": "full", "algorithm": "gtadam", "optimiz
          "weight_decay": 0.01, "rounds": 1, "iterations": 12, "batch_size": 16}
 
 
-def one_model_on_the_union(values: dict) -> torch.Tensor:
+def one_model_on_the_union(values: dict, by_samples: bool = False) -> torch.Tensor:
     """One model trained with torch.optim.AdamW on the union of the nodes' batches of every step
-    (each node's batches as its loader draws them), from the nodes' first model: its parameters."""
+    (each node's batches as its loader draws them), from the nodes' first model: its parameters.
+    Its loss is the mean over the nodes of each one's batch loss, each times its ``sample_weights``
+    where ``by_samples`` (the ``objective samples`` a run minimises), else alike."""
     config = make_config(values)
     dataset = load_run_dataset(config)
     parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
+    weights = sample_weights([len(part) for part in parts], range(config.nodes)) if by_samples else \
+        [1.0] * config.nodes
     loaders = [ShardLoader(dataset, parts[rank], config.batch_size, loader_seed(config.seed, rank))
                for rank in range(config.nodes)]
     torch.manual_seed(config.seed)
     model = build_model(config.model, dataset.input_shape, dataset.num_classes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     for _ in range(config.iterations):
-        batches = [loader.next_batch() for loader in loaders]
-        x, y = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
         optimizer.zero_grad()
-        torch.nn.functional.cross_entropy(model(x), y).backward()
+        loss = sum(weight * torch.nn.functional.cross_entropy(model(x), y)
+                   for weight, (x, y) in zip(weights, [loader.next_batch() for loader in loaders]))
+        (loss / config.nodes).backward()
         optimizer.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 

@@ -6,40 +6,16 @@ weights by hand; the settings refused."""
 import pytest
 import torch
 from helpers.engines import batched_states, process_engine_states
-from test_adaptive import EXACT
+from test_adaptive import EXACT, one_model_on_the_union
 
 from meshlearn.config import make_config
-from meshlearn.data import ShardLoader, loader_seed, partition_dataset
+from meshlearn.data import partition_dataset
 from meshlearn.definitions.objective import sample_weights
 from meshlearn.errors import ConfigError
-from meshlearn.models import build_model
 from meshlearn.node.factory import load_run_dataset
 from meshlearn.optim import ScaledGradients, make_optimizer
 
 SKEWED = {**EXACT, "partition": "dirichlet:0.3", "objective": "samples"}
-
-
-def one_model_on_the_weighted_union(values: dict, weighted: bool = True) -> torch.Tensor:
-    """One model trained with torch.optim.AdamW on the nodes' batches of every step (each node's as
-    its loader draws them), its loss the mean over the nodes of each one's batch loss times its
-    ``sample_weights`` (1 each where not ``weighted``): its parameters."""
-    config = make_config(values)
-    dataset = load_run_dataset(config)
-    parts = partition_dataset(dataset, config.nodes, config.partition, config.seed)
-    sizes = [len(part) for part in parts]
-    weights = sample_weights(sizes, range(config.nodes)) if weighted else [1.0] * config.nodes
-    loaders = [ShardLoader(dataset, parts[rank], config.batch_size, loader_seed(config.seed, rank))
-               for rank in range(config.nodes)]
-    torch.manual_seed(config.seed)
-    model = build_model(config.model, dataset.input_shape, dataset.num_classes)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    for _ in range(config.iterations):
-        optimizer.zero_grad()
-        loss = sum(weight * torch.nn.functional.cross_entropy(model(x), y)
-                   for weight, (x, y) in zip(weights, [loader.next_batch() for loader in loaders]))
-        (loss / config.nodes).backward()
-        optimizer.step()
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
 def test_the_weights_are_each_nodes_share_of_the_samples_times_the_nodes():
@@ -61,8 +37,8 @@ def test_gt_adam_minimising_the_samples_loss_is_one_model_on_the_weighted_union(
     sizes = [len(part) for part in partition_dataset(load_run_dataset(make_config(SKEWED)), 4, SKEWED["partition"],
                                                        SKEWED["seed"])]
     assert max(sizes) > 2 * min(sizes)  # shards unequal enough for the weights to matter
-    expected = one_model_on_the_weighted_union(SKEWED)
-    alike = one_model_on_the_weighted_union(SKEWED, weighted=False)
+    expected = one_model_on_the_union(SKEWED, by_samples=True)
+    alike = one_model_on_the_union(SKEWED)
     assert float((expected - alike).abs().max()) > 1e-2  # the objectives train different models
     states = process_engine_states(SKEWED) if engine == "process" else list(batched_states(SKEWED, tmp_path, "on"))
     for state in states:

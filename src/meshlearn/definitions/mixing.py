@@ -130,11 +130,10 @@ class RepeatedMixing:
     """A ``RoundAlgorithm`` whose one exchange an iteration is made ``steps`` times (see the
     module): the engines see ``steps`` phases. Phase 0 sends the definition's payload; every later
     phase sends the mix the phase before made (plain, or accelerated); the last phase's mix goes to
-    the definition's merge. Every other call goes to the definition itself. Two payload-sized
-    buffers, made at the first iteration and reused: the mix so far and the one before it
-    (accelerated); what a later phase sends is a copy of its own (an engine may write its sum into
-    what it sent, and the process engine's transport may still be sending it when the next phase
-    begins)."""
+    the definition's merge. Every other call goes to the definition itself. Payload-sized buffers,
+    made at the first iteration and reused: the mix so far and (accelerated) the one before it;
+    what a later phase sends is a copy of its own (an engine may write its sum into what it sent,
+    and the process engine's transport may still be sending it when the next phase begins)."""
 
     def __init__(self, rules: RoundAlgorithm, mixing: MixingSettings):
         if not repeatable(type(rules)) or rules.overlaps:
@@ -163,11 +162,13 @@ class RepeatedMixing:
     def payload(self, own: Tensor, state: State, exchange: Exchange) -> Tensor:
         """Phase 0: the definition's payload (kept as the first mix); later: the mix so far."""
         if exchange.phase == 0:
-            sent = self.rules.payload(own, state, dataclasses.replace(exchange, phase=0))
+            sent = self.rules.payload(own, state, exchange)
             if self._mix is None or self._mix.shape != sent.shape:
-                self._mix, self._before = sent.new_empty(sent.shape), sent.new_empty(sent.shape)
+                self._mix = sent.new_empty(sent.shape)
+                self._before = sent.new_empty(sent.shape) if self.momentum else None
             self._mix.copy_(sent)
-            self._before.copy_(sent)
+            if self.momentum:
+                self._before.copy_(sent)
             return sent
         return self._mix.clone()  # a tensor of its own: a transport may still be sending the last one
 
@@ -181,9 +182,4 @@ class RepeatedMixing:
         if exchange.phase == self.phases - 1:
             self.rules.merge(own, state, self._mix, dataclasses.replace(exchange, phase=0))
 
-    def merge_stack(self, own: Tensor, state: State, sent: Tensor, received: Tensor, weights: Tensor,
-                    own_weight: Tensor, exchange: Exchange) -> None:
-        """The weighted sum of what came, as ``merge`` takes it (the definition is ``linear``)."""
-        weights = weights.to(sent.dtype)
-        self.merge(own, state, sent * own_weight.to(sent.dtype)[:, None] + (received * weights[..., None]).sum(1),
-                   exchange)
+    merge_stack = RoundAlgorithm.merge_stack  # the weighted sum of what came, into ``merge`` (the definition is linear)
